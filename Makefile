@@ -1,0 +1,71 @@
+# nonomad: `make up` runs a local cluster serving a demo app, `make test` runs every check.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+UV_VERSION := 0.13.9
+VENV := .venv
+PY := $(VENV)/bin/python
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+BUF := node_modules/.bin/buf
+PROTOS := $(shell find protos -name '*.proto' | sort)
+
+.PHONY: help env gen check-gen lint typecheck unit test up bench clean
+
+help:
+	@echo "make up     start a local cluster serving a demo app (Ctrl-C stops it)"
+	@echo "make test   lint, type-check, check generated code, run the tests"
+	@echo "make gen    regenerate gRPC code from protos/"
+	@echo "make bench  run the benchmarks and print tables"
+
+# The environment comes from the project's own files: uv.lock for Python,
+# package-lock.json for buf (npm ci trips over buf's per-platform optional packages; install honours the lock).
+env: $(VENV)/.synced $(BUF)
+
+$(VENV)/.synced: pyproject.toml uv.lock
+	@command -v uv >/dev/null 2>&1 || python3 -m pip install --quiet "uv==$(UV_VERSION)"
+	uv sync --frozen
+	@touch $@
+
+$(BUF): package.json package-lock.json
+	npm install --no-fund --no-audit --loglevel=error
+	@touch $@
+
+gen: env
+	$(PY) -m grpc_tools.protoc -Iprotos \
+	  --python_out=. --grpc_python_out=. --mypy_out=. --mypy_grpc_out=. $(PROTOS)
+
+# Generated code is committed; CI fails when it differs from what `make gen` writes.
+check-gen: env
+	@tmp=$$(mktemp -d) && trap 'rm -rf $$tmp' EXIT && \
+	$(PY) -m grpc_tools.protoc -Iprotos \
+	  --python_out=$$tmp --grpc_python_out=$$tmp --mypy_out=$$tmp --mypy_grpc_out=$$tmp $(PROTOS) && \
+	for f in $$(cd $$tmp && find . -type f | sort); do \
+	  cmp -s $$tmp/$$f $$f || { echo "stale generated code: $$f (run make gen)"; exit 1; }; \
+	done && echo "generated code is fresh"
+
+lint: env
+	$(BUF) lint
+	$(BUF) format --exit-code --diff
+	@if git rev-parse --verify -q origin/main >/dev/null && git ls-tree -r --name-only origin/main protos | grep -q proto; then \
+	  $(BUF) breaking --against '.git#branch=origin/main'; \
+	elif git rev-parse --verify -q main >/dev/null && git ls-tree -r --name-only main protos | grep -q proto; then \
+	  $(BUF) breaking --against '.git#branch=main'; \
+	else echo "buf breaking: main has no protos yet"; fi
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: env
+	$(VENV)/bin/mypy
+
+unit: env
+	$(VENV)/bin/pytest
+
+test: lint check-gen typecheck unit
+
+up: env
+	$(VENV)/bin/nonomad up --demo
+
+bench: env
+	$(PY) -m bench
+
+clean:
+	rm -rf $(VENV) node_modules .pytest_cache .mypy_cache .ruff_cache
