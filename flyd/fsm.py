@@ -1,0 +1,569 @@
+"""The machine state machine: (row, event) -> (new row, effects). No I/O here.
+
+A runner (flyd.worker) commits each new row to the machine log together with
+a log record, and only then performs the effects, feeding their outcome back
+in as the next event. Because a row names the operation in progress and its
+step, a flyd that restarts can resume every unfinished operation from the
+last committed step; every effect is safe to perform twice.
+
+Operations and their steps:
+
+    start           begin -> spawn -> release -> (STARTED)
+    stop            kill -> (STOPPED)
+    restart         kill -> spawn -> release -> (STARTED)
+    policy_restart  backoff -> spawn -> release -> (STARTED)   after a crash
+    signal          send -> (unchanged)
+    destroy         [kill ->] cleanup -> (DESTROYED)
+
+Spawning is two-phase (spawn holds the process before it runs anything,
+release lets it go) so that the process handle is committed before the
+machine's command runs: a crash in between can never start a machine twice.
+"""
+
+from __future__ import annotations
+
+import json
+import signal as signals
+import struct
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from flyd.errors import CorruptLog, FailedPrecondition
+from flyd.v1 import machine_pb2 as pb
+
+S = pb.MachineState
+STATE_NAMES: dict[int, str] = {
+    value: name.removeprefix("MACHINE_STATE_").lower() for name, value in pb.MachineState.items()
+}
+# How many recent state changes a machine row carries for GetMachine.
+EVENT_TAIL = 10
+# Attempts to spawn before a start is given up as FAILED.
+MAX_SPAWN_ATTEMPTS = 3
+
+OpKind = Literal["start", "stop", "restart", "policy_restart", "signal", "destroy"]
+
+
+def state_name(state: int) -> str:
+    return STATE_NAMES.get(state, str(state))
+
+
+@dataclass(frozen=True)
+class Op:
+    """The operation in progress on a machine and the step it has reached."""
+
+    kind: OpKind
+    step: str
+    signal: int = int(signals.SIGTERM)
+    timeout: float = 10.0
+    not_before: float = 0.0  # backoff: do not spawn before this time
+    attempts: int = 0
+
+
+@dataclass(frozen=True)
+class Row:
+    """Everything flyd keeps about one machine: the public view plus internals."""
+
+    machine: pb.Machine
+    image_digest: str
+    op: Op | None = None
+    handle: dict[str, Any] | None = None  # the driver's process handle
+    restarts: tuple[float, ...] = ()  # times of policy restarts, for the retry window
+
+    @property
+    def state(self) -> int:
+        return self.machine.state
+
+    @property
+    def running(self) -> bool:
+        return self.handle is not None
+
+
+# --- events (inputs) ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StartRequested:
+    pass
+
+
+@dataclass(frozen=True)
+class StopRequested:
+    signal: int
+    timeout: float
+
+
+@dataclass(frozen=True)
+class RestartRequested:
+    signal: int
+    timeout: float
+
+
+@dataclass(frozen=True)
+class SignalRequested:
+    signal: int
+
+
+@dataclass(frozen=True)
+class DestroyRequested:
+    force: bool
+
+
+@dataclass(frozen=True)
+class Spawned:
+    handle: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class SpawnFailed:
+    error: str
+
+
+@dataclass(frozen=True)
+class Released:
+    pass
+
+
+@dataclass(frozen=True)
+class Signalled:
+    pass
+
+
+@dataclass(frozen=True)
+class CleanedUp:
+    pass
+
+
+@dataclass(frozen=True)
+class TimerFired:
+    pass
+
+
+@dataclass(frozen=True)
+class Exited:
+    """The process behind `handle` ended (reported by the driver)."""
+
+    handle: dict[str, Any]
+    exit_code: int | None
+    signal: int | None
+    oom_killed: bool
+    log_tail: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Resume:
+    """flyd restarted; `alive` says whether the row's process is still running."""
+
+    alive: bool
+
+
+Event = (
+    StartRequested
+    | StopRequested
+    | RestartRequested
+    | SignalRequested
+    | DestroyRequested
+    | Spawned
+    | SpawnFailed
+    | Released
+    | Signalled
+    | CleanedUp
+    | TimerFired
+    | Exited
+    | Resume
+)
+
+# --- effects (outputs) ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Spawn:
+    """Create the machine's process, held before it runs; answer Spawned or SpawnFailed."""
+
+
+@dataclass(frozen=True)
+class Release:
+    """Let the held process run; answer Released."""
+
+
+@dataclass(frozen=True)
+class Kill:
+    """Send `signal`, SIGKILL the tree after `timeout`; the driver reports Exited."""
+
+    signal: int
+    timeout: float
+
+
+@dataclass(frozen=True)
+class SendSignal:
+    signal: int
+
+
+@dataclass(frozen=True)
+class Cleanup:
+    """Remove the machine's process resources (cgroups, run dir); answer CleanedUp."""
+
+
+@dataclass(frozen=True)
+class StartTimer:
+    at: float
+
+
+Effect = Spawn | Release | Kill | SendSignal | Cleanup | StartTimer
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Restart policy settings that come from the worker, not the machine."""
+
+    window: float = 300.0  # restarts are counted within this many seconds
+    default_max_retries: int = 10
+    backoff_base: float = 0.5
+    backoff_max: float = 30.0
+
+
+@dataclass(frozen=True)
+class Transition:
+    """A step to commit: the new row, what happened, and what to do next."""
+
+    row: Row
+    type: str
+    reason: str
+    from_state: int
+    effects: tuple[Effect, ...] = ()
+
+    @property
+    def to_state(self) -> int:
+        return self.row.state
+
+
+@dataclass
+class _Builder:
+    """Accumulates a transition from a row; keeps the step functions short."""
+
+    row: Row
+    now: float
+    type: str
+    effects: list[Effect] = field(default_factory=list)
+
+    def to(self, state: int, reason: str, **changes: Any) -> Transition:
+        machine = pb.Machine()
+        machine.CopyFrom(self.row.machine)
+        from_state = machine.state
+        machine.state = state  # type: ignore[assignment]
+        machine.updated_at.CopyFrom(timestamp(self.now))
+        new = replace(self.row, machine=machine, **changes)
+        return Transition(new, self.type, reason, from_state, tuple(self.effects))
+
+
+def timestamp(now: float) -> Timestamp:
+    ts = Timestamp()
+    ts.FromNanoseconds(int(now * 1e9))
+    return ts
+
+
+def signal_name(sig: int) -> str:
+    try:
+        return signals.Signals(sig).name
+    except ValueError:
+        return str(sig)
+
+
+def describe_exit(ev: Exited) -> str:
+    if ev.exit_code is not None:
+        return f"exited with code {ev.exit_code}"
+    text = f"killed by {signal_name(ev.signal or 0)}"
+    return text + " (out of memory)" if ev.oom_killed else text
+
+
+# --- the transition function -----------------------------------------------
+
+
+def step(row: Row, event: Event, *, now: float, policy: Policy) -> Transition | None:
+    """Apply one event. None means nothing changes (an idempotent repeat or a stale event).
+
+    Raises FailedPrecondition when the event is not allowed in the current state.
+    """
+    match event:
+        case StartRequested():
+            return _start(row, now)
+        case StopRequested(signal=sig, timeout=timeout):
+            return _stop(row, now, sig, timeout)
+        case RestartRequested(signal=sig, timeout=timeout):
+            if row.state != S.MACHINE_STATE_STARTED or row.op is not None:
+                raise FailedPrecondition(
+                    f"restart needs a started machine; it is {state_name(row.state)}"
+                )
+            op = Op("restart", "kill", signal=sig, timeout=timeout)
+            b = _Builder(row, now, "restart", [Kill(sig, timeout)])
+            return b.to(S.MACHINE_STATE_RESTARTING, "restart requested", op=op)
+        case SignalRequested(signal=sig):
+            if row.state != S.MACHINE_STATE_STARTED or row.handle is None:
+                raise FailedPrecondition(
+                    f"signal needs a started machine; it is {state_name(row.state)}"
+                )
+            b = _Builder(row, now, "signal", [SendSignal(sig)])
+            return b.to(row.state, f"{signal_name(sig)} requested", op=Op("signal", "send", sig))
+        case DestroyRequested(force=force):
+            return _destroy(row, now, force)
+        case Spawned(handle=handle):
+            if row.op is None or row.op.step != "spawn":
+                return None
+            b = _Builder(row, now, row.op.kind, [Release()])
+            return b.to(
+                row.state,
+                f"process spawned (pid {handle.get('pid')})",
+                op=replace(row.op, step="release"),
+                handle=handle,
+            )
+        case SpawnFailed(error=error):
+            if row.op is None or row.op.step != "spawn":
+                return None
+            return _retry_spawn(row, now, f"could not spawn: {error}")
+        case Released():
+            if row.op is None or row.op.step != "release":
+                return None
+            return _Builder(row, now, row.op.kind).to(S.MACHINE_STATE_STARTED, "running", op=None)
+        case Signalled():
+            if row.op is None or row.op.kind != "signal":
+                return None
+            return _Builder(row, now, "signal").to(row.state, "signal delivered", op=None)
+        case CleanedUp():
+            if row.op is None or row.op.step != "cleanup":
+                return None
+            return _Builder(row, now, "destroy").to(S.MACHINE_STATE_DESTROYED, "destroyed", op=None)
+        case TimerFired():
+            if row.op is None or row.op.step != "backoff" or now < row.op.not_before:
+                return None
+            b = _Builder(row, now, row.op.kind, [Spawn()])
+            return b.to(row.state, "backoff elapsed", op=replace(row.op, step="spawn"))
+        case Exited():
+            return _exited(row, event, now, policy)
+        case Resume(alive=alive):
+            return _resume(row, now, alive)
+    raise TypeError(f"unknown event {event!r}")
+
+
+def _start(row: Row, now: float) -> Transition | None:
+    state = row.state
+    if state in (S.MACHINE_STATE_DESTROYING, S.MACHINE_STATE_DESTROYED):
+        raise FailedPrecondition(f"cannot start a {state_name(state)} machine")
+    if state == S.MACHINE_STATE_STOPPING:
+        raise FailedPrecondition("machine is stopping; wait for stopped, then start")
+    if row.op is not None and row.op.kind == "policy_restart" and row.op.step == "backoff":
+        # A user start during a restart backoff starts now instead of later.
+        b = _Builder(row, now, "start", [Spawn()])
+        return b.to(row.state, "start requested during backoff", op=replace(row.op, step="spawn"))
+    if row.running or row.op is not None or state == S.MACHINE_STATE_STARTED:
+        return None  # already started or starting
+    b = _Builder(row, now, "start", [Spawn()])
+    restarts: tuple[float, ...] = () if state == S.MACHINE_STATE_FAILED else row.restarts
+    return b.to(
+        S.MACHINE_STATE_STARTING, "start requested", op=Op("start", "spawn"), restarts=restarts
+    )
+
+
+def _stop(row: Row, now: float, sig: int, timeout: float) -> Transition | None:
+    state = row.state
+    if state in (S.MACHINE_STATE_DESTROYING, S.MACHINE_STATE_DESTROYED):
+        raise FailedPrecondition(f"cannot stop a {state_name(state)} machine")
+    if row.op is not None and row.op.kind in ("stop", "destroy"):
+        return None  # already stopping
+    if row.running:
+        b = _Builder(row, now, "stop", [Kill(sig, timeout)])
+        return b.to(
+            S.MACHINE_STATE_STOPPING,
+            f"stop requested ({signal_name(sig)})",
+            op=Op("stop", "kill", signal=sig, timeout=timeout),
+        )
+    if row.op is not None:
+        # Nothing runs yet (a pending start or a restart backoff): cancel it.
+        return _Builder(row, now, "stop").to(S.MACHINE_STATE_STOPPED, "stop requested", op=None)
+    return None  # created, stopped or failed: nothing to stop
+
+
+def _destroy(row: Row, now: float, force: bool) -> Transition | None:
+    if row.state in (S.MACHINE_STATE_DESTROYING, S.MACHINE_STATE_DESTROYED):
+        return None
+    if row.running:
+        if not force and row.state != S.MACHINE_STATE_STOPPING:
+            raise FailedPrecondition(
+                f"machine is {state_name(row.state)}; stop it first or destroy with force"
+            )
+        b = _Builder(row, now, "destroy", [Kill(int(signals.SIGKILL), 0.0)])
+        return b.to(
+            S.MACHINE_STATE_DESTROYING,
+            "destroy requested",
+            op=Op("destroy", "kill", signal=int(signals.SIGKILL), timeout=0.0),
+        )
+    b = _Builder(row, now, "destroy", [Cleanup()])
+    return b.to(S.MACHINE_STATE_DESTROYING, "destroy requested", op=Op("destroy", "cleanup"))
+
+
+def _retry_spawn(row: Row, now: float, why: str) -> Transition:
+    assert row.op is not None
+    attempts = row.op.attempts + 1
+    if attempts >= MAX_SPAWN_ATTEMPTS:
+        return _Builder(row, now, row.op.kind).to(
+            S.MACHINE_STATE_FAILED,
+            f"{why}; gave up after {attempts} attempts",
+            op=None,
+            handle=None,
+        )
+    b = _Builder(row, now, row.op.kind, [Spawn()])
+    return b.to(
+        row.state,
+        f"{why}; retrying",
+        op=replace(row.op, step="spawn", attempts=attempts),
+        handle=None,
+    )
+
+
+def _with_exit(machine: pb.Machine, ev: Exited, now: float) -> None:
+    last = machine.last_exit
+    last.Clear()
+    if ev.exit_code is not None:
+        last.exit_code = ev.exit_code
+        last.has_exit_code = True
+    if ev.signal is not None:
+        last.signal = signal_name(ev.signal)
+    last.oom_killed = ev.oom_killed
+    last.exited_at.CopyFrom(timestamp(now))
+
+
+def _exited(row: Row, ev: Exited, now: float, policy: Policy) -> Transition | None:
+    if row.handle is None or row.handle != ev.handle:
+        return None  # an old process, or one already accounted for
+    what = describe_exit(ev)
+    op = row.op
+    machine = pb.Machine()
+    machine.CopyFrom(row.machine)
+    _with_exit(machine, ev, now)
+    row = replace(row, machine=machine)
+    if op is not None and op.step == "kill":
+        if op.kind == "stop":
+            return _Builder(row, now, "stop").to(
+                S.MACHINE_STATE_STOPPED, what, op=None, handle=None
+            )
+        if op.kind == "restart":
+            b = _Builder(row, now, "restart", [Spawn()])
+            return b.to(row.state, what, op=replace(op, step="spawn"), handle=None)
+        if op.kind == "destroy":
+            b = _Builder(row, now, "destroy", [Cleanup()])
+            return b.to(row.state, what, op=replace(op, step="cleanup"), handle=None)
+    if op is not None and op.step in ("spawn", "release"):
+        # Died before it was declared started (flyd restarted in between): try again.
+        return _retry_spawn(row, now, what)
+    return _apply_restart_policy(row, ev, now, policy, what)
+
+
+def _apply_restart_policy(
+    row: Row, ev: Exited, now: float, policy: Policy, what: str
+) -> Transition:
+    restart = row.machine.config.restart
+    mode = restart.mode or pb.RESTART_MODE_ON_FAILURE
+    failed = ev.exit_code != 0 or ev.oom_killed
+    b = _Builder(row, now, "exit")
+    if mode == pb.RESTART_MODE_NO or (mode == pb.RESTART_MODE_ON_FAILURE and not failed):
+        return b.to(S.MACHINE_STATE_STOPPED, what, op=None, handle=None)
+    recent = tuple(t for t in row.restarts if now - t < policy.window)
+    limit = restart.max_retries or (
+        0 if mode == pb.RESTART_MODE_ALWAYS else policy.default_max_retries
+    )
+    if limit and len(recent) >= limit:
+        machine = pb.Machine()
+        machine.CopyFrom(row.machine)
+        del machine.log_tail[:]
+        machine.log_tail.extend(ev.log_tail)
+        b = _Builder(replace(row, machine=machine), now, "exit")
+        reason = f"{what}; restart policy gave up after {len(recent)} restarts"
+        return b.to(S.MACHINE_STATE_FAILED, reason, op=None, handle=None, restarts=recent)
+    delay = min(policy.backoff_max, policy.backoff_base * (2 ** len(recent)))
+    machine = pb.Machine()
+    machine.CopyFrom(row.machine)
+    machine.restart_count = len(recent) + 1
+    b = _Builder(replace(row, machine=machine), now, "exit", [StartTimer(now + delay)])
+    return b.to(
+        S.MACHINE_STATE_RESTARTING,
+        f"{what}; restarting in {delay:g}s (restart {len(recent) + 1})",
+        op=Op("policy_restart", "backoff", not_before=now + delay),
+        handle=None,
+        restarts=(*recent, now),
+    )
+
+
+def _resume(row: Row, now: float, alive: bool) -> Transition | None:
+    """Re-derive the effects of the last committed step after a flyd restart."""
+    op = row.op
+    if op is None:
+        return None
+    b = _Builder(row, now, op.kind)
+    if row.running and not alive:
+        return None  # the driver reports the exit; that event moves the row on
+    match op.step:
+        case "begin":
+            b.effects.append(Spawn())
+            return b.to(S.MACHINE_STATE_STARTING, "start requested", op=replace(op, step="spawn"))
+        case "spawn":
+            b.effects.append(Spawn())
+        case "release":
+            # The held process dies with the flyd that held it, so a live one was released.
+            return b.to(S.MACHINE_STATE_STARTED, "running (re-attached)", op=None)
+        case "kill":
+            b.effects.append(Kill(op.signal, op.timeout))
+        case "send":
+            b.effects.append(SendSignal(op.signal))
+        case "cleanup":
+            b.effects.append(Cleanup())
+        case "backoff":
+            b.effects.append(StartTimer(op.not_before))
+        case _:
+            raise CorruptLog(f"machine {row.machine.id}: unknown step {op.step!r} of {op.kind}")
+    return b.to(row.state, f"resumed {op.kind} at step {op.step}")
+
+
+# --- row encoding -----------------------------------------------------------
+
+ROW_VERSION = 1
+_ROW_HEADER = struct.Struct(">HI")
+
+
+def encode_row(row: Row) -> bytes:
+    """A versioned row: the Machine protobuf followed by flyd's internals as JSON."""
+    machine = row.machine.SerializeToString()
+    internals = {
+        "image_digest": row.image_digest,
+        "op": None if row.op is None else row.op.__dict__,
+        "handle": row.handle,
+        "restarts": list(row.restarts),
+    }
+    return _ROW_HEADER.pack(ROW_VERSION, len(machine)) + machine + json.dumps(internals).encode()
+
+
+def decode_row(raw: bytes) -> Row:
+    version, size = _ROW_HEADER.unpack_from(raw)
+    if version != ROW_VERSION:
+        raise CorruptLog(f"machine row version {version}; this flyd reads {ROW_VERSION}")
+    start = _ROW_HEADER.size
+    machine = pb.Machine.FromString(raw[start : start + size])
+    internals = json.loads(raw[start + size :])
+    op = internals["op"]
+    return Row(
+        machine=machine,
+        image_digest=internals["image_digest"],
+        op=None if op is None else Op(**op),
+        handle=internals["handle"],
+        restarts=tuple(internals["restarts"]),
+    )
+
+
+def create(machine: pb.Machine, *, image_digest: str, skip_launch: bool, now: float) -> Transition:
+    """The first step of a machine: CREATED, with its start pending unless skip_launch."""
+    m = pb.Machine()
+    m.CopyFrom(machine)
+    m.state = S.MACHINE_STATE_CREATED
+    m.created_at.CopyFrom(timestamp(now))
+    m.updated_at.CopyFrom(timestamp(now))
+    op = None if skip_launch else Op("start", "begin")
+    return Transition(Row(m, image_digest, op=op), "create", "created", S.MACHINE_STATE_UNSPECIFIED)

@@ -1,0 +1,110 @@
+"""The flyd console script: one worker daemon."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+
+from flyd import fsm
+from flyd.clock import SystemClock
+from flyd.driver import ProcessDriver
+from flyd.images import ImageCache, ImageSource
+from flyd.service import WorkerServicer, map_error
+from flyd.settings import FlydSettings
+from flyd.store import LmdbMachineLog
+from flyd.v1 import worker_pb2, worker_pb2_grpc
+from flyd.worker import Identity, Worker
+from nonomad.runtime import (
+    Service,
+    configure_logging,
+    main_entry,
+    settings_or_exit,
+    setup_tracing,
+)
+
+# How often machine logs are checked against their size bound.
+LOG_ROTATE_INTERVAL = 1.0
+
+
+async def build(argv: list[str]) -> Service:
+    """Open the log, recover every machine, and wire the gRPC service."""
+    settings = settings_or_exit(FlydSettings, argv, "flyd")
+    configure_logging("flyd", settings.log_level, worker=settings.worker_id, region=settings.region)
+    setup_tracing("flyd", **{"nonomad.worker": settings.worker_id, "cloud.region": settings.region})
+    data = settings.data_dir
+    data.mkdir(parents=True, exist_ok=True)
+    store = LmdbMachineLog(data / "log")
+    images = ImageCache(
+        data / "images", ImageSource(settings.image_source), max_bytes=settings.image_cache_bytes
+    )
+    service = Service("flyd", settings)
+    identity = Identity(
+        worker_id=settings.worker_id,
+        region=settings.region,
+        address=settings.advertise or "",
+        labels=dict(settings.labels),
+        boot_id=secrets.token_hex(8),
+    )
+    worker: Worker | None = None
+
+    def on_exit(machine_id: str, handle: object, status: object) -> None:
+        if worker is not None:
+            worker.on_exit(machine_id, handle, status)  # type: ignore[arg-type]
+
+    driver = ProcessDriver(
+        data / "machines",
+        on_exit=on_exit,
+        cgroup_root=settings.cgroup_root,
+        cgroup_prefix=settings.cgroup_prefix,
+        run_as=settings.run_as,
+        max_log_bytes=settings.log_max_bytes,
+    )
+    worker = Worker(
+        identity=identity,
+        store=store,
+        driver=driver,
+        images=images,
+        capacity=settings.capacity,
+        ports=settings.port_range(),
+        machine_host=settings.machine_host,
+        clock=SystemClock(),
+        policy=fsm.Policy(
+            window=settings.restart_window, default_max_retries=settings.restart_max_retries
+        ),
+        log_keep=settings.log_keep,
+        state_dir=data,
+    )
+    servicer = WorkerServicer(
+        worker, heartbeat_interval=settings.heartbeat_interval, draining=service.draining
+    )
+    service.add(
+        servicer,
+        worker_pb2_grpc.add_WorkerServiceServicer_to_server,
+        worker_pb2.DESCRIPTOR.services_by_name["WorkerService"],
+        map_error,
+    )
+
+    async def run_worker(shutdown: asyncio.Event) -> None:
+        assert worker is not None
+        if not identity.address:
+            identity.address = await service.wait_ready()
+        worker.recover()
+        while not shutdown.is_set():
+            driver.rotate_logs()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(shutdown.wait(), LOG_ROTATE_INTERVAL)
+
+    async def close() -> None:
+        assert worker is not None
+        await worker.close()
+        await driver.close()  # stops watching; the machines keep running
+        store.close()
+
+    service.spawn("worker", run_worker)
+    service.on_shutdown(close)
+    return service
+
+
+def main() -> None:
+    main_entry(build)

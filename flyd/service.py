@@ -1,0 +1,187 @@
+"""flyd.v1.WorkerService over gRPC, and the one place flyd errors become status codes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+
+from flyd.errors import (
+    AlreadyExists,
+    DeadlineExceeded,
+    FailedPrecondition,
+    FlydError,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+    UnsafeImage,
+)
+from flyd.v1 import worker_pb2 as w
+from flyd.v1 import worker_pb2_grpc
+from flyd.validate import duration_seconds, parse_signal
+from flyd.worker import Worker
+
+# Checked in order: the first matching class decides (subclasses before their bases).
+_CODES: list[tuple[type[FlydError], grpc.StatusCode]] = [
+    (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (NotFound, grpc.StatusCode.NOT_FOUND),
+    (AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
+    (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (UnsafeImage, grpc.StatusCode.FAILED_PRECONDITION),
+]
+
+MAX_WAIT = 60.0
+DEFAULT_WAIT = 30.0
+MAX_TAIL = 10_000
+
+
+def map_error(err: Exception) -> tuple[grpc.StatusCode, str] | None:
+    """flyd's errors as gRPC statuses; None for anything else (reported as INTERNAL)."""
+    if not isinstance(err, FlydError):
+        return None
+    for cls, code in _CODES:
+        if isinstance(err, cls):
+            return code, str(err)
+    return grpc.StatusCode.FAILED_PRECONDITION, str(err)  # other image errors, corrupt log
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
+    """Thin translation between requests and the Worker; all logic lives there."""
+
+    def __init__(
+        self, worker: Worker, *, heartbeat_interval: float, draining: asyncio.Event
+    ) -> None:
+        self.worker = worker
+        self.heartbeat_interval = heartbeat_interval
+        self.draining = draining
+
+    async def CreateMachine(
+        self, request: w.CreateMachineRequest, context: grpc.aio.ServicerContext
+    ) -> w.CreateMachineResponse:
+        machine = await self.worker.create(
+            machine_id=request.machine_id,
+            name=request.name,
+            app=request.app,
+            config=request.config,
+            skip_launch=request.skip_launch,
+        )
+        return w.CreateMachineResponse(machine=machine)
+
+    async def StartMachine(
+        self, request: w.StartMachineRequest, context: grpc.aio.ServicerContext
+    ) -> w.StartMachineResponse:
+        return w.StartMachineResponse(machine=await self.worker.start(request.machine_id))
+
+    def _stop_args(
+        self, request: w.StopMachineRequest | w.RestartMachineRequest
+    ) -> tuple[int | None, float | None]:
+        sig = parse_signal("signal", request.signal) if request.signal else None
+        timeout = (
+            duration_seconds("timeout", request.timeout, default=0, maximum=300, present=True)
+            if request.HasField("timeout")
+            else None
+        )
+        return sig, timeout
+
+    async def StopMachine(
+        self, request: w.StopMachineRequest, context: grpc.aio.ServicerContext
+    ) -> w.StopMachineResponse:
+        sig, timeout = self._stop_args(request)
+        return w.StopMachineResponse(
+            machine=await self.worker.stop(request.machine_id, sig, timeout)
+        )
+
+    async def RestartMachine(
+        self, request: w.RestartMachineRequest, context: grpc.aio.ServicerContext
+    ) -> w.RestartMachineResponse:
+        sig, timeout = self._stop_args(request)
+        return w.RestartMachineResponse(
+            machine=await self.worker.restart(request.machine_id, sig, timeout)
+        )
+
+    async def SignalMachine(
+        self, request: w.SignalMachineRequest, context: grpc.aio.ServicerContext
+    ) -> w.SignalMachineResponse:
+        if not request.signal:
+            raise InvalidArgument("signal", "is required")
+        sig = parse_signal("signal", request.signal)
+        return w.SignalMachineResponse(machine=await self.worker.signal(request.machine_id, sig))
+
+    async def DestroyMachine(
+        self, request: w.DestroyMachineRequest, context: grpc.aio.ServicerContext
+    ) -> w.DestroyMachineResponse:
+        return w.DestroyMachineResponse(
+            machine=await self.worker.destroy(request.machine_id, request.force)
+        )
+
+    async def GetMachine(
+        self, request: w.GetMachineRequest, context: grpc.aio.ServicerContext
+    ) -> w.GetMachineResponse:
+        return w.GetMachineResponse(machine=self.worker.get(request.machine_id).machine)
+
+    async def ListMachines(
+        self, request: w.ListMachinesRequest, context: grpc.aio.ServicerContext
+    ) -> w.ListMachinesResponse:
+        if request.app:
+            from flyd.validate import check_name
+
+            check_name("app", request.app)
+        return w.ListMachinesResponse(
+            machines=self.worker.list_machines(
+                app=request.app, state=request.state, include_destroyed=request.include_destroyed
+            )
+        )
+
+    async def WaitMachine(
+        self, request: w.WaitMachineRequest, context: grpc.aio.ServicerContext
+    ) -> w.WaitMachineResponse:
+        timeout = duration_seconds(
+            "timeout",
+            request.timeout,
+            default=DEFAULT_WAIT,
+            maximum=MAX_WAIT,
+            present=request.HasField("timeout"),
+        )
+        machine = await self.worker.wait(
+            request.machine_id, request.state, timeout, request.instance_id
+        )
+        return w.WaitMachineResponse(machine=machine)
+
+    async def GetCapacity(
+        self, request: w.GetCapacityRequest, context: grpc.aio.ServicerContext
+    ) -> w.GetCapacityResponse:
+        return w.GetCapacityResponse(worker=self.worker.info(), capacity=self.worker.capacity())
+
+    async def WatchEvents(
+        self, request: w.WatchEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[w.WatchEventsResponse]:
+        async for item in self.worker.watch(
+            request.from_seq, heartbeat_interval=self.heartbeat_interval, stop=self.draining
+        ):
+            yield item
+
+    async def GetMachineLogs(
+        self, request: w.GetMachineLogsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[w.GetMachineLogsResponse]:
+        if request.tail_lines < 0 or request.tail_lines > MAX_TAIL:
+            raise InvalidArgument("tail_lines", f"must be between 0 and {MAX_TAIL}")
+        self.worker.get(request.machine_id)
+        tail = request.tail_lines or 100
+        for line in self.worker.driver.read_logs(request.machine_id, tail):
+            yield w.GetMachineLogsResponse(line=line)
+        if not request.follow:
+            return
+        async for line in self.worker.driver.follow_logs(
+            request.machine_id, shutdown=self.draining
+        ):
+            yield w.GetMachineLogsResponse(line=line)
+
+    async def CordonWorker(
+        self, request: w.CordonWorkerRequest, context: grpc.aio.ServicerContext
+    ) -> w.CordonWorkerResponse:
+        return w.CordonWorkerResponse(cordoned=self.worker.cordon(request.cordoned))

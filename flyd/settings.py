@@ -1,0 +1,83 @@
+"""flyd's settings: who the worker is, what it has, where it keeps things."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from pydantic import BaseModel, Field, field_validator
+from pydantic_settings import SettingsConfigDict
+
+from nonomad.runtime import ServiceSettings
+
+
+class CapacitySettings(BaseModel):
+    """What this worker offers. Reservations never exceed it."""
+
+    model_config = {"extra": "forbid"}
+
+    cpu_millicores: int = Field(default=4000, gt=0, description="CPU to hand out, millicores")
+    memory_mib: int = Field(default=4096, gt=0, description="memory to hand out, MiB")
+    disk_mib: int = Field(default=20480, ge=0, description="scratch disk to hand out, MiB")
+    machines: int = Field(default=1000, gt=0, description="most machines (not destroyed)")
+
+
+def parse_port_range(value: str) -> range:
+    low, sep, high = value.partition("-")
+    if not sep or not low.isdigit() or not high.isdigit():
+        raise ValueError(f"expected LOW-HIGH, got {value!r}")
+    lo, hi = int(low), int(high)
+    if not 1024 <= lo <= hi <= 65535:
+        raise ValueError(f"ports must satisfy 1024 <= LOW <= HIGH <= 65535, got {value!r}")
+    return range(lo, hi + 1)
+
+
+class FlydSettings(ServiceSettings):
+    """Settings of one flyd (one worker)."""
+
+    model_config = SettingsConfigDict(env_prefix="FLYD_")
+
+    worker_id: str = Field(
+        default_factory=lambda: socket.gethostname().split(".")[0].lower(),
+        description="this worker's id, unique in the fleet",
+    )
+    region: str = Field(default="local", description="region this worker belongs to")
+    data_dir: Path = Field(default=Path(".nonomad/flyd"), description="LMDB log, runs, cache")
+    image_source: Path = Field(
+        default=Path(".nonomad/images"),
+        description="directory of OCI image layouts (or tars of them) to pull from",
+    )
+    image_cache_bytes: int = Field(default=4 << 30, gt=0, description="image cache bound")
+    capacity: CapacitySettings = CapacitySettings()
+    ports: str = Field(default="20000-20999", description="host ports for machine services")
+    machine_host: str = Field(default="127.0.0.1", description="host machines' ports are on")
+    advertise: str | None = Field(
+        default=None, description="address others reach this worker at (default: bound address)"
+    )
+    labels: dict[str, str] = Field(default_factory=dict, description="placement labels")
+    run_as: str | None = Field(default=None, description="unprivileged user for machines")
+    cgroup_root: Path = Field(default=Path("/sys/fs/cgroup"), description="cgroup v1 mount")
+    cgroup_prefix: str = Field(default="nonomad", description="cgroup folder for machines")
+    heartbeat_interval: float = Field(default=0.2, gt=0, description="WatchEvents heartbeat, s")
+    restart_window: float = Field(default=300.0, gt=0, description="restart counting window, s")
+    restart_max_retries: int = Field(default=10, gt=0, description="default on-failure retries")
+    log_max_bytes: int = Field(default=1 << 20, gt=0, description="machine log size to rotate at")
+    log_keep: int = Field(default=10_000, gt=0, description="log records kept behind snapshots")
+
+    @field_validator("worker_id", "region")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        from flyd.validate import NAME_RE
+
+        if not NAME_RE.match(value):
+            raise ValueError("must be 1-63 lowercase letters, digits or dashes")
+        return value
+
+    @field_validator("ports")
+    @classmethod
+    def _ports(cls, value: str) -> str:
+        parse_port_range(value)
+        return value
+
+    def port_range(self) -> range:
+        return parse_port_range(self.ports)

@@ -1,0 +1,702 @@
+"""The runner: drives each machine's state machine, committing every step before its effects.
+
+One `Worker` per flyd. It owns the in-memory copy of every machine row (the
+LMDB log is the truth; the copy is rebuilt from it at start), serialises the
+operations on each machine with a per-machine lock, performs the effects the
+pure core (flyd.fsm) asks for, and publishes each committed change to
+WatchEvents subscribers and waiters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from flyd import fsm
+from flyd.clock import Clock
+from flyd.driver import Driver, ExitStatus, Handle, Limits, ProcessSpec
+from flyd.errors import (
+    AlreadyExists,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from flyd.images import Image, ImageCache
+from flyd.settings import CapacitySettings
+from flyd.store import Compacted, MachineLog, NewRecord, RecordType
+from flyd.v1 import machine_pb2 as pb
+from flyd.v1 import worker_pb2
+from flyd.validate import check_config, check_name
+
+log = structlog.get_logger("flyd.worker")
+S = pb.MachineState
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# A subscriber further behind than this many changes catches up from the log instead.
+SUBSCRIBER_QUEUE = 4096
+# How many destroyed machines stay readable (GetMachine, waits) before their rows go.
+KEEP_DESTROYED = 1000
+_LAGGED = object()
+
+
+@dataclass
+class Identity:
+    worker_id: str
+    region: str
+    address: str
+    labels: dict[str, str]
+    boot_id: str
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+class Worker:
+    """All machines of this worker, and the only code that changes them."""
+
+    def __init__(
+        self,
+        *,
+        identity: Identity,
+        store: MachineLog,
+        driver: Driver,
+        images: ImageCache,
+        capacity: CapacitySettings,
+        ports: range,
+        machine_host: str,
+        clock: Clock,
+        policy: fsm.Policy,
+        log_keep: int = 10_000,
+        state_dir: Path | None = None,
+        port_free: Callable[[str, int], bool] = _port_free,
+    ) -> None:
+        self.identity = identity
+        self.store = store
+        self.driver = driver
+        self.images = images
+        self.total = capacity
+        self.ports = ports
+        self.machine_host = machine_host
+        self.clock = clock
+        self.policy = policy
+        self.log_keep = log_keep
+        self._state_dir = state_dir
+        self._port_free = port_free
+        self.rows: dict[str, fsm.Row] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._subscribers: set[asyncio.Queue[object]] = set()
+        self._tick: asyncio.Future[None] | None = None
+        self.cordoned = bool(state_dir and (state_dir / "cordoned").exists())
+        self.closing = False
+
+    # --- start and stop ---------------------------------------------------
+
+    def recover(self) -> int:
+        """Load every row and resume unfinished operations. Returns how many were resumed."""
+        for machine_id, raw in self.store.rows().items():
+            row = fsm.decode_row(raw)
+            self.rows[machine_id] = row
+            if row.state != S.MACHINE_STATE_DESTROYED:
+                self.images.use(row.image_digest)
+        resumed = 0
+        for machine_id, row in self.rows.items():
+            alive = False
+            if row.handle is not None:
+                # A process that is gone is reported through on_exit with its real status.
+                alive = self.driver.attach(machine_id, Handle.from_dict(row.handle))
+            if row.op is not None and (alive or row.handle is None):
+                self._spawn_task(self.drive(machine_id, fsm.Resume(alive=alive)))
+                resumed += 1
+        log.info("recovered", machines=len(self.rows), resumed=resumed, seq=self.store.last_seq())
+        return resumed
+
+    async def close(self) -> None:
+        """Stop background work; machines keep running."""
+        self.closing = True
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for q in self._subscribers:
+            with contextlib.suppress(asyncio.QueueFull):
+                q.put_nowait(None)
+
+    def on_exit(self, machine_id: str, handle: Handle, status: ExitStatus) -> None:
+        """The driver's exit callback: turn it into an Exited event."""
+        if self.closing or machine_id not in self.rows:
+            return
+        tail: tuple[str, ...] = ()
+        with contextlib.suppress(Exception):
+            tail = tuple(self.driver.read_logs(machine_id, 20))
+        event = fsm.Exited(
+            handle.to_dict(), status.exit_code, status.signal, status.oom_killed, tail
+        )
+        self._spawn_task(self.drive(machine_id, event))
+
+    def _spawn_task(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background step failed", exc_info=task.exception())
+
+    # --- the drive loop ---------------------------------------------------
+
+    def _lock(self, machine_id: str) -> asyncio.Lock:
+        lock = self._locks.get(machine_id)
+        if lock is None:
+            lock = self._locks[machine_id] = asyncio.Lock()
+        return lock
+
+    async def drive(self, machine_id: str, event: fsm.Event) -> None:
+        async with self._lock(machine_id):
+            await self._drive_locked(machine_id, event)
+
+    async def _drive_locked(self, machine_id: str, event: fsm.Event | None) -> None:
+        while event is not None:
+            row = self.rows[machine_id]
+            transition = fsm.step(row, event, now=self.clock.now(), policy=self.policy)
+            if transition is None:
+                return
+            self._commit(machine_id, transition)
+            event = await self._perform(machine_id, transition)
+
+    async def _perform(self, machine_id: str, t: fsm.Transition) -> fsm.Event | None:
+        row = t.row
+        next_event: fsm.Event | None = None
+        for effect in t.effects:
+            match effect:
+                case fsm.Spawn():
+                    try:
+                        handle = await self.driver.start(self._spec(row))
+                    except Exception as err:  # any failure to spawn is the machine's, not ours
+                        log.warning("spawn failed", machine_id=machine_id, error=str(err))
+                        next_event = fsm.SpawnFailed(str(err))
+                    else:
+                        next_event = fsm.Spawned(handle.to_dict())
+                case fsm.Release():
+                    self.driver.release(machine_id)
+                    next_event = fsm.Released()
+                case fsm.Kill(signal=sig, timeout=timeout):
+                    assert row.handle is not None
+                    self._spawn_task(self._kill(machine_id, row.handle, sig, timeout))
+                case fsm.SendSignal(signal=sig):
+                    with contextlib.suppress(NotFound):
+                        await self.driver.signal(machine_id, sig)
+                    next_event = fsm.Signalled()
+                case fsm.Cleanup():
+                    await self.driver.cleanup(machine_id)
+                    next_event = fsm.CleanedUp()
+                case fsm.StartTimer(at=when):
+                    self._spawn_task(self._timer(machine_id, when))
+        return next_event
+
+    async def _kill(
+        self, machine_id: str, handle: dict[str, object], sig: int, timeout: float
+    ) -> None:
+        try:
+            status = await self.driver.stop(machine_id, sig, timeout)
+        except NotFound:
+            status = ExitStatus(exit_code=None, signal=9, oom_killed=False)
+        # The driver's on_exit reports the same exit; whichever comes second is ignored.
+        await self.drive(
+            machine_id, fsm.Exited(dict(handle), status.exit_code, status.signal, status.oom_killed)
+        )
+
+    async def _timer(self, machine_id: str, when: float) -> None:
+        await self.clock.sleep_until(when)
+        await self.drive(machine_id, fsm.TimerFired())
+
+    def _commit(self, machine_id: str, t: fsm.Transition) -> None:
+        """One transaction: the log record and the new row. Then tell everyone who waits."""
+        seq = self.store.last_seq() + 1
+        machine = t.row.machine
+        event = pb.MachineEvent(
+            seq=seq,
+            machine_id=machine_id,
+            type=t.type,
+            from_state=t.from_state,  # type: ignore[arg-type]
+            to_state=t.to_state,  # type: ignore[arg-type]
+            reason=t.reason,
+            time=machine.updated_at,
+        )
+        if t.from_state != t.to_state:
+            machine.events.append(event)
+            if len(machine.events) > fsm.EVENT_TAIL:
+                del machine.events[: len(machine.events) - fsm.EVENT_TAIL]
+        change = worker_pb2.MachineChange(event=event, machine=machine)
+        record = NewRecord(RecordType.MACHINE_CHANGE, change.SerializeToString())
+        self.store.commit([record], {machine_id: fsm.encode_row(t.row)})
+        self.rows[machine_id] = t.row
+        if t.to_state == S.MACHINE_STATE_DESTROYED and t.from_state != S.MACHINE_STATE_DESTROYED:
+            self.images.release(t.row.image_digest)
+        log.info(
+            t.type,
+            machine_id=machine_id,
+            state=fsm.state_name(t.to_state),
+            from_state=fsm.state_name(t.from_state),
+            reason=t.reason,
+            seq=seq,
+        )
+        self._publish(change)
+        if self.store.last_seq() - self.store.first_seq() >= 2 * self.log_keep:
+            self._compact()
+
+    def _publish(self, change: worker_pb2.MachineChange) -> None:
+        for q in self._subscribers:
+            try:
+                q.put_nowait(change)
+            except asyncio.QueueFull:
+                # Too far behind: drop what is queued; it re-reads from the log.
+                while not q.empty():
+                    q.get_nowait()
+                q.put_nowait(_LAGGED)
+        if self._tick is not None and not self._tick.done():
+            self._tick.set_result(None)
+        self._tick = None
+
+    def _compact(self) -> None:
+        destroyed = [
+            (row.machine.updated_at.ToNanoseconds(), mid)
+            for mid, row in self.rows.items()
+            if row.state == S.MACHINE_STATE_DESTROYED
+        ]
+        drop = {mid for _, mid in sorted(destroyed)[: max(0, len(destroyed) - KEEP_DESTROYED)]}
+        if drop:
+            self.store.commit([], dict.fromkeys(drop))
+            for mid in drop:
+                del self.rows[mid]
+                self._locks.pop(mid, None)
+        dropped = self.store.compact(self.log_keep)
+        log.info(
+            "log compacted",
+            dropped=dropped,
+            first_seq=self.store.first_seq(),
+            destroyed_rows_dropped=len(drop),
+        )
+
+    # --- capacity -----------------------------------------------------------
+
+    def reserved(self) -> pb.Resources:
+        res = pb.Resources()
+        for row in self.rows.values():
+            if row.state == S.MACHINE_STATE_DESTROYED:
+                continue
+            guest = row.machine.config.guest
+            res.cpu_millicores += guest.cpu_millicores
+            res.memory_mib += guest.memory_mib
+            res.disk_mib += guest.disk_mib
+            res.machines += 1
+        return res
+
+    def capacity(self) -> pb.Capacity:
+        total = pb.Resources(
+            cpu_millicores=self.total.cpu_millicores,
+            memory_mib=self.total.memory_mib,
+            disk_mib=self.total.disk_mib,
+            machines=self.total.machines,
+        )
+        used = self.reserved()
+        free = pb.Resources(
+            cpu_millicores=total.cpu_millicores - used.cpu_millicores,
+            memory_mib=total.memory_mib - used.memory_mib,
+            disk_mib=total.disk_mib - used.disk_mib,
+            machines=total.machines - used.machines,
+        )
+        cap = pb.Capacity(total=total, free=free, cordoned=self.cordoned)
+        for row in self.rows.values():
+            name = fsm.state_name(row.state)
+            cap.machines_by_state[name] = cap.machines_by_state.get(name, 0) + 1
+        for img in self.images.cached():
+            cached = cap.images.add(ref=img.ref, digest=img.digest, size_bytes=img.size_bytes)
+            cached.last_used.FromNanoseconds(int(img.last_used * 1e9))
+        return cap
+
+    def _check_room(self, guest: pb.GuestConfig) -> None:
+        used = self.reserved()
+        wants = [
+            (
+                "cpu",
+                guest.cpu_millicores,
+                self.total.cpu_millicores - used.cpu_millicores,
+                "millicores",
+            ),
+            ("memory", guest.memory_mib, self.total.memory_mib - used.memory_mib, "MiB"),
+            ("disk", guest.disk_mib, self.total.disk_mib - used.disk_mib, "MiB"),
+            ("machines", 1, self.total.machines - used.machines, "machines"),
+        ]
+        for resource, need, free, unit in wants:
+            if need > free:
+                raise ResourceExhausted(
+                    resource,
+                    f"worker {self.identity.worker_id} has {free} {unit} of {resource} free; "
+                    f"the machine needs {need}",
+                )
+
+    def _allocate_ports(self, count: int) -> list[int]:
+        if count == 0:
+            return []
+        used = {
+            p.host_port
+            for row in self.rows.values()
+            if row.state != S.MACHINE_STATE_DESTROYED
+            for p in row.machine.ports
+        }
+        found: list[int] = []
+        for port in self.ports:
+            if port in used or not self._port_free(self.machine_host, port):
+                continue
+            found.append(port)
+            if len(found) == count:
+                return found
+        raise ResourceExhausted(
+            "ports",
+            f"worker {self.identity.worker_id} has no free host port in "
+            f"{self.ports.start}-{self.ports.stop - 1}",
+        )
+
+    # --- operations ---------------------------------------------------------
+
+    def get(self, machine_id: str) -> fsm.Row:
+        if not machine_id:
+            raise InvalidArgument("machine_id", "is required")
+        row = self.rows.get(machine_id)
+        if row is None:
+            raise NotFound(f"machine {machine_id} not found on worker {self.identity.worker_id}")
+        return row
+
+    def list_machines(
+        self, *, app: str = "", state: int = 0, include_destroyed: bool = False
+    ) -> list[pb.Machine]:
+        return [
+            row.machine
+            for row in self.rows.values()
+            if (not app or row.machine.app == app)
+            and (not state or row.state == state)
+            and (
+                include_destroyed
+                or state == S.MACHINE_STATE_DESTROYED
+                or row.state != S.MACHINE_STATE_DESTROYED
+            )
+        ]
+
+    async def create(
+        self,
+        *,
+        machine_id: str,
+        name: str,
+        app: str,
+        config: pb.MachineConfig,
+        skip_launch: bool,
+    ) -> pb.Machine:
+        check_name("machine_id", machine_id, required=False)
+        check_name("app", app)
+        if len(name) > 63:
+            raise InvalidArgument("name", "must be at most 63 characters")
+        check_config(config)
+        machine_id = machine_id or secrets.token_hex(7)
+        if (existing := self._existing(machine_id, app, config)) is not None:
+            return existing
+        if self.cordoned or self.closing:
+            raise Unavailable(
+                f"worker {self.identity.worker_id} is "
+                f"{'cordoned' if self.cordoned else 'shutting down'}"
+            )
+        self._check_room(config.guest)  # fail fast, before pulling anything
+        image = await self.images.pull(config.image)
+        self.images.use(image.digest)  # at once, so the pulled image cannot be evicted
+        try:
+            if not self._argv(config, image):
+                raise InvalidArgument("config.cmd", "the image has no entrypoint or cmd; set one")
+            async with self._lock(machine_id):
+                if (existing := self._existing(machine_id, app, config)) is not None:
+                    self.images.release(image.digest)
+                    return existing
+                # No await from here to the commit: the check and the reservation are atomic.
+                self._check_room(config.guest)
+                ports = self._allocate_ports(len(config.services))
+                machine = pb.Machine(
+                    id=machine_id,
+                    name=name or machine_id,
+                    app=app,
+                    region=self.identity.region,
+                    worker_id=self.identity.worker_id,
+                    config=config,
+                    instance_id=secrets.token_hex(8),
+                )
+                for svc, port in zip(config.services, ports, strict=True):
+                    machine.ports.add(
+                        internal_port=svc.internal_port, host=self.machine_host, host_port=port
+                    )
+                self._commit(
+                    machine_id,
+                    fsm.create(
+                        machine,
+                        image_digest=image.digest,
+                        skip_launch=skip_launch,
+                        now=self.clock.now(),
+                    ),
+                )
+                # Continue the pending start in the same operation.
+                await self._drive_locked(machine_id, fsm.Resume(alive=False))
+        except BaseException:
+            if machine_id not in self.rows:
+                self.images.release(image.digest)
+            raise
+        return self.rows[machine_id].machine
+
+    def _existing(self, machine_id: str, app: str, config: pb.MachineConfig) -> pb.Machine | None:
+        row = self.rows.get(machine_id)
+        if row is None:
+            return None
+        if row.machine.app != app or row.machine.config != config:
+            raise AlreadyExists(f"machine {machine_id} exists with another app or config")
+        return row.machine
+
+    async def start(self, machine_id: str) -> pb.Machine:
+        self.get(machine_id)
+        await self.drive(machine_id, fsm.StartRequested())
+        return self.rows[machine_id].machine
+
+    async def stop(self, machine_id: str, sig: int | None, timeout: float | None) -> pb.Machine:
+        row = self.get(machine_id)
+        sig, timeout = self._stop_params(row, sig, timeout)
+        await self.drive(machine_id, fsm.StopRequested(sig, timeout))
+        return self.rows[machine_id].machine
+
+    async def restart(self, machine_id: str, sig: int | None, timeout: float | None) -> pb.Machine:
+        row = self.get(machine_id)
+        sig, timeout = self._stop_params(row, sig, timeout)
+        await self.drive(machine_id, fsm.RestartRequested(sig, timeout))
+        return self.rows[machine_id].machine
+
+    async def signal(self, machine_id: str, sig: int) -> pb.Machine:
+        self.get(machine_id)
+        await self.drive(machine_id, fsm.SignalRequested(sig))
+        return self.rows[machine_id].machine
+
+    async def destroy(self, machine_id: str, force: bool) -> pb.Machine:
+        self.get(machine_id)
+        await self.drive(machine_id, fsm.DestroyRequested(force))
+        return self.rows[machine_id].machine
+
+    @staticmethod
+    def _stop_params(row: fsm.Row, sig: int | None, timeout: float | None) -> tuple[int, float]:
+        from flyd.validate import duration_seconds, parse_signal
+
+        stop = row.machine.config.stop
+        if sig is None:
+            sig = parse_signal("config.stop.signal", stop.signal)
+        if timeout is None:
+            timeout = duration_seconds(
+                "config.stop.timeout",
+                stop.timeout,
+                default=10.0,
+                maximum=300.0,
+                present=stop.HasField("timeout"),
+            )
+        return sig, timeout
+
+    async def wait(
+        self, machine_id: str, state: int, timeout: float, instance_id: str = ""
+    ) -> pb.Machine:
+        if state == S.MACHINE_STATE_UNSPECIFIED or state not in pb.MachineState.values():
+            raise InvalidArgument("state", "must name a machine state")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            row = self.get(machine_id)
+            if row.state == state and (not instance_id or row.machine.instance_id == instance_id):
+                return row.machine
+            if instance_id and row.machine.instance_id != instance_id:
+                raise FailedPrecondition(
+                    f"machine {machine_id} is now instance "
+                    f"{row.machine.instance_id}, not {instance_id}"
+                )
+            if row.state == S.MACHINE_STATE_DESTROYED:
+                raise FailedPrecondition(
+                    f"machine {machine_id} is destroyed; it will never be {fsm.state_name(state)}"
+                )
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise DeadlineExceeded(
+                    f"machine {machine_id} is {fsm.state_name(row.state)}, not "
+                    f"{fsm.state_name(state)}, after {timeout:g}s"
+                )
+            if self._tick is None:
+                self._tick = loop.create_future()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._tick), remaining)
+
+    def cordon(self, cordoned: bool) -> bool:
+        self.cordoned = cordoned
+        if self._state_dir is not None:
+            marker = self._state_dir / "cordoned"
+            if cordoned:
+                marker.touch()
+            else:
+                marker.unlink(missing_ok=True)
+        log.info("cordon", cordoned=cordoned)
+        return cordoned
+
+    # --- the event stream ---------------------------------------------------
+
+    def snapshot(self, reason: str) -> worker_pb2.Snapshot:
+        snap = self.store.snapshot()
+        return worker_pb2.Snapshot(
+            seq=snap.seq,
+            reason=reason,
+            machines=[fsm.decode_row(raw).machine for raw in snap.rows.values()],
+        )
+
+    def heartbeat(self) -> worker_pb2.Heartbeat:
+        hb = worker_pb2.Heartbeat(
+            seq=self.store.last_seq(), worker=self.info(), capacity=self.capacity()
+        )
+        hb.time.FromNanoseconds(int(self.clock.now() * 1e9))
+        return hb
+
+    def info(self) -> pb.WorkerInfo:
+        ident = self.identity
+        return pb.WorkerInfo(
+            id=ident.worker_id,
+            region=ident.region,
+            address=ident.address,
+            labels=ident.labels,
+            boot_id=ident.boot_id,
+        )
+
+    async def watch(
+        self, from_seq: int, *, heartbeat_interval: float, stop: asyncio.Event
+    ) -> AsyncIterator[worker_pb2.WatchEventsResponse]:
+        """Every change after from_seq (or a snapshot first), then live, with heartbeats."""
+        if from_seq > self.store.last_seq():
+            raise InvalidArgument(
+                "from_seq", f"{from_seq} is ahead of this worker's log ({self.store.last_seq()})"
+            )
+        queue: asyncio.Queue[object] = asyncio.Queue(SUBSCRIBER_QUEUE)
+        self._subscribers.add(queue)
+        try:
+            pos = from_seq
+            if from_seq == 0:
+                snap = self.snapshot("requested")
+                pos = snap.seq
+                yield worker_pb2.WatchEventsResponse(snapshot=snap)
+            loop = asyncio.get_running_loop()
+            next_beat = loop.time()
+            caught_up = False
+            while not stop.is_set() and not self.closing:
+                if not caught_up:
+                    try:
+                        async for item in self._replay(pos):
+                            yield item
+                            pos = item.change.event.seq
+                    except Compacted:
+                        snap = self.snapshot("compacted")
+                        pos = snap.seq
+                        yield worker_pb2.WatchEventsResponse(snapshot=snap)
+                        continue
+                    caught_up = True
+                if loop.time() >= next_beat:
+                    yield worker_pb2.WatchEventsResponse(heartbeat=self.heartbeat())
+                    next_beat = loop.time() + heartbeat_interval
+                try:
+                    queued = await asyncio.wait_for(queue.get(), max(0.0, next_beat - loop.time()))
+                except TimeoutError:
+                    continue
+                if queued is None:
+                    return
+                if queued is _LAGGED:
+                    caught_up = False
+                    continue
+                assert isinstance(queued, worker_pb2.MachineChange)
+                seq = queued.event.seq
+                if seq <= pos:
+                    continue
+                if seq != pos + 1:
+                    caught_up = False  # a gap: read it from the log
+                    continue
+                pos = seq
+                yield worker_pb2.WatchEventsResponse(change=queued)
+        finally:
+            self._subscribers.discard(queue)
+
+    async def _replay(self, after: int) -> AsyncIterator[worker_pb2.WatchEventsResponse]:
+        while batch := self.store.read(after, 500):
+            for rec in batch:
+                change = worker_pb2.MachineChange.FromString(rec.body)
+                yield worker_pb2.WatchEventsResponse(change=change)
+                after = rec.seq
+            await asyncio.sleep(0)  # let others run during a long replay
+
+    def events(self, machine_id: str) -> Iterable[pb.MachineEvent]:
+        """The machine's state changes still in the log, oldest first."""
+        self.get(machine_id)
+        after = self.store.first_seq() - 1
+        while batch := self.store.read(after, 1000):
+            for rec in batch:
+                change = worker_pb2.MachineChange.FromString(rec.body)
+                if change.event.machine_id == machine_id:
+                    yield change.event
+                after = rec.seq
+
+    # --- process specs ------------------------------------------------------
+
+    @staticmethod
+    def _argv(config: pb.MachineConfig, image: Image) -> list[str]:
+        entrypoint = list(config.entrypoint) or list(image.entrypoint)
+        if config.cmd:
+            cmd = list(config.cmd)
+        else:
+            # As with OCI runtimes: overriding the entrypoint drops the image's CMD.
+            cmd = [] if config.entrypoint else list(image.cmd)
+        return entrypoint + cmd
+
+    def _spec(self, row: fsm.Row) -> ProcessSpec:
+        machine = row.machine
+        config = machine.config
+        image = self.images.get(row.image_digest)
+        if image is None:
+            raise NotFound(f"image {row.image_digest} is no longer cached")
+        argv = self._argv(config, image)
+        rootfs = image.rootfs
+        if argv and argv[0].startswith("/") and (rootfs / argv[0].lstrip("/")).exists():
+            argv[0] = str(rootfs / argv[0].lstrip("/"))
+        env = {"PATH": DEFAULT_PATH, **image.env, **config.env}
+        env.update(
+            MACHINE_ID=machine.id,
+            APP=machine.app,
+            REGION=machine.region,
+            WORKER_ID=machine.worker_id,
+            INSTANCE_ID=machine.instance_id,
+        )
+        for i, port in enumerate(machine.ports):
+            if i == 0:
+                env["PORT"] = str(port.host_port)
+            env[f"PORT_{port.internal_port}"] = str(port.host_port)
+        guest = config.guest
+        return ProcessSpec(
+            machine_id=machine.id,
+            argv=argv,
+            cwd=rootfs / image.workdir.lstrip("/"),
+            env=env,
+            limits=Limits(cpu_millicores=guest.cpu_millicores, memory_mib=guest.memory_mib),
+        )

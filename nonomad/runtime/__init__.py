@@ -1,0 +1,60 @@
+"""The service runtime shared by flyd, flaps and proxy: settings, logs, tracing, server lifecycle.
+
+A service's entry point loads its `ServiceSettings` subclass with `settings_or_exit`, calls
+`configure_logging` and `setup_tracing`, builds a `Service`, and hands it to `main_entry`.
+Clients open channels with `aio_channel` so trace context crosses every hop.
+"""
+
+from nonomad.runtime.logs import configure_logging
+from nonomad.runtime.server import (
+    READY_PREFIX,
+    ErrorMapper,
+    Service,
+    main_entry,
+    server_options,
+    wrap_servicer,
+)
+from nonomad.runtime.settings import (
+    ServiceSettings,
+    SettingsError,
+    load_settings,
+    parse_host_port,
+    settings_or_exit,
+)
+from nonomad.runtime.tracing import (
+    DEFAULT_CHANNEL_OPTIONS,
+    ChannelOption,
+    ChannelTLS,
+    aio_channel,
+    client_interceptors,
+    server_interceptors,
+    setup_tracing,
+    shutdown_tracing,
+    tracing_enabled,
+    tracing_requested,
+)
+
+__all__ = [
+    "DEFAULT_CHANNEL_OPTIONS",
+    "READY_PREFIX",
+    "ChannelOption",
+    "ChannelTLS",
+    "ErrorMapper",
+    "Service",
+    "ServiceSettings",
+    "SettingsError",
+    "aio_channel",
+    "client_interceptors",
+    "configure_logging",
+    "load_settings",
+    "main_entry",
+    "parse_host_port",
+    "server_interceptors",
+    "server_options",
+    "settings_or_exit",
+    "setup_tracing",
+    "shutdown_tracing",
+    "tracing_enabled",
+    "tracing_requested",
+    "wrap_servicer",
+]

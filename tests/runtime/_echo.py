@@ -1,0 +1,129 @@
+"""A tiny gRPC service for the runtime tests, built without generated code.
+
+Its descriptor goes into the default pool, as generated modules do, so reflection and grpcurl
+can describe and call it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+import grpc
+import grpc.aio
+from google.protobuf import descriptor_pb2, descriptor_pool, wrappers_pb2
+from google.protobuf.descriptor import ServiceDescriptor
+
+SERVICE_NAME = "nonomad.test.v1.EchoService"
+_STRING = ".google.protobuf.StringValue"
+
+
+def _register() -> ServiceDescriptor:
+    pool = descriptor_pool.Default()
+    try:
+        return pool.FindServiceByName(SERVICE_NAME)
+    except KeyError:
+        pass
+    proto = descriptor_pb2.FileDescriptorProto(
+        name="nonomad/test/v1/echo.proto",
+        package="nonomad.test.v1",
+        syntax="proto3",
+        dependency=[wrappers_pb2.DESCRIPTOR.name],
+    )
+    service = proto.service.add(name="EchoService")
+    service.method.add(name="Say", input_type=_STRING, output_type=_STRING)
+    service.method.add(name="Count", input_type=_STRING, output_type=_STRING, server_streaming=True)
+    pool.AddSerializedFile(proto.SerializeToString())
+    return pool.FindServiceByName(SERVICE_NAME)
+
+
+DESCRIPTOR: ServiceDescriptor = _register()
+
+
+class EchoRefused(Exception):
+    """The domain error of the echo service: mapped to FAILED_PRECONDITION."""
+
+
+def map_error(exc: Exception) -> tuple[grpc.StatusCode, str] | None:
+    """The echo service's one place where domain errors become statuses."""
+    if isinstance(exc, EchoRefused):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+    return None
+
+
+class EchoServicer:
+    """Say echoes its input, except for a few magic words; Count streams 0..n-1."""
+
+    def __init__(self) -> None:
+        self.slow_started = asyncio.Event()
+        self.release_slow = asyncio.Event()
+
+    async def Say(
+        self, request: wrappers_pb2.StringValue, context: Any
+    ) -> wrappers_pb2.StringValue:
+        match request.value:
+            case "refuse":
+                raise EchoRefused("echo refuses to say that")
+            case "crash":
+                raise RuntimeError("secret internal detail")
+            case "abort":
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, "handler aborted itself")
+            case "slow":
+                # The test controls when this in-flight call may finish.
+                self.slow_started.set()
+                await self.release_slow.wait()
+        return wrappers_pb2.StringValue(value=request.value)
+
+    async def Count(
+        self, request: wrappers_pb2.StringValue, context: Any
+    ) -> AsyncGenerator[wrappers_pb2.StringValue, None]:
+        count, _, then = request.value.partition(" then ")
+        for i in range(int(count)):
+            yield wrappers_pb2.StringValue(value=str(i))
+        if then == "refuse":
+            raise EchoRefused("stream refused midway")
+        if then == "crash":
+            raise RuntimeError("secret stream detail")
+
+
+def add_EchoServiceServicer_to_server(servicer: EchoServicer, server: Any) -> None:
+    """What grpcio-tools would generate for the service."""
+    handlers = {
+        "Say": grpc.unary_unary_rpc_method_handler(
+            servicer.Say,
+            request_deserializer=wrappers_pb2.StringValue.FromString,
+            response_serializer=wrappers_pb2.StringValue.SerializeToString,
+        ),
+        "Count": grpc.unary_stream_rpc_method_handler(
+            servicer.Count,
+            request_deserializer=wrappers_pb2.StringValue.FromString,
+            response_serializer=wrappers_pb2.StringValue.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
+class EchoClient:
+    """Calls the echo service on a channel."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self._say = channel.unary_unary(
+            f"/{SERVICE_NAME}/Say",
+            request_serializer=wrappers_pb2.StringValue.SerializeToString,
+            response_deserializer=wrappers_pb2.StringValue.FromString,
+        )
+        self._count = channel.unary_stream(
+            f"/{SERVICE_NAME}/Count",
+            request_serializer=wrappers_pb2.StringValue.SerializeToString,
+            response_deserializer=wrappers_pb2.StringValue.FromString,
+        )
+
+    async def say(self, value: str, deadline: float = 5.0) -> str:
+        response = await self._say(wrappers_pb2.StringValue(value=value), timeout=deadline)
+        return str(response.value)
+
+    async def stream_count(self, value: str, deadline: float = 5.0) -> AsyncIterator[str]:
+        call = self._count(wrappers_pb2.StringValue(value=value), timeout=deadline)
+        async for item in call:
+            yield str(item.value)
