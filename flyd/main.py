@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import signal
 
 from flyd import fsm
 from flyd.clock import SystemClock
@@ -32,6 +33,11 @@ async def build(argv: list[str]) -> Service:
     settings = settings_or_exit(FlydSettings, argv, "flyd")
     configure_logging("flyd", settings.log_level, worker=settings.worker_id, region=settings.region)
     setup_tracing("flyd", **{"nonomad.worker": settings.worker_id, "cloud.region": settings.region})
+    # Ignored dispositions survive exec and the machines' sh wrapper cannot undo them: a flyd
+    # started in the background by a shell must not hand SIGINT/SIGQUIT-deafness to machines.
+    for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP):
+        if signal.getsignal(sig) == signal.SIG_IGN:
+            signal.signal(sig, signal.SIG_DFL)
     data = settings.data_dir
     data.mkdir(parents=True, exist_ok=True)
     store = LmdbMachineLog(data / "log")

@@ -129,7 +129,7 @@ class MachinesServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetMachine(self, request, context):
-        """Returns one machine, read from its worker.
+        """Returns one machine, read from its worker. NOT_FOUND for an unknown id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -137,6 +137,7 @@ class MachinesServiceServicer:
 
     def ListMachines(self, request, context):
         """Lists an app's machines across the fleet (from the registry view).
+        INVALID_ARGUMENT for a malformed app or region.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -159,7 +160,8 @@ class MachinesServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def StopMachine(self, request, context):
-        """Stops a machine (signal, timeout, then kill).
+        """Stops a machine (signal, timeout, then kill). FAILED_PRECONDITION when
+        destroyed; INVALID_ARGUMENT for an unknown signal name.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -173,7 +175,8 @@ class MachinesServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SignalMachine(self, request, context):
-        """Sends a signal to the machine's main process.
+        """Sends a signal to the machine's main process. FAILED_PRECONDITION unless
+        started; INVALID_ARGUMENT for an unknown signal name.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -181,6 +184,7 @@ class MachinesServiceServicer:
 
     def DestroyMachine(self, request, context):
         """Destroys the machine and releases its reservation. Idempotent.
+        FAILED_PRECONDITION when started and not force.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -209,7 +213,8 @@ class MachinesServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListMachineEvents(self, request, context):
-        """Returns the machine's recorded state changes, oldest first.
+        """Returns the machine's recorded state changes, oldest first. NOT_FOUND for
+        an unknown id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -48,9 +48,11 @@ class MachinesServiceStub:
     field (unknown region, bad app name, sizes, image reference).
     """
     GetMachine: _grpc.UnaryUnaryMultiCallable[_machines_pb2.GetMachineRequest, _machines_pb2.GetMachineResponse]
-    """Returns one machine, read from its worker."""
+    """Returns one machine, read from its worker. NOT_FOUND for an unknown id."""
     ListMachines: _grpc.UnaryUnaryMultiCallable[_machines_pb2.ListMachinesRequest, _machines_pb2.ListMachinesResponse]
-    """Lists an app's machines across the fleet (from the registry view)."""
+    """Lists an app's machines across the fleet (from the registry view).
+    INVALID_ARGUMENT for a malformed app or region.
+    """
     UpdateMachine: _grpc.UnaryUnaryMultiCallable[_machines_pb2.UpdateMachineRequest, _machines_pb2.UpdateMachineResponse]
     """Replaces the machine's config in place on its worker, keeping its id;
     the machine gets a new instance_id. RESOURCE_EXHAUSTED when the worker
@@ -59,13 +61,19 @@ class MachinesServiceStub:
     StartMachine: _grpc.UnaryUnaryMultiCallable[_machines_pb2.StartMachineRequest, _machines_pb2.StartMachineResponse]
     """Starts a stopped or created machine. FAILED_PRECONDITION when destroyed."""
     StopMachine: _grpc.UnaryUnaryMultiCallable[_machines_pb2.StopMachineRequest, _machines_pb2.StopMachineResponse]
-    """Stops a machine (signal, timeout, then kill)."""
+    """Stops a machine (signal, timeout, then kill). FAILED_PRECONDITION when
+    destroyed; INVALID_ARGUMENT for an unknown signal name.
+    """
     RestartMachine: _grpc.UnaryUnaryMultiCallable[_machines_pb2.RestartMachineRequest, _machines_pb2.RestartMachineResponse]
     """Stops and starts a started machine. FAILED_PRECONDITION otherwise."""
     SignalMachine: _grpc.UnaryUnaryMultiCallable[_machines_pb2.SignalMachineRequest, _machines_pb2.SignalMachineResponse]
-    """Sends a signal to the machine's main process."""
+    """Sends a signal to the machine's main process. FAILED_PRECONDITION unless
+    started; INVALID_ARGUMENT for an unknown signal name.
+    """
     DestroyMachine: _grpc.UnaryUnaryMultiCallable[_machines_pb2.DestroyMachineRequest, _machines_pb2.DestroyMachineResponse]
-    """Destroys the machine and releases its reservation. Idempotent."""
+    """Destroys the machine and releases its reservation. Idempotent.
+    FAILED_PRECONDITION when started and not force.
+    """
     WaitMachine: _grpc.UnaryUnaryMultiCallable[_machines_pb2.WaitMachineRequest, _machines_pb2.WaitMachineResponse]
     """Waits for a state (timeout at most 60s), then DEADLINE_EXCEEDED."""
     AcquireLease: _grpc.UnaryUnaryMultiCallable[_machines_pb2.AcquireLeaseRequest, _machines_pb2.AcquireLeaseResponse]
@@ -75,7 +83,9 @@ class MachinesServiceStub:
     ReleaseLease: _grpc.UnaryUnaryMultiCallable[_machines_pb2.ReleaseLeaseRequest, _machines_pb2.ReleaseLeaseResponse]
     """Releases a lease. FAILED_PRECONDITION for a wrong nonce."""
     ListMachineEvents: _grpc.UnaryUnaryMultiCallable[_machines_pb2.ListMachineEventsRequest, _machines_pb2.ListMachineEventsResponse]
-    """Returns the machine's recorded state changes, oldest first."""
+    """Returns the machine's recorded state changes, oldest first. NOT_FOUND for
+    an unknown id.
+    """
 
 @_typing.type_check_only
 class MachinesServiceAsyncStub(MachinesServiceStub):
@@ -97,9 +107,11 @@ class MachinesServiceAsyncStub(MachinesServiceStub):
     field (unknown region, bad app name, sizes, image reference).
     """
     GetMachine: _aio.UnaryUnaryMultiCallable[_machines_pb2.GetMachineRequest, _machines_pb2.GetMachineResponse]  # type: ignore[assignment]
-    """Returns one machine, read from its worker."""
+    """Returns one machine, read from its worker. NOT_FOUND for an unknown id."""
     ListMachines: _aio.UnaryUnaryMultiCallable[_machines_pb2.ListMachinesRequest, _machines_pb2.ListMachinesResponse]  # type: ignore[assignment]
-    """Lists an app's machines across the fleet (from the registry view)."""
+    """Lists an app's machines across the fleet (from the registry view).
+    INVALID_ARGUMENT for a malformed app or region.
+    """
     UpdateMachine: _aio.UnaryUnaryMultiCallable[_machines_pb2.UpdateMachineRequest, _machines_pb2.UpdateMachineResponse]  # type: ignore[assignment]
     """Replaces the machine's config in place on its worker, keeping its id;
     the machine gets a new instance_id. RESOURCE_EXHAUSTED when the worker
@@ -108,13 +120,19 @@ class MachinesServiceAsyncStub(MachinesServiceStub):
     StartMachine: _aio.UnaryUnaryMultiCallable[_machines_pb2.StartMachineRequest, _machines_pb2.StartMachineResponse]  # type: ignore[assignment]
     """Starts a stopped or created machine. FAILED_PRECONDITION when destroyed."""
     StopMachine: _aio.UnaryUnaryMultiCallable[_machines_pb2.StopMachineRequest, _machines_pb2.StopMachineResponse]  # type: ignore[assignment]
-    """Stops a machine (signal, timeout, then kill)."""
+    """Stops a machine (signal, timeout, then kill). FAILED_PRECONDITION when
+    destroyed; INVALID_ARGUMENT for an unknown signal name.
+    """
     RestartMachine: _aio.UnaryUnaryMultiCallable[_machines_pb2.RestartMachineRequest, _machines_pb2.RestartMachineResponse]  # type: ignore[assignment]
     """Stops and starts a started machine. FAILED_PRECONDITION otherwise."""
     SignalMachine: _aio.UnaryUnaryMultiCallable[_machines_pb2.SignalMachineRequest, _machines_pb2.SignalMachineResponse]  # type: ignore[assignment]
-    """Sends a signal to the machine's main process."""
+    """Sends a signal to the machine's main process. FAILED_PRECONDITION unless
+    started; INVALID_ARGUMENT for an unknown signal name.
+    """
     DestroyMachine: _aio.UnaryUnaryMultiCallable[_machines_pb2.DestroyMachineRequest, _machines_pb2.DestroyMachineResponse]  # type: ignore[assignment]
-    """Destroys the machine and releases its reservation. Idempotent."""
+    """Destroys the machine and releases its reservation. Idempotent.
+    FAILED_PRECONDITION when started and not force.
+    """
     WaitMachine: _aio.UnaryUnaryMultiCallable[_machines_pb2.WaitMachineRequest, _machines_pb2.WaitMachineResponse]  # type: ignore[assignment]
     """Waits for a state (timeout at most 60s), then DEADLINE_EXCEEDED."""
     AcquireLease: _aio.UnaryUnaryMultiCallable[_machines_pb2.AcquireLeaseRequest, _machines_pb2.AcquireLeaseResponse]  # type: ignore[assignment]
@@ -124,7 +142,9 @@ class MachinesServiceAsyncStub(MachinesServiceStub):
     ReleaseLease: _aio.UnaryUnaryMultiCallable[_machines_pb2.ReleaseLeaseRequest, _machines_pb2.ReleaseLeaseResponse]  # type: ignore[assignment]
     """Releases a lease. FAILED_PRECONDITION for a wrong nonce."""
     ListMachineEvents: _aio.UnaryUnaryMultiCallable[_machines_pb2.ListMachineEventsRequest, _machines_pb2.ListMachineEventsResponse]  # type: ignore[assignment]
-    """Returns the machine's recorded state changes, oldest first."""
+    """Returns the machine's recorded state changes, oldest first. NOT_FOUND for
+    an unknown id.
+    """
 
 class MachinesServiceServicer(metaclass=_abc_1.ABCMeta):
     """MachinesService is the Machines API: create a machine in a region (a bid
@@ -155,7 +175,7 @@ class MachinesServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _machines_pb2.GetMachineRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_machines_pb2.GetMachineResponse, _abc.Awaitable[_machines_pb2.GetMachineResponse]]:
-        """Returns one machine, read from its worker."""
+        """Returns one machine, read from its worker. NOT_FOUND for an unknown id."""
 
     @_abc_1.abstractmethod
     def ListMachines(
@@ -163,7 +183,9 @@ class MachinesServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _machines_pb2.ListMachinesRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_machines_pb2.ListMachinesResponse, _abc.Awaitable[_machines_pb2.ListMachinesResponse]]:
-        """Lists an app's machines across the fleet (from the registry view)."""
+        """Lists an app's machines across the fleet (from the registry view).
+        INVALID_ARGUMENT for a malformed app or region.
+        """
 
     @_abc_1.abstractmethod
     def UpdateMachine(
@@ -190,7 +212,9 @@ class MachinesServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _machines_pb2.StopMachineRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_machines_pb2.StopMachineResponse, _abc.Awaitable[_machines_pb2.StopMachineResponse]]:
-        """Stops a machine (signal, timeout, then kill)."""
+        """Stops a machine (signal, timeout, then kill). FAILED_PRECONDITION when
+        destroyed; INVALID_ARGUMENT for an unknown signal name.
+        """
 
     @_abc_1.abstractmethod
     def RestartMachine(
@@ -206,7 +230,9 @@ class MachinesServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _machines_pb2.SignalMachineRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_machines_pb2.SignalMachineResponse, _abc.Awaitable[_machines_pb2.SignalMachineResponse]]:
-        """Sends a signal to the machine's main process."""
+        """Sends a signal to the machine's main process. FAILED_PRECONDITION unless
+        started; INVALID_ARGUMENT for an unknown signal name.
+        """
 
     @_abc_1.abstractmethod
     def DestroyMachine(
@@ -214,7 +240,9 @@ class MachinesServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _machines_pb2.DestroyMachineRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_machines_pb2.DestroyMachineResponse, _abc.Awaitable[_machines_pb2.DestroyMachineResponse]]:
-        """Destroys the machine and releases its reservation. Idempotent."""
+        """Destroys the machine and releases its reservation. Idempotent.
+        FAILED_PRECONDITION when started and not force.
+        """
 
     @_abc_1.abstractmethod
     def WaitMachine(
@@ -248,6 +276,8 @@ class MachinesServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _machines_pb2.ListMachineEventsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_machines_pb2.ListMachineEventsResponse, _abc.Awaitable[_machines_pb2.ListMachineEventsResponse]]:
-        """Returns the machine's recorded state changes, oldest first."""
+        """Returns the machine's recorded state changes, oldest first. NOT_FOUND for
+        an unknown id.
+        """
 
 def add_MachinesServiceServicer_to_server(servicer: MachinesServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

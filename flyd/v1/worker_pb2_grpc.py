@@ -115,8 +115,9 @@ class WorkerServiceServicer:
     def CreateMachine(self, request, context):
         """Reserves resources, pulls the image and creates the machine; starts it
         unless skip_launch. Idempotent by machine_id: a repeat with the same id
-        and config returns the existing machine. Returns the machine as soon as
-        the reservation is committed (state CREATED or STARTING).
+        and config returns the existing machine. Returns once the machine is
+        created and, unless skip_launch, its process is running (STARTED; FAILED
+        if it could not be spawned).
         RESOURCE_EXHAUSTED (names cpu, memory, disk, machines or ports) when the
         worker has no room, UNAVAILABLE when cordoned or shutting down,
         ALREADY_EXISTS when the id exists with another config, NOT_FOUND when the
@@ -127,8 +128,8 @@ class WorkerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def StartMachine(self, request, context):
-        """Starts a created, stopped or failed machine. A started or starting
-        machine is returned as is. FAILED_PRECONDITION when destroyed or being
+        """Starts a created, stopped or failed machine and returns once its process
+        runs. A started or starting machine is returned as is. FAILED_PRECONDITION when destroyed or being
         destroyed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -169,7 +170,8 @@ class WorkerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetMachine(self, request, context):
-        """Returns one machine.
+        """Returns one machine, destroyed ones included while kept. NOT_FOUND for an
+        unknown id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -177,6 +179,7 @@ class WorkerServiceServicer:
 
     def ListMachines(self, request, context):
         """Lists the worker's machines, optionally of one app or state.
+        INVALID_ARGUMENT for a malformed app name.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -194,6 +197,7 @@ class WorkerServiceServicer:
 
     def GetCapacity(self, request, context):
         """Returns total and free resources, machine counts and cached images.
+        Always OK.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -211,7 +215,8 @@ class WorkerServiceServicer:
 
     def GetMachineLogs(self, request, context):
         """Streams the machine's log lines; with follow, keeps streaming new lines
-        until the client cancels or the machine is destroyed.
+        until the client cancels or the machine is destroyed. NOT_FOUND for an
+        unknown id, INVALID_ARGUMENT for tail_lines outside 0..10000.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

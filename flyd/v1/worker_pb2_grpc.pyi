@@ -40,16 +40,17 @@ class WorkerServiceStub:
     CreateMachine: _grpc.UnaryUnaryMultiCallable[_worker_pb2.CreateMachineRequest, _worker_pb2.CreateMachineResponse]
     """Reserves resources, pulls the image and creates the machine; starts it
     unless skip_launch. Idempotent by machine_id: a repeat with the same id
-    and config returns the existing machine. Returns the machine as soon as
-    the reservation is committed (state CREATED or STARTING).
+    and config returns the existing machine. Returns once the machine is
+    created and, unless skip_launch, its process is running (STARTED; FAILED
+    if it could not be spawned).
     RESOURCE_EXHAUSTED (names cpu, memory, disk, machines or ports) when the
     worker has no room, UNAVAILABLE when cordoned or shutting down,
     ALREADY_EXISTS when the id exists with another config, NOT_FOUND when the
     image is unknown, INVALID_ARGUMENT for a bad field.
     """
     StartMachine: _grpc.UnaryUnaryMultiCallable[_worker_pb2.StartMachineRequest, _worker_pb2.StartMachineResponse]
-    """Starts a created, stopped or failed machine. A started or starting
-    machine is returned as is. FAILED_PRECONDITION when destroyed or being
+    """Starts a created, stopped or failed machine and returns once its process
+    runs. A started or starting machine is returned as is. FAILED_PRECONDITION when destroyed or being
     destroyed.
     """
     StopMachine: _grpc.UnaryUnaryMultiCallable[_worker_pb2.StopMachineRequest, _worker_pb2.StopMachineResponse]
@@ -69,9 +70,13 @@ class WorkerServiceStub:
     FAILED_PRECONDITION when started and not force.
     """
     GetMachine: _grpc.UnaryUnaryMultiCallable[_worker_pb2.GetMachineRequest, _worker_pb2.GetMachineResponse]
-    """Returns one machine."""
+    """Returns one machine, destroyed ones included while kept. NOT_FOUND for an
+    unknown id.
+    """
     ListMachines: _grpc.UnaryUnaryMultiCallable[_worker_pb2.ListMachinesRequest, _worker_pb2.ListMachinesResponse]
-    """Lists the worker's machines, optionally of one app or state."""
+    """Lists the worker's machines, optionally of one app or state.
+    INVALID_ARGUMENT for a malformed app name.
+    """
     WaitMachine: _grpc.UnaryUnaryMultiCallable[_worker_pb2.WaitMachineRequest, _worker_pb2.WaitMachineResponse]
     """Waits until the machine is in the given state, returning at once if it
     already is. DEADLINE_EXCEEDED after the timeout (default 30s, at most
@@ -79,7 +84,9 @@ class WorkerServiceStub:
     (waiting for started on a destroyed machine).
     """
     GetCapacity: _grpc.UnaryUnaryMultiCallable[_worker_pb2.GetCapacityRequest, _worker_pb2.GetCapacityResponse]
-    """Returns total and free resources, machine counts and cached images."""
+    """Returns total and free resources, machine counts and cached images.
+    Always OK.
+    """
     WatchEvents: _grpc.UnaryStreamMultiCallable[_worker_pb2.WatchEventsRequest, _worker_pb2.WatchEventsResponse]
     """Streams every machine state change after from_seq, then live changes,
     with a heartbeat carrying capacity at a fixed interval. When from_seq is
@@ -88,7 +95,8 @@ class WorkerServiceStub:
     """
     GetMachineLogs: _grpc.UnaryStreamMultiCallable[_worker_pb2.GetMachineLogsRequest, _worker_pb2.GetMachineLogsResponse]
     """Streams the machine's log lines; with follow, keeps streaming new lines
-    until the client cancels or the machine is destroyed.
+    until the client cancels or the machine is destroyed. NOT_FOUND for an
+    unknown id, INVALID_ARGUMENT for tail_lines outside 0..10000.
     """
     CordonWorker: _grpc.UnaryUnaryMultiCallable[_worker_pb2.CordonWorkerRequest, _worker_pb2.CordonWorkerResponse]
     """Cordons (or uncordons) the worker: a cordoned worker refuses new
@@ -107,16 +115,17 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     CreateMachine: _aio.UnaryUnaryMultiCallable[_worker_pb2.CreateMachineRequest, _worker_pb2.CreateMachineResponse]  # type: ignore[assignment]
     """Reserves resources, pulls the image and creates the machine; starts it
     unless skip_launch. Idempotent by machine_id: a repeat with the same id
-    and config returns the existing machine. Returns the machine as soon as
-    the reservation is committed (state CREATED or STARTING).
+    and config returns the existing machine. Returns once the machine is
+    created and, unless skip_launch, its process is running (STARTED; FAILED
+    if it could not be spawned).
     RESOURCE_EXHAUSTED (names cpu, memory, disk, machines or ports) when the
     worker has no room, UNAVAILABLE when cordoned or shutting down,
     ALREADY_EXISTS when the id exists with another config, NOT_FOUND when the
     image is unknown, INVALID_ARGUMENT for a bad field.
     """
     StartMachine: _aio.UnaryUnaryMultiCallable[_worker_pb2.StartMachineRequest, _worker_pb2.StartMachineResponse]  # type: ignore[assignment]
-    """Starts a created, stopped or failed machine. A started or starting
-    machine is returned as is. FAILED_PRECONDITION when destroyed or being
+    """Starts a created, stopped or failed machine and returns once its process
+    runs. A started or starting machine is returned as is. FAILED_PRECONDITION when destroyed or being
     destroyed.
     """
     StopMachine: _aio.UnaryUnaryMultiCallable[_worker_pb2.StopMachineRequest, _worker_pb2.StopMachineResponse]  # type: ignore[assignment]
@@ -136,9 +145,13 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     FAILED_PRECONDITION when started and not force.
     """
     GetMachine: _aio.UnaryUnaryMultiCallable[_worker_pb2.GetMachineRequest, _worker_pb2.GetMachineResponse]  # type: ignore[assignment]
-    """Returns one machine."""
+    """Returns one machine, destroyed ones included while kept. NOT_FOUND for an
+    unknown id.
+    """
     ListMachines: _aio.UnaryUnaryMultiCallable[_worker_pb2.ListMachinesRequest, _worker_pb2.ListMachinesResponse]  # type: ignore[assignment]
-    """Lists the worker's machines, optionally of one app or state."""
+    """Lists the worker's machines, optionally of one app or state.
+    INVALID_ARGUMENT for a malformed app name.
+    """
     WaitMachine: _aio.UnaryUnaryMultiCallable[_worker_pb2.WaitMachineRequest, _worker_pb2.WaitMachineResponse]  # type: ignore[assignment]
     """Waits until the machine is in the given state, returning at once if it
     already is. DEADLINE_EXCEEDED after the timeout (default 30s, at most
@@ -146,7 +159,9 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     (waiting for started on a destroyed machine).
     """
     GetCapacity: _aio.UnaryUnaryMultiCallable[_worker_pb2.GetCapacityRequest, _worker_pb2.GetCapacityResponse]  # type: ignore[assignment]
-    """Returns total and free resources, machine counts and cached images."""
+    """Returns total and free resources, machine counts and cached images.
+    Always OK.
+    """
     WatchEvents: _aio.UnaryStreamMultiCallable[_worker_pb2.WatchEventsRequest, _worker_pb2.WatchEventsResponse]  # type: ignore[assignment]
     """Streams every machine state change after from_seq, then live changes,
     with a heartbeat carrying capacity at a fixed interval. When from_seq is
@@ -155,7 +170,8 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     """
     GetMachineLogs: _aio.UnaryStreamMultiCallable[_worker_pb2.GetMachineLogsRequest, _worker_pb2.GetMachineLogsResponse]  # type: ignore[assignment]
     """Streams the machine's log lines; with follow, keeps streaming new lines
-    until the client cancels or the machine is destroyed.
+    until the client cancels or the machine is destroyed. NOT_FOUND for an
+    unknown id, INVALID_ARGUMENT for tail_lines outside 0..10000.
     """
     CordonWorker: _aio.UnaryUnaryMultiCallable[_worker_pb2.CordonWorkerRequest, _worker_pb2.CordonWorkerResponse]  # type: ignore[assignment]
     """Cordons (or uncordons) the worker: a cordoned worker refuses new
@@ -177,8 +193,9 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_worker_pb2.CreateMachineResponse, _abc.Awaitable[_worker_pb2.CreateMachineResponse]]:
         """Reserves resources, pulls the image and creates the machine; starts it
         unless skip_launch. Idempotent by machine_id: a repeat with the same id
-        and config returns the existing machine. Returns the machine as soon as
-        the reservation is committed (state CREATED or STARTING).
+        and config returns the existing machine. Returns once the machine is
+        created and, unless skip_launch, its process is running (STARTED; FAILED
+        if it could not be spawned).
         RESOURCE_EXHAUSTED (names cpu, memory, disk, machines or ports) when the
         worker has no room, UNAVAILABLE when cordoned or shutting down,
         ALREADY_EXISTS when the id exists with another config, NOT_FOUND when the
@@ -191,8 +208,8 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _worker_pb2.StartMachineRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_worker_pb2.StartMachineResponse, _abc.Awaitable[_worker_pb2.StartMachineResponse]]:
-        """Starts a created, stopped or failed machine. A started or starting
-        machine is returned as is. FAILED_PRECONDITION when destroyed or being
+        """Starts a created, stopped or failed machine and returns once its process
+        runs. A started or starting machine is returned as is. FAILED_PRECONDITION when destroyed or being
         destroyed.
         """
 
@@ -242,7 +259,9 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _worker_pb2.GetMachineRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_worker_pb2.GetMachineResponse, _abc.Awaitable[_worker_pb2.GetMachineResponse]]:
-        """Returns one machine."""
+        """Returns one machine, destroyed ones included while kept. NOT_FOUND for an
+        unknown id.
+        """
 
     @_abc_1.abstractmethod
     def ListMachines(
@@ -250,7 +269,9 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _worker_pb2.ListMachinesRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_worker_pb2.ListMachinesResponse, _abc.Awaitable[_worker_pb2.ListMachinesResponse]]:
-        """Lists the worker's machines, optionally of one app or state."""
+        """Lists the worker's machines, optionally of one app or state.
+        INVALID_ARGUMENT for a malformed app name.
+        """
 
     @_abc_1.abstractmethod
     def WaitMachine(
@@ -270,7 +291,9 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _worker_pb2.GetCapacityRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_worker_pb2.GetCapacityResponse, _abc.Awaitable[_worker_pb2.GetCapacityResponse]]:
-        """Returns total and free resources, machine counts and cached images."""
+        """Returns total and free resources, machine counts and cached images.
+        Always OK.
+        """
 
     @_abc_1.abstractmethod
     def WatchEvents(
@@ -291,7 +314,8 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_worker_pb2.GetMachineLogsResponse], _abc.AsyncIterator[_worker_pb2.GetMachineLogsResponse]]:
         """Streams the machine's log lines; with follow, keeps streaming new lines
-        until the client cancels or the machine is destroyed.
+        until the client cancels or the machine is destroyed. NOT_FOUND for an
+        unknown id, INVALID_ARGUMENT for tail_lines outside 0..10000.
         """
 
     @_abc_1.abstractmethod

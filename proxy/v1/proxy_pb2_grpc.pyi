@@ -39,7 +39,7 @@ class ProxyServiceStub:
     """
     GetStats: _grpc.UnaryUnaryMultiCallable[_proxy_pb2.GetStatsRequest, _proxy_pb2.GetStatsResponse]
     """Returns request counts by status, cold starts, failovers and latency
-    percentiles since the proxy started.
+    percentiles since the proxy started. Always OK.
     """
     DrainWorker: _grpc.UnaryUnaryMultiCallable[_proxy_pb2.DrainWorkerRequest, _proxy_pb2.DrainWorkerResponse]
     """Stops (or resumes) routing new requests to a worker's machines.
@@ -57,7 +57,7 @@ class ProxyServiceAsyncStub(ProxyServiceStub):
     """
     GetStats: _aio.UnaryUnaryMultiCallable[_proxy_pb2.GetStatsRequest, _proxy_pb2.GetStatsResponse]  # type: ignore[assignment]
     """Returns request counts by status, cold starts, failovers and latency
-    percentiles since the proxy started.
+    percentiles since the proxy started. Always OK.
     """
     DrainWorker: _aio.UnaryUnaryMultiCallable[_proxy_pb2.DrainWorkerRequest, _proxy_pb2.DrainWorkerResponse]  # type: ignore[assignment]
     """Stops (or resumes) routing new requests to a worker's machines.
@@ -84,7 +84,7 @@ class ProxyServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_proxy_pb2.GetStatsResponse, _abc.Awaitable[_proxy_pb2.GetStatsResponse]]:
         """Returns request counts by status, cold starts, failovers and latency
-        percentiles since the proxy started.
+        percentiles since the proxy started. Always OK.
         """
 
     @_abc_1.abstractmethod

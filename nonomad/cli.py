@@ -1,0 +1,386 @@
+"""`nonomad`: run a local cluster and look at it.
+
+nonomad up       start workers (2 regions x 2 by default) and a demo app; Ctrl-C stops all
+nonomad status   the fleet as a table
+nonomad down     stop a cluster that `up` runs elsewhere
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import grpc
+
+from flyd.images import build_image
+from flyd.v1 import machine_pb2 as pb
+from flyd.v1 import worker_pb2 as w
+from flyd.v1 import worker_pb2_grpc
+
+DEMO_SOURCE = Path(__file__).parent / "demo"
+READY_TIMEOUT = 30.0
+RPC_TIMEOUT = 10.0
+
+
+class CliError(Exception):
+    """Something the user can fix; printed without a traceback, exit code 1."""
+
+
+@dataclass
+class WorkerProc:
+    worker_id: str
+    region: str
+    address: str
+    pid: int
+    log: str
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = [
+        "  ".join(str(c).ljust(widths[i]) for i, c in enumerate(row)).rstrip()
+        for row in [header, *rows]
+    ]
+    return "\n".join(lines)
+
+
+def _start_flyd(state: Path, worker_id: str, region: str, ports: str) -> subprocess.Popen[bytes]:
+    logs = state / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    with open(logs / f"{worker_id}.log", "ab") as err:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "from flyd.main import main; main()",
+                "--listen",
+                "127.0.0.1:0",
+                "--worker-id",
+                worker_id,
+                "--region",
+                region,
+                "--data-dir",
+                str(state / "workers" / worker_id),
+                "--image-source",
+                str(state / "images"),
+                "--ports",
+                ports,
+                "--cgroup-prefix",
+                f"nonomad-{state.name}-{worker_id}",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            start_new_session=True,  # Ctrl-C goes to `up`, which stops workers in order
+        )
+
+
+def _read_ready(proc: subprocess.Popen[bytes], worker_id: str) -> str:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + READY_TIMEOUT
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline().decode()
+        if line.startswith("NONOMAD_READY "):
+            return line.split()[2]
+        if not line and proc.poll() is not None:
+            break
+    raise CliError(f"worker {worker_id} did not start (exit {proc.poll()}); see its log")
+
+
+async def _create_demo(address: str, app: str) -> pb.Machine:
+    config = pb.MachineConfig(
+        image="demo:v1",
+        guest=pb.GuestConfig(cpu_millicores=250, memory_mib=128),
+        restart=pb.RestartPolicy(mode=pb.RESTART_MODE_ALWAYS),
+    )
+    config.services.add(internal_port=8080, autostart=True, autostop=True)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = worker_pb2_grpc.WorkerServiceStub(channel)
+        resp = await stub.CreateMachine(
+            w.CreateMachineRequest(app=app, config=config), timeout=RPC_TIMEOUT
+        )
+        return resp.machine
+
+
+def _wait_listening(port: int, timeout: float = READY_TIMEOUT) -> bool:
+    """Whether the machine accepts connections on its port within the timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+async def _destroy(address: str, machine_id: str) -> None:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = worker_pb2_grpc.WorkerServiceStub(channel)
+        await stub.DestroyMachine(
+            w.DestroyMachineRequest(machine_id=machine_id, force=True), timeout=RPC_TIMEOUT
+        )
+        await stub.WaitMachine(
+            w.WaitMachineRequest(machine_id=machine_id, state=pb.MACHINE_STATE_DESTROYED),
+            timeout=RPC_TIMEOUT,
+        )
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    state: Path = args.state_dir.absolute()
+    pid_file = state / "up.pid"
+    if pid_file.exists() and _alive(int(pid_file.read_text())):
+        raise CliError(
+            f"a cluster already runs from {state} (pid {pid_file.read_text()}); "
+            "run `nonomad down` first"
+        )
+    state.mkdir(parents=True, exist_ok=True)
+    digest = build_image(
+        DEMO_SOURCE, state / "images", name="demo", tag="v1", entrypoint=["python3", "-u", "app.py"]
+    )
+    print(f"built image demo:v1 ({digest[:19]})")
+
+    procs: list[tuple[WorkerProc, subprocess.Popen[bytes]]] = []
+    machines: list[tuple[str, pb.Machine]] = []
+    stopping = False
+
+    def request_stop(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    try:
+        n = 0
+        for region in args.regions.split(","):
+            for i in range(args.workers_per_region):
+                worker_id = f"{region}-{i + 1}"
+                base = args.base_port + 100 * n
+                n += 1
+                proc = _start_flyd(state, worker_id, region, f"{base}-{base + 99}")
+                address = _read_ready(proc, worker_id)
+                procs.append(
+                    (
+                        WorkerProc(
+                            worker_id,
+                            region,
+                            address,
+                            proc.pid,
+                            str(state / "logs" / f"{worker_id}.log"),
+                        ),
+                        proc,
+                    )
+                )
+        (state / "workers.json").write_text(json.dumps([asdict(p) for p, _ in procs], indent=2))
+        pid_file.write_text(str(os.getpid()))
+        print(
+            table(
+                [[p.worker_id, p.region, p.address, p.log] for p, _ in procs],
+                ["WORKER", "REGION", "GRPC", "LOG"],
+            )
+        )
+        if args.demo:
+            firsts = {p.region: p for p, _ in reversed(procs)}
+            for worker in sorted(firsts.values(), key=lambda p: p.region):
+                machine = asyncio.run(_create_demo(worker.address, "demo"))
+                machines.append((worker.address, machine))
+            for _, machine in machines:
+                if not _wait_listening(machine.ports[0].host_port):
+                    print(
+                        f"warning: machine {machine.id} does not accept connections yet",
+                        file=sys.stderr,
+                    )
+            print()
+            print(
+                table(
+                    [
+                        [
+                            m.id,
+                            m.region,
+                            m.worker_id,
+                            pb.MachineState.Name(m.state),
+                            f"http://127.0.0.1:{m.ports[0].host_port}/",
+                        ]
+                        for _, m in machines
+                    ],
+                    ["MACHINE", "REGION", "WORKER", "STATE", "URL"],
+                )
+            )
+            first_addr, first = machines[0]
+            print(f"\ntry:\n  curl http://127.0.0.1:{first.ports[0].host_port}/")
+            print(f"  grpcurl -plaintext {first_addr} list")
+            print(
+                f'  grpcurl -plaintext -d \'{{"machine_id": "{first.id}"}}\' {first_addr} '
+                "flyd.v1.WorkerService/GetMachine"
+            )
+            print(f"  grpcurl -plaintext -d '{{}}' {first_addr} flyd.v1.WorkerService/GetCapacity")
+        print("\nrunning; Ctrl-C stops everything", flush=True)
+        while not stopping and all(p.poll() is None for _, p in procs):
+            time.sleep(0.2)
+        if not stopping:
+            dead = [w.worker_id for w, p in procs if p.poll() is not None]
+            print(f"worker(s) {', '.join(dead)} exited; stopping", file=sys.stderr)
+    finally:
+        print("stopping...", flush=True)
+        for address, machine in machines:
+            with contextlib.suppress(grpc.RpcError):
+                asyncio.run(_destroy(address, machine.id))
+        for _, proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+        for _, proc in procs:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+        pid_file.unlink(missing_ok=True)
+        print("stopped")
+    return 0
+
+
+def _alive(pid: int) -> bool:
+    """Whether pid runs; a zombie (exited, not yet reaped by its parent) does not."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def _workers(state: Path) -> list[WorkerProc]:
+    path = state / "workers.json"
+    pid_file = state / "up.pid"
+    if not path.exists() or not pid_file.exists():
+        raise CliError(f"no cluster runs from {state}; start one with `nonomad up`")
+    return [WorkerProc(**item) for item in json.loads(path.read_text())]
+
+
+async def _capacities(workers: list[WorkerProc]) -> list[w.GetCapacityResponse | Exception]:
+    async def one(address: str) -> w.GetCapacityResponse | Exception:
+        try:
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = worker_pb2_grpc.WorkerServiceStub(channel)
+                return await stub.GetCapacity(w.GetCapacityRequest(), timeout=RPC_TIMEOUT)
+        except grpc.RpcError as err:
+            return err
+
+    return list(await asyncio.gather(*(one(wp.address) for wp in workers)))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    workers = _workers(args.state_dir.absolute())
+    results = asyncio.run(_capacities(workers))
+    rows: list[list[str]] = []
+    report: list[dict[str, object]] = []
+    for worker, result in zip(workers, results, strict=True):
+        if isinstance(result, Exception):
+            rows.append(
+                [worker.worker_id, worker.region, worker.address, "unreachable", "", "", ""]
+            )
+            report.append({"worker": worker.worker_id, "status": "unreachable"})
+            continue
+        cap = result.capacity
+        rows.append(
+            [
+                worker.worker_id,
+                worker.region,
+                worker.address,
+                "cordoned" if cap.cordoned else "up",
+                f"{cap.free.cpu_millicores}/{cap.total.cpu_millicores}",
+                f"{cap.free.memory_mib}/{cap.total.memory_mib}",
+                ", ".join(f"{k}={v}" for k, v in sorted(cap.machines_by_state.items())) or "-",
+            ]
+        )
+        report.append(
+            {
+                "worker": worker.worker_id,
+                "region": worker.region,
+                "address": worker.address,
+                "cordoned": cap.cordoned,
+                "free_cpu_millicores": cap.free.cpu_millicores,
+                "free_memory_mib": cap.free.memory_mib,
+                "machines": dict(cap.machines_by_state),
+            }
+        )
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(
+            table(
+                rows,
+                ["WORKER", "REGION", "GRPC", "STATUS", "CPU FREE", "MEM FREE (MiB)", "MACHINES"],
+            )
+        )
+    return 0 if all(not isinstance(r, Exception) for r in results) else 1
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    state = args.state_dir.absolute()
+    pid_file = state / "up.pid"
+    if not pid_file.exists():
+        raise CliError(f"no cluster runs from {state}")
+    pid = int(pid_file.read_text())
+    if not _alive(pid):
+        pid_file.unlink()
+        raise CliError(f"the cluster of {state} is not running (stale pid {pid} removed)")
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _alive(pid):
+        raise CliError(f"`nonomad up` (pid {pid}) did not stop within 60s")
+    print("stopped")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(
+        prog="nonomad", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    top.add_argument(
+        "--state-dir",
+        type=Path,
+        default=Path(".nonomad/cluster"),
+        help="where the local cluster keeps its state and logs",
+    )
+    sub = top.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="start a local cluster in the foreground")
+    up.add_argument("--regions", default="ams,syd", help="comma-separated region names")
+    up.add_argument("--workers-per-region", type=int, default=2)
+    up.add_argument(
+        "--base-port",
+        type=int,
+        default=20000,
+        help="first host port handed to machines (each worker gets 100)",
+    )
+    up.add_argument("--demo", action="store_true", help="deploy the demo app in every region")
+    up.set_defaults(func=cmd_up)
+    status = sub.add_parser("status", help="show the fleet")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.set_defaults(func=cmd_status)
+    down = sub.add_parser("down", help="stop the cluster `up` runs")
+    down.set_defaults(func=cmd_down)
+    return top
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    if getattr(args, "workers_per_region", 1) < 1:
+        print("nonomad: --workers-per-region must be at least 1", file=sys.stderr)
+        sys.exit(2)
+    try:
+        sys.exit(args.func(args))
+    except CliError as err:
+        print(f"nonomad: {err}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,26 @@
+"""The demo app `make up` deploys: answers every GET with who served it."""
+
+import http.server
+import os
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        body = (
+            f"hello from machine {os.environ['MACHINE_ID']} of app {os.environ['APP']} "
+            f"in region {os.environ['REGION']}\n"
+        ).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        print(self.address_string(), self.requestline, flush=True)
+
+
+if __name__ == "__main__":
+    port = int(os.environ["PORT"])
+    print(f"demo listening on 127.0.0.1:{port}", flush=True)
+    http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()

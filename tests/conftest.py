@@ -1,0 +1,118 @@
+"""Fixtures for flyd tests that run real flyd processes."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import signal
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from flyd.images import build_image
+from flyd.v1 import worker_pb2_grpc
+from tests.harness import ServiceProcess, clean_env, flyd_args
+
+DEMO_APP = """\
+import http.server, os, sys
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = f"hello from {os.environ['MACHINE_ID']}\\n".encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, fmt, *args):
+        print("request", self.path, flush=True)
+
+print("listening on", os.environ["PORT"], flush=True)
+http.server.ThreadingHTTPServer(("127.0.0.1", int(os.environ["PORT"])), Handler).serve_forever()
+"""
+
+# Each flyd in a test session gets its own host port range.
+_port_blocks = itertools.count(0)
+
+
+@pytest.fixture(scope="session")
+def image_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An image source with `demo:v1`: a tiny HTTP server on $PORT."""
+    root = tmp_path_factory.mktemp("images")
+    src = tmp_path_factory.mktemp("demo-src")
+    (src / "app.py").write_text(DEMO_APP)
+    build_image(src, root, name="demo", tag="v1", entrypoint=["python3", "-u", "app.py"])
+    return root
+
+
+def _kill_machines(data_dir: Path) -> None:
+    """Whatever machines a test left running die with it (their wrappers lead process groups)."""
+    for handle_file in data_dir.glob("machines/*/handle.json"):
+        with contextlib.suppress(Exception):
+            handle = json.loads(handle_file.read_text())
+            os.killpg(int(handle["pid"]), signal.SIGKILL)
+
+
+@pytest.fixture
+def flyd_factory(tmp_path: Path, image_source: Path) -> Iterator[Callable[..., ServiceProcess]]:
+    """Start real flyd processes; each call makes a new worker unless `data_dir` is reused."""
+    started: list[ServiceProcess] = []
+    data_dirs: list[Path] = []
+    prefix = f"nonomad-test-{uuid.uuid4().hex[:8]}"
+
+    def start(*extra: str, worker_id: str = "w1", data_dir: Path | None = None) -> ServiceProcess:
+        if data_dir is None:
+            data_dir = tmp_path / f"flyd-{worker_id}"
+        block = 21000 + 50 * (next(_port_blocks) % 200)
+        args = flyd_args(
+            data_dir,
+            image_source,
+            worker_id,
+            "ams",
+            "--ports",
+            f"{block}-{block + 49}",
+            "--cgroup-prefix",
+            prefix,
+            "--heartbeat-interval",
+            "0.1",
+            *extra,
+        )
+        proc = ServiceProcess("flyd", args, tmp_path / f"{worker_id}.log", env=clean_env())
+        started.append(proc.start())
+        data_dirs.append(data_dir)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.kill()
+    for data_dir in data_dirs:
+        _kill_machines(data_dir)
+    for controller in ("memory", "cpu", "pids"):
+        base = Path("/sys/fs/cgroup") / controller / prefix
+        if base.is_dir():
+            for child in base.iterdir():
+                if child.is_dir():
+                    with contextlib.suppress(OSError):
+                        child.rmdir()
+            with contextlib.suppress(OSError):
+                base.rmdir()
+
+
+@pytest.fixture
+async def stub_for() -> AsyncIterator[Callable[[str], worker_pb2_grpc.WorkerServiceStub]]:
+    """gRPC stubs to flyd addresses; channels are closed at the end."""
+    channels: list[grpc.aio.Channel] = []
+
+    def make(address: str) -> worker_pb2_grpc.WorkerServiceStub:
+        channel = grpc.aio.insecure_channel(address)
+        channels.append(channel)
+        return worker_pb2_grpc.WorkerServiceStub(channel)
+
+    yield make
+    for channel in channels:
+        await channel.close()

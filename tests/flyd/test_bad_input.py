@@ -1,0 +1,382 @@
+"""Every WorkerService RPC refuses bad input with a status naming the problem, changing nothing."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from google.protobuf.duration_pb2 import Duration
+
+from flyd.v1 import machine_pb2 as pb
+from flyd.v1 import worker_pb2 as w
+from flyd.v1 import worker_pb2_grpc
+from tests.conftest import _kill_machines
+from tests.harness import ServiceProcess, clean_env, flyd_args
+
+C = grpc.StatusCode
+S = pb.MachineState
+
+
+def cfg(**changes: Any) -> pb.MachineConfig:
+    config = pb.MachineConfig(
+        image="demo:v1",
+        guest=pb.GuestConfig(cpu_millicores=100, memory_mib=64),
+        entrypoint=["sleep"],
+        cmd=["1000"],
+    )
+    for path, value in changes.items():
+        target: Any = config
+        *parents, leaf = path.split("__")
+        for part in parents:
+            target = getattr(target, part)
+        if isinstance(value, list):
+            getattr(target, leaf).extend(value)
+        elif isinstance(value, dict):
+            getattr(target, leaf).update(value)
+        else:
+            setattr(target, leaf, value)
+    return config
+
+
+def with_service(config: pb.MachineConfig, *ports: int) -> pb.MachineConfig:
+    for port in ports:
+        config.services.add(internal_port=port)
+    return config
+
+
+def with_check(config: pb.MachineConfig, check: pb.CheckConfig) -> pb.MachineConfig:
+    config.checks.append(check)
+    return config
+
+
+def create(**kw: Any) -> w.CreateMachineRequest:
+    kw.setdefault("app", "demo")
+    kw.setdefault("config", cfg())
+    return w.CreateMachineRequest(**kw)
+
+
+UNKNOWN = "nosuchmachine"
+CASES: list[tuple[str, str, Any, grpc.StatusCode, str]] = [
+    # (id, rpc, request, code, text the message must contain)
+    ("app missing", "CreateMachine", create(app=""), C.INVALID_ARGUMENT, "app"),
+    ("app uppercase", "CreateMachine", create(app="Demo"), C.INVALID_ARGUMENT, "app"),
+    (
+        "machine id format",
+        "CreateMachine",
+        create(machine_id="a b"),
+        C.INVALID_ARGUMENT,
+        "machine_id",
+    ),
+    ("name too long", "CreateMachine", create(name="n" * 64), C.INVALID_ARGUMENT, "name"),
+    (
+        "image missing",
+        "CreateMachine",
+        create(config=cfg(image="")),
+        C.INVALID_ARGUMENT,
+        "config.image",
+    ),
+    (
+        "image malformed",
+        "CreateMachine",
+        create(config=cfg(image="Bad Image!")),
+        C.INVALID_ARGUMENT,
+        "config.image",
+    ),
+    (
+        "image unknown",
+        "CreateMachine",
+        create(config=cfg(image="nosuch:v1")),
+        C.NOT_FOUND,
+        "nosuch",
+    ),
+    (
+        "zero cpu",
+        "CreateMachine",
+        create(config=cfg(guest__cpu_millicores=0)),
+        C.INVALID_ARGUMENT,
+        "config.guest.cpu_millicores",
+    ),
+    (
+        "negative memory",
+        "CreateMachine",
+        create(config=cfg(guest__memory_mib=-64)),
+        C.INVALID_ARGUMENT,
+        "config.guest.memory_mib",
+    ),
+    (
+        "negative disk",
+        "CreateMachine",
+        create(config=cfg(guest__disk_mib=-1)),
+        C.INVALID_ARGUMENT,
+        "config.guest.disk_mib",
+    ),
+    (
+        "too big for the worker",
+        "CreateMachine",
+        create(config=cfg(guest__memory_mib=200_000)),
+        C.RESOURCE_EXHAUSTED,
+        "memory",
+    ),
+    (
+        "port out of range",
+        "CreateMachine",
+        create(config=with_service(cfg(), 70000)),
+        C.INVALID_ARGUMENT,
+        "config.services[0].internal_port",
+    ),
+    (
+        "port repeated",
+        "CreateMachine",
+        create(config=with_service(cfg(), 8080, 8080)),
+        C.INVALID_ARGUMENT,
+        "config.services[1].internal_port",
+    ),
+    (
+        "check without kind",
+        "CreateMachine",
+        create(config=with_check(with_service(cfg(), 8080), pb.CheckConfig(name="c"))),
+        C.INVALID_ARGUMENT,
+        "config.checks[0]",
+    ),
+    (
+        "check path",
+        "CreateMachine",
+        create(
+            config=with_check(
+                with_service(cfg(), 8080), pb.CheckConfig(http=pb.HttpCheck(path="health"))
+            )
+        ),
+        C.INVALID_ARGUMENT,
+        "config.checks[0].http.path",
+    ),
+    (
+        "env name",
+        "CreateMachine",
+        create(config=cfg(env={"1BAD": "x"})),
+        C.INVALID_ARGUMENT,
+        "config.env",
+    ),
+    (
+        "stop signal",
+        "CreateMachine",
+        create(config=cfg(stop__signal="SIGNOPE")),
+        C.INVALID_ARGUMENT,
+        "config.stop.signal",
+    ),
+    (
+        "negative retries",
+        "CreateMachine",
+        create(config=cfg(restart__max_retries=-1)),
+        C.INVALID_ARGUMENT,
+        "config.restart.max_retries",
+    ),
+    (
+        "standby id",
+        "CreateMachine",
+        create(config=cfg(standbys=["Not An Id"])),
+        C.INVALID_ARGUMENT,
+        "config.standbys[0]",
+    ),
+    (
+        "start unknown",
+        "StartMachine",
+        w.StartMachineRequest(machine_id=UNKNOWN),
+        C.NOT_FOUND,
+        UNKNOWN,
+    ),
+    ("start no id", "StartMachine", w.StartMachineRequest(), C.INVALID_ARGUMENT, "machine_id"),
+    ("stop unknown", "StopMachine", w.StopMachineRequest(machine_id=UNKNOWN), C.NOT_FOUND, UNKNOWN),
+    (
+        "stop bad signal",
+        "StopMachine",
+        w.StopMachineRequest(machine_id=UNKNOWN, signal="NOPE"),
+        C.INVALID_ARGUMENT,
+        "signal",
+    ),
+    (
+        "stop negative timeout",
+        "StopMachine",
+        w.StopMachineRequest(machine_id=UNKNOWN, timeout=Duration(seconds=-1)),
+        C.INVALID_ARGUMENT,
+        "timeout",
+    ),
+    (
+        "restart unknown",
+        "RestartMachine",
+        w.RestartMachineRequest(machine_id=UNKNOWN),
+        C.NOT_FOUND,
+        UNKNOWN,
+    ),
+    (
+        "signal missing",
+        "SignalMachine",
+        w.SignalMachineRequest(machine_id=UNKNOWN),
+        C.INVALID_ARGUMENT,
+        "signal",
+    ),
+    (
+        "signal unknown name",
+        "SignalMachine",
+        w.SignalMachineRequest(machine_id=UNKNOWN, signal="SIGWHAT"),
+        C.INVALID_ARGUMENT,
+        "signal",
+    ),
+    (
+        "destroy unknown",
+        "DestroyMachine",
+        w.DestroyMachineRequest(machine_id=UNKNOWN),
+        C.NOT_FOUND,
+        UNKNOWN,
+    ),
+    ("get unknown", "GetMachine", w.GetMachineRequest(machine_id=UNKNOWN), C.NOT_FOUND, UNKNOWN),
+    ("get no id", "GetMachine", w.GetMachineRequest(), C.INVALID_ARGUMENT, "machine_id"),
+    (
+        "list bad app",
+        "ListMachines",
+        w.ListMachinesRequest(app="Not_An_App"),
+        C.INVALID_ARGUMENT,
+        "app",
+    ),
+    (
+        "wait unknown",
+        "WaitMachine",
+        w.WaitMachineRequest(machine_id=UNKNOWN, state=S.MACHINE_STATE_STARTED),
+        C.NOT_FOUND,
+        UNKNOWN,
+    ),
+    (
+        "wait too long",
+        "WaitMachine",
+        w.WaitMachineRequest(
+            machine_id=UNKNOWN, state=S.MACHINE_STATE_STARTED, timeout=Duration(seconds=61)
+        ),
+        C.INVALID_ARGUMENT,
+        "timeout",
+    ),
+    (
+        "logs unknown",
+        "GetMachineLogs",
+        w.GetMachineLogsRequest(machine_id=UNKNOWN),
+        C.NOT_FOUND,
+        UNKNOWN,
+    ),
+    (
+        "logs tail",
+        "GetMachineLogs",
+        w.GetMachineLogsRequest(machine_id=UNKNOWN, tail_lines=-1),
+        C.INVALID_ARGUMENT,
+        "tail_lines",
+    ),
+    (
+        "watch from the future",
+        "WatchEvents",
+        w.WatchEventsRequest(from_seq=10**9),
+        C.INVALID_ARGUMENT,
+        "from_seq",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def flyd(tmp_path_factory: pytest.TempPathFactory, image_source: Path) -> Iterator[str]:
+    tmp = tmp_path_factory.mktemp("bad-input")
+    proc = ServiceProcess(
+        "flyd",
+        flyd_args(
+            tmp / "data",
+            image_source,
+            "w1",
+            "ams",
+            "--ports",
+            "23000-23049",
+            "--cgroup-prefix",
+            f"nonomad-test-{uuid.uuid4().hex[:8]}",
+        ),
+        tmp / "flyd.log",
+        env=clean_env(),
+    ).start()
+    yield proc.address
+    proc.kill()
+    _kill_machines(tmp / "data")
+
+
+@pytest.fixture
+async def stub(flyd: str) -> AsyncIterator[worker_pb2_grpc.WorkerServiceStub]:
+    async with grpc.aio.insecure_channel(flyd) as channel:
+        yield worker_pb2_grpc.WorkerServiceStub(channel)
+
+
+async def call(stub: worker_pb2_grpc.WorkerServiceStub, rpc: str, request: Any) -> None:
+    method = getattr(stub, rpc)
+    if rpc in ("WatchEvents", "GetMachineLogs"):
+        async for _ in method(request, timeout=10):
+            pass
+    else:
+        await method(request, timeout=10)
+
+
+@pytest.mark.parametrize(
+    ("rpc", "request_", "code", "text"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+async def test_bad_input_is_refused(
+    stub: worker_pb2_grpc.WorkerServiceStub,
+    rpc: str,
+    request_: Any,
+    code: grpc.StatusCode,
+    text: str,
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call(stub, rpc, request_)
+    assert err.value.code() == code, err.value.details()
+    assert text in (err.value.details() or "")
+
+
+async def test_invalid_transitions_are_refused_and_change_nothing(
+    stub: worker_pb2_grpc.WorkerServiceStub,
+) -> None:
+    machine = (await stub.CreateMachine(create(skip_launch=True), timeout=10)).machine
+    for rpc, request in [
+        ("RestartMachine", w.RestartMachineRequest(machine_id=machine.id)),
+        ("SignalMachine", w.SignalMachineRequest(machine_id=machine.id, signal="SIGHUP")),
+    ]:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call(stub, rpc, request)
+        assert err.value.code() == C.FAILED_PRECONDITION
+        assert "created" in (err.value.details() or "")
+    # The same id with another config is not the same machine.
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.CreateMachine(
+            create(machine_id=machine.id, config=cfg(cmd=["2000"])), timeout=10
+        )
+    assert err.value.code() == C.ALREADY_EXISTS
+
+    await stub.DestroyMachine(w.DestroyMachineRequest(machine_id=machine.id), timeout=10)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.StartMachine(w.StartMachineRequest(machine_id=machine.id), timeout=10)
+    assert err.value.code() == C.FAILED_PRECONDITION
+    assert "destroyed" in (err.value.details() or "")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.WaitMachine(
+            w.WaitMachineRequest(machine_id=machine.id, state=S.MACHINE_STATE_STARTED), timeout=10
+        )
+    assert err.value.code() == C.FAILED_PRECONDITION
+
+    history = (await stub.GetMachine(w.GetMachineRequest(machine_id=machine.id))).machine.events
+    assert [e.to_state for e in history] == [
+        S.MACHINE_STATE_CREATED,
+        S.MACHINE_STATE_DESTROYING,
+        S.MACHINE_STATE_DESTROYED,
+    ]
+
+
+async def test_refused_calls_leave_no_trace(stub: worker_pb2_grpc.WorkerServiceStub) -> None:
+    """Run after the tables: only the one machine of the transition test was ever recorded."""
+    first = await anext(aiter(stub.WatchEvents(w.WatchEventsRequest(from_seq=0), timeout=10)))
+    machines = first.snapshot.machines
+    assert len(machines) <= 1
+    assert all(m.app == "demo" for m in machines)
+    assert first.snapshot.seq == (3 if machines else 0)

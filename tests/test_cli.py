@@ -1,0 +1,107 @@
+"""The `nonomad` CLI as a user runs it: a real local cluster serving the demo app."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from tests.harness import REPO_ROOT, clean_env
+
+NONOMAD = [sys.executable, "-c", "from nonomad.cli import main; main()"]
+
+
+def nonomad(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*NONOMAD, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO_ROOT,
+        env=clean_env(),
+        check=False,
+    )
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie left to a non-reaping init is not alive.
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def test_up_serves_the_demo_app_and_down_leaves_nothing_behind(tmp_path: Path) -> None:
+    state = tmp_path / "cluster"
+    up = subprocess.Popen(
+        [
+            *NONOMAD,
+            "--state-dir",
+            str(state),
+            "up",
+            "--demo",
+            "--regions",
+            "ams",
+            "--workers-per-region",
+            "2",
+            "--base-port",
+            "24000",
+        ],
+        cwd=REPO_ROOT,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert up.stdout is not None
+    out: list[str] = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = up.stdout.readline()
+            assert line, "".join(out)
+            out.append(line)
+            if line.startswith("running;"):
+                break
+        text = "".join(out)
+        url = re.search(r"http://127\.0\.0\.1:\d+/", text)
+        assert url, text
+        with urllib.request.urlopen(url.group(0), timeout=10) as resp:
+            assert "hello from machine" in resp.read().decode()
+
+        status = nonomad("--state-dir", str(state), "status", "--json")
+        assert status.returncode == 0, status.stderr
+        report = json.loads(status.stdout)
+        assert [r["worker"] for r in report] == ["ams-1", "ams-2"]
+        assert sum(r["machines"].get("started", 0) for r in report) == 1
+
+        workers = json.loads((state / "workers.json").read_text())
+        down = nonomad("--state-dir", str(state), "down")
+        assert down.returncode == 0, down.stderr
+        assert up.wait(30) == 0
+        assert not any(alive(w["pid"]) for w in workers)
+        assert not (state / "up.pid").exists()
+    finally:
+        if up.poll() is None:
+            up.send_signal(signal.SIGTERM)
+            up.wait(30)
+        up.stdout.close()
+
+
+def test_status_without_a_cluster_fails_clearly(tmp_path: Path) -> None:
+    result = nonomad("--state-dir", str(tmp_path / "none"), "status")
+    assert result.returncode == 1
+    assert "no cluster runs from" in result.stderr
+
+
+def test_bad_flags_exit_2(tmp_path: Path) -> None:
+    result = nonomad("--state-dir", str(tmp_path), "up", "--workers-per-region", "0")
+    assert result.returncode == 2
+    assert "--workers-per-region" in result.stderr

@@ -1,0 +1,139 @@
+"""Each service as a real process, driven with nothing but the real grpcurl binary."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import _kill_machines
+from tests.harness import ServiceProcess, clean_env, flyd_args, grpcurl
+
+
+@pytest.fixture(scope="module")
+def flyd(tmp_path_factory: pytest.TempPathFactory, image_source: Path) -> Iterator[str]:
+    tmp = tmp_path_factory.mktemp("grpcurl")
+    proc = ServiceProcess(
+        "flyd",
+        flyd_args(
+            tmp / "data",
+            image_source,
+            "w1",
+            "ams",
+            "--ports",
+            "23050-23099",
+            "--cgroup-prefix",
+            f"nonomad-test-{uuid.uuid4().hex[:8]}",
+        ),
+        tmp / "flyd.log",
+        env=clean_env(),
+    ).start()
+    yield proc.address
+    assert proc.terminate() == 0  # graceful shutdown exits 0
+    _kill_machines(tmp / "data")
+
+
+def ok(*args: str) -> str:
+    result = grpcurl(*args)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_list_shows_the_service_health_and_reflection(flyd: str) -> None:
+    services = ok("-plaintext", flyd, "list").split()
+    assert {
+        "flyd.v1.WorkerService",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+    } <= set(services)
+
+
+def test_describe_and_health(flyd: str) -> None:
+    described = ok("-plaintext", flyd, "describe", "flyd.v1.WorkerService")
+    for rpc in ("CreateMachine", "WatchEvents", "GetMachineLogs", "CordonWorker"):
+        assert f"rpc {rpc}" in described
+    assert "message CreateMachineRequest" in ok(
+        "-plaintext", flyd, "describe", "flyd.v1.CreateMachineRequest"
+    )
+    for service in ("", "flyd.v1.WorkerService"):
+        health = json.loads(
+            ok(
+                "-plaintext",
+                "-d",
+                json.dumps({"service": service}),
+                flyd,
+                "grpc.health.v1.Health/Check",
+            )
+        )
+        assert health == {"status": "SERVING"}
+
+
+def test_a_machine_lifecycle_with_json_bodies_alone(flyd: str) -> None:
+    body = {
+        "app": "demo",
+        "config": {
+            "image": "demo:v1",
+            "guest": {"cpu_millicores": 100, "memory_mib": 64},
+            "entrypoint": ["sleep"],
+            "cmd": ["1000"],
+        },
+    }
+    created = json.loads(
+        ok("-plaintext", "-d", json.dumps(body), flyd, "flyd.v1.WorkerService/CreateMachine")
+    )["machine"]
+    mid = created["id"]
+    waited = json.loads(
+        ok(
+            "-plaintext",
+            "-d",
+            json.dumps({"machine_id": mid, "state": "MACHINE_STATE_STARTED", "timeout": "20s"}),
+            flyd,
+            "flyd.v1.WorkerService/WaitMachine",
+        )
+    )["machine"]
+    assert waited["state"] == "MACHINE_STATE_STARTED"
+    got = json.loads(
+        ok(
+            "-plaintext",
+            "-d",
+            json.dumps({"machine_id": mid}),
+            flyd,
+            "flyd.v1.WorkerService/GetMachine",
+        )
+    )["machine"]
+    assert got["app"] == "demo"
+    assert got["region"] == "ams"
+    assert got["worker_id"] == "w1"
+    destroyed = json.loads(
+        ok(
+            "-plaintext",
+            "-d",
+            json.dumps({"machine_id": mid, "force": True}),
+            flyd,
+            "flyd.v1.WorkerService/DestroyMachine",
+        )
+    )["machine"]
+    assert destroyed["state"] in ("MACHINE_STATE_DESTROYING", "MACHINE_STATE_DESTROYED")
+    ok(
+        "-plaintext",
+        "-d",
+        json.dumps({"machine_id": mid, "state": "MACHINE_STATE_DESTROYED", "timeout": "20s"}),
+        flyd,
+        "flyd.v1.WorkerService/WaitMachine",
+    )
+
+
+def test_bad_input_through_grpcurl_names_the_field(flyd: str) -> None:
+    body = {
+        "app": "demo",
+        "config": {"image": "demo:v1", "guest": {"cpu_millicores": 100, "memory_mib": -5}},
+    }
+    result = grpcurl(
+        "-plaintext", "-d", json.dumps(body), flyd, "flyd.v1.WorkerService/CreateMachine"
+    )
+    assert result.returncode != 0
+    assert "InvalidArgument" in result.stderr
+    assert "config.guest.memory_mib" in result.stderr
