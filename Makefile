@@ -41,7 +41,7 @@ check-gen: env
 	for f in $$(cd $$tmp && find . -type f | sort); do \
 	  cmp -s $$tmp/$$f $$f || { echo "stale generated code: $$f (run make gen)"; exit 1; }; \
 	done && \
-	for f in $$(find flyd/v1 flaps/v1 proxy/v1 -name '*_pb2*' | sort); do \
+	for f in $$(find flyd/v1 flaps/v1 proxy/v1 registry/v1 -name '*_pb2*' | sort); do \
 	  [ -f $$tmp/$$f ] || { echo "generated file without a proto: $$f"; exit 1; }; \
 	done && echo "generated code is fresh"
 

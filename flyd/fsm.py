@@ -11,6 +11,7 @@ Operations and their steps:
     start           begin -> spawn -> release -> (STARTED)
     stop            kill -> (STOPPED)
     restart         kill -> spawn -> release -> (STARTED)
+    update          [kill ->] spawn -> release -> (STARTED)  new config, same id
     policy_restart  backoff -> spawn -> release -> (STARTED)   after a crash
     signal          send -> (unchanged)
     destroy         [kill ->] cleanup -> (DESTROYED)
@@ -42,7 +43,7 @@ EVENT_TAIL = 10
 # Attempts to spawn before a start is given up as FAILED.
 MAX_SPAWN_ATTEMPTS = 3
 
-OpKind = Literal["start", "stop", "restart", "policy_restart", "signal", "destroy"]
+OpKind = Literal["start", "stop", "restart", "policy_restart", "signal", "destroy", "update"]
 
 
 def state_name(state: int) -> str:
@@ -59,6 +60,7 @@ class Op:
     timeout: float = 10.0
     not_before: float = 0.0  # backoff: do not spawn before this time
     attempts: int = 0
+    launch: bool = True  # update: start the machine again afterwards
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ class Row:
     op: Op | None = None
     handle: dict[str, Any] | None = None  # the driver's process handle
     restarts: tuple[float, ...] = ()  # times of policy restarts, for the retry window
+    lease: dict[str, Any] | None = None  # nonce, expires_at, owner, description
 
     @property
     def state(self) -> int:
@@ -108,6 +111,19 @@ class SignalRequested:
 @dataclass(frozen=True)
 class DestroyRequested:
     force: bool
+
+
+@dataclass(frozen=True)
+class UpdateRequested:
+    """Replace the config in place; the worker has already pulled the image and mapped ports."""
+
+    config: pb.MachineConfig
+    instance_id: str
+    image_digest: str
+    ports: tuple[pb.PortMapping, ...]
+    launch: bool
+    stop_signal: int
+    stop_timeout: float
 
 
 @dataclass(frozen=True)
@@ -164,6 +180,7 @@ Event = (
     | RestartRequested
     | SignalRequested
     | DestroyRequested
+    | UpdateRequested
     | Spawned
     | SpawnFailed
     | Released
@@ -307,6 +324,8 @@ def step(row: Row, event: Event, *, now: float, policy: Policy) -> Transition | 
             return b.to(row.state, f"{signal_name(sig)} requested", op=Op("signal", "send", sig))
         case DestroyRequested(force=force):
             return _destroy(row, now, force)
+        case UpdateRequested():
+            return _update(row, event, now)
         case Spawned(handle=handle):
             if row.op is None or row.op.step != "spawn":
                 return None
@@ -401,6 +420,96 @@ def _destroy(row: Row, now: float, force: bool) -> Transition | None:
     return b.to(S.MACHINE_STATE_DESTROYING, "destroy requested", op=Op("destroy", "cleanup"))
 
 
+def _update(row: Row, ev: UpdateRequested, now: float) -> Transition:
+    if row.state in (S.MACHINE_STATE_DESTROYING, S.MACHINE_STATE_DESTROYED):
+        raise FailedPrecondition(f"cannot update a {state_name(row.state)} machine")
+    if row.op is not None and row.op.kind != "policy_restart":
+        raise FailedPrecondition(f"machine is busy ({row.op.kind}); retry when it settles")
+    machine = pb.Machine()
+    machine.CopyFrom(row.machine)
+    machine.config.CopyFrom(ev.config)
+    machine.instance_id = ev.instance_id
+    machine.restart_count = 0
+    del machine.ports[:]
+    machine.ports.extend(ev.ports)
+    del machine.log_tail[:]
+    row = replace(row, machine=machine, image_digest=ev.image_digest, restarts=())
+    reason = f"update to instance {ev.instance_id}"
+    if row.running:
+        op = Op("update", "kill", signal=ev.stop_signal, timeout=ev.stop_timeout, launch=ev.launch)
+        b = _Builder(row, now, "update", [Kill(ev.stop_signal, ev.stop_timeout)])
+        return b.to(S.MACHINE_STATE_STOPPING, f"{reason}: stopping the old one", op=op)
+    if not ev.launch:
+        state = S.MACHINE_STATE_STOPPED if row.op is not None else row.state
+        return _Builder(row, now, "update").to(state, reason, op=None)
+    b = _Builder(row, now, "update", [Spawn()])
+    return b.to(S.MACHINE_STATE_STARTING, reason, op=Op("update", "spawn"))
+
+
+def lease_held(row: Row, now: float) -> bool:
+    return row.lease is not None and float(row.lease["expires_at"]) > now
+
+
+def check_lease(row: Row, nonce: str, now: float) -> None:
+    """Changes to a leased machine need the lease's nonce."""
+    lease = row.lease
+    if lease is not None and lease_held(row, now) and nonce != lease["nonce"]:
+        raise FailedPrecondition(
+            f"machine {row.machine.id} is leased by {lease['owner'] or 'someone'} for "
+            f"{float(lease['expires_at']) - now:.0f}s more; pass its lease_nonce"
+        )
+
+
+def _with_lease(row: Row, lease: dict[str, Any] | None, now: float, reason: str) -> Transition:
+    machine = pb.Machine()
+    machine.CopyFrom(row.machine)
+    machine.ClearField("lease")
+    if lease is not None:
+        machine.lease.owner = lease["owner"]
+        machine.lease.description = lease["description"]
+        machine.lease.expires_at.CopyFrom(timestamp(float(lease["expires_at"])))
+    b = _Builder(replace(row, machine=machine, lease=lease), now, "lease")
+    return b.to(row.state, reason)
+
+
+def acquire_lease(
+    row: Row,
+    *,
+    new_nonce: str,
+    nonce: str,
+    ttl: float,
+    owner: str,
+    description: str,
+    now: float,
+) -> Transition:
+    """Take the lease, or refresh it when `nonce` is the current one (keeping the nonce)."""
+    if row.state in (S.MACHINE_STATE_DESTROYING, S.MACHINE_STATE_DESTROYED):
+        raise FailedPrecondition(f"cannot lease a {state_name(row.state)} machine")
+    current = row.lease
+    if current is not None and lease_held(row, now):
+        if nonce != current["nonce"]:
+            raise FailedPrecondition(
+                f"machine {row.machine.id} is leased by {current['owner'] or 'someone'}"
+            )
+        new_nonce = current["nonce"]
+    lease = {
+        "nonce": new_nonce,
+        "expires_at": now + ttl,
+        "owner": owner,
+        "description": description,
+    }
+    return _with_lease(row, lease, now, f"lease held by {owner or 'someone'} for {ttl:g}s")
+
+
+def release_lease(row: Row, nonce: str, now: float) -> Transition | None:
+    """Drop the lease; an expired one goes whatever the nonce."""
+    if row.lease is None:
+        return None
+    if lease_held(row, now) and nonce != row.lease["nonce"]:
+        raise FailedPrecondition("that is not the nonce of the lease held on the machine")
+    return _with_lease(row, None, now, "lease released")
+
+
 def _retry_spawn(row: Row, now: float, why: str) -> Transition:
     assert row.op is not None
     attempts = row.op.attempts + 1
@@ -452,6 +561,17 @@ def _exited(row: Row, ev: Exited, now: float, policy: Policy) -> Transition | No
         if op.kind == "destroy":
             b = _Builder(row, now, "destroy", [Cleanup()])
             return b.to(row.state, what, op=replace(op, step="cleanup"), handle=None)
+        if op.kind == "update":
+            if not op.launch:
+                b = _Builder(row, now, "update")
+                return b.to(S.MACHINE_STATE_STOPPED, f"{what}; updated", op=None, handle=None)
+            b = _Builder(row, now, "update", [Spawn()])
+            return b.to(
+                S.MACHINE_STATE_STARTING,
+                f"{what}; starting the new config",
+                op=replace(op, step="spawn"),
+                handle=None,
+            )
     if op is not None and op.step in ("spawn", "release"):
         # Died before it was declared started (flyd restarted in between): try again.
         return _retry_spawn(row, now, what)
@@ -537,6 +657,7 @@ def encode_row(row: Row) -> bytes:
         "op": None if row.op is None else row.op.__dict__,
         "handle": row.handle,
         "restarts": list(row.restarts),
+        "lease": row.lease,
     }
     return _ROW_HEADER.pack(ROW_VERSION, len(machine)) + machine + json.dumps(internals).encode()
 
@@ -555,6 +676,7 @@ def decode_row(raw: bytes) -> Row:
         op=None if op is None else Op(**op),
         handle=internals["handle"],
         restarts=tuple(internals["restarts"]),
+        lease=internals.get("lease"),
     )
 
 

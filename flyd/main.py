@@ -7,6 +7,9 @@ import contextlib
 import secrets
 import signal
 
+import grpc
+import structlog
+
 from flyd import fsm
 from flyd.clock import SystemClock
 from flyd.driver import ProcessDriver
@@ -14,16 +17,21 @@ from flyd.images import ImageCache, ImageSource
 from flyd.service import WorkerServicer, map_error
 from flyd.settings import FlydSettings
 from flyd.store import LmdbMachineLog
+from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2, worker_pb2_grpc
 from flyd.worker import Identity, Worker
 from nonomad.runtime import (
     Service,
+    aio_channel,
     configure_logging,
     main_entry,
     settings_or_exit,
     setup_tracing,
 )
+from registry.v1 import registry_pb2, registry_pb2_grpc
 
+log = structlog.get_logger("flyd")
+ANNOUNCE_TIMEOUT = 2.0
 # How often machine logs are checked against their size bound.
 LOG_ROTATE_INTERVAL = 1.0
 
@@ -101,6 +109,37 @@ async def build(argv: list[str]) -> Service:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(shutdown.wait(), LOG_ROTATE_INTERVAL)
 
+    async def announce(shutdown: asyncio.Event) -> None:
+        """Tell the configured replicas who this worker is, now and every so often.
+
+        Replicas follow a worker once they know it; repeating the announcement lets replicas
+        that restarted, or started later, learn of it without anyone restarting anything.
+        """
+        address = await service.wait_ready()
+        info = pb.WorkerInfo(
+            id=identity.worker_id,
+            region=identity.region,
+            address=identity.address or address,
+            labels=identity.labels,
+            boot_id=identity.boot_id,
+        )
+        channels = {target: aio_channel(target) for target in settings.announce}
+        try:
+            while not shutdown.is_set():
+                for target, channel in channels.items():
+                    stub = registry_pb2_grpc.RegistryServiceStub(channel)
+                    try:
+                        await stub.Announce(
+                            registry_pb2.AnnounceRequest(worker=info), timeout=ANNOUNCE_TIMEOUT
+                        )
+                    except grpc.aio.AioRpcError as err:
+                        log.info("announce failed", target=target, code=err.code().name)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(shutdown.wait(), settings.announce_interval)
+        finally:
+            for channel in channels.values():
+                await channel.close()
+
     async def close() -> None:
         assert worker is not None
         await worker.close()
@@ -108,6 +147,8 @@ async def build(argv: list[str]) -> Service:
         store.close()
 
     service.spawn("worker", run_worker)
+    if settings.announce:
+        service.spawn("announce", announce)
     service.on_shutdown(close)
     return service
 

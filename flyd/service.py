@@ -38,6 +38,7 @@ _CODES: list[tuple[type[FlydError], grpc.StatusCode]] = [
 MAX_WAIT = 60.0
 DEFAULT_WAIT = 30.0
 MAX_TAIL = 10_000
+MAX_LEASE = 3600.0
 
 
 def map_error(err: Exception) -> tuple[grpc.StatusCode, str] | None:
@@ -75,7 +76,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def StartMachine(
         self, request: w.StartMachineRequest, context: grpc.aio.ServicerContext
     ) -> w.StartMachineResponse:
-        return w.StartMachineResponse(machine=await self.worker.start(request.machine_id))
+        machine = await self.worker.start(request.machine_id, lease_nonce=request.lease_nonce)
+        return w.StartMachineResponse(machine=machine)
 
     def _stop_args(
         self, request: w.StopMachineRequest | w.RestartMachineRequest
@@ -93,7 +95,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     ) -> w.StopMachineResponse:
         sig, timeout = self._stop_args(request)
         return w.StopMachineResponse(
-            machine=await self.worker.stop(request.machine_id, sig, timeout)
+            machine=await self.worker.stop(
+                request.machine_id, sig, timeout, lease_nonce=request.lease_nonce
+            )
         )
 
     async def RestartMachine(
@@ -101,7 +105,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     ) -> w.RestartMachineResponse:
         sig, timeout = self._stop_args(request)
         return w.RestartMachineResponse(
-            machine=await self.worker.restart(request.machine_id, sig, timeout)
+            machine=await self.worker.restart(
+                request.machine_id, sig, timeout, lease_nonce=request.lease_nonce
+            )
         )
 
     async def SignalMachine(
@@ -110,13 +116,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if not request.signal:
             raise InvalidArgument("signal", "is required")
         sig = parse_signal("signal", request.signal)
-        return w.SignalMachineResponse(machine=await self.worker.signal(request.machine_id, sig))
+        machine = await self.worker.signal(request.machine_id, sig, lease_nonce=request.lease_nonce)
+        return w.SignalMachineResponse(machine=machine)
 
     async def DestroyMachine(
         self, request: w.DestroyMachineRequest, context: grpc.aio.ServicerContext
     ) -> w.DestroyMachineResponse:
         return w.DestroyMachineResponse(
-            machine=await self.worker.destroy(request.machine_id, request.force)
+            machine=await self.worker.destroy(
+                request.machine_id, request.force, lease_nonce=request.lease_nonce
+            )
         )
 
     async def GetMachine(
@@ -185,3 +194,42 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self, request: w.CordonWorkerRequest, context: grpc.aio.ServicerContext
     ) -> w.CordonWorkerResponse:
         return w.CordonWorkerResponse(cordoned=self.worker.cordon(request.cordoned))
+
+    async def UpdateMachine(
+        self, request: w.UpdateMachineRequest, context: grpc.aio.ServicerContext
+    ) -> w.UpdateMachineResponse:
+        machine = await self.worker.update(
+            request.machine_id,
+            request.config,
+            skip_launch=request.skip_launch,
+            lease_nonce=request.lease_nonce,
+        )
+        return w.UpdateMachineResponse(machine=machine)
+
+    async def AcquireLease(
+        self, request: w.AcquireLeaseRequest, context: grpc.aio.ServicerContext
+    ) -> w.AcquireLeaseResponse:
+        ttl = duration_seconds(
+            "ttl", request.ttl, default=0, maximum=MAX_LEASE, present=request.HasField("ttl")
+        )
+        if ttl < 1:
+            raise InvalidArgument("ttl", "must be at least 1s")
+        lease = await self.worker.acquire_lease(
+            request.machine_id,
+            ttl=ttl,
+            owner=request.owner,
+            description=request.description,
+            nonce=request.nonce,
+        )
+        return w.AcquireLeaseResponse(lease=lease)
+
+    async def ReleaseLease(
+        self, request: w.ReleaseLeaseRequest, context: grpc.aio.ServicerContext
+    ) -> w.ReleaseLeaseResponse:
+        await self.worker.release_lease(request.machine_id, request.nonce)
+        return w.ReleaseLeaseResponse()
+
+    async def ListMachineEvents(
+        self, request: w.ListMachineEventsRequest, context: grpc.aio.ServicerContext
+    ) -> w.ListMachineEventsResponse:
+        return w.ListMachineEventsResponse(events=list(self.worker.events(request.machine_id)))

@@ -55,6 +55,11 @@ class FlydSettings(ServiceSettings):
         default=None, description="address others reach this worker at (default: bound address)"
     )
     labels: dict[str, str] = Field(default_factory=dict, description="placement labels")
+    announce: list[str] = Field(
+        default_factory=list,
+        description="registry replicas (registry, flaps or proxy addresses) to announce to",
+    )
+    announce_interval: float = Field(default=5.0, gt=0, description="s between announcements")
     run_as: str | None = Field(default=None, description="unprivileged user for machines")
     cgroup_root: Path = Field(default=Path("/sys/fs/cgroup"), description="cgroup v1 mount")
     cgroup_prefix: str = Field(default="nonomad", description="cgroup folder for machines")

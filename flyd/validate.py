@@ -140,6 +140,12 @@ def check_config(config: pb.MachineConfig, field: str = "config") -> None:
     )
     for i, standby in enumerate(config.standbys):
         check_name(f"{field}.standbys[{i}]", standby)
+    placement = config.placement
+    if placement.max_per_worker < 0:
+        raise InvalidArgument(f"{field}.placement.max_per_worker", "must not be negative")
+    for key in placement.required_labels:
+        if not key or len(key) > 128:
+            raise InvalidArgument(f"{field}.placement.required_labels", "keys are 1-128 chars")
     if len(config.metadata) > MAX_METADATA:
         raise InvalidArgument(f"{field}.metadata", f"at most {MAX_METADATA} entries")
     for key, value in config.metadata.items():

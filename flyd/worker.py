@@ -166,8 +166,13 @@ class Worker:
             lock = self._locks[machine_id] = asyncio.Lock()
         return lock
 
-    async def drive(self, machine_id: str, event: fsm.Event) -> None:
+    async def drive(
+        self, machine_id: str, event: fsm.Event, *, lease_nonce: str | None = None
+    ) -> None:
+        """Apply an event; a caller's request (lease_nonce given) must hold any lease."""
         async with self._lock(machine_id):
+            if lease_nonce is not None:
+                fsm.check_lease(self.rows[machine_id], lease_nonce, self.clock.now())
             await self._drive_locked(machine_id, event)
 
     async def _drive_locked(self, machine_id: str, event: fsm.Event | None) -> None:
@@ -330,8 +335,14 @@ class Worker:
             cached.last_used.FromNanoseconds(int(img.last_used * 1e9))
         return cap
 
-    def _check_room(self, guest: pb.GuestConfig) -> None:
+    def _check_room(self, guest: pb.GuestConfig, instead_of: pb.GuestConfig | None = None) -> None:
+        """Raise ResourceExhausted unless `guest` fits (replacing `instead_of`, for an update)."""
         used = self.reserved()
+        if instead_of is not None:
+            used.cpu_millicores -= instead_of.cpu_millicores
+            used.memory_mib -= instead_of.memory_mib
+            used.disk_mib -= instead_of.disk_mib
+            used.machines -= 1
         wants = [
             (
                 "cpu",
@@ -471,32 +482,124 @@ class Worker:
             raise AlreadyExists(f"machine {machine_id} exists with another app or config")
         return row.machine
 
-    async def start(self, machine_id: str) -> pb.Machine:
+    async def start(self, machine_id: str, *, lease_nonce: str = "") -> pb.Machine:
         self.get(machine_id)
-        await self.drive(machine_id, fsm.StartRequested())
+        await self.drive(machine_id, fsm.StartRequested(), lease_nonce=lease_nonce)
         return self.rows[machine_id].machine
 
-    async def stop(self, machine_id: str, sig: int | None, timeout: float | None) -> pb.Machine:
+    async def stop(
+        self, machine_id: str, sig: int | None, timeout: float | None, *, lease_nonce: str = ""
+    ) -> pb.Machine:
         row = self.get(machine_id)
         sig, timeout = self._stop_params(row, sig, timeout)
-        await self.drive(machine_id, fsm.StopRequested(sig, timeout))
+        await self.drive(machine_id, fsm.StopRequested(sig, timeout), lease_nonce=lease_nonce)
         return self.rows[machine_id].machine
 
-    async def restart(self, machine_id: str, sig: int | None, timeout: float | None) -> pb.Machine:
+    async def restart(
+        self, machine_id: str, sig: int | None, timeout: float | None, *, lease_nonce: str = ""
+    ) -> pb.Machine:
         row = self.get(machine_id)
         sig, timeout = self._stop_params(row, sig, timeout)
-        await self.drive(machine_id, fsm.RestartRequested(sig, timeout))
+        await self.drive(machine_id, fsm.RestartRequested(sig, timeout), lease_nonce=lease_nonce)
         return self.rows[machine_id].machine
 
-    async def signal(self, machine_id: str, sig: int) -> pb.Machine:
+    async def signal(self, machine_id: str, sig: int, *, lease_nonce: str = "") -> pb.Machine:
         self.get(machine_id)
-        await self.drive(machine_id, fsm.SignalRequested(sig))
+        await self.drive(machine_id, fsm.SignalRequested(sig), lease_nonce=lease_nonce)
         return self.rows[machine_id].machine
 
-    async def destroy(self, machine_id: str, force: bool) -> pb.Machine:
+    async def destroy(self, machine_id: str, force: bool, *, lease_nonce: str = "") -> pb.Machine:
         self.get(machine_id)
-        await self.drive(machine_id, fsm.DestroyRequested(force))
+        await self.drive(machine_id, fsm.DestroyRequested(force), lease_nonce=lease_nonce)
         return self.rows[machine_id].machine
+
+    async def update(
+        self,
+        machine_id: str,
+        config: pb.MachineConfig,
+        *,
+        skip_launch: bool,
+        lease_nonce: str = "",
+    ) -> pb.Machine:
+        """Replace the machine's config in place: same id, new instance_id."""
+        check_config(config)
+        row = self.get(machine_id)
+        fsm.check_lease(row, lease_nonce, self.clock.now())
+        if row.state == S.MACHINE_STATE_DESTROYED:
+            raise FailedPrecondition(f"cannot update a destroyed machine {machine_id}")
+        self._check_room(config.guest, instead_of=row.machine.config.guest)  # fail fast
+        image = await self.images.pull(config.image)
+        self.images.use(image.digest)
+        try:
+            if not self._argv(config, image):
+                raise InvalidArgument("config.cmd", "the image has no entrypoint or cmd; set one")
+            async with self._lock(machine_id):
+                row = self.rows[machine_id]
+                fsm.check_lease(row, lease_nonce, self.clock.now())
+                # No await from here to the commit: the check and the reservation are atomic.
+                self._check_room(config.guest, instead_of=row.machine.config.guest)
+                old_digest = row.image_digest
+                sig, timeout = self._stop_params(row, None, None)
+                event = fsm.UpdateRequested(
+                    config=config,
+                    instance_id=secrets.token_hex(8),
+                    image_digest=image.digest,
+                    ports=tuple(self._remap_ports(row, config)),
+                    launch=not skip_launch,
+                    stop_signal=sig,
+                    stop_timeout=timeout,
+                )
+                await self._drive_locked(machine_id, event)
+        except BaseException:
+            self.images.release(image.digest)
+            raise
+        self.images.release(old_digest)
+        return self.rows[machine_id].machine
+
+    def _remap_ports(self, row: fsm.Row, config: pb.MachineConfig) -> list[pb.PortMapping]:
+        """Keep the host port of every service port that stays; map the new ones."""
+        kept = {p.internal_port: p for p in row.machine.ports}
+        new = [svc.internal_port for svc in config.services if svc.internal_port not in kept]
+        fresh = iter(self._allocate_ports(len(new)))
+        out = []
+        for svc in config.services:
+            mapping = kept.get(svc.internal_port)
+            if mapping is None:
+                mapping = pb.PortMapping(
+                    internal_port=svc.internal_port, host=self.machine_host, host_port=next(fresh)
+                )
+            out.append(mapping)
+        return out
+
+    async def acquire_lease(
+        self, machine_id: str, *, ttl: float, owner: str, description: str, nonce: str
+    ) -> pb.Lease:
+        """Take (or refresh) the machine's lease; the response is the only place its nonce shows."""
+        self.get(machine_id)
+        async with self._lock(machine_id):
+            t = fsm.acquire_lease(
+                self.rows[machine_id],
+                new_nonce=secrets.token_hex(16),
+                nonce=nonce,
+                ttl=ttl,
+                owner=owner,
+                description=description,
+                now=self.clock.now(),
+            )
+            self._commit(machine_id, t)
+        lease = self.rows[machine_id].lease
+        assert lease is not None
+        out = pb.Lease()
+        out.CopyFrom(self.rows[machine_id].machine.lease)
+        out.nonce = lease["nonce"]
+        return out
+
+    async def release_lease(self, machine_id: str, nonce: str) -> None:
+        self.get(machine_id)
+        async with self._lock(machine_id):
+            t = fsm.release_lease(self.rows[machine_id], nonce, self.clock.now())
+            if t is not None:
+                self._commit(machine_id, t)
 
     @staticmethod
     def _stop_params(row: fsm.Row, sig: int | None, timeout: float | None) -> tuple[int, float]:
@@ -543,8 +646,11 @@ class Worker:
                 )
             if self._tick is None:
                 self._tick = loop.create_future()
+            # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation that
+            # arrives as the awaited change does, and the caller then waits on to its deadline.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._tick), remaining)
+                async with asyncio.timeout(remaining):
+                    await asyncio.shield(self._tick)
 
     def cordon(self, cordoned: bool) -> bool:
         self.cordoned = cordoned
@@ -619,7 +725,8 @@ class Worker:
                     yield worker_pb2.WatchEventsResponse(heartbeat=self.heartbeat())
                     next_beat = loop.time() + heartbeat_interval
                 try:
-                    queued = await asyncio.wait_for(queue.get(), max(0.0, next_beat - loop.time()))
+                    async with asyncio.timeout(max(0.0, next_beat - loop.time())):  # see wait()
+                        queued = await queue.get()
                 except TimeoutError:
                     continue
                 if queued is None:

@@ -8,7 +8,6 @@ from flyd.v1 import machine_pb2 as _machine_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import message as _message
-from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 import builtins as _builtins
 import sys
@@ -90,14 +89,14 @@ class CreateMachineResponse(_message.Message):
     @_builtins.property
     def machine(self) -> _machine_pb2.Machine: ...
     @_builtins.property
-    def lease(self) -> Global___Lease:
+    def lease(self) -> _machine_pb2.Lease:
         """Set when lease_ttl was given."""
 
     def __init__(
         self,
         *,
         machine: _machine_pb2.Machine | None = ...,
-        lease: Global___Lease | None = ...,
+        lease: _machine_pb2.Lease | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "machine", b"machine"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
@@ -528,35 +527,6 @@ class WaitMachineResponse(_message.Message):
 Global___WaitMachineResponse: _TypeAlias = WaitMachineResponse  # noqa: Y015
 
 @_typing.final
-class Lease(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    NONCE_FIELD_NUMBER: _builtins.int
-    EXPIRES_AT_FIELD_NUMBER: _builtins.int
-    OWNER_FIELD_NUMBER: _builtins.int
-    DESCRIPTION_FIELD_NUMBER: _builtins.int
-    nonce: _builtins.str
-    owner: _builtins.str
-    description: _builtins.str
-    @_builtins.property
-    def expires_at(self) -> _timestamp_pb2.Timestamp: ...
-    def __init__(
-        self,
-        *,
-        nonce: _builtins.str = ...,
-        expires_at: _timestamp_pb2.Timestamp | None = ...,
-        owner: _builtins.str = ...,
-        description: _builtins.str = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "expires_at", b"expires_at", "nonce", b"nonce", "owner", b"owner"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___Lease: _TypeAlias = Lease  # noqa: Y015
-
-@_typing.final
 class AcquireLeaseRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -596,11 +566,11 @@ class AcquireLeaseResponse(_message.Message):
 
     LEASE_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def lease(self) -> Global___Lease: ...
+    def lease(self) -> _machine_pb2.Lease: ...
     def __init__(
         self,
         *,
-        lease: Global___Lease | None = ...,
+        lease: _machine_pb2.Lease | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...

@@ -26,7 +26,7 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x66lyd/v1/machine.proto\x12\x07\x66lyd.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"K\n\x0bGuestConfig\x12\x16\n\x0e\x63pu_millicores\x18\x01 \x01(\x05\x12\x12\n\nmemory_mib\x18\x02 \x01(\x05\x12\x10\n\x08\x64isk_mib\x18\x03 \x01(\x05\";\n\x11\x43oncurrencyConfig\x12\x12\n\nsoft_limit\x18\x01 \x01(\x05\x12\x12\n\nhard_limit\x18\x02 \x01(\x05\"\x9a\x01\n\rServiceConfig\x12\x15\n\rinternal_port\x18\x01 \x01(\x05\x12\x11\n\tautostart\x18\x02 \x01(\x08\x12\x10\n\x08\x61utostop\x18\x03 \x01(\x08\x12\x1c\n\x14min_machines_running\x18\x04 \x01(\x05\x12/\n\x0b\x63oncurrency\x18\x05 \x01(\x0b\x32\x1a.flyd.v1.ConcurrencyConfig\")\n\tHttpCheck\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06method\x18\x02 \x01(\t\"\n\n\x08TcpCheck\"\xd0\x01\n\x0b\x43heckConfig\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\x05\x12+\n\x08interval\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12*\n\x07timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\"\n\x04http\x18\x05 \x01(\x0b\x32\x12.flyd.v1.HttpCheckH\x00\x12 \n\x03tcp\x18\x06 \x01(\x0b\x32\x11.flyd.v1.TcpCheckH\x00\x42\x06\n\x04kind\"H\n\rRestartPolicy\x12\"\n\x04mode\x18\x01 \x01(\x0e\x32\x14.flyd.v1.RestartMode\x12\x13\n\x0bmax_retries\x18\x02 \x01(\x05\"H\n\nStopConfig\x12\x0e\n\x06signal\x18\x01 \x01(\t\x12*\n\x07timeout\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xd5\x03\n\rMachineConfig\x12\r\n\x05image\x18\x01 \x01(\t\x12#\n\x05guest\x18\x02 \x01(\x0b\x32\x14.flyd.v1.GuestConfig\x12\x12\n\nentrypoint\x18\x03 \x03(\t\x12\x0b\n\x03\x63md\x18\x04 \x03(\t\x12,\n\x03\x65nv\x18\x05 \x03(\x0b\x32\x1f.flyd.v1.MachineConfig.EnvEntry\x12(\n\x08services\x18\x06 \x03(\x0b\x32\x16.flyd.v1.ServiceConfig\x12$\n\x06\x63hecks\x18\x07 \x03(\x0b\x32\x14.flyd.v1.CheckConfig\x12\'\n\x07restart\x18\x08 \x01(\x0b\x32\x16.flyd.v1.RestartPolicy\x12!\n\x04stop\x18\t \x01(\x0b\x32\x13.flyd.v1.StopConfig\x12\x10\n\x08standbys\x18\n \x03(\t\x12\x36\n\x08metadata\x18\x0b \x03(\x0b\x32$.flyd.v1.MachineConfig.MetadataEntry\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"E\n\x0bPortMapping\x12\x15\n\rinternal_port\x18\x01 \x01(\x05\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x11\n\thost_port\x18\x03 \x01(\x05\"\x89\x01\n\nExitStatus\x12\x11\n\texit_code\x18\x01 \x01(\x05\x12\x15\n\rhas_exit_code\x18\x02 \x01(\x08\x12\x0e\n\x06signal\x18\x03 \x01(\t\x12\x12\n\noom_killed\x18\x04 \x01(\x08\x12-\n\texited_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xcb\x01\n\x0cMachineEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x12\n\nmachine_id\x18\x02 \x01(\t\x12\x0c\n\x04type\x18\x03 \x01(\t\x12)\n\nfrom_state\x18\x04 \x01(\x0e\x32\x15.flyd.v1.MachineState\x12\'\n\x08to_state\x18\x05 \x01(\x0e\x32\x15.flyd.v1.MachineState\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12(\n\x04time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xb3\x03\n\x07Machine\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0b\n\x03\x61pp\x18\x03 \x01(\t\x12\x0e\n\x06region\x18\x04 \x01(\t\x12\x11\n\tworker_id\x18\x05 \x01(\t\x12$\n\x05state\x18\x06 \x01(\x0e\x32\x15.flyd.v1.MachineState\x12&\n\x06\x63onfig\x18\x07 \x01(\x0b\x32\x16.flyd.v1.MachineConfig\x12\x13\n\x0binstance_id\x18\x08 \x01(\t\x12%\n\x06\x65vents\x18\t \x03(\x0b\x32\x15.flyd.v1.MachineEvent\x12.\n\ncreated_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12#\n\x05ports\x18\x0c \x03(\x0b\x32\x14.flyd.v1.PortMapping\x12&\n\tlast_exit\x18\r \x01(\x0b\x32\x13.flyd.v1.ExitStatus\x12\x15\n\rrestart_count\x18\x0e \x01(\x05\x12\x10\n\x08log_tail\x18\x0f \x03(\t\"[\n\tResources\x12\x16\n\x0e\x63pu_millicores\x18\x01 \x01(\x03\x12\x12\n\nmemory_mib\x18\x02 \x01(\x03\x12\x10\n\x08\x64isk_mib\x18\x03 \x01(\x03\x12\x10\n\x08machines\x18\x04 \x01(\x05\"m\n\x0b\x43\x61\x63hedImage\x12\x0b\n\x03ref\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\x12-\n\tlast_used\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x82\x02\n\x08\x43\x61pacity\x12!\n\x05total\x18\x01 \x01(\x0b\x32\x12.flyd.v1.Resources\x12 \n\x04\x66ree\x18\x02 \x01(\x0b\x32\x12.flyd.v1.Resources\x12\x41\n\x11machines_by_state\x18\x03 \x03(\x0b\x32&.flyd.v1.Capacity.MachinesByStateEntry\x12$\n\x06images\x18\x04 \x03(\x0b\x32\x14.flyd.v1.CachedImage\x12\x10\n\x08\x63ordoned\x18\x05 \x01(\x08\x1a\x36\n\x14MachinesByStateEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\xaa\x01\n\nWorkerInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06region\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12/\n\x06labels\x18\x04 \x03(\x0b\x32\x1f.flyd.v1.WorkerInfo.LabelsEntry\x12\x0f\n\x07\x62oot_id\x18\x05 \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*\xa9\x02\n\x0cMachineState\x12\x1d\n\x19MACHINE_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15MACHINE_STATE_CREATED\x10\x01\x12\x1a\n\x16MACHINE_STATE_STARTING\x10\x02\x12\x19\n\x15MACHINE_STATE_STARTED\x10\x03\x12\x1a\n\x16MACHINE_STATE_STOPPING\x10\x04\x12\x19\n\x15MACHINE_STATE_STOPPED\x10\x05\x12\x1c\n\x18MACHINE_STATE_RESTARTING\x10\x06\x12\x1c\n\x18MACHINE_STATE_DESTROYING\x10\x07\x12\x1b\n\x17MACHINE_STATE_DESTROYED\x10\x08\x12\x18\n\x14MACHINE_STATE_FAILED\x10\t*v\n\x0bRestartMode\x12\x1c\n\x18RESTART_MODE_UNSPECIFIED\x10\x00\x12\x13\n\x0fRESTART_MODE_NO\x10\x01\x12\x17\n\x13RESTART_MODE_ALWAYS\x10\x02\x12\x1b\n\x17RESTART_MODE_ON_FAILURE\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x66lyd/v1/machine.proto\x12\x07\x66lyd.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"K\n\x0bGuestConfig\x12\x16\n\x0e\x63pu_millicores\x18\x01 \x01(\x05\x12\x12\n\nmemory_mib\x18\x02 \x01(\x05\x12\x10\n\x08\x64isk_mib\x18\x03 \x01(\x05\";\n\x11\x43oncurrencyConfig\x12\x12\n\nsoft_limit\x18\x01 \x01(\x05\x12\x12\n\nhard_limit\x18\x02 \x01(\x05\"\x9a\x01\n\rServiceConfig\x12\x15\n\rinternal_port\x18\x01 \x01(\x05\x12\x11\n\tautostart\x18\x02 \x01(\x08\x12\x10\n\x08\x61utostop\x18\x03 \x01(\x08\x12\x1c\n\x14min_machines_running\x18\x04 \x01(\x05\x12/\n\x0b\x63oncurrency\x18\x05 \x01(\x0b\x32\x1a.flyd.v1.ConcurrencyConfig\")\n\tHttpCheck\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06method\x18\x02 \x01(\t\"\n\n\x08TcpCheck\"\xd0\x01\n\x0b\x43heckConfig\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\x05\x12+\n\x08interval\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12*\n\x07timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\"\n\x04http\x18\x05 \x01(\x0b\x32\x12.flyd.v1.HttpCheckH\x00\x12 \n\x03tcp\x18\x06 \x01(\x0b\x32\x11.flyd.v1.TcpCheckH\x00\x42\x06\n\x04kind\"H\n\rRestartPolicy\x12\"\n\x04mode\x18\x01 \x01(\x0e\x32\x14.flyd.v1.RestartMode\x12\x13\n\x0bmax_retries\x18\x02 \x01(\x05\"H\n\nStopConfig\x12\x0e\n\x06signal\x18\x01 \x01(\t\x12*\n\x07timeout\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"\x82\x04\n\rMachineConfig\x12\r\n\x05image\x18\x01 \x01(\t\x12#\n\x05guest\x18\x02 \x01(\x0b\x32\x14.flyd.v1.GuestConfig\x12\x12\n\nentrypoint\x18\x03 \x03(\t\x12\x0b\n\x03\x63md\x18\x04 \x03(\t\x12,\n\x03\x65nv\x18\x05 \x03(\x0b\x32\x1f.flyd.v1.MachineConfig.EnvEntry\x12(\n\x08services\x18\x06 \x03(\x0b\x32\x16.flyd.v1.ServiceConfig\x12$\n\x06\x63hecks\x18\x07 \x03(\x0b\x32\x14.flyd.v1.CheckConfig\x12\'\n\x07restart\x18\x08 \x01(\x0b\x32\x16.flyd.v1.RestartPolicy\x12!\n\x04stop\x18\t \x01(\x0b\x32\x13.flyd.v1.StopConfig\x12\x10\n\x08standbys\x18\n \x03(\t\x12\x36\n\x08metadata\x18\x0b \x03(\x0b\x32$.flyd.v1.MachineConfig.MetadataEntry\x12+\n\tplacement\x18\x0c \x01(\x0b\x32\x18.flyd.v1.PlacementConfig\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xb7\x01\n\x0fPlacementConfig\x12\x45\n\x0frequired_labels\x18\x01 \x03(\x0b\x32,.flyd.v1.PlacementConfig.RequiredLabelsEntry\x12\x16\n\x0emax_per_worker\x18\x02 \x01(\x05\x12\x0e\n\x06spread\x18\x03 \x01(\x08\x1a\x35\n\x13RequiredLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"E\n\x0bPortMapping\x12\x15\n\rinternal_port\x18\x01 \x01(\x05\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x11\n\thost_port\x18\x03 \x01(\x05\"\x89\x01\n\nExitStatus\x12\x11\n\texit_code\x18\x01 \x01(\x05\x12\x15\n\rhas_exit_code\x18\x02 \x01(\x08\x12\x0e\n\x06signal\x18\x03 \x01(\t\x12\x12\n\noom_killed\x18\x04 \x01(\x08\x12-\n\texited_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xcb\x01\n\x0cMachineEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x12\n\nmachine_id\x18\x02 \x01(\t\x12\x0c\n\x04type\x18\x03 \x01(\t\x12)\n\nfrom_state\x18\x04 \x01(\x0e\x32\x15.flyd.v1.MachineState\x12\'\n\x08to_state\x18\x05 \x01(\x0e\x32\x15.flyd.v1.MachineState\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12(\n\x04time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xd2\x03\n\x07Machine\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0b\n\x03\x61pp\x18\x03 \x01(\t\x12\x0e\n\x06region\x18\x04 \x01(\t\x12\x11\n\tworker_id\x18\x05 \x01(\t\x12$\n\x05state\x18\x06 \x01(\x0e\x32\x15.flyd.v1.MachineState\x12&\n\x06\x63onfig\x18\x07 \x01(\x0b\x32\x16.flyd.v1.MachineConfig\x12\x13\n\x0binstance_id\x18\x08 \x01(\t\x12%\n\x06\x65vents\x18\t \x03(\x0b\x32\x15.flyd.v1.MachineEvent\x12.\n\ncreated_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12#\n\x05ports\x18\x0c \x03(\x0b\x32\x14.flyd.v1.PortMapping\x12&\n\tlast_exit\x18\r \x01(\x0b\x32\x13.flyd.v1.ExitStatus\x12\x15\n\rrestart_count\x18\x0e \x01(\x05\x12\x10\n\x08log_tail\x18\x0f \x03(\t\x12\x1d\n\x05lease\x18\x10 \x01(\x0b\x32\x0e.flyd.v1.Lease\"j\n\x05Lease\x12\r\n\x05nonce\x18\x01 \x01(\t\x12.\n\nexpires_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\r\n\x05owner\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x04 \x01(\t\"[\n\tResources\x12\x16\n\x0e\x63pu_millicores\x18\x01 \x01(\x03\x12\x12\n\nmemory_mib\x18\x02 \x01(\x03\x12\x10\n\x08\x64isk_mib\x18\x03 \x01(\x03\x12\x10\n\x08machines\x18\x04 \x01(\x05\"m\n\x0b\x43\x61\x63hedImage\x12\x0b\n\x03ref\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\x12-\n\tlast_used\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x82\x02\n\x08\x43\x61pacity\x12!\n\x05total\x18\x01 \x01(\x0b\x32\x12.flyd.v1.Resources\x12 \n\x04\x66ree\x18\x02 \x01(\x0b\x32\x12.flyd.v1.Resources\x12\x41\n\x11machines_by_state\x18\x03 \x03(\x0b\x32&.flyd.v1.Capacity.MachinesByStateEntry\x12$\n\x06images\x18\x04 \x03(\x0b\x32\x14.flyd.v1.CachedImage\x12\x10\n\x08\x63ordoned\x18\x05 \x01(\x08\x1a\x36\n\x14MachinesByStateEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\xaa\x01\n\nWorkerInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06region\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12/\n\x06labels\x18\x04 \x03(\x0b\x32\x1f.flyd.v1.WorkerInfo.LabelsEntry\x12\x0f\n\x07\x62oot_id\x18\x05 \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*\xa9\x02\n\x0cMachineState\x12\x1d\n\x19MACHINE_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15MACHINE_STATE_CREATED\x10\x01\x12\x1a\n\x16MACHINE_STATE_STARTING\x10\x02\x12\x19\n\x15MACHINE_STATE_STARTED\x10\x03\x12\x1a\n\x16MACHINE_STATE_STOPPING\x10\x04\x12\x19\n\x15MACHINE_STATE_STOPPED\x10\x05\x12\x1c\n\x18MACHINE_STATE_RESTARTING\x10\x06\x12\x1c\n\x18MACHINE_STATE_DESTROYING\x10\x07\x12\x1b\n\x17MACHINE_STATE_DESTROYED\x10\x08\x12\x18\n\x14MACHINE_STATE_FAILED\x10\t*v\n\x0bRestartMode\x12\x1c\n\x18RESTART_MODE_UNSPECIFIED\x10\x00\x12\x13\n\x0fRESTART_MODE_NO\x10\x01\x12\x17\n\x13RESTART_MODE_ALWAYS\x10\x02\x12\x1b\n\x17RESTART_MODE_ON_FAILURE\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,14 +37,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MACHINECONFIG_ENVENTRY']._serialized_options = b'8\001'
   _globals['_MACHINECONFIG_METADATAENTRY']._loaded_options = None
   _globals['_MACHINECONFIG_METADATAENTRY']._serialized_options = b'8\001'
+  _globals['_PLACEMENTCONFIG_REQUIREDLABELSENTRY']._loaded_options = None
+  _globals['_PLACEMENTCONFIG_REQUIREDLABELSENTRY']._serialized_options = b'8\001'
   _globals['_CAPACITY_MACHINESBYSTATEENTRY']._loaded_options = None
   _globals['_CAPACITY_MACHINESBYSTATEENTRY']._serialized_options = b'8\001'
   _globals['_WORKERINFO_LABELSENTRY']._loaded_options = None
   _globals['_WORKERINFO_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_MACHINESTATE']._serialized_start=2774
-  _globals['_MACHINESTATE']._serialized_end=3071
-  _globals['_RESTARTMODE']._serialized_start=3073
-  _globals['_RESTARTMODE']._serialized_end=3191
+  _globals['_MACHINESTATE']._serialized_start=3144
+  _globals['_MACHINESTATE']._serialized_end=3441
+  _globals['_RESTARTMODE']._serialized_start=3443
+  _globals['_RESTARTMODE']._serialized_end=3561
   _globals['_GUESTCONFIG']._serialized_start=99
   _globals['_GUESTCONFIG']._serialized_end=174
   _globals['_CONCURRENCYCONFIG']._serialized_start=176
@@ -62,29 +64,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STOPCONFIG']._serialized_start=734
   _globals['_STOPCONFIG']._serialized_end=806
   _globals['_MACHINECONFIG']._serialized_start=809
-  _globals['_MACHINECONFIG']._serialized_end=1278
-  _globals['_MACHINECONFIG_ENVENTRY']._serialized_start=1187
-  _globals['_MACHINECONFIG_ENVENTRY']._serialized_end=1229
-  _globals['_MACHINECONFIG_METADATAENTRY']._serialized_start=1231
-  _globals['_MACHINECONFIG_METADATAENTRY']._serialized_end=1278
-  _globals['_PORTMAPPING']._serialized_start=1280
-  _globals['_PORTMAPPING']._serialized_end=1349
-  _globals['_EXITSTATUS']._serialized_start=1352
-  _globals['_EXITSTATUS']._serialized_end=1489
-  _globals['_MACHINEEVENT']._serialized_start=1492
-  _globals['_MACHINEEVENT']._serialized_end=1695
-  _globals['_MACHINE']._serialized_start=1698
-  _globals['_MACHINE']._serialized_end=2133
-  _globals['_RESOURCES']._serialized_start=2135
-  _globals['_RESOURCES']._serialized_end=2226
-  _globals['_CACHEDIMAGE']._serialized_start=2228
-  _globals['_CACHEDIMAGE']._serialized_end=2337
-  _globals['_CAPACITY']._serialized_start=2340
-  _globals['_CAPACITY']._serialized_end=2598
-  _globals['_CAPACITY_MACHINESBYSTATEENTRY']._serialized_start=2544
-  _globals['_CAPACITY_MACHINESBYSTATEENTRY']._serialized_end=2598
-  _globals['_WORKERINFO']._serialized_start=2601
-  _globals['_WORKERINFO']._serialized_end=2771
-  _globals['_WORKERINFO_LABELSENTRY']._serialized_start=2726
-  _globals['_WORKERINFO_LABELSENTRY']._serialized_end=2771
+  _globals['_MACHINECONFIG']._serialized_end=1323
+  _globals['_MACHINECONFIG_ENVENTRY']._serialized_start=1232
+  _globals['_MACHINECONFIG_ENVENTRY']._serialized_end=1274
+  _globals['_MACHINECONFIG_METADATAENTRY']._serialized_start=1276
+  _globals['_MACHINECONFIG_METADATAENTRY']._serialized_end=1323
+  _globals['_PLACEMENTCONFIG']._serialized_start=1326
+  _globals['_PLACEMENTCONFIG']._serialized_end=1509
+  _globals['_PLACEMENTCONFIG_REQUIREDLABELSENTRY']._serialized_start=1456
+  _globals['_PLACEMENTCONFIG_REQUIREDLABELSENTRY']._serialized_end=1509
+  _globals['_PORTMAPPING']._serialized_start=1511
+  _globals['_PORTMAPPING']._serialized_end=1580
+  _globals['_EXITSTATUS']._serialized_start=1583
+  _globals['_EXITSTATUS']._serialized_end=1720
+  _globals['_MACHINEEVENT']._serialized_start=1723
+  _globals['_MACHINEEVENT']._serialized_end=1926
+  _globals['_MACHINE']._serialized_start=1929
+  _globals['_MACHINE']._serialized_end=2395
+  _globals['_LEASE']._serialized_start=2397
+  _globals['_LEASE']._serialized_end=2503
+  _globals['_RESOURCES']._serialized_start=2505
+  _globals['_RESOURCES']._serialized_end=2596
+  _globals['_CACHEDIMAGE']._serialized_start=2598
+  _globals['_CACHEDIMAGE']._serialized_end=2707
+  _globals['_CAPACITY']._serialized_start=2710
+  _globals['_CAPACITY']._serialized_end=2968
+  _globals['_CAPACITY_MACHINESBYSTATEENTRY']._serialized_start=2914
+  _globals['_CAPACITY_MACHINESBYSTATEENTRY']._serialized_end=2968
+  _globals['_WORKERINFO']._serialized_start=2971
+  _globals['_WORKERINFO']._serialized_end=3141
+  _globals['_WORKERINFO_LABELSENTRY']._serialized_start=3096
+  _globals['_WORKERINFO_LABELSENTRY']._serialized_end=3141
 # @@protoc_insertion_point(module_scope)

@@ -373,6 +373,7 @@ class MachineConfig(_message.Message):
     STOP_FIELD_NUMBER: _builtins.int
     STANDBYS_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
+    PLACEMENT_FIELD_NUMBER: _builtins.int
     image: _builtins.str
     """OCI image reference: "name:tag", "name" (latest) or "name@sha256:<hex>"."""
     @_builtins.property
@@ -403,6 +404,10 @@ class MachineConfig(_message.Message):
 
     @_builtins.property
     def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def placement(self) -> Global___PlacementConfig:
+        """Where the machine may go; read by flaps, ignored by flyd."""
+
     def __init__(
         self,
         *,
@@ -417,14 +422,67 @@ class MachineConfig(_message.Message):
         stop: Global___StopConfig | None = ...,
         standbys: _abc.Iterable[_builtins.str] | None = ...,
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        placement: Global___PlacementConfig | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["guest", b"guest", "restart", b"restart", "stop", b"stop"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["guest", b"guest", "placement", b"placement", "restart", b"restart", "stop", b"stop"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checks", b"checks", "cmd", b"cmd", "entrypoint", b"entrypoint", "env", b"env", "guest", b"guest", "image", b"image", "metadata", b"metadata", "restart", b"restart", "services", b"services", "standbys", b"standbys", "stop", b"stop"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checks", b"checks", "cmd", b"cmd", "entrypoint", b"entrypoint", "env", b"env", "guest", b"guest", "image", b"image", "metadata", b"metadata", "placement", b"placement", "restart", b"restart", "services", b"services", "standbys", b"standbys", "stop", b"stop"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___MachineConfig: _TypeAlias = MachineConfig  # noqa: Y015
+
+@_typing.final
+class PlacementConfig(_message.Message):
+    """Placement constraints and preferences for flaps."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class RequiredLabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    REQUIRED_LABELS_FIELD_NUMBER: _builtins.int
+    MAX_PER_WORKER_FIELD_NUMBER: _builtins.int
+    SPREAD_FIELD_NUMBER: _builtins.int
+    max_per_worker: _builtins.int
+    """At most this many machines of the app on one worker; 0 means no limit."""
+    spread: _builtins.bool
+    """Prefer workers with fewer machines of the app."""
+    @_builtins.property
+    def required_labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Only workers whose labels include every one of these."""
+
+    def __init__(
+        self,
+        *,
+        required_labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        max_per_worker: _builtins.int = ...,
+        spread: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_per_worker", b"max_per_worker", "required_labels", b"required_labels", "spread", b"spread"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlacementConfig: _TypeAlias = PlacementConfig  # noqa: Y015
 
 @_typing.final
 class PortMapping(_message.Message):
@@ -553,6 +611,7 @@ class Machine(_message.Message):
     LAST_EXIT_FIELD_NUMBER: _builtins.int
     RESTART_COUNT_FIELD_NUMBER: _builtins.int
     LOG_TAIL_FIELD_NUMBER: _builtins.int
+    LEASE_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Unique across the fleet; never reused."""
     name: _builtins.str
@@ -584,6 +643,10 @@ class Machine(_message.Message):
     def log_tail(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The last lines of the machine's log, filled in when it is FAILED."""
 
+    @_builtins.property
+    def lease(self) -> Global___Lease:
+        """The lease held on the machine, if any (its nonce is never shown)."""
+
     def __init__(
         self,
         *,
@@ -602,14 +665,47 @@ class Machine(_message.Message):
         last_exit: Global___ExitStatus | None = ...,
         restart_count: _builtins.int = ...,
         log_tail: _abc.Iterable[_builtins.str] | None = ...,
+        lease: Global___Lease | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "created_at", b"created_at", "last_exit", b"last_exit", "updated_at", b"updated_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "created_at", b"created_at", "last_exit", b"last_exit", "lease", b"lease", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["app", b"app", "config", b"config", "created_at", b"created_at", "events", b"events", "id", b"id", "instance_id", b"instance_id", "last_exit", b"last_exit", "log_tail", b"log_tail", "name", b"name", "ports", b"ports", "region", b"region", "restart_count", b"restart_count", "state", b"state", "updated_at", b"updated_at", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["app", b"app", "config", b"config", "created_at", b"created_at", "events", b"events", "id", b"id", "instance_id", b"instance_id", "last_exit", b"last_exit", "lease", b"lease", "log_tail", b"log_tail", "name", b"name", "ports", b"ports", "region", b"region", "restart_count", b"restart_count", "state", b"state", "updated_at", b"updated_at", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Machine: _TypeAlias = Machine  # noqa: Y015
+
+@_typing.final
+class Lease(_message.Message):
+    """An exclusive claim on a machine for a while; changes need its nonce."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NONCE_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    nonce: _builtins.str
+    """Only in the response to the holder's AcquireLease."""
+    owner: _builtins.str
+    description: _builtins.str
+    @_builtins.property
+    def expires_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        nonce: _builtins.str = ...,
+        expires_at: _timestamp_pb2.Timestamp | None = ...,
+        owner: _builtins.str = ...,
+        description: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "expires_at", b"expires_at", "nonce", b"nonce", "owner", b"owner"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Lease: _TypeAlias = Lease  # noqa: Y015
 
 @_typing.final
 class Resources(_message.Message):

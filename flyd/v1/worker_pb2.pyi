@@ -83,15 +83,19 @@ class StartMachineRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     MACHINE_ID_FIELD_NUMBER: _builtins.int
+    LEASE_NONCE_FIELD_NUMBER: _builtins.int
     machine_id: _builtins.str
+    lease_nonce: _builtins.str
+    """Required when a lease is held on the machine."""
     def __init__(
         self,
         *,
         machine_id: _builtins.str = ...,
+        lease_nonce: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["machine_id", b"machine_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_nonce", b"lease_nonce", "machine_id", b"machine_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -124,9 +128,12 @@ class StopMachineRequest(_message.Message):
     MACHINE_ID_FIELD_NUMBER: _builtins.int
     SIGNAL_FIELD_NUMBER: _builtins.int
     TIMEOUT_FIELD_NUMBER: _builtins.int
+    LEASE_NONCE_FIELD_NUMBER: _builtins.int
     machine_id: _builtins.str
     signal: _builtins.str
     """Overrides the config's stop signal when set, e.g. "SIGINT"."""
+    lease_nonce: _builtins.str
+    """Required when a lease is held on the machine."""
     @_builtins.property
     def timeout(self) -> _duration_pb2.Duration:
         """Overrides the config's stop timeout when set."""
@@ -137,10 +144,11 @@ class StopMachineRequest(_message.Message):
         machine_id: _builtins.str = ...,
         signal: _builtins.str = ...,
         timeout: _duration_pb2.Duration | None = ...,
+        lease_nonce: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["machine_id", b"machine_id", "signal", b"signal", "timeout", b"timeout"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_nonce", b"lease_nonce", "machine_id", b"machine_id", "signal", b"signal", "timeout", b"timeout"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -173,8 +181,11 @@ class RestartMachineRequest(_message.Message):
     MACHINE_ID_FIELD_NUMBER: _builtins.int
     SIGNAL_FIELD_NUMBER: _builtins.int
     TIMEOUT_FIELD_NUMBER: _builtins.int
+    LEASE_NONCE_FIELD_NUMBER: _builtins.int
     machine_id: _builtins.str
     signal: _builtins.str
+    lease_nonce: _builtins.str
+    """Required when a lease is held on the machine."""
     @_builtins.property
     def timeout(self) -> _duration_pb2.Duration: ...
     def __init__(
@@ -183,10 +194,11 @@ class RestartMachineRequest(_message.Message):
         machine_id: _builtins.str = ...,
         signal: _builtins.str = ...,
         timeout: _duration_pb2.Duration | None = ...,
+        lease_nonce: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["machine_id", b"machine_id", "signal", b"signal", "timeout", b"timeout"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_nonce", b"lease_nonce", "machine_id", b"machine_id", "signal", b"signal", "timeout", b"timeout"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -218,18 +230,22 @@ class SignalMachineRequest(_message.Message):
 
     MACHINE_ID_FIELD_NUMBER: _builtins.int
     SIGNAL_FIELD_NUMBER: _builtins.int
+    LEASE_NONCE_FIELD_NUMBER: _builtins.int
     machine_id: _builtins.str
     signal: _builtins.str
     """Signal name, e.g. "SIGUSR1" or "SIGHUP"."""
+    lease_nonce: _builtins.str
+    """Required when a lease is held on the machine."""
     def __init__(
         self,
         *,
         machine_id: _builtins.str = ...,
         signal: _builtins.str = ...,
+        lease_nonce: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["machine_id", b"machine_id", "signal", b"signal"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_nonce", b"lease_nonce", "machine_id", b"machine_id", "signal", b"signal"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -261,18 +277,22 @@ class DestroyMachineRequest(_message.Message):
 
     MACHINE_ID_FIELD_NUMBER: _builtins.int
     FORCE_FIELD_NUMBER: _builtins.int
+    LEASE_NONCE_FIELD_NUMBER: _builtins.int
     machine_id: _builtins.str
     force: _builtins.bool
     """Kill a running machine at once instead of refusing."""
+    lease_nonce: _builtins.str
+    """Required when a lease is held on the machine."""
     def __init__(
         self,
         *,
         machine_id: _builtins.str = ...,
         force: _builtins.bool = ...,
+        lease_nonce: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["force", b"force", "machine_id", b"machine_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["force", b"force", "lease_nonce", b"lease_nonce", "machine_id", b"machine_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -697,3 +717,186 @@ class CordonWorkerResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CordonWorkerResponse: _TypeAlias = CordonWorkerResponse  # noqa: Y015
+
+@_typing.final
+class UpdateMachineRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MACHINE_ID_FIELD_NUMBER: _builtins.int
+    CONFIG_FIELD_NUMBER: _builtins.int
+    LEASE_NONCE_FIELD_NUMBER: _builtins.int
+    SKIP_LAUNCH_FIELD_NUMBER: _builtins.int
+    machine_id: _builtins.str
+    lease_nonce: _builtins.str
+    """Required when a lease is held on the machine."""
+    skip_launch: _builtins.bool
+    """Leave the machine stopped after the update."""
+    @_builtins.property
+    def config(self) -> _machine_pb2.MachineConfig: ...
+    def __init__(
+        self,
+        *,
+        machine_id: _builtins.str = ...,
+        config: _machine_pb2.MachineConfig | None = ...,
+        lease_nonce: _builtins.str = ...,
+        skip_launch: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "lease_nonce", b"lease_nonce", "machine_id", b"machine_id", "skip_launch", b"skip_launch"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdateMachineRequest: _TypeAlias = UpdateMachineRequest  # noqa: Y015
+
+@_typing.final
+class UpdateMachineResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MACHINE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def machine(self) -> _machine_pb2.Machine: ...
+    def __init__(
+        self,
+        *,
+        machine: _machine_pb2.Machine | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["machine", b"machine"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["machine", b"machine"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdateMachineResponse: _TypeAlias = UpdateMachineResponse  # noqa: Y015
+
+@_typing.final
+class AcquireLeaseRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MACHINE_ID_FIELD_NUMBER: _builtins.int
+    TTL_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    NONCE_FIELD_NUMBER: _builtins.int
+    machine_id: _builtins.str
+    owner: _builtins.str
+    """Who holds it, for humans."""
+    description: _builtins.str
+    nonce: _builtins.str
+    """Refresh: the nonce of the lease the caller already holds."""
+    @_builtins.property
+    def ttl(self) -> _duration_pb2.Duration:
+        """How long the lease lasts; 1s to 1h."""
+
+    def __init__(
+        self,
+        *,
+        machine_id: _builtins.str = ...,
+        ttl: _duration_pb2.Duration | None = ...,
+        owner: _builtins.str = ...,
+        description: _builtins.str = ...,
+        nonce: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ttl", b"ttl"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "machine_id", b"machine_id", "nonce", b"nonce", "owner", b"owner", "ttl", b"ttl"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AcquireLeaseRequest: _TypeAlias = AcquireLeaseRequest  # noqa: Y015
+
+@_typing.final
+class AcquireLeaseResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def lease(self) -> _machine_pb2.Lease: ...
+    def __init__(
+        self,
+        *,
+        lease: _machine_pb2.Lease | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AcquireLeaseResponse: _TypeAlias = AcquireLeaseResponse  # noqa: Y015
+
+@_typing.final
+class ReleaseLeaseRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MACHINE_ID_FIELD_NUMBER: _builtins.int
+    NONCE_FIELD_NUMBER: _builtins.int
+    machine_id: _builtins.str
+    nonce: _builtins.str
+    def __init__(
+        self,
+        *,
+        machine_id: _builtins.str = ...,
+        nonce: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["machine_id", b"machine_id", "nonce", b"nonce"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseLeaseRequest: _TypeAlias = ReleaseLeaseRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseLeaseResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseLeaseResponse: _TypeAlias = ReleaseLeaseResponse  # noqa: Y015
+
+@_typing.final
+class ListMachineEventsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MACHINE_ID_FIELD_NUMBER: _builtins.int
+    machine_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        machine_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["machine_id", b"machine_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListMachineEventsRequest: _TypeAlias = ListMachineEventsRequest  # noqa: Y015
+
+@_typing.final
+class ListMachineEventsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[_machine_pb2.MachineEvent]: ...
+    def __init__(
+        self,
+        *,
+        events: _abc.Iterable[_machine_pb2.MachineEvent] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListMachineEventsResponse: _TypeAlias = ListMachineEventsResponse  # noqa: Y015

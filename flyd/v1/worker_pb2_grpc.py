@@ -103,6 +103,26 @@ class WorkerServiceStub:
                 request_serializer=flyd_dot_v1_dot_worker__pb2.CordonWorkerRequest.SerializeToString,
                 response_deserializer=flyd_dot_v1_dot_worker__pb2.CordonWorkerResponse.FromString,
                 _registered_method=True)
+        self.UpdateMachine = channel.unary_unary(
+                '/flyd.v1.WorkerService/UpdateMachine',
+                request_serializer=flyd_dot_v1_dot_worker__pb2.UpdateMachineRequest.SerializeToString,
+                response_deserializer=flyd_dot_v1_dot_worker__pb2.UpdateMachineResponse.FromString,
+                _registered_method=True)
+        self.AcquireLease = channel.unary_unary(
+                '/flyd.v1.WorkerService/AcquireLease',
+                request_serializer=flyd_dot_v1_dot_worker__pb2.AcquireLeaseRequest.SerializeToString,
+                response_deserializer=flyd_dot_v1_dot_worker__pb2.AcquireLeaseResponse.FromString,
+                _registered_method=True)
+        self.ReleaseLease = channel.unary_unary(
+                '/flyd.v1.WorkerService/ReleaseLease',
+                request_serializer=flyd_dot_v1_dot_worker__pb2.ReleaseLeaseRequest.SerializeToString,
+                response_deserializer=flyd_dot_v1_dot_worker__pb2.ReleaseLeaseResponse.FromString,
+                _registered_method=True)
+        self.ListMachineEvents = channel.unary_unary(
+                '/flyd.v1.WorkerService/ListMachineEvents',
+                request_serializer=flyd_dot_v1_dot_worker__pb2.ListMachineEventsRequest.SerializeToString,
+                response_deserializer=flyd_dot_v1_dot_worker__pb2.ListMachineEventsResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -230,6 +250,43 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateMachine(self, request, context):
+        """Replaces a machine's config in place, keeping its id: a running machine
+        is stopped, given the new config and a new instance_id, and started
+        again unless skip_launch. RESOURCE_EXHAUSTED when the worker cannot fit
+        the new size, INVALID_ARGUMENT for a bad config, FAILED_PRECONDITION when
+        destroyed or when a lease is held and lease_nonce does not match.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AcquireLease(self, request, context):
+        """Takes an exclusive lease on a machine for ttl (at most 1 hour), or
+        refreshes the caller's lease when nonce is its current nonce. While a
+        lease is held, changes without its nonce fail with FAILED_PRECONDITION.
+        FAILED_PRECONDITION when another holder has an unexpired lease.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseLease(self, request, context):
+        """Releases a lease. FAILED_PRECONDITION when nonce is not the current
+        lease's; OK when no lease is held.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListMachineEvents(self, request, context):
+        """Returns the machine's state changes still in the worker's log, oldest
+        first. NOT_FOUND for an unknown id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -297,6 +354,26 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.CordonWorker,
                     request_deserializer=flyd_dot_v1_dot_worker__pb2.CordonWorkerRequest.FromString,
                     response_serializer=flyd_dot_v1_dot_worker__pb2.CordonWorkerResponse.SerializeToString,
+            ),
+            'UpdateMachine': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateMachine,
+                    request_deserializer=flyd_dot_v1_dot_worker__pb2.UpdateMachineRequest.FromString,
+                    response_serializer=flyd_dot_v1_dot_worker__pb2.UpdateMachineResponse.SerializeToString,
+            ),
+            'AcquireLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.AcquireLease,
+                    request_deserializer=flyd_dot_v1_dot_worker__pb2.AcquireLeaseRequest.FromString,
+                    response_serializer=flyd_dot_v1_dot_worker__pb2.AcquireLeaseResponse.SerializeToString,
+            ),
+            'ReleaseLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseLease,
+                    request_deserializer=flyd_dot_v1_dot_worker__pb2.ReleaseLeaseRequest.FromString,
+                    response_serializer=flyd_dot_v1_dot_worker__pb2.ReleaseLeaseResponse.SerializeToString,
+            ),
+            'ListMachineEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListMachineEvents,
+                    request_deserializer=flyd_dot_v1_dot_worker__pb2.ListMachineEventsRequest.FromString,
+                    response_serializer=flyd_dot_v1_dot_worker__pb2.ListMachineEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -654,6 +731,114 @@ class WorkerService:
             '/flyd.v1.WorkerService/CordonWorker',
             flyd_dot_v1_dot_worker__pb2.CordonWorkerRequest.SerializeToString,
             flyd_dot_v1_dot_worker__pb2.CordonWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateMachine(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flyd.v1.WorkerService/UpdateMachine',
+            flyd_dot_v1_dot_worker__pb2.UpdateMachineRequest.SerializeToString,
+            flyd_dot_v1_dot_worker__pb2.UpdateMachineResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AcquireLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flyd.v1.WorkerService/AcquireLease',
+            flyd_dot_v1_dot_worker__pb2.AcquireLeaseRequest.SerializeToString,
+            flyd_dot_v1_dot_worker__pb2.AcquireLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flyd.v1.WorkerService/ReleaseLease',
+            flyd_dot_v1_dot_worker__pb2.ReleaseLeaseRequest.SerializeToString,
+            flyd_dot_v1_dot_worker__pb2.ReleaseLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListMachineEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flyd.v1.WorkerService/ListMachineEvents',
+            flyd_dot_v1_dot_worker__pb2.ListMachineEventsRequest.SerializeToString,
+            flyd_dot_v1_dot_worker__pb2.ListMachineEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -102,6 +102,27 @@ class WorkerServiceStub:
     """Cordons (or uncordons) the worker: a cordoned worker refuses new
     machines with UNAVAILABLE while its machines keep running.
     """
+    UpdateMachine: _grpc.UnaryUnaryMultiCallable[_worker_pb2.UpdateMachineRequest, _worker_pb2.UpdateMachineResponse]
+    """Replaces a machine's config in place, keeping its id: a running machine
+    is stopped, given the new config and a new instance_id, and started
+    again unless skip_launch. RESOURCE_EXHAUSTED when the worker cannot fit
+    the new size, INVALID_ARGUMENT for a bad config, FAILED_PRECONDITION when
+    destroyed or when a lease is held and lease_nonce does not match.
+    """
+    AcquireLease: _grpc.UnaryUnaryMultiCallable[_worker_pb2.AcquireLeaseRequest, _worker_pb2.AcquireLeaseResponse]
+    """Takes an exclusive lease on a machine for ttl (at most 1 hour), or
+    refreshes the caller's lease when nonce is its current nonce. While a
+    lease is held, changes without its nonce fail with FAILED_PRECONDITION.
+    FAILED_PRECONDITION when another holder has an unexpired lease.
+    """
+    ReleaseLease: _grpc.UnaryUnaryMultiCallable[_worker_pb2.ReleaseLeaseRequest, _worker_pb2.ReleaseLeaseResponse]
+    """Releases a lease. FAILED_PRECONDITION when nonce is not the current
+    lease's; OK when no lease is held.
+    """
+    ListMachineEvents: _grpc.UnaryUnaryMultiCallable[_worker_pb2.ListMachineEventsRequest, _worker_pb2.ListMachineEventsResponse]
+    """Returns the machine's state changes still in the worker's log, oldest
+    first. NOT_FOUND for an unknown id.
+    """
 
 @_typing.type_check_only
 class WorkerServiceAsyncStub(WorkerServiceStub):
@@ -176,6 +197,27 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     CordonWorker: _aio.UnaryUnaryMultiCallable[_worker_pb2.CordonWorkerRequest, _worker_pb2.CordonWorkerResponse]  # type: ignore[assignment]
     """Cordons (or uncordons) the worker: a cordoned worker refuses new
     machines with UNAVAILABLE while its machines keep running.
+    """
+    UpdateMachine: _aio.UnaryUnaryMultiCallable[_worker_pb2.UpdateMachineRequest, _worker_pb2.UpdateMachineResponse]  # type: ignore[assignment]
+    """Replaces a machine's config in place, keeping its id: a running machine
+    is stopped, given the new config and a new instance_id, and started
+    again unless skip_launch. RESOURCE_EXHAUSTED when the worker cannot fit
+    the new size, INVALID_ARGUMENT for a bad config, FAILED_PRECONDITION when
+    destroyed or when a lease is held and lease_nonce does not match.
+    """
+    AcquireLease: _aio.UnaryUnaryMultiCallable[_worker_pb2.AcquireLeaseRequest, _worker_pb2.AcquireLeaseResponse]  # type: ignore[assignment]
+    """Takes an exclusive lease on a machine for ttl (at most 1 hour), or
+    refreshes the caller's lease when nonce is its current nonce. While a
+    lease is held, changes without its nonce fail with FAILED_PRECONDITION.
+    FAILED_PRECONDITION when another holder has an unexpired lease.
+    """
+    ReleaseLease: _aio.UnaryUnaryMultiCallable[_worker_pb2.ReleaseLeaseRequest, _worker_pb2.ReleaseLeaseResponse]  # type: ignore[assignment]
+    """Releases a lease. FAILED_PRECONDITION when nonce is not the current
+    lease's; OK when no lease is held.
+    """
+    ListMachineEvents: _aio.UnaryUnaryMultiCallable[_worker_pb2.ListMachineEventsRequest, _worker_pb2.ListMachineEventsResponse]  # type: ignore[assignment]
+    """Returns the machine's state changes still in the worker's log, oldest
+    first. NOT_FOUND for an unknown id.
     """
 
 class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -326,6 +368,51 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_worker_pb2.CordonWorkerResponse, _abc.Awaitable[_worker_pb2.CordonWorkerResponse]]:
         """Cordons (or uncordons) the worker: a cordoned worker refuses new
         machines with UNAVAILABLE while its machines keep running.
+        """
+
+    @_abc_1.abstractmethod
+    def UpdateMachine(
+        self,
+        request: _worker_pb2.UpdateMachineRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.UpdateMachineResponse, _abc.Awaitable[_worker_pb2.UpdateMachineResponse]]:
+        """Replaces a machine's config in place, keeping its id: a running machine
+        is stopped, given the new config and a new instance_id, and started
+        again unless skip_launch. RESOURCE_EXHAUSTED when the worker cannot fit
+        the new size, INVALID_ARGUMENT for a bad config, FAILED_PRECONDITION when
+        destroyed or when a lease is held and lease_nonce does not match.
+        """
+
+    @_abc_1.abstractmethod
+    def AcquireLease(
+        self,
+        request: _worker_pb2.AcquireLeaseRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.AcquireLeaseResponse, _abc.Awaitable[_worker_pb2.AcquireLeaseResponse]]:
+        """Takes an exclusive lease on a machine for ttl (at most 1 hour), or
+        refreshes the caller's lease when nonce is its current nonce. While a
+        lease is held, changes without its nonce fail with FAILED_PRECONDITION.
+        FAILED_PRECONDITION when another holder has an unexpired lease.
+        """
+
+    @_abc_1.abstractmethod
+    def ReleaseLease(
+        self,
+        request: _worker_pb2.ReleaseLeaseRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.ReleaseLeaseResponse, _abc.Awaitable[_worker_pb2.ReleaseLeaseResponse]]:
+        """Releases a lease. FAILED_PRECONDITION when nonce is not the current
+        lease's; OK when no lease is held.
+        """
+
+    @_abc_1.abstractmethod
+    def ListMachineEvents(
+        self,
+        request: _worker_pb2.ListMachineEventsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.ListMachineEventsResponse, _abc.Awaitable[_worker_pb2.ListMachineEventsResponse]]:
+        """Returns the machine's state changes still in the worker's log, oldest
+        first. NOT_FOUND for an unknown id.
         """
 
 def add_WorkerServiceServicer_to_server(servicer: WorkerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

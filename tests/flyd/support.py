@@ -1,0 +1,240 @@
+"""What the worker and crash tests share: a tiny image, machine configs, one flyd on a fake host.
+
+A `Flyd` is what one flyd process owns: a Worker, its FakeDriver and its store. The FakeHost and
+the ManualClock belong to the test: they outlive every Flyd, the way machines and time outlive
+a killed flyd. `CrashingLog` kills a flyd right after a chosen commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from flyd import fsm
+from flyd.clock import ManualClock
+from flyd.driver import ExitStatus, Handle
+from flyd.fakes import FakeDriver, FakeHost, FakeScript, _FakeProcess
+from flyd.images import ImageCache, ImageSource, build_image
+from flyd.settings import CapacitySettings
+from flyd.store import MachineLog, NewRecord, Record, Snapshot
+from flyd.v1 import machine_pb2 as pb
+from flyd.v1 import worker_pb2
+from flyd.worker import Identity, Worker
+
+S = pb.MachineState
+IMAGE = "app:v1"
+# How long any test waits for a condition before it fails (never reached when things work).
+DEADLINE = 5.0
+CAPACITY = CapacitySettings(cpu_millicores=1000, memory_mib=1024, disk_mib=0, machines=10)
+PORTS = range(20000, 20010)
+
+
+def image_source(root: Path) -> ImageSource:
+    """An image source holding `app:v1`, a one-file image whose entrypoint is `app`."""
+    src = root / "app-src"
+    src.mkdir(parents=True)
+    (src / "app").write_text("#!/bin/sh\n")
+    build_image(src, root / "source", name="app", tag="v1", entrypoint=["app"])
+    return ImageSource(root / "source")
+
+
+def image_cache(root: Path, source: ImageSource) -> ImageCache:
+    """One flyd's image cache; a restarted flyd opens a new one on the same root."""
+    return ImageCache(root / "cache", source, max_bytes=1 << 30)
+
+
+def config(
+    *cmd: str,
+    cpu: int = 100,
+    memory: int = 128,
+    services: int = 0,
+    restart: int = pb.RESTART_MODE_UNSPECIFIED,
+    max_retries: int = 0,
+) -> pb.MachineConfig:
+    """A machine of `app:v1`; `cmd` carries the fake: markers that script its process."""
+    return pb.MachineConfig(
+        image=IMAGE,
+        guest=pb.GuestConfig(cpu_millicores=cpu, memory_mib=memory),
+        cmd=list(cmd),
+        services=[pb.ServiceConfig(internal_port=8080 + i) for i in range(services)],
+        restart=pb.RestartPolicy(mode=restart, max_retries=max_retries),  # type: ignore[arg-type]
+    )
+
+
+class RecordingHost(FakeHost):
+    """A FakeHost that remembers every process it ever spawned, to count how many ran."""
+
+    def __init__(self, clock: ManualClock) -> None:
+        super().__init__(clock)
+        self.spawned: list[tuple[str, _FakeProcess]] = []
+
+    def spawn(self, machine_id: str, script: FakeScript) -> Handle:
+        handle = super().spawn(machine_id, script)
+        self.spawned.append((machine_id, self.processes[machine_id]))
+        return handle
+
+    def ran(self, machine_id: str) -> int:
+        """How many processes of the machine were released, i.e. ran its command."""
+        return sum(1 for mid, p in self.spawned if mid == machine_id and p.released)
+
+    def live_handle(self, machine_id: str) -> dict[str, object] | None:
+        process = self.processes.get(machine_id)
+        return None if process is None else dict(process.handle.to_dict())
+
+
+class Crash(BaseException):
+    """flyd dies here. A BaseException, so that no `except Exception` in flyd survives it."""
+
+
+class CrashingLog:
+    """A MachineLog that kills its flyd at the k-th commit once armed.
+
+    By default the k-th commit is durable and the Crash comes right after it; with
+    durable=False flyd dies just before writing it, after the effects of the step before. A
+    dead flyd commits nothing more: later commits raise Crash unwritten.
+    """
+
+    def __init__(self, inner: MachineLog) -> None:
+        self.inner = inner
+        self.commits = 0
+        self.crash_at: int | None = None
+        self.durable = True
+        self.crashed = asyncio.Event()
+
+    def arm(self, k: int | None, *, durable: bool = True) -> None:
+        """Crash at the k-th commit from now (None: only count them)."""
+        self.commits = 0
+        self.crash_at = k
+        self.durable = durable
+
+    def commit(self, records: Iterable[NewRecord], rows: Mapping[str, bytes | None]) -> int:
+        if self.crashed.is_set():
+            raise Crash("flyd is dead")
+        if self.commits + 1 == self.crash_at and not self.durable:
+            self.crashed.set()
+            raise Crash(f"flyd died just before commit {self.crash_at}")
+        seq = self.inner.commit(records, rows)
+        self.commits += 1
+        if self.commits == self.crash_at:
+            self.crashed.set()
+            raise Crash(f"flyd died right after commit {self.commits} (seq {seq})")
+        return seq
+
+    def last_seq(self) -> int:
+        return self.inner.last_seq()
+
+    def first_seq(self) -> int:
+        return self.inner.first_seq()
+
+    def row(self, machine_id: str) -> bytes | None:
+        return self.inner.row(machine_id)
+
+    def rows(self) -> dict[str, bytes]:
+        return self.inner.rows()
+
+    def read(self, after_seq: int, limit: int = 1000) -> list[Record]:
+        return self.inner.read(after_seq, limit)
+
+    def snapshot(self) -> Snapshot:
+        return self.inner.snapshot()
+
+    def compact(self, keep: int) -> int:
+        return self.inner.compact(keep)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@dataclass
+class Flyd:
+    """One flyd process: a worker, the driver it watches machines through, its store."""
+
+    worker: Worker
+    driver: FakeDriver
+    store: MachineLog
+
+    async def kill(self) -> None:
+        """flyd dies: its tasks stop, held processes die with the driver, the store closes."""
+        await self.worker.close()
+        await self.driver.close()
+        self.store.close()
+
+
+class _ExitRelay:
+    """The driver's on_exit, wired to a worker that is built after the driver."""
+
+    worker: Worker | None = None
+
+    def __call__(self, machine_id: str, handle: Handle, status: ExitStatus) -> None:
+        if self.worker is not None:
+            self.worker.on_exit(machine_id, handle, status)
+
+
+def boot(
+    *,
+    store: MachineLog,
+    host: FakeHost,
+    clock: ManualClock,
+    images: ImageCache,
+    capacity: CapacitySettings = CAPACITY,
+    ports: range = PORTS,
+    log_keep: int = 10_000,
+    policy: fsm.Policy | None = None,
+    port_free: Callable[[str, int], bool] = lambda host, port: True,
+) -> Flyd:
+    """A flyd on `host`, before recover()."""
+    relay = _ExitRelay()
+    driver = FakeDriver(on_exit=relay, host=host)
+    worker = Worker(
+        identity=Identity("w1", "ams", "127.0.0.1:1", {}, "boot"),
+        store=store,
+        driver=driver,
+        images=images,
+        capacity=capacity,
+        ports=ports,
+        machine_host="127.0.0.1",
+        clock=clock,
+        policy=policy or fsm.Policy(),
+        log_keep=log_keep,
+        port_free=port_free,
+    )
+    relay.worker = worker
+    return Flyd(worker, driver, store)
+
+
+async def until(worker: Worker, done: Callable[[], bool], timeout: float = DEADLINE) -> None:
+    """Return once `done()` holds, checking after every committed change; fail at the deadline."""
+    stop = asyncio.Event()
+    changes = worker.watch(worker.store.last_seq(), heartbeat_interval=timeout, stop=stop)
+    assert isinstance(changes, AsyncGenerator)
+    async with asyncio.timeout(timeout), contextlib.aclosing(changes):
+        async for _ in changes:  # the first item (a heartbeat) comes at once
+            if done():
+                return
+
+
+def settled(worker: Worker, machine_id: str, state: int) -> Callable[[], bool]:
+    """The machine is in `state` with no operation left in progress."""
+
+    def check() -> bool:
+        row = worker.rows.get(machine_id)
+        return row is not None and row.state == state and row.op is None
+
+    return check
+
+
+def log_changes(store: MachineLog) -> list[worker_pb2.MachineChange]:
+    """Every kept record as a MachineChange; fails on a gap or a record numbered wrong."""
+    out: list[worker_pb2.MachineChange] = []
+    after = store.first_seq() - 1
+    while batch := store.read(after, 1000):  # read() raises CorruptLog on a gap
+        for rec in batch:
+            change = worker_pb2.MachineChange.FromString(rec.body)
+            assert change.event.seq == rec.seq
+            out.append(change)
+            after = rec.seq
+    assert after == store.last_seq()
+    return out

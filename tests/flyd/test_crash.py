@@ -1,0 +1,359 @@
+"""Crash injection: flyd dies at each commit of each operation, then restarts.
+
+For every operation and every commit index k within it, the machine log lets the operation's
+commits through until the k-th and then raises `Crash`: either right after the k-th commit
+(it is durable, nothing after it happens) or right before it (the effects of the step before
+happened, unrecorded). The test then restarts flyd the way a host would: the old driver goes
+away (a held process dies with it), the LMDB store is reopened from its directory, a new
+Worker and FakeDriver come up on the same FakeHost, and `recover()` resumes what was in
+progress.
+
+Whatever the crash point, the operation must complete, no machine may be lost or run twice,
+the reservations must match the machines, and the log must have no gaps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from flyd import fsm
+from flyd.clock import ManualClock
+from flyd.driver import ExitStatus
+from flyd.images import ImageSource
+from flyd.store import LmdbMachineLog
+from flyd.v1 import machine_pb2 as pb
+from tests.flyd.support import (
+    DEADLINE,
+    Crash,
+    CrashingLog,
+    Flyd,
+    RecordingHost,
+    boot,
+    config,
+    image_cache,
+    image_source,
+    log_changes,
+    settled,
+    until,
+)
+
+S = pb.MachineState
+CREATED = S.MACHINE_STATE_CREATED
+STARTED = S.MACHINE_STATE_STARTED
+STOPPED = S.MACHINE_STATE_STOPPED
+RESTARTING = S.MACHINE_STATE_RESTARTING
+DESTROYED = S.MACHINE_STATE_DESTROYED
+FAILED = S.MACHINE_STATE_FAILED
+
+# m0 runs beside every operation and must come through each crash untouched.
+CONFIGS = {
+    "m0": config(cpu=200, memory=256, services=1),
+    "m1": config(cpu=300, memory=128, services=1, restart=pb.RESTART_MODE_ON_FAILURE),
+}
+# Longer than any restart backoff an operation here waits through.
+LATER = 60.0
+
+
+class World:
+    """What outlives flyd: the host and its machines, the clock, the disk."""
+
+    def __init__(self, root: Path, source: ImageSource) -> None:
+        self.root = root
+        self.source = source
+        self.clock = ManualClock()
+        self.host = RecordingHost(self.clock)
+        self.flyds: list[Flyd] = []
+
+    def boot(self) -> Flyd:
+        """A flyd process: the store reopened from disk, a new image cache, driver and worker."""
+        store = CrashingLog(LmdbMachineLog(self.root / "log"))
+        images = image_cache(self.root, self.source)
+        flyd = boot(store=store, host=self.host, clock=self.clock, images=images)
+        self.flyds.append(flyd)
+        return flyd
+
+    def crashing_log(self, flyd: Flyd) -> CrashingLog:
+        assert isinstance(flyd.store, CrashingLog)
+        return flyd.store
+
+    def signals(self) -> list[tuple[str, int]]:
+        return [s for f in self.flyds for s in f.driver.signals]
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> ImageSource:
+    return image_source(tmp_path_factory.mktemp("images"))
+
+
+@pytest.fixture
+async def world(tmp_path: Path, source: ImageSource) -> AsyncIterator[World]:
+    world = World(tmp_path, source)
+    yield world
+    for flyd in world.flyds:
+        if not flyd.worker.closing:
+            await flyd.kill()
+
+
+async def create(flyd: Flyd, machine_id: str) -> pb.Machine:
+    return await flyd.worker.create(
+        machine_id=machine_id,
+        name="",
+        app="web",
+        config=CONFIGS[machine_id],
+        skip_launch=False,
+    )
+
+
+# --- the operations --------------------------------------------------------------------------
+
+
+async def create_and_start(flyd: Flyd, clock: ManualClock) -> None:
+    await create(flyd, "m1")
+
+
+async def stop(flyd: Flyd, clock: ManualClock) -> None:
+    await flyd.worker.stop("m1", None, None)
+    await until(flyd.worker, settled(flyd.worker, "m1", STOPPED))
+
+
+async def restart(flyd: Flyd, clock: ManualClock) -> None:
+    await flyd.worker.restart("m1", None, None)
+    await until(flyd.worker, settled(flyd.worker, "m1", STARTED))
+
+
+async def destroy_with_force(flyd: Flyd, clock: ManualClock) -> None:
+    await flyd.worker.destroy("m1", force=True)
+    await until(flyd.worker, settled(flyd.worker, "m1", DESTROYED))
+
+
+async def send_signal(flyd: Flyd, clock: ManualClock) -> None:
+    await flyd.worker.signal("m1", signal.SIGUSR1)
+
+
+async def policy_restart(flyd: Flyd, clock: ManualClock) -> None:
+    flyd.driver.exit("m1", ExitStatus(exit_code=1, signal=None))  # the machine crashes
+    await flyd.worker.wait("m1", RESTARTING, DEADLINE)
+    clock.advance(LATER)
+    await until(flyd.worker, settled(flyd.worker, "m1", STARTED))
+
+
+@dataclass(frozen=True)
+class Operation:
+    act: Callable[[Flyd, ManualClock], Awaitable[None]]  # does it, and waits for its end
+    commits: int  # how many commits it makes when nothing crashes
+    final: int  # the state m1 ends in
+    runs: int  # how many processes of m1 ever run its command, in all
+    needs_m1: bool = True  # m1 is created and started before it
+
+
+OPERATIONS = {
+    "create+start": Operation(create_and_start, 4, STARTED, 1, needs_m1=False),
+    "stop": Operation(stop, 2, STOPPED, 1),
+    "restart": Operation(restart, 4, STARTED, 2),
+    "destroy --force": Operation(destroy_with_force, 3, DESTROYED, 1),
+    "signal": Operation(send_signal, 2, STARTED, 1),
+    "policy restart": Operation(policy_restart, 4, STARTED, 2),
+}
+
+
+CRASH_POINTS = [
+    pytest.param(op, k, True, id=f"{name}, dies after commit {k}")
+    for name, op in OPERATIONS.items()
+    for k in range(1, op.commits + 1)
+] + [
+    # Dying before commit 1 is an operation that never happened; later, the step before
+    # has had its effects (spawned, released, killed, signalled, cleaned up) unrecorded.
+    pytest.param(op, k, False, id=f"{name}, dies before commit {k}")
+    for name, op in OPERATIONS.items()
+    for k in range(2, op.commits + 1)
+]
+
+
+async def setup(flyd: Flyd, op: Operation) -> None:
+    flyd.worker.recover()
+    await create(flyd, "m0")
+    if op.needs_m1:
+        await create(flyd, "m1")
+
+
+async def run_or_crash(act: Awaitable[None], log: CrashingLog) -> bool:
+    """Run `act` until it ends or flyd dies, in it or in a background task. True if flyd died."""
+    task = asyncio.ensure_future(act)
+    crashed = asyncio.ensure_future(log.crashed.wait())
+    try:
+        async with asyncio.timeout(DEADLINE):
+            await asyncio.wait({task, crashed}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, crashed):
+            t.cancel()
+        await asyncio.wait({task, crashed})
+    if task.cancelled() or isinstance(task.exception(), Crash):
+        assert log.crashed.is_set()
+        return True
+    task.result()  # a real failure raises here
+    return log.crashed.is_set()
+
+
+def check_invariants(
+    world: World, flyd: Flyd, expected: dict[str, int], runs: dict[str, int]
+) -> None:
+    w, host = flyd.worker, world.host
+    # No machine is lost, and each has finished what it was doing.
+    assert set(flyd.store.rows()) == set(w.rows) == set(expected)
+    for mid, state in expected.items():
+        row = w.rows[mid]
+        assert (fsm.state_name(row.state), row.op) == (fsm.state_name(state), None), mid
+        # A started machine runs exactly the process its row names; any other runs nothing.
+        assert host.live_handle(mid) == (row.handle if state == STARTED else None), mid
+        assert (row.handle is not None) == (state == STARTED), mid
+    # None ran twice: each process that ran was one the operation meant to run, and no
+    # driver released a process that had already been released.
+    assert {mid: host.ran(mid) for mid in expected} == runs
+    releases = [mid for f in world.flyds for mid in f.driver.released]
+    assert {mid: releases.count(mid) for mid in expected} == runs
+    # Reservations are exactly the machines that are not destroyed.
+    live = [CONFIGS[mid] for mid, state in expected.items() if state != DESTROYED]
+    assert w.reserved() == pb.Resources(
+        cpu_millicores=sum(c.guest.cpu_millicores for c in live),
+        memory_mib=sum(c.guest.memory_mib for c in live),
+        machines=len(live),
+    )
+    ports = [p.host_port for r in w.rows.values() if r.state != DESTROYED for p in r.machine.ports]
+    assert len(ports) == len(set(ports)) == len(live)
+    assert sum(img.refs for img in w.images.cached()) == len(live)
+    # The log has no gaps, and each machine's last record is its row.
+    last: dict[str, pb.Machine] = {}
+    for change in log_changes(flyd.store):
+        last[change.event.machine_id] = change.machine
+    for mid in expected:
+        raw = flyd.store.row(mid)
+        assert raw is not None
+        assert last[mid] == fsm.decode_row(raw).machine, mid
+
+
+@pytest.mark.parametrize(("op", "k", "durable"), CRASH_POINTS)
+async def test_flyd_dies_at_commit_k(world: World, op: Operation, k: int, durable: bool) -> None:
+    flyd = world.boot()
+    await setup(flyd, op)
+    m0 = flyd.worker.get("m0").handle
+
+    world.crashing_log(flyd).arm(k, durable=durable)
+    assert await run_or_crash(op.act(flyd, world.clock), world.crashing_log(flyd))
+    # flyd is dead: its tasks stop, its driver goes, its store closes.
+    await flyd.kill()
+
+    flyd = world.boot()
+    flyd.worker.recover()
+    world.clock.advance(LATER)  # whatever backoff it was in is over
+    await until(flyd.worker, settled(flyd.worker, "m1", op.final))
+
+    check_invariants(world, flyd, {"m0": STARTED, "m1": op.final}, {"m0": 1, "m1": op.runs})
+    assert flyd.worker.get("m0").handle == m0
+    if op.act is send_signal:
+        assert ("m1", signal.SIGUSR1) in world.signals()
+
+
+@pytest.mark.parametrize("name", OPERATIONS)
+async def test_the_table_counts_every_commit_of_each_operation(world: World, name: str) -> None:
+    """The table above names every commit: without a crash each operation makes that many."""
+    op = OPERATIONS[name]
+    flyd = world.boot()
+    await setup(flyd, op)
+    log = world.crashing_log(flyd)
+    log.arm(None)
+    await op.act(flyd, world.clock)
+    await until(flyd.worker, settled(flyd.worker, "m1", op.final))
+    assert log.commits == op.commits
+    check_invariants(world, flyd, {"m0": STARTED, "m1": op.final}, {"m0": 1, "m1": op.runs})
+
+
+@pytest.mark.parametrize(("op", "k", "durable"), CRASH_POINTS)
+async def test_flyd_dies_again_while_recovering(
+    world: World, op: Operation, k: int, durable: bool
+) -> None:
+    """A second crash, right after the first commit of the recovery, changes nothing either."""
+    flyd = world.boot()
+    await setup(flyd, op)
+    world.crashing_log(flyd).arm(k, durable=durable)
+    assert await run_or_crash(op.act(flyd, world.clock), world.crashing_log(flyd))
+    await flyd.kill()
+
+    flyd = world.boot()
+    log = world.crashing_log(flyd)
+    log.arm(1)
+    flyd.worker.recover()
+    world.clock.advance(LATER)
+    # Recovery may have nothing left to commit (the first crash came after the last commit).
+    await run_or_crash(until(flyd.worker, settled(flyd.worker, "m1", op.final)), log)
+    await flyd.kill()
+
+    flyd = world.boot()
+    flyd.worker.recover()
+    world.clock.advance(LATER)
+    await until(flyd.worker, settled(flyd.worker, "m1", op.final))
+    check_invariants(world, flyd, {"m0": STARTED, "m1": op.final}, {"m0": 1, "m1": op.runs})
+
+
+# --- stories -------------------------------------------------------------------------------
+
+
+async def test_machines_that_exit_while_flyd_is_down(world: World) -> None:
+    flyd = world.boot()
+    flyd.worker.recover()
+    await create(flyd, "m0")  # on-failure by default
+    await create(flyd, "m1")
+    await flyd.kill()
+    # While no flyd watches, both machines end: m0 fails, m1 is done.
+    world.host.exit("m0", ExitStatus(exit_code=2, signal=None))
+    world.host.exit("m1", ExitStatus(exit_code=0, signal=None))
+
+    flyd = world.boot()
+    flyd.worker.recover()
+    await until(flyd.worker, settled(flyd.worker, "m1", STOPPED))
+    await flyd.worker.wait("m0", RESTARTING, DEADLINE)
+    assert flyd.worker.get("m0").machine.last_exit.exit_code == 2
+    world.clock.advance(LATER)
+    await until(flyd.worker, settled(flyd.worker, "m0", STARTED))
+    check_invariants(world, flyd, {"m0": STARTED, "m1": STOPPED}, {"m0": 2, "m1": 1})
+
+
+async def test_real_lmdb_closed_and_reopened_keeps_every_machine(world: World) -> None:
+    flyd = world.boot()
+    w = flyd.worker
+    w.recover()
+    await create(flyd, "m0")
+    await create(flyd, "m1")
+    for mid, cmd in {"m2": [], "m3": [], "m4": ["fake:start_error=broken"]}.items():
+        await w.create(
+            machine_id=mid,
+            name="",
+            app="web",
+            config=config(*cmd, restart=pb.RESTART_MODE_NO),
+            skip_launch=mid == "m2",
+        )
+    await w.stop("m1", None, None)
+    await w.wait("m1", STOPPED, DEADLINE)
+    await w.destroy("m3", force=True)
+    await w.wait("m3", DESTROYED, DEADLINE)
+    before = {mid: (row.state, row.handle) for mid, row in w.rows.items()}
+    reserved, last_seq = w.reserved(), flyd.store.last_seq()
+    await flyd.kill()  # closes the LMDB environment
+
+    flyd = world.boot()
+    assert flyd.worker.recover() == 0
+    w = flyd.worker
+    assert {mid: (row.state, row.handle) for mid, row in w.rows.items()} == before
+    assert before["m2"][0] == CREATED
+    assert before["m4"][0] == FAILED
+    assert (w.reserved(), flyd.store.last_seq()) == (reserved, last_seq)
+    assert world.host.live_handle("m0") == before["m0"][1]
+    # The reopened log carries on where it was.
+    await w.start("m2")
+    assert log_changes(flyd.store)[-1].event.seq == last_seq + 3
+    assert w.get("m2").state == STARTED

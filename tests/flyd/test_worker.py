@@ -1,0 +1,596 @@
+"""The runner: a Worker on a FakeDriver, over both machine log backends.
+
+Time is a ManualClock the tests advance; waits are on conditions with deadlines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flyd import worker as worker_module
+from flyd.clock import ManualClock
+from flyd.errors import (
+    AlreadyExists,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from flyd.images import ImageCache
+from flyd.settings import CapacitySettings
+from flyd.store import LmdbMachineLog, MachineLog, MemoryMachineLog
+from flyd.v1 import machine_pb2 as pb
+from flyd.v1 import worker_pb2
+from flyd.worker import Worker
+from tests.flyd.support import (
+    DEADLINE,
+    PORTS,
+    Flyd,
+    RecordingHost,
+    boot,
+    config,
+    image_cache,
+    image_source,
+    log_changes,
+)
+
+S = pb.MachineState
+UNSPECIFIED = S.MACHINE_STATE_UNSPECIFIED
+CREATED = S.MACHINE_STATE_CREATED
+STARTING = S.MACHINE_STATE_STARTING
+STARTED = S.MACHINE_STATE_STARTED
+STOPPING = S.MACHINE_STATE_STOPPING
+STOPPED = S.MACHINE_STATE_STOPPED
+RESTARTING = S.MACHINE_STATE_RESTARTING
+DESTROYED = S.MACHINE_STATE_DESTROYED
+FAILED = S.MACHINE_STATE_FAILED
+
+Boot = Callable[..., Flyd]
+
+
+@pytest.fixture(params=["memory", "lmdb"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[MachineLog]:
+    log: MachineLog = (
+        MemoryMachineLog() if request.param == "memory" else LmdbMachineLog(tmp_path / "log")
+    )
+    yield log
+    log.close()
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+@pytest.fixture
+def host(clock: ManualClock) -> RecordingHost:
+    return RecordingHost(clock)
+
+
+@pytest.fixture
+def images(tmp_path: Path) -> ImageCache:
+    return image_cache(tmp_path, image_source(tmp_path))
+
+
+@pytest.fixture
+async def start_flyd(
+    store: MachineLog, host: RecordingHost, clock: ManualClock, images: ImageCache
+) -> AsyncIterator[Boot]:
+    """Boots a recovered flyd on the test's store and host; settings can be overridden."""
+    booted: list[Flyd] = []
+
+    def start(**overrides: Any) -> Flyd:
+        flyd = boot(store=store, host=host, clock=clock, images=images, **overrides)
+        flyd.worker.recover()
+        booted.append(flyd)
+        return flyd
+
+    yield start
+    for flyd in booted:
+        await flyd.worker.close()
+        await flyd.driver.close()
+
+
+@pytest.fixture
+def flyd(start_flyd: Boot) -> Flyd:
+    return start_flyd()
+
+
+async def create(
+    worker: Worker,
+    machine_id: str,
+    cfg: pb.MachineConfig | None = None,
+    *,
+    app: str = "web",
+    skip_launch: bool = False,
+) -> pb.Machine:
+    return await worker.create(
+        machine_id=machine_id,
+        name="",
+        app=app,
+        config=cfg if cfg is not None else config(),
+        skip_launch=skip_launch,
+    )
+
+
+def history(events: Any) -> list[tuple[str, str, str]]:
+    """(type, from state, to state) of each event."""
+    name = {v: k.removeprefix("MACHINE_STATE_").lower() for k, v in S.items()}
+    return [(e.type, name[e.from_state], name[e.to_state]) for e in events]
+
+
+def image_refs(images: ImageCache) -> int:
+    return sum(img.refs for img in images.cached())
+
+
+# --- the lifecycle ---------------------------------------------------------------------------
+
+
+async def test_create_start_stop_destroy(flyd: Flyd, host: RecordingHost) -> None:
+    w = flyd.worker
+    created = await create(w, "m1", config(services=1))
+    assert created.state == STARTED
+    assert (created.name, created.worker_id, created.region) == ("m1", "w1", "ams")
+    assert [(p.internal_port, p.host_port) for p in created.ports] == [(8080, PORTS[0])]
+    (spec,) = flyd.driver.starts
+    assert spec.argv == ["app"]
+    assert (spec.env["PORT"], spec.env["MACHINE_ID"]) == (str(PORTS[0]), "m1")
+    assert host.live_handle("m1") == w.get("m1").handle
+
+    assert (await w.stop("m1", None, None)).state == STOPPING
+    stopped = await w.wait("m1", STOPPED, DEADLINE)
+    assert stopped.last_exit.signal == "SIGTERM"
+    assert host.live_handle("m1") is None
+
+    destroyed = await w.destroy("m1", force=False)
+    assert destroyed.state == DESTROYED
+    assert history(destroyed.events) == [
+        ("create", "unspecified", "created"),
+        ("start", "created", "starting"),
+        ("start", "starting", "started"),
+        ("stop", "started", "stopping"),
+        ("stop", "stopping", "stopped"),
+        ("destroy", "stopped", "destroying"),
+        ("destroy", "destroying", "destroyed"),
+    ]
+    assert w.list_machines() == []
+    assert [m.id for m in w.list_machines(include_destroyed=True)] == ["m1"]
+    assert w.capacity().free == w.capacity().total
+    assert image_refs(flyd.worker.images) == 0
+    log_changes(flyd.store)
+
+
+async def test_skip_launch_creates_without_starting(flyd: Flyd) -> None:
+    created = await create(flyd.worker, "m1", skip_launch=True)
+    assert created.state == CREATED
+    assert flyd.driver.starts == []
+    assert (await flyd.worker.start("m1")).state == STARTED
+
+
+async def test_the_event_tail_keeps_the_newest(flyd: Flyd) -> None:
+    w = flyd.worker
+    await create(w, "m1")
+    for _ in range(5):
+        await w.stop("m1", None, None)
+        await w.wait("m1", STOPPED, DEADLINE)
+        await w.start("m1")
+    events = w.get("m1").machine.events
+    assert len(events) == 10
+    assert history(events)[-1] == ("start", "starting", "started")
+    assert [e.seq for e in events] == sorted(e.seq for e in events)
+
+
+async def test_create_is_idempotent_by_id(flyd: Flyd) -> None:
+    w = flyd.worker
+    first = await create(w, "m1", config("fake:exit_code=0"))
+    seq = flyd.store.last_seq()
+    again = await create(w, "m1", config("fake:exit_code=0"))
+    assert (again.instance_id, again.state) == (first.instance_id, STARTED)
+    assert (len(flyd.driver.starts), flyd.store.last_seq()) == (1, seq)
+    with pytest.raises(AlreadyExists, match="m1"):
+        await create(w, "m1", config("fake:exit_code=1"))
+    with pytest.raises(AlreadyExists, match="m1"):
+        await create(w, "m1", config("fake:exit_code=0"), app="other")
+    assert image_refs(w.images) == 1
+
+
+# --- capacity --------------------------------------------------------------------------------
+
+ONE = CapacitySettings(cpu_millicores=1000, memory_mib=1024, machines=1)
+TWO_PORTS = range(20000, 20002)
+# The second port is taken by something that is not a machine.
+TAKEN = {"ports": TWO_PORTS, "port_free": lambda host, port: port != TWO_PORTS[1]}
+
+EXHAUSTED = [
+    # (id, resource, message, config of the new machine, worker settings)
+    # m0 (100 millicores, 128 MiB, one service port) runs already.
+    ("cpu", "cpu", "900 millicores of cpu free", config(cpu=901), {}),
+    ("memory", "memory", "896 MiB of memory free", config(memory=897), {}),
+    ("machines", "machines", "0 machines of machines free", config(), {"capacity": ONE}),
+    ("ports", "ports", "no free host port", config(services=2), {"ports": TWO_PORTS}),
+    ("ports in use", "ports", "no free host port", config(services=1), TAKEN),
+]
+
+
+@pytest.mark.parametrize(
+    ("resource", "says", "cfg", "settings"),
+    [c[1:] for c in EXHAUSTED],
+    ids=[c[0] for c in EXHAUSTED],
+)
+async def test_resource_exhausted_changes_nothing(
+    start_flyd: Boot, resource: str, says: str, cfg: pb.MachineConfig, settings: dict[str, Any]
+) -> None:
+    flyd = start_flyd(**settings)
+    w = flyd.worker
+    await create(w, "m0", config(services=1))
+    seq, reserved, starts = flyd.store.last_seq(), w.reserved(), len(flyd.driver.starts)
+    with pytest.raises(ResourceExhausted, match=says) as caught:
+        await create(w, "m1", cfg)
+    assert caught.value.resource == resource
+    assert caught.value.retryable
+    assert ("m1" in w.rows, flyd.store.row("m1")) == (False, None)
+    assert (flyd.store.last_seq(), w.reserved()) == (seq, reserved)
+    assert (len(flyd.driver.starts), image_refs(w.images)) == (starts, 1)
+
+
+async def test_capacity_adds_up_exactly(start_flyd: Boot) -> None:
+    w = start_flyd().worker
+    for i in range(2):
+        await create(w, f"m{i}", config(cpu=500, memory=512))
+    assert w.capacity().free == pb.Resources(cpu_millicores=0, memory_mib=0, disk_mib=0, machines=8)
+    assert dict(w.capacity().machines_by_state) == {"started": 2}
+
+
+async def test_a_stopped_machine_keeps_its_reservation(flyd: Flyd) -> None:
+    w = flyd.worker
+    await create(w, "m1", config(cpu=600, services=1))
+    await w.stop("m1", None, None)
+    await w.wait("m1", STOPPED, DEADLINE)
+    assert w.reserved().cpu_millicores == 600
+    with pytest.raises(ResourceExhausted, match="cpu"):
+        await create(w, "m2", config(cpu=600, services=1))
+
+
+async def test_destroy_releases_reservation_and_ports(flyd: Flyd) -> None:
+    w = flyd.worker
+    await create(w, "m1", config(cpu=600, services=1))
+    await w.destroy("m1", force=True)
+    await w.wait("m1", DESTROYED, DEADLINE)
+    assert w.reserved() == pb.Resources()
+    m2 = await create(w, "m2", config(cpu=600, services=1))
+    assert [p.host_port for p in m2.ports] == [PORTS[0]]
+    assert image_refs(w.images) == 1
+
+
+async def test_cordon_refuses_creates_while_machines_run_on(
+    flyd: Flyd, host: RecordingHost
+) -> None:
+    w = flyd.worker
+    await create(w, "m1")
+    assert w.cordon(True) is True
+    assert w.capacity().cordoned
+    with pytest.raises(Unavailable, match="cordoned"):
+        await create(w, "m2")
+    assert "m2" not in w.rows
+    # The machine already here runs on and still answers to operations.
+    assert (w.get("m1").state, host.live_handle("m1")) == (STARTED, w.get("m1").handle)
+    await w.stop("m1", None, None)
+    await w.wait("m1", STOPPED, DEADLINE)
+    await w.start("m1")
+    w.cordon(False)
+    assert (await create(w, "m2")).state == STARTED
+
+
+# --- exits and the restart policy -------------------------------------------------------------
+
+
+async def test_a_crash_loop_ends_failed_with_exit_code_and_log_tail(
+    flyd: Flyd, host: RecordingHost, clock: ManualClock
+) -> None:
+    w = flyd.worker
+    cfg = config("fake:run_for=1", "fake:exit_code=3", restart=pb.RESTART_MODE_ON_FAILURE)
+    cfg.restart.max_retries = 2
+    await create(w, "m1", cfg)
+    for attempt, backoff in enumerate([0.5, 1.0]):
+        flyd.driver.write_log("m1", f"attempt {attempt}: no config")
+        clock.advance(1)  # the process runs out and exits with 3
+        restarting = await w.wait("m1", RESTARTING, DEADLINE)
+        assert restarting.restart_count == attempt + 1
+        clock.advance(backoff)
+        await w.wait("m1", STARTED, DEADLINE)
+    flyd.driver.write_log("m1", "attempt 2: no config")
+    clock.advance(1)
+    failed = await w.wait("m1", FAILED, DEADLINE)
+    assert (failed.last_exit.has_exit_code, failed.last_exit.exit_code) == (True, 3)
+    assert list(failed.log_tail)[-1] == "attempt 2: no config"
+    assert host.ran("m1") == 3
+    assert w.reserved().machines == 1  # a failed machine keeps its place
+    # A user start gives it a fresh budget.
+    assert (await w.start("m1")).state == STARTED
+
+
+@pytest.mark.parametrize(
+    ("mode", "code", "state"),
+    [
+        (pb.RESTART_MODE_NO, 1, STOPPED),
+        (pb.RESTART_MODE_ON_FAILURE, 0, STOPPED),
+        (pb.RESTART_MODE_ON_FAILURE, 1, RESTARTING),
+        (pb.RESTART_MODE_ALWAYS, 0, RESTARTING),
+    ],
+)
+async def test_an_exit_follows_the_restart_policy(
+    flyd: Flyd, clock: ManualClock, mode: int, code: int, state: int
+) -> None:
+    await create(
+        flyd.worker, "m1", config("fake:run_for=5", f"fake:exit_code={code}", restart=mode)
+    )
+    clock.advance(5)
+    machine = await flyd.worker.wait("m1", state, DEADLINE)
+    assert machine.last_exit.exit_code == code
+
+
+async def test_a_failing_spawn_gives_up_failed(flyd: Flyd) -> None:
+    machine = await create(flyd.worker, "m1", config("fake:start_error=no room"))
+    assert machine.state == FAILED
+    assert len(flyd.driver.starts) == 3
+    assert "no room; gave up after 3 attempts" in machine.events[-1].reason
+
+
+async def test_signal_and_restart(flyd: Flyd, host: RecordingHost) -> None:
+    w = flyd.worker
+    await create(w, "m1")
+    first = w.get("m1").handle
+    assert (await w.signal("m1", signal.SIGUSR1)).state == STARTED
+    assert flyd.driver.signals == [("m1", signal.SIGUSR1)]
+    await w.restart("m1", None, None)
+    await w.wait("m1", STARTED, DEADLINE)
+    assert w.get("m1").handle not in (None, first)
+    assert host.ran("m1") == 2
+
+
+async def test_destroy_of_a_running_machine_needs_force(flyd: Flyd) -> None:
+    await create(flyd.worker, "m1")
+    with pytest.raises(FailedPrecondition, match="force"):
+        await flyd.worker.destroy("m1", force=False)
+    await flyd.worker.destroy("m1", force=True)
+    assert (await flyd.worker.wait("m1", DESTROYED, DEADLINE)).last_exit.signal == "SIGKILL"
+
+
+# --- waiting -----------------------------------------------------------------------------------
+
+
+async def test_wait_returns_at_once_when_already_there(flyd: Flyd) -> None:
+    await create(flyd.worker, "m1")
+    assert (await flyd.worker.wait("m1", STARTED, 0)).id == "m1"
+
+
+async def test_wait_runs_out_of_time(flyd: Flyd) -> None:
+    await create(flyd.worker, "m1")
+    with pytest.raises(DeadlineExceeded, match="m1 is started, not stopped"):
+        await flyd.worker.wait("m1", STOPPED, 0.01)
+
+
+async def test_wait_for_a_destroyed_machine_is_a_failed_precondition(flyd: Flyd) -> None:
+    w = flyd.worker
+    await create(w, "m1", skip_launch=True)
+    waiter = asyncio.ensure_future(w.wait("m1", STARTED, DEADLINE))
+    await w.destroy("m1", force=False)
+    with pytest.raises(FailedPrecondition, match="destroyed"):
+        await waiter
+    with pytest.raises(FailedPrecondition, match="destroyed"):
+        await w.wait("m1", STARTED, DEADLINE)
+    assert (await w.wait("m1", DESTROYED, 0)).state == DESTROYED
+
+
+@pytest.mark.parametrize(
+    ("machine_id", "state", "error"),
+    [
+        ("m1", UNSPECIFIED, InvalidArgument),
+        ("nope", STARTED, NotFound),
+        ("", STARTED, InvalidArgument),
+    ],
+)
+async def test_wait_refuses(
+    flyd: Flyd, machine_id: str, state: int, error: type[Exception]
+) -> None:
+    await create(flyd.worker, "m1", skip_launch=True)
+    with pytest.raises(error):
+        await flyd.worker.wait(machine_id, state, DEADLINE)
+
+
+# --- the event stream --------------------------------------------------------------------------
+
+
+class Stream:
+    """A WatchEvents subscription read one item at a time, each with a deadline."""
+
+    def __init__(self, worker: Worker, from_seq: int, heartbeat_interval: float = 3600) -> None:
+        self.stop = asyncio.Event()
+        items = worker.watch(from_seq, heartbeat_interval=heartbeat_interval, stop=self.stop)
+        assert isinstance(items, AsyncGenerator)
+        self._items = items
+
+    async def next(self) -> worker_pb2.WatchEventsResponse:
+        async with asyncio.timeout(DEADLINE):
+            return await anext(self._items)
+
+    async def next_kind(self) -> str:
+        return (await self.next()).WhichOneof("item") or ""
+
+    async def changes_until(self, seq: int) -> list[worker_pb2.MachineChange]:
+        """Changes up to and including `seq`, skipping heartbeats."""
+        out: list[worker_pb2.MachineChange] = []
+        while not out or out[-1].event.seq < seq:
+            item = await self.next()
+            assert item.WhichOneof("item") != "snapshot"
+            if item.HasField("change"):
+                out.append(item.change)
+        return out
+
+    async def rest(self) -> list[str]:
+        """The kinds of all items until the stream ends."""
+        async with asyncio.timeout(DEADLINE):
+            return [item.WhichOneof("item") or "" async for item in self._items]
+
+    async def close(self) -> None:
+        await self._items.aclose()
+
+
+@pytest.fixture
+async def streams() -> AsyncIterator[list[Stream]]:
+    opened: list[Stream] = []
+    yield opened
+    for s in opened:
+        await s.close()
+
+
+async def test_watch_from_zero_is_a_snapshot_then_live_changes(
+    flyd: Flyd, streams: list[Stream]
+) -> None:
+    w = flyd.worker
+    await create(w, "m1", skip_launch=True)
+    streams.append(stream := Stream(w, 0))
+    snapshot = (await stream.next()).snapshot
+    assert (snapshot.seq, snapshot.reason) == (1, "requested")
+    assert [m.id for m in snapshot.machines] == ["m1"]
+    heartbeat = (await stream.next()).heartbeat
+    assert (heartbeat.seq, heartbeat.worker.id, heartbeat.capacity.free.machines) == (1, "w1", 9)
+    await w.start("m1")
+    changes = await stream.changes_until(flyd.store.last_seq())
+    assert [c.event.seq for c in changes] == [2, 3, 4]
+    assert [c.machine.state for c in changes] == [STARTING, STARTING, STARTED]
+
+
+async def test_watch_sends_heartbeats_while_nothing_changes(
+    flyd: Flyd, streams: list[Stream]
+) -> None:
+    streams.append(stream := Stream(flyd.worker, 0, heartbeat_interval=0.01))
+    assert [await stream.next_kind() for _ in range(4)] == ["snapshot"] + ["heartbeat"] * 3
+
+
+async def test_watch_from_the_middle_replays(flyd: Flyd, streams: list[Stream]) -> None:
+    w = flyd.worker
+    await create(w, "m1")  # seq 1..4
+    streams.append(stream := Stream(w, 2))
+    replayed = await stream.changes_until(4)
+    assert [c.event.seq for c in replayed] == [3, 4]
+    assert await stream.next_kind() == "heartbeat"
+    await w.stop("m1", None, None)
+    assert [c.event.seq for c in await stream.changes_until(6)] == [5, 6]
+
+
+async def test_watch_ahead_of_the_log_is_invalid(flyd: Flyd, streams: list[Stream]) -> None:
+    streams.append(stream := Stream(flyd.worker, 1))
+    with pytest.raises(InvalidArgument, match="from_seq"):
+        await stream.next()
+
+
+async def test_watch_after_compaction_resyncs_from_a_snapshot(
+    start_flyd: Boot, streams: list[Stream]
+) -> None:
+    flyd = start_flyd(log_keep=2)
+    w = flyd.worker
+    for i in range(6):
+        await create(w, f"m{i}", skip_launch=True)
+    assert flyd.store.first_seq() > 2
+    streams.append(stream := Stream(w, 1))
+    snapshot = (await stream.next()).snapshot
+    assert (snapshot.reason, snapshot.seq, len(snapshot.machines)) == ("compacted", 6, 6)
+    assert await stream.next_kind() == "heartbeat"
+    await w.start("m0")
+    assert [c.event.seq for c in await stream.changes_until(9)] == [7, 8, 9]
+
+
+async def test_a_slow_subscriber_catches_up_from_the_log_without_gaps(
+    flyd: Flyd, streams: list[Stream], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(worker_module, "SUBSCRIBER_QUEUE", 2)
+    w = flyd.worker
+    streams.append(stream := Stream(w, 0))
+    assert [await stream.next_kind() for _ in range(2)] == ["snapshot", "heartbeat"]
+    # It reads nothing while eight machines are created and started: its queue overflows.
+    for i in range(8):
+        await create(w, f"m{i}")
+    last = flyd.store.last_seq()
+    assert [c.event.seq for c in await stream.changes_until(last)] == list(range(1, last + 1))
+
+
+async def test_close_ends_every_watch_and_leaves_machines_running(
+    flyd: Flyd, host: RecordingHost, streams: list[Stream]
+) -> None:
+    w = flyd.worker
+    streams.append(stream := Stream(w, 0))
+    assert [await stream.next_kind() for _ in range(2)] == ["snapshot", "heartbeat"]
+    await create(w, "m1")
+    await w.close()
+    # The stream ends (a follower resumes from the last seq it saw, on the next flyd).
+    assert set(await stream.rest()) <= {"change"}
+    assert host.live_handle("m1") == w.get("m1").handle
+    with pytest.raises(Unavailable, match="shutting down"):
+        await create(w, "m2")
+
+
+async def test_events_list_a_machines_history(flyd: Flyd) -> None:
+    w = flyd.worker
+    await create(w, "m1")
+    await create(w, "m2", skip_launch=True)
+    await w.stop("m1", None, None)
+    await w.wait("m1", STOPPED, DEADLINE)
+    events = list(w.events("m1"))
+    assert [e.reason for e in events][2].startswith("process spawned (pid ")
+    assert history(events) == [
+        ("create", "unspecified", "created"),
+        ("start", "created", "starting"),
+        ("start", "starting", "starting"),
+        ("start", "starting", "started"),
+        ("stop", "started", "stopping"),
+        ("stop", "stopping", "stopped"),
+    ]
+    assert {e.machine_id for e in events} == {"m1"}
+    with pytest.raises(NotFound):
+        list(w.events("nope"))
+
+
+# --- cancellation ------------------------------------------------------------------------------
+
+
+async def cancel_around_a_change(worker: Worker, task: asyncio.Task[Any], yields: int) -> None:
+    """Cancel `task` `yields` loop turns after m1 starts (three changes, published at once)."""
+    await asyncio.sleep(0)  # the task gets to its wait
+    await worker.start("m1")
+    for _ in range(yields):
+        await asyncio.sleep(0)
+    task.cancel()
+    await asyncio.wait({task}, timeout=1.0)  # a bound for the failure only
+    assert task.cancelled()
+
+
+@pytest.mark.parametrize("yields", range(4))
+async def test_a_cancelled_watch_ends_at_once_even_as_changes_arrive(
+    flyd: Flyd, yields: int
+) -> None:
+    await create(flyd.worker, "m1", skip_launch=True)
+    items = flyd.worker.watch(0, heartbeat_interval=3600, stop=asyncio.Event())
+
+    async def read_all() -> None:
+        async for _ in items:
+            pass
+
+    await cancel_around_a_change(flyd.worker, asyncio.ensure_future(read_all()), yields)
+
+
+@pytest.mark.parametrize("yields", range(4))
+async def test_a_cancelled_wait_ends_at_once_even_as_a_change_arrives(
+    flyd: Flyd, yields: int
+) -> None:
+    await create(flyd.worker, "m1", skip_launch=True)
+    waiter = asyncio.ensure_future(flyd.worker.wait("m1", STOPPED, 3600))
+    await cancel_around_a_change(flyd.worker, waiter, yields)
