@@ -1231,3 +1231,26 @@ def _validate_spec(spec: ProcessSpec) -> None:
 
 # ProcessDriver keeps the contract flyd is written against (checked by mypy).
 _: type[Driver] = ProcessDriver
+
+
+def kill_all(run_root: Path) -> int:
+    """SIGKILL every machine process tree recorded under a driver's run root.
+
+    For tearing down a whole worker (a local cluster, a test) when flyd can no longer be asked
+    to. Handles are checked against /proc, so a recycled pid is left alone. Returns how many
+    machines were killed.
+    """
+    killed = 0
+    boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    for handle_file in run_root.glob("*/handle.json"):
+        try:
+            handle = Handle.from_dict(json.loads(handle_file.read_bytes()))
+        except (OSError, ValueError, CorruptLog):
+            continue
+        proc = _read_proc_stat(handle.pid)
+        if handle.boot_id != boot_id or proc is None or proc.start_time != handle.start_time:
+            continue
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(handle.pid, signal.SIGKILL)
+            killed += 1
+    return killed

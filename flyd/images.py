@@ -785,6 +785,21 @@ class ImageSource:
             ref=image_ref, manifest=manifest, source=layout.description, _layout=layout
         )
 
+    def signature(self, ref: ImageRef) -> tuple[int, int, int] | None:
+        """A cheap fingerprint of where the ref's tags live (its index.json or tar), or None.
+
+        When it is unchanged, a tag still names the digest it named before: the cache can skip
+        reading and parsing the index on every pull of a cached image.
+        """
+        directory = self.root.joinpath(*ref.name.split("/"))
+        for path in (directory / "index.json", directory.with_name(directory.name + ".tar")):
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            return (st.st_ino, st.st_mtime_ns, st.st_size)
+        return None
+
     def _open_layout(self, ref: ImageRef) -> _Layout:
         directory = self.root.joinpath(*ref.name.split("/"))
         if (directory / "index.json").is_file():
@@ -1268,6 +1283,9 @@ class ImageCache:
         self._index_path = self.root / "index.json"
         self._entries: dict[str, _Entry] = {}
         self._tags: dict[str, str] = {}
+        self._dirty = False
+        # Tag resolutions, keyed by ref, with the source signature they were read under.
+        self._resolved: dict[str, tuple[tuple[int, int, int], str]] = {}
         self._locks: dict[str, _DigestLock] = {}
         self._images_dir.mkdir(parents=True, exist_ok=True)
         self._load()
@@ -1291,6 +1309,10 @@ class ImageCache:
         image_ref = parse_reference(ref)
         resolved: ResolvedImage | None = None
         digest = image_ref.digest
+        signature = self.source.signature(image_ref) if digest is None else None
+        known = self._resolved.get(str(image_ref))
+        if digest is None and signature is not None and known and known[0] == signature:
+            digest = known[1]  # the source's index has not changed since this tag was resolved
         if digest is None:
             try:
                 resolved = await asyncio.to_thread(self.source.resolve, image_ref)
@@ -1303,6 +1325,8 @@ class ImageCache:
                 )
             else:
                 digest = resolved.digest
+                if signature is not None:
+                    self._resolved[str(image_ref)] = (signature, digest)
         hit = self._hit(digest, image_ref)
         if hit is not None:
             return dataclasses.replace(hit, ref=str(image_ref))
@@ -1335,7 +1359,7 @@ class ImageCache:
             raise ImageNotFound(f"image {digest} is not in the cache")
         entry.refs += 1
         entry.last_used = self._clock()
-        self._save_index()
+        self._dirty = True
 
     def release(self, digest: str) -> None:
         """Drop a reference taken with `use`; the image counts as used until now."""
@@ -1346,7 +1370,7 @@ class ImageCache:
             return
         entry.refs -= 1
         entry.last_used = self._clock()
-        self._save_index()
+        self._dirty = True
 
     def cached(self) -> list[CachedImage]:
         """Every cached image, most recently used first."""
@@ -1370,7 +1394,7 @@ class ImageCache:
             # The ref reported for an image is the tag it was last pulled by.
             self._tags[str(ref)] = digest
             entry.image = dataclasses.replace(entry.image, ref=str(ref))
-        self._save_index()
+        self._dirty = True
         return entry.image
 
     @contextlib.asynccontextmanager
@@ -1530,7 +1554,18 @@ class ImageCache:
             _log.warning("image_cache_index_unreadable", path=str(self._index_path))
             return {}
 
+    def flush(self) -> None:
+        """Persist recency and tags if they changed since the last save.
+
+        Uses and hits only mark the index dirty: it is a hint (for LRU order after a
+        restart), not worth a file write on every machine start. flyd flushes it
+        periodically and on shutdown; pulls and evictions save at once.
+        """
+        if self._dirty:
+            self._save_index()
+
     def _save_index(self) -> None:
+        self._dirty = False
         index = {
             "version": 1,
             "images": {

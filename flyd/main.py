@@ -32,7 +32,7 @@ from registry.v1 import registry_pb2, registry_pb2_grpc
 
 log = structlog.get_logger("flyd")
 ANNOUNCE_TIMEOUT = 2.0
-# How often machine logs are checked against their size bound.
+# How often machine logs are checked against their size bound (and image recency saved).
 LOG_ROTATE_INTERVAL = 1.0
 
 
@@ -106,6 +106,7 @@ async def build(argv: list[str]) -> Service:
         worker.recover()
         while not shutdown.is_set():
             driver.rotate_logs()
+            images.flush()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(shutdown.wait(), LOG_ROTATE_INTERVAL)
 
@@ -144,6 +145,7 @@ async def build(argv: list[str]) -> Service:
         assert worker is not None
         await worker.close()
         await driver.close()  # stops watching; the machines keep running
+        images.flush()
         store.close()
 
     service.spawn("worker", run_worker)

@@ -530,6 +530,8 @@ class Worker:
         self._check_room(config.guest, instead_of=row.machine.config.guest)  # fail fast
         image = await self.images.pull(config.image)
         self.images.use(image.digest)
+        instance_id = secrets.token_hex(8)
+        old_digest = row.image_digest
         try:
             if not self._argv(config, image):
                 raise InvalidArgument("config.cmd", "the image has no entrypoint or cmd; set one")
@@ -542,7 +544,7 @@ class Worker:
                 sig, timeout = self._stop_params(row, None, None)
                 event = fsm.UpdateRequested(
                     config=config,
-                    instance_id=secrets.token_hex(8),
+                    instance_id=instance_id,
                     image_digest=image.digest,
                     ports=tuple(self._remap_ports(row, config)),
                     launch=not skip_launch,
@@ -551,7 +553,10 @@ class Worker:
                 )
                 await self._drive_locked(machine_id, event)
         except BaseException:
-            self.images.release(image.digest)
+            # Cancelled after the commit, the row already holds the new image: drop the old.
+            now = self.rows.get(machine_id)
+            committed = now is not None and now.machine.instance_id == instance_id
+            self.images.release(old_digest if committed else image.digest)
             raise
         self.images.release(old_digest)
         return self.rows[machine_id].machine

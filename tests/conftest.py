@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
-import os
-import signal
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -14,6 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from flyd.driver import kill_all
 from flyd.images import build_image
 from flyd.v1 import worker_pb2_grpc
 from tests.harness import ServiceProcess, clean_env, flyd_args
@@ -50,12 +48,22 @@ def image_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+def remove_cgroups(prefix: str) -> None:
+    """Remove the (empty) cgroups a test's workers made under `prefix`."""
+    for controller in ("memory", "cpu", "pids"):
+        base = Path("/sys/fs/cgroup") / controller / prefix
+        if base.is_dir():
+            for child in base.iterdir():
+                if child.is_dir():
+                    with contextlib.suppress(OSError):
+                        child.rmdir()
+            with contextlib.suppress(OSError):
+                base.rmdir()
+
+
 def _kill_machines(data_dir: Path) -> None:
-    """Whatever machines a test left running die with it (their wrappers lead process groups)."""
-    for handle_file in data_dir.glob("machines/*/handle.json"):
-        with contextlib.suppress(Exception):
-            handle = json.loads(handle_file.read_text())
-            os.killpg(int(handle["pid"]), signal.SIGKILL)
+    """Whatever machines a test left running die with it."""
+    kill_all(data_dir / "machines")
 
 
 @pytest.fixture
@@ -92,15 +100,7 @@ def flyd_factory(tmp_path: Path, image_source: Path) -> Iterator[Callable[..., S
         proc.kill()
     for data_dir in data_dirs:
         _kill_machines(data_dir)
-    for controller in ("memory", "cpu", "pids"):
-        base = Path("/sys/fs/cgroup") / controller / prefix
-        if base.is_dir():
-            for child in base.iterdir():
-                if child.is_dir():
-                    with contextlib.suppress(OSError):
-                        child.rmdir()
-            with contextlib.suppress(OSError):
-                base.rmdir()
+    remove_cgroups(prefix)
 
 
 @pytest.fixture

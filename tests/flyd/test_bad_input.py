@@ -278,6 +278,126 @@ CASES: list[tuple[str, str, Any, grpc.StatusCode, str]] = [
         C.INVALID_ARGUMENT,
         "from_seq",
     ),
+    (
+        "update unknown",
+        "UpdateMachine",
+        w.UpdateMachineRequest(machine_id=UNKNOWN, config=cfg()),
+        C.NOT_FOUND,
+        UNKNOWN,
+    ),
+    (
+        "update no id",
+        "UpdateMachine",
+        w.UpdateMachineRequest(config=cfg()),
+        C.INVALID_ARGUMENT,
+        "machine_id",
+    ),
+    (
+        "update no config",
+        "UpdateMachine",
+        w.UpdateMachineRequest(machine_id=UNKNOWN),
+        C.INVALID_ARGUMENT,
+        "config.image",
+    ),
+    (
+        "update image malformed",
+        "UpdateMachine",
+        w.UpdateMachineRequest(machine_id=UNKNOWN, config=cfg(image="Bad Image!")),
+        C.INVALID_ARGUMENT,
+        "config.image",
+    ),
+    (
+        "update zero memory",
+        "UpdateMachine",
+        w.UpdateMachineRequest(machine_id=UNKNOWN, config=cfg(guest__memory_mib=0)),
+        C.INVALID_ARGUMENT,
+        "config.guest.memory_mib",
+    ),
+    (
+        "update port repeated",
+        "UpdateMachine",
+        w.UpdateMachineRequest(machine_id=UNKNOWN, config=with_service(cfg(), 8080, 8080)),
+        C.INVALID_ARGUMENT,
+        "config.services[1].internal_port",
+    ),
+    (
+        "update stop signal",
+        "UpdateMachine",
+        w.UpdateMachineRequest(machine_id=UNKNOWN, config=cfg(stop__signal="SIGNOPE")),
+        C.INVALID_ARGUMENT,
+        "config.stop.signal",
+    ),
+    (
+        "lease unknown",
+        "AcquireLease",
+        w.AcquireLeaseRequest(machine_id=UNKNOWN, ttl=Duration(seconds=60)),
+        C.NOT_FOUND,
+        UNKNOWN,
+    ),
+    (
+        "lease no id",
+        "AcquireLease",
+        w.AcquireLeaseRequest(ttl=Duration(seconds=60)),
+        C.INVALID_ARGUMENT,
+        "machine_id",
+    ),
+    (
+        "lease no ttl",
+        "AcquireLease",
+        w.AcquireLeaseRequest(machine_id=UNKNOWN),
+        C.INVALID_ARGUMENT,
+        "ttl",
+    ),
+    (
+        "lease ttl 0",
+        "AcquireLease",
+        w.AcquireLeaseRequest(machine_id=UNKNOWN, ttl=Duration(seconds=0)),
+        C.INVALID_ARGUMENT,
+        "ttl",
+    ),
+    (
+        "lease ttl under 1s",
+        "AcquireLease",
+        w.AcquireLeaseRequest(machine_id=UNKNOWN, ttl=Duration(nanos=500_000_000)),
+        C.INVALID_ARGUMENT,
+        "ttl",
+    ),
+    (
+        "lease ttl over 1h",
+        "AcquireLease",
+        w.AcquireLeaseRequest(machine_id=UNKNOWN, ttl=Duration(seconds=3601)),
+        C.INVALID_ARGUMENT,
+        "ttl",
+    ),
+    (
+        "lease negative ttl",
+        "AcquireLease",
+        w.AcquireLeaseRequest(machine_id=UNKNOWN, ttl=Duration(seconds=-60)),
+        C.INVALID_ARGUMENT,
+        "ttl",
+    ),
+    (
+        "release unknown",
+        "ReleaseLease",
+        w.ReleaseLeaseRequest(machine_id=UNKNOWN, nonce="x"),
+        C.NOT_FOUND,
+        UNKNOWN,
+    ),
+    ("release no id", "ReleaseLease", w.ReleaseLeaseRequest(), C.INVALID_ARGUMENT, "machine_id"),
+    (
+        "events unknown",
+        "ListMachineEvents",
+        w.ListMachineEventsRequest(machine_id=UNKNOWN),
+        C.NOT_FOUND,
+        UNKNOWN,
+    ),
+    (
+        "events no id",
+        "ListMachineEvents",
+        w.ListMachineEventsRequest(),
+        C.INVALID_ARGUMENT,
+        "machine_id",
+    ),
 ]
 
 
@@ -364,6 +484,15 @@ async def test_invalid_transitions_are_refused_and_change_nothing(
             w.WaitMachineRequest(machine_id=machine.id, state=S.MACHINE_STATE_STARTED), timeout=10
         )
     assert err.value.code() == C.FAILED_PRECONDITION
+    # Nor can a destroyed machine be updated or leased.
+    for rpc, request in [
+        ("UpdateMachine", w.UpdateMachineRequest(machine_id=machine.id, config=cfg())),
+        ("AcquireLease", w.AcquireLeaseRequest(machine_id=machine.id, ttl=Duration(seconds=60))),
+    ]:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call(stub, rpc, request)
+        assert err.value.code() == C.FAILED_PRECONDITION
+        assert "destroyed" in (err.value.details() or "")
 
     history = (await stub.GetMachine(w.GetMachineRequest(machine_id=machine.id))).machine.events
     assert [e.to_state for e in history] == [

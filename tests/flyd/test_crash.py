@@ -58,6 +58,12 @@ CONFIGS = {
 }
 # Longer than any restart backoff an operation here waits through.
 LATER = 60.0
+# What an update gives m1: the same size and service (so reservations and ports stay put),
+# another command and environment.
+UPDATED = pb.MachineConfig()
+UPDATED.CopyFrom(CONFIGS["m1"])
+UPDATED.cmd.append("v2")
+UPDATED.env["GREETING"] = "v2"
 
 
 class World:
@@ -69,6 +75,10 @@ class World:
         self.clock = ManualClock()
         self.host = RecordingHost(self.clock)
         self.flyds: list[Flyd] = []
+        # m1 as the operation found it
+        self.m1_instance = ""
+        self.m1_port = 0
+        self.m1_was_running = False
 
     def boot(self) -> Flyd:
         """A flyd process: the store reopened from disk, a new image cache, driver and worker."""
@@ -143,6 +153,27 @@ async def policy_restart(flyd: Flyd, clock: ManualClock) -> None:
     await until(flyd.worker, settled(flyd.worker, "m1", STARTED))
 
 
+async def update(flyd: Flyd, clock: ManualClock) -> None:
+    await flyd.worker.update("m1", UPDATED, skip_launch=False)
+    await until(flyd.worker, settled(flyd.worker, "m1", STARTED))
+
+
+def runs_the_update(world: World, flyd: Flyd) -> None:
+    """m1 runs the new config, in exactly one process: the one its row names."""
+    row = flyd.worker.get("m1")
+    assert row.machine.config == UPDATED
+    assert [p.host_port for p in row.machine.ports] == [world.m1_port]
+    assert row.machine.instance_id != world.m1_instance
+    m1_starts = [spec for f in world.flyds for spec in f.driver.starts if spec.machine_id == "m1"]
+    last = m1_starts[-1]  # the spec of the process m1 runs now
+    assert (last.env["INSTANCE_ID"], last.env["GREETING"]) == (row.machine.instance_id, "v2")
+    assert last.argv[-1] == "v2"
+    assert world.host.spawned[-1][0] == "m1"
+    assert dict(world.host.spawned[-1][1].handle.to_dict()) == row.handle
+    if world.m1_was_running:  # the old process was stopped the old config's way
+        assert ("m1", signal.SIGTERM) in world.signals()
+
+
 @dataclass(frozen=True)
 class Operation:
     act: Callable[[Flyd, ManualClock], Awaitable[None]]  # does it, and waits for its end
@@ -150,6 +181,8 @@ class Operation:
     final: int  # the state m1 ends in
     runs: int  # how many processes of m1 ever run its command, in all
     needs_m1: bool = True  # m1 is created and started before it
+    prepare: Callable[[Flyd, ManualClock], Awaitable[None]] | None = None  # more setup
+    check: Callable[[World, Flyd], None] | None = None  # more checks, once it is over
 
 
 OPERATIONS = {
@@ -159,6 +192,8 @@ OPERATIONS = {
     "destroy --force": Operation(destroy_with_force, 3, DESTROYED, 1),
     "signal": Operation(send_signal, 2, STARTED, 1),
     "policy restart": Operation(policy_restart, 4, STARTED, 2),
+    "update started": Operation(update, 4, STARTED, 2, check=runs_the_update),
+    "update stopped": Operation(update, 3, STARTED, 2, prepare=stop, check=runs_the_update),
 }
 
 
@@ -175,11 +210,16 @@ CRASH_POINTS = [
 ]
 
 
-async def setup(flyd: Flyd, op: Operation) -> None:
+async def setup(world: World, flyd: Flyd, op: Operation) -> None:
     flyd.worker.recover()
     await create(flyd, "m0")
     if op.needs_m1:
-        await create(flyd, "m1")
+        m1 = await create(flyd, "m1")
+        world.m1_instance, world.m1_port = m1.instance_id, m1.ports[0].host_port
+    if op.prepare is not None:
+        await op.prepare(flyd, world.clock)
+    m1_row = flyd.worker.rows.get("m1")
+    world.m1_was_running = m1_row is not None and m1_row.running
 
 
 async def run_or_crash(act: Awaitable[None], log: CrashingLog) -> bool:
@@ -240,7 +280,7 @@ def check_invariants(
 @pytest.mark.parametrize(("op", "k", "durable"), CRASH_POINTS)
 async def test_flyd_dies_at_commit_k(world: World, op: Operation, k: int, durable: bool) -> None:
     flyd = world.boot()
-    await setup(flyd, op)
+    await setup(world, flyd, op)
     m0 = flyd.worker.get("m0").handle
 
     world.crashing_log(flyd).arm(k, durable=durable)
@@ -255,6 +295,8 @@ async def test_flyd_dies_at_commit_k(world: World, op: Operation, k: int, durabl
 
     check_invariants(world, flyd, {"m0": STARTED, "m1": op.final}, {"m0": 1, "m1": op.runs})
     assert flyd.worker.get("m0").handle == m0
+    if op.check is not None:
+        op.check(world, flyd)
     if op.act is send_signal:
         assert ("m1", signal.SIGUSR1) in world.signals()
 
@@ -264,13 +306,15 @@ async def test_the_table_counts_every_commit_of_each_operation(world: World, nam
     """The table above names every commit: without a crash each operation makes that many."""
     op = OPERATIONS[name]
     flyd = world.boot()
-    await setup(flyd, op)
+    await setup(world, flyd, op)
     log = world.crashing_log(flyd)
     log.arm(None)
     await op.act(flyd, world.clock)
     await until(flyd.worker, settled(flyd.worker, "m1", op.final))
     assert log.commits == op.commits
     check_invariants(world, flyd, {"m0": STARTED, "m1": op.final}, {"m0": 1, "m1": op.runs})
+    if op.check is not None:
+        op.check(world, flyd)
 
 
 @pytest.mark.parametrize(("op", "k", "durable"), CRASH_POINTS)
@@ -279,7 +323,7 @@ async def test_flyd_dies_again_while_recovering(
 ) -> None:
     """A second crash, right after the first commit of the recovery, changes nothing either."""
     flyd = world.boot()
-    await setup(flyd, op)
+    await setup(world, flyd, op)
     world.crashing_log(flyd).arm(k, durable=durable)
     assert await run_or_crash(op.act(flyd, world.clock), world.crashing_log(flyd))
     await flyd.kill()
@@ -298,6 +342,8 @@ async def test_flyd_dies_again_while_recovering(
     world.clock.advance(LATER)
     await until(flyd.worker, settled(flyd.worker, "m1", op.final))
     check_invariants(world, flyd, {"m0": STARTED, "m1": op.final}, {"m0": 1, "m1": op.runs})
+    if op.check is not None:
+        op.check(world, flyd)
 
 
 # --- stories -------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from flyd.fsm import (
     StartTimer,
     StopRequested,
     TimerFired,
+    UpdateRequested,
 )
 from flyd.v1 import machine_pb2 as pb
 
@@ -51,6 +52,7 @@ NO, ALWAYS = pb.RESTART_MODE_NO, pb.RESTART_MODE_ALWAYS
 ON_FAILURE, DEFAULT = pb.RESTART_MODE_ON_FAILURE, pb.RESTART_MODE_UNSPECIFIED
 
 TERM, KILL, USR1 = int(signal.SIGTERM), int(signal.SIGKILL), int(signal.SIGUSR1)
+INT = int(signal.SIGINT)
 NOW = 1_000.0
 POLICY = fsm.Policy(window=300.0, default_max_retries=10, backoff_base=0.5, backoff_max=30.0)
 H = {"pid": 7, "start_time": 1, "boot_id": "b"}
@@ -133,6 +135,35 @@ IN_CLEANUP = row(DESTROYING, DESTROY_CLEANUP)
 IN_BACKOFF = row(RESTARTING, BACKOFF)
 RESPAWNING = row(RESTARTING, RESTART_SPAWN)
 
+# An update: the worker has pulled the new image and mapped its ports; the old process is
+# stopped with the old config's stop signal and timeout (here SIGINT and 3s).
+NEW_CONFIG = pb.MachineConfig(image="app:v2", env={"GREETING": "hi"}, cmd=["serve"])
+NEW_PORTS = (pb.PortMapping(internal_port=9090, host="127.0.0.1", host_port=20005),)
+
+
+def update(*, launch: bool = True) -> UpdateRequested:
+    return UpdateRequested(
+        config=NEW_CONFIG,
+        instance_id="i2",
+        image_digest="sha256:cd",
+        ports=NEW_PORTS,
+        launch=launch,
+        stop_signal=INT,
+        stop_timeout=3.0,
+    )
+
+
+UPDATE, UPDATE_STOPPED = update(), update(launch=False)
+UPDATE_KILL = Op("update", "kill", signal=INT, timeout=3.0)
+UPDATE_KILL_STOPPED = dataclasses.replace(UPDATE_KILL, launch=False)
+UPDATE_KILLED = dataclasses.replace(UPDATE_KILL, step="spawn")  # the old process is gone
+UPDATE_SPAWN = Op("update", "spawn")
+UPDATE_RELEASE = Op("update", "release")
+IN_UPDATE = row(STOPPING, UPDATE_KILL, H)
+IN_UPDATE_STOPPED = row(STOPPING, UPDATE_KILL_STOPPED, H)
+UPDATE_SPAWNING = row(STARTING, UPDATE_SPAWN)
+UPDATE_HELD = row(STARTING, UPDATE_RELEASE, H2)
+
 ALLOWED = [
     # (id, before, event, new state, effects, op after, handle after)
     ("start created", row(CREATED), START, STARTING, [Spawn()], START_SPAWN, None),
@@ -168,6 +199,39 @@ ALLOWED = [
     ("start in a backoff", IN_BACKOFF, START, RESTARTING, [Spawn()], BACKOFF_SPAWN, None),
     ("spawn failed: retry", SPAWNING, SpawnFailed("boom"), STARTING, [Spawn()], RETRY, None),
     ("died held: retry", HELD, exited(code=125), STARTING, [Spawn()], RETRY, None),
+    # update: stop the old process (with the given signal and timeout), then start the new one
+    ("update started", RUNNING, UPDATE, STOPPING, [Kill(INT, 3.0)], UPDATE_KILL, H),
+    (
+        "update started, skip launch",
+        RUNNING,
+        UPDATE_STOPPED,
+        STOPPING,
+        [Kill(INT, 3.0)],
+        UPDATE_KILL_STOPPED,
+        H,
+    ),
+    ("update: exited", IN_UPDATE, exited(sig=INT), STARTING, [Spawn()], UPDATE_KILLED, None),
+    ("update skip launch: exited", IN_UPDATE_STOPPED, exited(sig=INT), STOPPED, [], None, None),
+    ("update: spawned", UPDATE_SPAWNING, Spawned(H2), STARTING, [Release()], UPDATE_RELEASE, H2),
+    ("update: released", UPDATE_HELD, Released(), STARTED, [], None, H2),
+    (
+        "update spawn failed: retry",
+        UPDATE_SPAWNING,
+        SpawnFailed("x"),
+        STARTING,
+        [Spawn()],
+        dataclasses.replace(UPDATE_SPAWN, attempts=1),
+        None,
+    ),
+    ("update stopped", row(STOPPED), UPDATE, STARTING, [Spawn()], UPDATE_SPAWN, None),
+    ("update stopped, skip launch", row(STOPPED), UPDATE_STOPPED, STOPPED, [], None, None),
+    ("update created", row(CREATED), UPDATE, STARTING, [Spawn()], UPDATE_SPAWN, None),
+    ("update created, skip launch", row(CREATED), UPDATE_STOPPED, CREATED, [], None, None),
+    ("update failed", row(FAILED), UPDATE, STARTING, [Spawn()], UPDATE_SPAWN, None),
+    ("update failed, skip launch", row(FAILED), UPDATE_STOPPED, FAILED, [], None, None),
+    # during a restart backoff nothing runs: the update cancels the backoff
+    ("update in a backoff", IN_BACKOFF, UPDATE, STARTING, [Spawn()], UPDATE_SPAWN, None),
+    ("update in a backoff, skip launch", IN_BACKOFF, UPDATE_STOPPED, STOPPED, [], None, None),
 ]
 
 
@@ -203,6 +267,10 @@ TYPES = [
     (row(RESTARTING, BACKOFF), START, "start"),
     (row(STARTED, None, H), FORCE, "destroy"),
     (row(STARTED, None, H), SIGNAL, "signal"),
+    (row(STARTED, None, H), UPDATE, "update"),
+    (row(STOPPED), UPDATE_STOPPED, "update"),
+    (IN_UPDATE, exited(sig=INT), "update"),
+    (UPDATE_HELD, Released(), "update"),
 ]
 
 
@@ -236,6 +304,9 @@ UNCHANGED = [
     ("exited: restart already spawning", RESPAWNING, exited(sig=TERM)),
     ("resume with nothing in progress", RUNNING, Resume(alive=True)),
     ("resume a dead process: its exit moves on", IN_STOP, Resume(alive=False)),
+    ("resume a dead update's kill: its exit moves on", IN_UPDATE, Resume(alive=False)),
+    ("exited: update already spawning", row(STARTING, UPDATE_KILLED), exited(sig=INT)),
+    ("timer after an update cancelled the backoff", UPDATE_SPAWNING, TimerFired()),
 ]
 
 
@@ -262,6 +333,16 @@ REFUSED = [
     ("restart during a signal", IN_SIGNAL, RestartRequested(TERM, 1.0), "started"),
     ("signal a stopped machine", row(STOPPED), SIGNAL, "stopped"),
     ("signal a starting machine", SPAWNING, SIGNAL, "starting"),
+    ("update a destroyed machine", row(DESTROYED), UPDATE, "destroyed"),
+    ("update a destroying machine", IN_CLEANUP, UPDATE, "destroying"),
+    ("update a machine being destroyed", IN_DESTROY, UPDATE_STOPPED, "destroying"),
+    ("update during a stop", IN_STOP, UPDATE, r"busy \(stop\)"),
+    ("update during a start", SPAWNING, UPDATE, r"busy \(start\)"),
+    ("update during a restart", IN_RESTART, UPDATE, r"busy \(restart\)"),
+    ("update during a signal", IN_SIGNAL, UPDATE, r"busy \(signal\)"),
+    ("update during an update", IN_UPDATE, UPDATE, r"busy \(update\)"),
+    ("start during an update's stop", IN_UPDATE, START, "stopping"),
+    ("restart during an update", IN_UPDATE, RESTART, "stopping"),
 ]
 
 
@@ -404,6 +485,25 @@ RESUME = [
     ("send", IN_SIGNAL, True, STARTED, [SendSignal(USR1)], SIGNAL_SEND),
     ("cleanup", IN_CLEANUP, False, DESTROYING, [Cleanup()], DESTROY_CLEANUP),
     ("backoff", IN_BACKOFF, False, RESTARTING, [StartTimer(NOW + 1)], BACKOFF),
+    ("update's kill", IN_UPDATE, True, STOPPING, [Kill(INT, 3.0)], UPDATE_KILL),
+    (
+        "update's kill, skip launch",
+        IN_UPDATE_STOPPED,
+        True,
+        STOPPING,
+        [Kill(INT, 3.0)],
+        UPDATE_KILL_STOPPED,
+    ),
+    (
+        "update's spawn after the kill",
+        row(STARTING, UPDATE_KILLED),
+        False,
+        STARTING,
+        [Spawn()],
+        UPDATE_KILLED,
+    ),
+    ("update's spawn", UPDATE_SPAWNING, False, STARTING, [Spawn()], UPDATE_SPAWN),
+    ("update's release, still alive", UPDATE_HELD, True, STARTED, [], None),
 ]
 
 
@@ -453,3 +553,213 @@ def test_row_of_an_unknown_version_is_corrupt() -> None:
 def test_unknown_event_is_a_type_error() -> None:
     with pytest.raises(TypeError):
         step(row(STARTED), object())  # type: ignore[arg-type]
+
+
+# --- update in place ---------------------------------------------------------------------------
+
+UPDATE_FROM = [
+    # (id, before, event): every update that is accepted
+    ("started", RUNNING, UPDATE),
+    ("started, skip launch", RUNNING, UPDATE_STOPPED),
+    ("stopped", row(STOPPED), UPDATE),
+    ("stopped, skip launch", row(STOPPED), UPDATE_STOPPED),
+    ("failed", row(FAILED, mode=ON_FAILURE, restarts=ago(5, 2)), UPDATE),
+    ("in a backoff", IN_BACKOFF, UPDATE),
+]
+
+
+@pytest.mark.parametrize(
+    ("before", "event"), [c[1:] for c in UPDATE_FROM], ids=[c[0] for c in UPDATE_FROM]
+)
+def test_update_puts_the_new_config_in_the_row_at_once(
+    before: fsm.Row, event: UpdateRequested
+) -> None:
+    """The first committed step already carries everything new: a crash then resumes it."""
+    machine = pb.Machine()
+    machine.CopyFrom(before.machine)
+    machine.restart_count = 2
+    machine.log_tail.append("old words")
+    machine.ports.add(internal_port=8080, host="127.0.0.1", host_port=20001)
+    before = dataclasses.replace(before, machine=machine)
+    kept = fsm.encode_row(before)
+    t = apply(before, event)
+    m = t.row.machine
+    assert (m.config, m.instance_id, t.row.image_digest) == (NEW_CONFIG, "i2", "sha256:cd")
+    assert tuple(m.ports) == NEW_PORTS
+    assert (m.id, m.app) == ("m1", "app")  # same machine
+    assert (m.restart_count, list(m.log_tail), t.row.restarts) == (0, [], ())
+    assert t.reason.startswith("update to instance i2")
+    assert t.type == "update"
+    assert fsm.encode_row(before) == kept  # the row given in is not touched
+
+
+def test_update_story_from_started_to_started() -> None:
+    """Kill the old process, spawn and release the new one: four steps, each committed."""
+    r = RUNNING
+    states = []
+    events: list[fsm.Event] = [UPDATE, exited(sig=INT), Spawned(H2), Released()]
+    for event in events:
+        t = apply(r, event)
+        states.append((fsm.state_name(t.to_state), t.row.op and t.row.op.step))
+        r = t.row
+    assert states == [
+        ("stopping", "kill"),
+        ("starting", "spawn"),
+        ("starting", "release"),
+        ("started", None),
+    ]
+    assert (r.handle, r.machine.config, r.machine.instance_id) == (H2, NEW_CONFIG, "i2")
+    assert r.machine.last_exit.signal == "SIGINT"  # the old process' exit is recorded
+
+
+def test_update_in_a_backoff_then_the_old_timer_fires() -> None:
+    t = apply(IN_BACKOFF, UPDATE, now=NOW)
+    assert step(t.row, TimerFired(), now=NOW + 10) is None  # the backoff is gone
+    assert t.row.restarts == ()
+
+
+def test_stop_during_an_updates_kill_wins() -> None:
+    """A user stop while the update stops the old process leaves it stopped (with new config)."""
+    t = apply(IN_UPDATE, StopRequested(TERM, 1.0))
+    assert (fsm.state_name(t.to_state), t.row.op) == ("stopping", Op("stop", "kill", TERM, 1.0))
+    assert fsm.state_name(apply(t.row, exited(sig=TERM)).to_state) == "stopped"
+
+
+# --- leases ------------------------------------------------------------------------------------
+
+NONCE, OTHER = "n" * 32, "o" * 32
+
+
+def acquire(
+    r: fsm.Row,
+    *,
+    nonce: str = "",
+    ttl: float = 60.0,
+    now: float = NOW,
+    owner: str = "deployer",
+    new_nonce: str = NONCE,
+) -> fsm.Transition:
+    """Acquire as the worker does: `new_nonce` is the random nonce a new lease would get."""
+    return fsm.acquire_lease(
+        r,
+        new_nonce=new_nonce,
+        nonce=nonce,
+        ttl=ttl,
+        owner=owner,
+        description="rolling out v2",
+        now=now,
+    )
+
+
+LEASED = acquire(RUNNING).row  # held by "deployer" until NOW + 60
+
+
+def test_acquire_a_lease() -> None:
+    t = acquire(RUNNING)
+    assert t.row.lease == {
+        "nonce": NONCE,
+        "expires_at": NOW + 60,
+        "owner": "deployer",
+        "description": "rolling out v2",
+    }
+    assert (t.type, t.from_state, t.to_state, t.effects) == ("lease", STARTED, STARTED, ())
+    assert (t.row.op, t.row.handle) == (None, H)
+    assert fsm.lease_held(t.row, NOW + 59.9)
+    assert not fsm.lease_held(t.row, NOW + 60)
+
+
+def test_the_machine_shows_the_lease_but_never_its_nonce() -> None:
+    m = LEASED.machine
+    assert (m.lease.owner, m.lease.description) == ("deployer", "rolling out v2")
+    assert m.lease.expires_at.ToNanoseconds() == int((NOW + 60) * 1e9)
+    assert m.lease.nonce == ""
+    assert NONCE.encode() not in m.SerializeToString()
+
+
+def test_refresh_keeps_the_nonce_and_moves_the_expiry() -> None:
+    t = acquire(LEASED, nonce=NONCE, ttl=600, now=NOW + 30, new_nonce=OTHER)
+    assert t.row.lease is not None
+    assert (t.row.lease["nonce"], t.row.lease["expires_at"]) == (NONCE, NOW + 630)
+    assert t.row.machine.lease.expires_at.ToNanoseconds() == int((NOW + 630) * 1e9)
+
+
+@pytest.mark.parametrize("nonce", ["", OTHER], ids=["none", "another"])
+def test_another_holder_is_refused_while_the_lease_is_held(nonce: str) -> None:
+    with pytest.raises(FailedPrecondition, match="leased by deployer"):
+        acquire(LEASED, nonce=nonce, now=NOW + 59, owner="intruder", new_nonce=OTHER)
+
+
+@pytest.mark.parametrize("nonce", ["", NONCE, OTHER], ids=["none", "the old one", "another"])
+def test_an_expired_lease_can_be_taken_by_anyone(nonce: str) -> None:
+    t = acquire(LEASED, nonce=nonce, now=NOW + 60, owner="next", new_nonce=OTHER)
+    assert t.row.lease is not None
+    assert (t.row.lease["owner"], t.row.lease["expires_at"]) == ("next", NOW + 120)
+    assert t.row.lease["nonce"] == OTHER  # a new nonce: the old holder's is worthless now
+    assert t.row.machine.lease.owner == "next"
+
+
+@pytest.mark.parametrize("state", [DESTROYED, DESTROYING])
+def test_a_destroyed_machine_cannot_be_leased(state: int) -> None:
+    with pytest.raises(FailedPrecondition, match="cannot lease"):
+        acquire(row(state))
+
+
+def test_release_with_the_nonce() -> None:
+    t = fsm.release_lease(LEASED, NONCE, NOW + 1)
+    assert t is not None
+    assert (t.row.lease, t.row.machine.HasField("lease")) == (None, False)
+    assert (t.type, t.reason, t.to_state) == ("lease", "lease released", STARTED)
+
+
+@pytest.mark.parametrize("nonce", ["", OTHER], ids=["none", "another"])
+def test_release_with_a_wrong_nonce_is_refused(nonce: str) -> None:
+    with pytest.raises(FailedPrecondition, match="not the nonce"):
+        fsm.release_lease(LEASED, nonce, NOW + 1)
+
+
+@pytest.mark.parametrize("nonce", ["", OTHER, NONCE], ids=["none", "another", "the old one"])
+def test_release_of_an_expired_lease_with_any_nonce(nonce: str) -> None:
+    t = fsm.release_lease(LEASED, nonce, NOW + 61)
+    assert t is not None
+    assert t.row.lease is None
+
+
+def test_release_without_a_lease_changes_nothing() -> None:
+    assert fsm.release_lease(RUNNING, "", NOW) is None
+
+
+CHECKS = [
+    # (id, row, nonce, now, allowed)
+    ("no lease, no nonce", RUNNING, "", NOW, True),
+    ("no lease, any nonce", RUNNING, OTHER, NOW, True),
+    ("held, its nonce", LEASED, NONCE, NOW + 59, True),
+    ("held, no nonce", LEASED, "", NOW + 59, False),
+    ("held, another nonce", LEASED, OTHER, NOW + 59, False),
+    ("expired, no nonce", LEASED, "", NOW + 60, True),
+    ("expired, the old nonce", LEASED, NONCE, NOW + 61, True),
+]
+
+
+@pytest.mark.parametrize(
+    ("r", "nonce", "now", "allowed"), [c[1:] for c in CHECKS], ids=[c[0] for c in CHECKS]
+)
+def test_check_lease(r: fsm.Row, nonce: str, now: float, allowed: bool) -> None:
+    if allowed:
+        fsm.check_lease(r, nonce, now)
+    else:
+        with pytest.raises(FailedPrecondition, match=r"m1 is leased by deployer for 1s more"):
+            fsm.check_lease(r, nonce, now)
+
+
+def test_a_lease_does_not_change_operations_in_progress() -> None:
+    t = acquire(IN_UPDATE)
+    assert (t.row.op, t.row.handle, t.effects) == (UPDATE_KILL, H, ())
+
+
+def test_row_round_trip_keeps_the_lease() -> None:
+    decoded = fsm.decode_row(fsm.encode_row(LEASED))
+    assert decoded == LEASED
+    assert decoded.lease is not None
+    assert decoded.lease["nonce"] == NONCE
+    for each in (IN_UPDATE, IN_UPDATE_STOPPED, UPDATE_HELD):
+        assert fsm.decode_row(fsm.encode_row(each)) == each

@@ -918,6 +918,7 @@ async def test_restart_keeps_the_cache(
     await cache.pull("bb")
     await cache.pull("aa")
     before = cache.cached()
+    cache.flush()  # as flyd does periodically and on shutdown: recency is only a hint
     # A crash mid-unpack left a scratch directory behind.
     scratch = cache_root / "images" / f".tmp-{HEX}-dead"
     (scratch / "rootfs").mkdir(parents=True)
@@ -939,3 +940,34 @@ async def test_restart_keeps_the_cache(
     restarted.source = ImageSource(source)
     await restarted.pull("cc")
     assert {c.digest for c in restarted.cached()} == {digests["aa"], digests["cc"]}
+
+
+async def test_recency_is_saved_by_flush_not_by_every_use(
+    source: Path, cache_root: Path, make_cache: Callable[..., ImageCache]
+) -> None:
+    digests = write_sized_images(source, ["aa"])
+    cache = make_cache(max_bytes=10 * size_of("aa"))
+    await cache.pull("aa")
+    saved = (cache_root / "index.json").read_bytes()
+    cache.use(digests["aa"])
+    cache.release(digests["aa"])
+    await cache.pull("aa")  # a hit
+    assert (cache_root / "index.json").read_bytes() == saved
+    cache.flush()
+    assert (cache_root / "index.json").read_bytes() != saved
+
+
+async def test_a_rebuilt_tag_is_seen_without_rereading_an_unchanged_source(
+    source: Path, make_cache: Callable[..., ImageCache], tmp_path: Path
+) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_text("one")
+    first = build_image(src, source, name="app", tag="v1", entrypoint=["x"])
+    cache = make_cache(max_bytes=1 << 30)
+    assert (await cache.pull("app:v1")).digest == first
+    assert (await cache.pull("app:v1")).digest == first
+    (src / "f").write_text("two")
+    second = build_image(src, source, name="app", tag="v1", entrypoint=["x"])
+    assert second != first
+    assert (await cache.pull("app:v1")).digest == second
