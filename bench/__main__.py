@@ -1,4 +1,5 @@
-"""`python -m bench [--quick]`: run the flyd benchmarks, print a table, write JSON."""
+"""`python -m bench [--quick] [--only flyd|registry]`: run the benchmarks, print tables, write
+JSON to bench/results/."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from bench import registry_bench
 from bench.flyd_bench import run
 
 
@@ -29,13 +31,25 @@ def main(argv: list[str] | None = None) -> int:
         help="start flyd with this environment's bytecode settings as they are (by default the "
         "run caches flyd's bytecode in its temp dir, as an installed flyd would have it)",
     )
+    parser.add_argument("--only", choices=["flyd", "registry"], help="run one group of benchmarks")
     args = parser.parse_args(argv)
-    return run(
-        quick=args.quick,
-        out=args.out,
-        strict=args.strict,
-        bytecode_cache=not args.no_bytecode_cache,
-    )
+    codes = []
+    if args.only in (None, "flyd"):
+        codes.append(
+            run(
+                quick=args.quick,
+                out=args.out,
+                strict=args.strict,
+                bytecode_cache=not args.no_bytecode_cache,
+            )
+        )
+    if args.only in (None, "registry"):
+        codes.append(
+            registry_bench.run(
+                quick=args.quick, out=args.out.with_name("registry.json"), strict=args.strict
+            )
+        )
+    return max(codes)
 
 
 if __name__ == "__main__":

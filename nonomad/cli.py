@@ -22,6 +22,8 @@ from pathlib import Path
 
 import grpc
 
+from flaps.v1 import machines_pb2, machines_pb2_grpc, platform_pb2, platform_pb2_grpc
+from flyd.driver import kill_all
 from flyd.images import build_image
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
@@ -54,34 +56,24 @@ def table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join(lines)
 
 
-def _start_flyd(state: Path, worker_id: str, region: str, ports: str) -> subprocess.Popen[bytes]:
+def _start(state: Path, name: str, module: str, *args: str) -> subprocess.Popen[bytes]:
+    """Start one service of the cluster with its log under the state dir."""
     logs = state / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    with open(logs / f"{worker_id}.log", "ab") as err:
+    with open(logs / f"{name}.log", "ab") as err:
         return subprocess.Popen(
             [
                 sys.executable,
                 "-c",
-                "from flyd.main import main; main()",
+                f"from {module}.main import main; main()",
                 "--listen",
                 "127.0.0.1:0",
-                "--worker-id",
-                worker_id,
-                "--region",
-                region,
-                "--data-dir",
-                str(state / "workers" / worker_id),
-                "--image-source",
-                str(state / "images"),
-                "--ports",
-                ports,
-                "--cgroup-prefix",
-                f"nonomad-{state.name}-{worker_id}",
+                *args,
             ],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=err,
-            start_new_session=True,  # Ctrl-C goes to `up`, which stops workers in order
+            start_new_session=True,  # Ctrl-C goes to `up`, which stops everything in order
         )
 
 
@@ -94,22 +86,77 @@ def _read_ready(proc: subprocess.Popen[bytes], worker_id: str) -> str:
             return line.split()[2]
         if not line and proc.poll() is not None:
             break
-    raise CliError(f"worker {worker_id} did not start (exit {proc.poll()}); see its log")
+    raise CliError(f"{worker_id} did not start (exit {proc.poll()}); see its log")
 
 
-async def _create_demo(address: str, app: str) -> pb.Machine:
+async def _until_alive(flaps: str, count: int, timeout: float = READY_TIMEOUT) -> None:
+    """Wait until flaps sees `count` workers alive (they announce themselves to it)."""
+    async with grpc.aio.insecure_channel(flaps) as channel:
+        stub = platform_pb2_grpc.PlatformServiceStub(channel)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            resp = await stub.ListWorkers(platform_pb2.ListWorkersRequest(), timeout=RPC_TIMEOUT)
+            alive = [w for w in resp.workers if w.status == platform_pb2.WORKER_STATUS_ALIVE]
+            if len(alive) >= count:
+                return
+            await asyncio.sleep(0.1)
+    raise CliError(f"flaps did not see {count} workers within {timeout:g}s; see the logs")
+
+
+async def _deploy_demo(
+    flaps: str, regions: list[str]
+) -> list[tuple[pb.Machine, pb.Machine | None]]:
+    """One demo machine per region, each with a standby on another worker, through flaps."""
     config = pb.MachineConfig(
         image="demo:v1",
         guest=pb.GuestConfig(cpu_millicores=250, memory_mib=128),
         restart=pb.RestartPolicy(mode=pb.RESTART_MODE_ALWAYS),
     )
     config.services.add(internal_port=8080, autostart=True, autostop=True)
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = worker_pb2_grpc.WorkerServiceStub(channel)
-        resp = await stub.CreateMachine(
-            w.CreateMachineRequest(app=app, config=config), timeout=RPC_TIMEOUT
-        )
-        return resp.machine
+    out: list[tuple[pb.Machine, pb.Machine | None]] = []
+    async with grpc.aio.insecure_channel(flaps) as channel:
+        stub = machines_pb2_grpc.MachinesServiceStub(channel)
+        for region in regions:
+            primary = (
+                await stub.CreateMachine(
+                    machines_pb2.CreateMachineRequest(
+                        app="demo",
+                        region=region,
+                        config=config,
+                        idempotency_key=f"make-up/{region}/1",
+                    ),
+                    timeout=RPC_TIMEOUT,
+                )
+            ).machine
+            try:
+                standby = (
+                    await stub.CreateMachine(
+                        machines_pb2.CreateMachineRequest(
+                            app="demo",
+                            region=region,
+                            config=config,
+                            standby_for=[primary.id],
+                            idempotency_key=f"make-up/{region}/1-standby",
+                        ),
+                        timeout=RPC_TIMEOUT,
+                    )
+                ).machine
+            except grpc.aio.AioRpcError as err:
+                print(f"note: no standby in {region}: {err.details()}", file=sys.stderr)
+                standby = None
+            out.append((primary, standby))
+    return out
+
+
+async def _destroy_all(flaps: str, ids: list[str]) -> None:
+    async with grpc.aio.insecure_channel(flaps) as channel:
+        stub = machines_pb2_grpc.MachinesServiceStub(channel)
+        for machine_id in ids:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await stub.DestroyMachine(
+                    machines_pb2.DestroyMachineRequest(machine_id=machine_id, force=True),
+                    timeout=RPC_TIMEOUT,
+                )
 
 
 def _wait_listening(port: int, timeout: float = READY_TIMEOUT) -> bool:
@@ -120,18 +167,6 @@ def _wait_listening(port: int, timeout: float = READY_TIMEOUT) -> bool:
             return True
         time.sleep(0.05)
     return False
-
-
-async def _destroy(address: str, machine_id: str) -> None:
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = worker_pb2_grpc.WorkerServiceStub(channel)
-        await stub.DestroyMachine(
-            w.DestroyMachineRequest(machine_id=machine_id, force=True), timeout=RPC_TIMEOUT
-        )
-        await stub.WaitMachine(
-            w.WaitMachineRequest(machine_id=machine_id, state=pb.MACHINE_STATE_DESTROYED),
-            timeout=RPC_TIMEOUT,
-        )
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -149,7 +184,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(f"built image demo:v1 ({digest[:19]})")
 
     procs: list[tuple[WorkerProc, subprocess.Popen[bytes]]] = []
-    machines: list[tuple[str, pb.Machine]] = []
+    machine_ids: list[str] = []
+    flaps_address = ""
     stopping = False
 
     def request_stop(signum: int, frame: object) -> None:
@@ -158,14 +194,46 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
+    regions = [r for r in args.regions.split(",") if r]
     try:
+        # flaps first: workers announce themselves to it and are followed from then on.
+        flaps = _start(state, "flaps", "flaps")
+        flaps_address = _read_ready(flaps, "flaps")
+        procs.append(
+            (
+                WorkerProc(
+                    "flaps", "-", flaps_address, flaps.pid, str(state / "logs" / "flaps.log")
+                ),
+                flaps,
+            )
+        )
         n = 0
-        for region in args.regions.split(","):
+        for region in regions:
             for i in range(args.workers_per_region):
                 worker_id = f"{region}-{i + 1}"
                 base = args.base_port + 100 * n
                 n += 1
-                proc = _start_flyd(state, worker_id, region, f"{base}-{base + 99}")
+                proc = _start(
+                    state,
+                    worker_id,
+                    "flyd",
+                    "--worker-id",
+                    worker_id,
+                    "--region",
+                    region,
+                    "--data-dir",
+                    str(state / "workers" / worker_id),
+                    "--image-source",
+                    str(state / "images"),
+                    "--ports",
+                    f"{base}-{base + 99}",
+                    "--cgroup-prefix",
+                    f"nonomad-{state.name}-{worker_id}",
+                    "--announce",
+                    flaps_address,
+                    "--announce-interval",
+                    "2",
+                )
                 address = _read_ready(proc, worker_id)
                 procs.append(
                     (
@@ -179,61 +247,62 @@ def cmd_up(args: argparse.Namespace) -> int:
                         proc,
                     )
                 )
-        (state / "workers.json").write_text(json.dumps([asdict(p) for p, _ in procs], indent=2))
+        workers = [p for p, _ in procs if p.worker_id != "flaps"]
+        (state / "workers.json").write_text(json.dumps([asdict(p) for p in workers], indent=2))
         pid_file.write_text(str(os.getpid()))
+        asyncio.run(_until_alive(flaps_address, len(workers)))
         print(
             table(
                 [[p.worker_id, p.region, p.address, p.log] for p, _ in procs],
-                ["WORKER", "REGION", "GRPC", "LOG"],
+                ["SERVICE", "REGION", "GRPC", "LOG"],
             )
         )
         if args.demo:
-            firsts = {p.region: p for p, _ in reversed(procs)}
-            for worker in sorted(firsts.values(), key=lambda p: p.region):
-                machine = asyncio.run(_create_demo(worker.address, "demo"))
-                machines.append((worker.address, machine))
-            for _, machine in machines:
-                if not _wait_listening(machine.ports[0].host_port):
-                    print(
-                        f"warning: machine {machine.id} does not accept connections yet",
-                        file=sys.stderr,
+            deployed = asyncio.run(_deploy_demo(flaps_address, regions))
+            rows = []
+            for primary, standby in deployed:
+                machine_ids.append(primary.id)
+                url = f"http://127.0.0.1:{primary.ports[0].host_port}/"
+                if not _wait_listening(primary.ports[0].host_port):
+                    print(f"warning: {primary.id} does not accept connections yet", file=sys.stderr)
+                rows.append([primary.id, primary.region, primary.worker_id, "started", url])
+                if standby is not None:
+                    machine_ids.append(standby.id)
+                    rows.append(
+                        [
+                            standby.id,
+                            standby.region,
+                            standby.worker_id,
+                            f"standby for {primary.id}",
+                            "-",
+                        ]
                     )
             print()
-            print(
-                table(
-                    [
-                        [
-                            m.id,
-                            m.region,
-                            m.worker_id,
-                            pb.MachineState.Name(m.state),
-                            f"http://127.0.0.1:{m.ports[0].host_port}/",
-                        ]
-                        for _, m in machines
-                    ],
-                    ["MACHINE", "REGION", "WORKER", "STATE", "URL"],
-                )
-            )
-            first_addr, first = machines[0]
+            print(table(rows, ["MACHINE", "REGION", "WORKER", "STATE", "URL"]))
+            first = deployed[0][0]
+            f = flaps_address
             print(f"\ntry:\n  curl http://127.0.0.1:{first.ports[0].host_port}/")
-            print(f"  grpcurl -plaintext {first_addr} list")
+            print(f"  grpcurl -plaintext {f} list")
+            print(f"  grpcurl -plaintext -d '{{}}' {f} flaps.v1.PlatformService/ListRegions")
             print(
-                f'  grpcurl -plaintext -d \'{{"machine_id": "{first.id}"}}\' {first_addr} '
-                "flyd.v1.WorkerService/GetMachine"
+                f'  grpcurl -plaintext -d \'{{"app": "demo"}}\' {f} '
+                "flaps.v1.MachinesService/ListMachines"
             )
-            print(f"  grpcurl -plaintext -d '{{}}' {first_addr} flyd.v1.WorkerService/GetCapacity")
+            print(
+                f'  grpcurl -plaintext -d \'{{"machine_id": "{first.id}"}}\' {f} '
+                "flaps.v1.MachinesService/GetMachine"
+            )
         print("\nrunning; Ctrl-C stops everything", flush=True)
         while not stopping and all(p.poll() is None for _, p in procs):
             time.sleep(0.2)
         if not stopping:
             dead = [w.worker_id for w, p in procs if p.poll() is not None]
-            print(f"worker(s) {', '.join(dead)} exited; stopping", file=sys.stderr)
+            print(f"{', '.join(dead)} exited; stopping", file=sys.stderr)
     finally:
         print("stopping...", flush=True)
-        for address, machine in machines:
-            with contextlib.suppress(grpc.RpcError):
-                asyncio.run(_destroy(address, machine.id))
-        for _, proc in procs:
+        if flaps_address and machine_ids:
+            asyncio.run(_destroy_all(flaps_address, machine_ids))
+        for _, proc in reversed(procs):
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGTERM)
         for _, proc in procs:
@@ -244,6 +313,9 @@ def cmd_up(args: argparse.Namespace) -> int:
                 proc.wait()
             if proc.stdout is not None:
                 proc.stdout.close()
+        # Whatever a worker could not destroy does not outlive the cluster.
+        for wp, _ in procs:
+            kill_all(state / "workers" / wp.worker_id / "machines")
         pid_file.unlink(missing_ok=True)
         print("stopped")
     return 0

@@ -81,6 +81,9 @@ def test_up_serves_the_demo_app_and_down_leaves_nothing_behind(tmp_path: Path) -
         report = json.loads(status.stdout)
         assert [r["worker"] for r in report] == ["ams-1", "ams-2"]
         assert sum(r["machines"].get("started", 0) for r in report) == 1
+        # Its standby waits, created and stopped, on the other worker of the region.
+        by_state = sorted(tuple(sorted(r["machines"].items())) for r in report)
+        assert by_state == [(("created", 1),), (("started", 1),)]
 
         workers = json.loads((state / "workers.json").read_text())
         down = nonomad("--state-dir", str(state), "down")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,19 +37,45 @@ def flyd(tmp_path_factory: pytest.TempPathFactory, image_source: Path) -> Iterat
     _kill_machines(tmp / "data")
 
 
+@pytest.fixture(scope="module")
+def flaps(flyd: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    tmp = tmp_path_factory.mktemp("grpcurl-flaps")
+    proc = ServiceProcess(
+        "flaps",
+        ["--listen", "127.0.0.1:0", "--workers", flyd],
+        tmp / "flaps.log",
+        env=clean_env(),
+    ).start()
+    yield proc.address
+    assert proc.terminate() == 0
+
+
 def ok(*args: str) -> str:
     result = grpcurl(*args)
     assert result.returncode == 0, result.stderr
     return result.stdout
 
 
-def test_list_shows_the_service_health_and_reflection(flyd: str) -> None:
-    services = ok("-plaintext", flyd, "list").split()
-    assert {
-        "flyd.v1.WorkerService",
-        "grpc.health.v1.Health",
-        "grpc.reflection.v1alpha.ServerReflection",
-    } <= set(services)
+def test_list_shows_the_service_health_and_reflection(flyd: str, flaps: str) -> None:
+    common = {"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
+    assert common | {"flyd.v1.WorkerService"} <= set(ok("-plaintext", flyd, "list").split())
+    assert common | {
+        "flaps.v1.MachinesService",
+        "flaps.v1.PlatformService",
+        "registry.v1.RegistryService",
+    } <= set(ok("-plaintext", flaps, "list").split())
+    for service in ("flaps.v1.MachinesService", "flaps.v1.PlatformService"):
+        health = json.loads(
+            ok(
+                "-plaintext",
+                "-d",
+                json.dumps({"service": service}),
+                flaps,
+                "grpc.health.v1.Health/Check",
+            )
+        )
+        assert health == {"status": "SERVING"}
+    assert "rpc CreateMachine" in ok("-plaintext", flaps, "describe", "flaps.v1.MachinesService")
 
 
 def test_describe_and_health(flyd: str) -> None:
@@ -137,3 +164,42 @@ def test_bad_input_through_grpcurl_names_the_field(flyd: str) -> None:
     assert result.returncode != 0
     assert "InvalidArgument" in result.stderr
     assert "config.guest.memory_mib" in result.stderr
+
+
+def test_a_machine_lifecycle_through_flaps_with_grpcurl_alone(flaps: str) -> None:
+    def call(rpc: str, body: dict[str, object]) -> dict[str, object]:
+        return dict(json.loads(ok("-plaintext", "-d", json.dumps(body), flaps, rpc)))
+
+    def workers_alive() -> bool:
+        listed = call("flaps.v1.PlatformService/ListWorkers", {})
+        return [w["status"] for w in listed.get("workers", [])] == ["WORKER_STATUS_ALIVE"]
+
+    deadline = time.monotonic() + 30
+    while not workers_alive():
+        assert time.monotonic() < deadline, "flaps never saw its worker"
+        time.sleep(0.05)
+    body = {
+        "app": "demo",
+        "region": "ams",
+        "config": {
+            "image": "demo:v1",
+            "guest": {"cpu_millicores": 100, "memory_mib": 64},
+            "entrypoint": ["sleep"],
+            "cmd": ["1000"],
+        },
+    }
+    machine = call("flaps.v1.MachinesService/CreateMachine", body)["machine"]
+    assert isinstance(machine, dict)
+    mid = machine["id"]
+    waited = call(
+        "flaps.v1.MachinesService/WaitMachine",
+        {"machine_id": mid, "state": "MACHINE_STATE_STARTED", "timeout": "20s"},
+    )
+    assert waited["machine"]["state"] == "MACHINE_STATE_STARTED"  # type: ignore[index]
+    got = call("flaps.v1.MachinesService/GetMachine", {"machine_id": mid})
+    assert got["machine"]["worker_id"] == "w1"  # type: ignore[index]
+    call("flaps.v1.MachinesService/DestroyMachine", {"machine_id": mid, "force": True})
+    call(
+        "flaps.v1.MachinesService/WaitMachine",
+        {"machine_id": mid, "state": "MACHINE_STATE_DESTROYED", "timeout": "20s"},
+    )

@@ -1,0 +1,65 @@
+"""flaps' errors and the one function that turns them into gRPC statuses."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import grpc
+
+from flyd import errors as flyd_errors
+
+
+class FlapsError(Exception):
+    """Base of every error flaps reports."""
+
+    code = grpc.StatusCode.INTERNAL
+    retryable = False
+
+
+class InvalidArgument(FlapsError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class NotFound(FlapsError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class Unavailable(FlapsError):
+    """A worker that owns the machine cannot be reached."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    retryable = True
+
+
+class NoCapacity(FlapsError):
+    """Nothing in the named regions can take the machine: immediate-or-cancel."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    retryable = True
+
+    def __init__(self, regions: list[str], counts: Counter[str]) -> None:
+        by_reason = ", ".join(f"{n} {reason}" for reason, n in counts.most_common()) or "no workers"
+        super().__init__(f"no worker in {', '.join(regions)} can take the machine ({by_reason})")
+        self.regions = regions
+        self.counts = counts
+
+
+class Upstream(FlapsError):
+    """A worker's own answer, passed on as it is (its status is final)."""
+
+    def __init__(self, err: grpc.aio.AioRpcError) -> None:
+        super().__init__(err.details() or str(err.code()))
+        self.code = err.code()
+
+
+def map_error(err: Exception) -> tuple[grpc.StatusCode, str] | None:
+    """flaps' errors (and flyd's validation errors it reuses) as gRPC statuses."""
+    if isinstance(err, FlapsError):
+        return err.code, str(err)
+    if isinstance(err, flyd_errors.InvalidArgument):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(err)
+    return None

@@ -1,0 +1,623 @@
+"""The Machines API and the Platform API: the exchange.
+
+flaps keeps no state of its own. A create is a bid that placement turns into a ranked list of
+workers; flaps claims on the first, and the worker's answer is final: on a refusal it tries
+the next, and when nothing in the named regions can take the machine it fails at once. Every
+other call goes straight to the worker that owns the machine, found from the machine id
+(`<worker id>-<12 hex>`), so a machine just created can be read at once, from any flaps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from collections import Counter
+from collections.abc import Iterable
+
+import grpc
+import structlog
+from google.protobuf.duration_pb2 import Duration
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+from opentelemetry import trace
+
+from flaps import placement
+from flaps.errors import InvalidArgument, NoCapacity, NotFound, Unavailable, Upstream
+from flaps.v1 import machines_pb2 as m
+from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
+from flyd.v1 import machine_pb2 as pb
+from flyd.v1 import worker_pb2 as w
+from flyd.v1 import worker_pb2_grpc
+from flyd.validate import check_config, check_name, duration_seconds
+from nonomad.runtime import aio_channel
+from registry.replica import Replica, WorkerView
+from registry.v1 import registry_pb2
+
+log = structlog.get_logger("flaps")
+S = pb.MachineState
+STATUS_NAMES = {
+    registry_pb2.MEMBER_STATUS_ALIVE: "alive",
+    registry_pb2.MEMBER_STATUS_SUSPECT: "suspect",
+    registry_pb2.MEMBER_STATUS_DEAD: "dead",
+}
+# How long a claim on a worker may take before flaps gives up on that worker.
+CLAIM_TIMEOUT = 10.0
+RPC_TIMEOUT = 10.0
+MAX_WAIT = 60.0
+MAX_LEASE = 3600.0
+# Worker answers that mean "not here, try another": nothing was created.
+REFUSALS = {
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "refused",
+    grpc.StatusCode.UNAVAILABLE: "unreachable",
+}
+
+
+def machine_suffix(app: str, idempotency_key: str) -> str:
+    """The machine id's tail: derived from the key, so every retry names the same machine."""
+    if not idempotency_key:
+        return secrets.token_hex(6)
+    return hashlib.sha256(f"{app}\0{idempotency_key}".encode()).hexdigest()[:12]
+
+
+class Workers:
+    """gRPC channels to workers, one per address, opened on first use."""
+
+    def __init__(self, replica: Replica) -> None:
+        self.replica = replica
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def stub(self, worker_id: str) -> worker_pb2_grpc.WorkerServiceStub:
+        view = self.replica.worker(worker_id)
+        if view is None:
+            raise Unavailable(f"worker {worker_id} is not known to this flaps")
+        address = view.info.address
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = aio_channel(address)
+        return worker_pb2_grpc.WorkerServiceStub(channel)
+
+    def owner(self, machine_id: str) -> str:
+        """The worker that owns a machine: named in its id, or known to the registry."""
+        if not machine_id:
+            raise InvalidArgument("machine_id", "is required")
+        prefix = machine_id.rpartition("-")[0]
+        if prefix and self.replica.worker(prefix) is not None:
+            return prefix
+        machine = self.replica.machine(machine_id)
+        if machine is not None:
+            return machine.worker_id
+        raise NotFound(f"machine {machine_id} not found")
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+
+def worker_states(replica: Replica) -> list[placement.WorkerState]:
+    """The registry view as placement input: one pass over the machines."""
+    machines: dict[str, list[pb.Machine]] = {}
+    for machine in replica.machines():
+        if machine.state != S.MACHINE_STATE_DESTROYED:
+            machines.setdefault(machine.worker_id, []).append(machine)
+    return [_state(view, machines.get(view.info.id, [])) for view in replica.workers()]
+
+
+def _state(view: WorkerView, machines: list[pb.Machine]) -> placement.WorkerState:
+    cap = view.capacity
+    images = frozenset(x for img in cap.images for x in (img.ref, img.digest) if x)
+    return placement.WorkerState(
+        id=view.info.id,
+        region=view.info.region,
+        status=STATUS_NAMES.get(view.status, "unknown"),
+        cordoned=cap.cordoned,
+        total=cap.total,
+        free=cap.free,
+        labels=dict(view.info.labels),
+        images=images,
+        machine_ids=frozenset(mm.id for mm in machines),
+        app_machines=Counter(mm.app for mm in machines),
+    )
+
+
+def _record(decision: placement.Decision) -> None:
+    """Put the decision on the current span; a no-op (and cheap) when tracing is off."""
+    span = trace.get_current_span()
+    if not span.is_recording():
+        return
+    span.add_event(
+        "placement.decision",
+        {
+            "region": decision.region,
+            "examined": decision.examined,
+            "candidates": [f"{c.worker_id}={c.score}" for c in decision.candidates],
+            "sub_scores": [
+                f"{c.worker_id}:" + ",".join(f"{k}={v:.3f}" for k, v in c.sub_scores.items())
+                for c in decision.candidates
+            ],
+            "rejections": [f"{r.worker_id}:{r.reason}" for r in decision.rejections],
+        },
+    )
+
+
+class Exchange:
+    """What both services share: the replica view, worker channels, the placement settings."""
+
+    def __init__(self, replica: Replica, workers: Workers, pipeline: placement.Pipeline) -> None:
+        self.replica = replica
+        self.workers = workers
+        self.pipeline = pipeline
+
+    def regions_of(self, region: str, regions: Iterable[str], field: str = "region") -> list[str]:
+        wanted: list[str] = []
+        for i, name in enumerate([region, *regions] if region else list(regions)):
+            where = field if (region and i == 0) else f"regions[{i - (1 if region else 0)}]"
+            check_name(where, name)
+            if name not in self.replica.regions():
+                known = ", ".join(sorted(self.replica.regions())) or "none"
+                raise InvalidArgument(where, f"unknown region {name!r} (known: {known})")
+            if name not in wanted:
+                wanted.append(name)
+        if not wanted:
+            raise InvalidArgument(field, "a region (or regions) is required")
+        return wanted
+
+    def request(
+        self,
+        app: str,
+        regions: list[str],
+        config: pb.MachineConfig,
+        standby_for: Iterable[str],
+        seed: str | None,
+    ) -> placement.Request:
+        return placement.Request(
+            app=app,
+            regions=tuple(regions),
+            guest=config.guest,
+            image=config.image,
+            placement=config.placement,
+            standby_for=frozenset(standby_for),
+            seed=seed,
+        )
+
+
+class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
+    """flaps.v1.MachinesService."""
+
+    def __init__(self, exchange: Exchange) -> None:
+        self.x = exchange
+
+    async def _call(
+        self, machine_id: str, rpc: str, request: object, timeout: float = RPC_TIMEOUT
+    ) -> object:
+        worker_id = self.x.workers.owner(machine_id)
+        stub = self.x.workers.stub(worker_id)
+        try:
+            return await getattr(stub, rpc)(request, timeout=timeout)
+        except grpc.aio.AioRpcError as err:
+            raise Upstream(err) from None
+
+    async def CreateMachine(
+        self, request: m.CreateMachineRequest, context: grpc.aio.ServicerContext
+    ) -> m.CreateMachineResponse:
+        check_name("app", request.app)
+        if len(request.name) > 63:
+            raise InvalidArgument("name", "must be at most 63 characters")
+        regions = self.x.regions_of(request.region, request.regions)
+        check_config(request.config)
+        lease_ttl = duration_seconds(
+            "lease_ttl",
+            request.lease_ttl,
+            default=0,
+            maximum=MAX_LEASE,
+            present=request.HasField("lease_ttl"),
+        )
+        suffix = machine_suffix(request.app, request.idempotency_key)
+        if request.idempotency_key:
+            existing = await self._existing(request.app, suffix)
+            if existing is not None:
+                return m.CreateMachineResponse(machine=existing)
+        config = pb.MachineConfig()
+        config.CopyFrom(request.config)
+        skip_launch = request.skip_launch
+        for i, primary in enumerate(request.standby_for):
+            check_name(f"standby_for[{i}]", primary)
+            try:
+                await self._call(primary, "GetMachine", w.GetMachineRequest(machine_id=primary))
+            except (NotFound, Upstream) as err:
+                if isinstance(err, Upstream) and err.code != grpc.StatusCode.NOT_FOUND:
+                    raise
+                raise InvalidArgument(f"standby_for[{i}]", f"machine {primary} not found") from None
+            if primary not in config.standbys:
+                config.standbys.append(primary)
+            skip_launch = True  # a standby waits, stopped, for its primary's worker to die
+        bid = self.x.request(
+            request.app, regions, config, request.standby_for, request.idempotency_key or None
+        )
+        counts: Counter[str] = Counter()
+        for region in regions:
+            decision = self.x.pipeline.decide(worker_states(self.x.replica), bid, region)
+            for candidate in decision.candidates:
+                machine = await self._claim(
+                    candidate, suffix, request, config, skip_launch, decision
+                )
+                if machine is None:
+                    continue
+                _record(decision)
+                log.info(
+                    "placed",
+                    machine_id=machine.id,
+                    worker=candidate.worker_id,
+                    region=region,
+                    score=candidate.score,
+                    state="created",
+                )
+                response = m.CreateMachineResponse(machine=machine)
+                if lease_ttl:
+                    lease = await self._call(
+                        machine.id,
+                        "AcquireLease",
+                        w.AcquireLeaseRequest(
+                            machine_id=machine.id, ttl=request.lease_ttl, owner="flaps create"
+                        ),
+                    )
+                    assert isinstance(lease, w.AcquireLeaseResponse)
+                    response.lease.CopyFrom(lease.lease)
+                return response
+            _record(decision)
+            counts.update(decision.counts())
+        error = NoCapacity(regions, counts)
+        log.info("no capacity", app=request.app, regions=regions, rejections=dict(counts))
+        await context.abort_with_status(
+            rpc_status.to_status(
+                status_pb2.Status(
+                    code=code_pb2.RESOURCE_EXHAUSTED,
+                    message=str(error),
+                    details=[
+                        _any(
+                            error_details_pb2.ErrorInfo(
+                                reason="NO_CAPACITY",
+                                domain="flaps.nonomad",
+                                metadata={reason: str(n) for reason, n in counts.items()},
+                            )
+                        ),
+                        _any(
+                            error_details_pb2.QuotaFailure(
+                                violations=[
+                                    error_details_pb2.QuotaFailure.Violation(
+                                        subject=reason, description=f"{n}"
+                                    )
+                                    for reason, n in counts.most_common()
+                                ]
+                            )
+                        ),
+                    ],
+                )
+            )
+        )
+        raise AssertionError("abort_with_status returns only by raising")
+
+    async def _claim(
+        self,
+        candidate: placement.Candidate,
+        suffix: str,
+        request: m.CreateMachineRequest,
+        config: pb.MachineConfig,
+        skip_launch: bool,
+        decision: placement.Decision,
+    ) -> pb.Machine | None:
+        """Claim on one worker: its machine, or None when it refused (recorded)."""
+        machine_id = f"{candidate.worker_id}-{suffix}"
+        try:
+            stub = self.x.workers.stub(candidate.worker_id)
+            resp = await stub.CreateMachine(
+                w.CreateMachineRequest(
+                    machine_id=machine_id,
+                    name=request.name,
+                    app=request.app,
+                    config=config,
+                    skip_launch=skip_launch,
+                ),
+                timeout=CLAIM_TIMEOUT,
+            )
+        except grpc.aio.AioRpcError as err:
+            reason = REFUSALS.get(err.code())
+            if reason is None:
+                # Anything else is final: a timeout may have created the machine, and trying
+                # elsewhere could create it twice. A retry with the same key is safe.
+                raise Upstream(err) from None
+            decision.rejections.append(
+                placement.Rejection(candidate.worker_id, reason, err.details() or "")
+            )
+            return None
+        except Unavailable as err:
+            decision.rejections.append(
+                placement.Rejection(candidate.worker_id, "unreachable", str(err))
+            )
+            return None
+        return resp.machine
+
+    async def _existing(self, app: str, suffix: str) -> pb.Machine | None:
+        for machine in self.x.replica.machines(app=app):
+            if machine.id.endswith(f"-{suffix}"):
+                got = await self._call(
+                    machine.id, "GetMachine", w.GetMachineRequest(machine_id=machine.id)
+                )
+                assert isinstance(got, w.GetMachineResponse)
+                return got.machine
+        return None
+
+    async def GetMachine(
+        self, request: m.GetMachineRequest, context: grpc.aio.ServicerContext
+    ) -> m.GetMachineResponse:
+        resp = await self._call(
+            request.machine_id, "GetMachine", w.GetMachineRequest(machine_id=request.machine_id)
+        )
+        assert isinstance(resp, w.GetMachineResponse)
+        return m.GetMachineResponse(machine=resp.machine)
+
+    async def ListMachines(
+        self, request: m.ListMachinesRequest, context: grpc.aio.ServicerContext
+    ) -> m.ListMachinesResponse:
+        check_name("app", request.app, required=False)
+        if request.region:
+            self.x.regions_of(request.region, [])
+        machines = [
+            mm
+            for mm in self.x.replica.machines(
+                app=request.app or None, region=request.region or None
+            )
+            if (not request.state or mm.state == request.state)
+            and (
+                request.include_destroyed
+                or request.state == S.MACHINE_STATE_DESTROYED
+                or mm.state != S.MACHINE_STATE_DESTROYED
+            )
+        ]
+        return m.ListMachinesResponse(machines=sorted(machines, key=lambda mm: mm.id))
+
+    async def UpdateMachine(
+        self, request: m.UpdateMachineRequest, context: grpc.aio.ServicerContext
+    ) -> m.UpdateMachineResponse:
+        check_config(request.config)
+        resp = await self._call(
+            request.machine_id,
+            "UpdateMachine",
+            w.UpdateMachineRequest(
+                machine_id=request.machine_id,
+                config=request.config,
+                lease_nonce=request.lease_nonce,
+                skip_launch=request.skip_launch,
+            ),
+            timeout=CLAIM_TIMEOUT + 30,
+        )
+        assert isinstance(resp, w.UpdateMachineResponse)
+        return m.UpdateMachineResponse(machine=resp.machine)
+
+    async def StartMachine(
+        self, request: m.StartMachineRequest, context: grpc.aio.ServicerContext
+    ) -> m.StartMachineResponse:
+        resp = await self._call(
+            request.machine_id,
+            "StartMachine",
+            w.StartMachineRequest(machine_id=request.machine_id, lease_nonce=request.lease_nonce),
+        )
+        assert isinstance(resp, w.StartMachineResponse)
+        return m.StartMachineResponse(machine=resp.machine)
+
+    async def StopMachine(
+        self, request: m.StopMachineRequest, context: grpc.aio.ServicerContext
+    ) -> m.StopMachineResponse:
+        resp = await self._call(
+            request.machine_id,
+            "StopMachine",
+            w.StopMachineRequest(
+                machine_id=request.machine_id,
+                lease_nonce=request.lease_nonce,
+                signal=request.signal,
+                timeout=request.timeout if request.HasField("timeout") else None,
+            ),
+        )
+        assert isinstance(resp, w.StopMachineResponse)
+        return m.StopMachineResponse(machine=resp.machine)
+
+    async def RestartMachine(
+        self, request: m.RestartMachineRequest, context: grpc.aio.ServicerContext
+    ) -> m.RestartMachineResponse:
+        resp = await self._call(
+            request.machine_id,
+            "RestartMachine",
+            w.RestartMachineRequest(
+                machine_id=request.machine_id,
+                lease_nonce=request.lease_nonce,
+                signal=request.signal,
+                timeout=request.timeout if request.HasField("timeout") else None,
+            ),
+        )
+        assert isinstance(resp, w.RestartMachineResponse)
+        return m.RestartMachineResponse(machine=resp.machine)
+
+    async def SignalMachine(
+        self, request: m.SignalMachineRequest, context: grpc.aio.ServicerContext
+    ) -> m.SignalMachineResponse:
+        resp = await self._call(
+            request.machine_id,
+            "SignalMachine",
+            w.SignalMachineRequest(
+                machine_id=request.machine_id,
+                lease_nonce=request.lease_nonce,
+                signal=request.signal,
+            ),
+        )
+        assert isinstance(resp, w.SignalMachineResponse)
+        return m.SignalMachineResponse(machine=resp.machine)
+
+    async def DestroyMachine(
+        self, request: m.DestroyMachineRequest, context: grpc.aio.ServicerContext
+    ) -> m.DestroyMachineResponse:
+        resp = await self._call(
+            request.machine_id,
+            "DestroyMachine",
+            w.DestroyMachineRequest(
+                machine_id=request.machine_id, lease_nonce=request.lease_nonce, force=request.force
+            ),
+        )
+        assert isinstance(resp, w.DestroyMachineResponse)
+        return m.DestroyMachineResponse(machine=resp.machine)
+
+    async def WaitMachine(
+        self, request: m.WaitMachineRequest, context: grpc.aio.ServicerContext
+    ) -> m.WaitMachineResponse:
+        timeout = duration_seconds(
+            "timeout",
+            request.timeout,
+            default=30.0,
+            maximum=MAX_WAIT,
+            present=request.HasField("timeout"),
+        )
+        resp = await self._call(
+            request.machine_id,
+            "WaitMachine",
+            w.WaitMachineRequest(
+                machine_id=request.machine_id,
+                state=request.state,
+                timeout=Duration(seconds=int(timeout), nanos=int(timeout % 1 * 1e9)),
+                instance_id=request.instance_id,
+            ),
+            timeout=timeout + 5,
+        )
+        assert isinstance(resp, w.WaitMachineResponse)
+        return m.WaitMachineResponse(machine=resp.machine)
+
+    async def AcquireLease(
+        self, request: m.AcquireLeaseRequest, context: grpc.aio.ServicerContext
+    ) -> m.AcquireLeaseResponse:
+        resp = await self._call(
+            request.machine_id,
+            "AcquireLease",
+            w.AcquireLeaseRequest(
+                machine_id=request.machine_id,
+                ttl=request.ttl,
+                owner=request.owner,
+                description=request.description,
+                nonce=request.nonce,
+            ),
+        )
+        assert isinstance(resp, w.AcquireLeaseResponse)
+        return m.AcquireLeaseResponse(lease=resp.lease)
+
+    async def ReleaseLease(
+        self, request: m.ReleaseLeaseRequest, context: grpc.aio.ServicerContext
+    ) -> m.ReleaseLeaseResponse:
+        await self._call(
+            request.machine_id,
+            "ReleaseLease",
+            w.ReleaseLeaseRequest(machine_id=request.machine_id, nonce=request.nonce),
+        )
+        return m.ReleaseLeaseResponse()
+
+    async def ListMachineEvents(
+        self, request: m.ListMachineEventsRequest, context: grpc.aio.ServicerContext
+    ) -> m.ListMachineEventsResponse:
+        resp = await self._call(
+            request.machine_id,
+            "ListMachineEvents",
+            w.ListMachineEventsRequest(machine_id=request.machine_id),
+        )
+        assert isinstance(resp, w.ListMachineEventsResponse)
+        return m.ListMachineEventsResponse(events=resp.events)
+
+
+def _any(message: object) -> object:
+    from google.protobuf.any_pb2 import Any
+
+    packed = Any()
+    packed.Pack(message)  # type: ignore[arg-type]
+    return packed
+
+
+class PlatformServicer(platform_pb2_grpc.PlatformServiceServicer):
+    """flaps.v1.PlatformService: the fleet as this flaps sees it."""
+
+    def __init__(self, exchange: Exchange) -> None:
+        self.x = exchange
+
+    async def ListRegions(
+        self, request: platform_pb2.ListRegionsRequest, context: grpc.aio.ServicerContext
+    ) -> platform_pb2.ListRegionsResponse:
+        guest = request.guest
+        sized = request.HasField("guest")
+        if sized and (guest.cpu_millicores < 0 or guest.memory_mib < 0 or guest.disk_mib < 0):
+            raise InvalidArgument("guest", "sizes must not be negative")
+        regions: dict[str, platform_pb2.Region] = {}
+        for state in worker_states(self.x.replica):
+            region = regions.setdefault(state.region, platform_pb2.Region(name=state.region))
+            region.workers += 1
+            if state.status != "alive":
+                continue
+            region.alive_workers += 1
+            if state.cordoned:
+                continue
+            for total, part in ((region.total, state.total), (region.free, state.free)):
+                total.cpu_millicores += part.cpu_millicores
+                total.memory_mib += part.memory_mib
+                total.disk_mib += part.disk_mib
+                total.machines += part.machines
+            if sized:
+                region.fits += _fits(state.free, guest)
+        return platform_pb2.ListRegionsResponse(regions=[regions[name] for name in sorted(regions)])
+
+    async def ListWorkers(
+        self, request: platform_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext
+    ) -> platform_pb2.ListWorkersResponse:
+        if request.region:
+            self.x.regions_of(request.region, [])
+        out = []
+        for view in sorted(self.x.replica.workers(request.region or None), key=lambda v: v.info.id):
+            worker = platform_pb2.Worker(
+                info=view.info,
+                status=view.status,  # type: ignore[arg-type]
+                capacity=view.capacity,
+                seq=view.seq,
+            )
+            worker.last_heartbeat.FromNanoseconds(int(view.last_heartbeat * 1e9))
+            out.append(worker)
+        return platform_pb2.ListWorkersResponse(workers=out)
+
+    async def SimulatePlacement(
+        self, request: platform_pb2.SimulatePlacementRequest, context: grpc.aio.ServicerContext
+    ) -> platform_pb2.SimulatePlacementResponse:
+        check_name("app", request.app)
+        regions = self.x.regions_of(request.region, request.regions)
+        check_config(request.config)
+        bid = self.x.request(request.app, regions, request.config, request.standby_for, None)
+        # Simulation scores every feasible worker so it can explain all of them.
+        whole = placement.Pipeline(
+            checks=self.x.pipeline.checks,
+            curve=self.x.pipeline.curve,
+            weights=self.x.pipeline.weights,
+            sample_size=1 << 30,
+        )
+        out = platform_pb2.SimulatePlacementResponse()
+        states = worker_states(self.x.replica)
+        for region in regions:
+            decision = whole.decide(states, bid, region)
+            for c in decision.candidates:
+                out.candidates.add(
+                    worker_id=c.worker_id, region=c.region, score=c.score, sub_scores=c.sub_scores
+                )
+            for r in decision.rejections:
+                out.rejections.add(worker_id=r.worker_id, reason=r.reason, detail=r.detail)
+                out.rejections_by_reason[r.reason] = out.rejections_by_reason[r.reason] + 1
+        return out
+
+
+def _fits(free: pb.Resources, guest: pb.GuestConfig) -> int:
+    limits = [free.machines]
+    if guest.cpu_millicores > 0:
+        limits.append(free.cpu_millicores // guest.cpu_millicores)
+    if guest.memory_mib > 0:
+        limits.append(free.memory_mib // guest.memory_mib)
+    if guest.disk_mib > 0:
+        limits.append(free.disk_mib // guest.disk_mib)
+    return max(0, int(min(limits)))

@@ -1,0 +1,117 @@
+"""registry.v1.RegistryService over gRPC, and the one place registry errors become status codes.
+
+Any service that embeds a replica serves it::
+
+    service.add(
+        RegistryServicer(replica, draining=service.draining),
+        registry_pb2_grpc.add_RegistryServiceServicer_to_server,
+        registry_pb2.DESCRIPTOR.services_by_name["RegistryService"],
+        map_error,
+    )
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from registry.errors import InvalidArgument, RegistryError, Unavailable
+from registry.replica import FOLLOW_QUEUE, FOLLOW_RESYNC, Replica, SubscriptionClosed
+from registry.v1 import registry_pb2 as r
+from registry.v1 import registry_pb2_grpc
+
+# Checked in order: the first matching class decides (subclasses before their bases).
+_CODES: list[tuple[type[RegistryError], grpc.StatusCode]] = [
+    (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (Unavailable, grpc.StatusCode.UNAVAILABLE),
+]
+
+
+def map_error(err: Exception) -> tuple[grpc.StatusCode, str] | None:
+    """The registry's errors as gRPC statuses; None for anything else (reported as INTERNAL)."""
+    if not isinstance(err, RegistryError):
+        return None
+    for cls, code in _CODES:
+        if isinstance(err, cls):
+            return code, str(err)
+    return grpc.StatusCode.UNAVAILABLE, str(err)  # a SequenceGap: try again
+
+
+class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
+    """Thin translation between requests and the Replica.
+
+    `draining` (the embedding Service's `draining` event) ends Follow streams when shutdown
+    begins, so that stopping the server need not wait out its grace period; without it they
+    end when the replica stops. `follow_queue` bounds what each Follow stream may have queued:
+    a downstream further behind is sent a fresh snapshot instead.
+    """
+
+    def __init__(
+        self,
+        replica: Replica,
+        *,
+        draining: asyncio.Event | None = None,
+        follow_queue: int = FOLLOW_QUEUE,
+    ) -> None:
+        self.replica = replica
+        self.draining = draining
+        self.follow_queue = follow_queue
+
+    async def Announce(
+        self, request: r.AnnounceRequest, context: grpc.aio.ServicerContext
+    ) -> r.AnnounceResponse:
+        if not request.HasField("worker"):
+            raise InvalidArgument("worker", "is required")
+        self.replica.add_worker(request.worker)
+        return r.AnnounceResponse(workers=[view.info for view in self.replica.workers()])
+
+    async def ListMembers(
+        self, request: r.ListMembersRequest, context: grpc.aio.ServicerContext
+    ) -> r.ListMembersResponse:
+        members = []
+        for view in self.replica.workers():
+            member = r.Member(
+                worker=view.info, status=view.status, seq=view.seq, capacity=view.capacity
+            )
+            if view.last_heartbeat:
+                member.last_heartbeat.CopyFrom(_timestamp(view.last_heartbeat))
+            members.append(member)
+        return r.ListMembersResponse(members=members)
+
+    async def Follow(
+        self, request: r.FollowRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[r.FollowResponse, None]:
+        # No await between subscribing and reading the view: the feed starts where it ends.
+        feed = self.replica.follow(self.follow_queue)
+        items = self.replica.follow_items()
+        drained = None
+        if self.draining is not None:
+            drained = asyncio.ensure_future(self.draining.wait())
+            drained.add_done_callback(lambda _: feed.close())
+        try:
+            while True:
+                for item in items:
+                    yield item
+                try:
+                    got = await feed.get()
+                except SubscriptionClosed:
+                    raise Unavailable("the registry replica is shutting down") from None
+                if got is FOLLOW_RESYNC:
+                    # Too far behind: start over from the current view, not an unbounded queue.
+                    feed.clear()
+                    items = self.replica.follow_items()
+                else:
+                    items = [got]
+        finally:
+            feed.close()
+            if drained is not None:
+                drained.cancel()
+
+
+def _timestamp(seconds: float) -> Timestamp:
+    ts = Timestamp()
+    ts.FromNanoseconds(int(seconds * 1e9))
+    return ts

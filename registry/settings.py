@@ -1,0 +1,58 @@
+"""The standalone registry's settings: which workers to follow, which replicas to share with."""
+
+from __future__ import annotations
+
+from pydantic import Field, ValidationInfo, field_validator
+from pydantic_settings import SettingsConfigDict
+
+from nonomad.runtime import ServiceSettings, parse_host_port
+
+
+class RegistrySettings(ServiceSettings):
+    """Settings of one standalone registry replica (env prefix `REGISTRY_`)."""
+
+    model_config = SettingsConfigDict(env_prefix="REGISTRY_")
+
+    workers: list[str] = Field(
+        default_factory=list,
+        description="seed worker addresses host:port; each is asked who it is, then followed "
+        "(more workers join at runtime through Announce and peers)",
+    )
+    peers: list[str] = Field(
+        default_factory=list,
+        description="other replicas (registry, flaps, proxy) whose members are merged in",
+    )
+    upstream: str | None = Field(
+        default=None,
+        description="follow this replica's Follow stream instead of every worker",
+    )
+    suspect_after: float = Field(
+        default=0.6, gt=0, description="seconds without a heartbeat before a worker is suspect"
+    )
+    dead_after: float = Field(
+        default=1.0, gt=0, description="seconds without a heartbeat before a worker is dead"
+    )
+    retry_max: float = Field(default=2.0, ge=0.05, description="longest reconnect backoff, seconds")
+
+    @field_validator("workers", "peers")
+    @classmethod
+    def _addresses(cls, value: list[str]) -> list[str]:
+        for address in value:
+            parse_host_port(address)
+        return value
+
+    @field_validator("upstream")
+    @classmethod
+    def _upstream(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_host_port(value)
+        return value
+
+    # Fields validate in declaration order, so suspect_after is in `info.data` when valid.
+    @field_validator("dead_after")
+    @classmethod
+    def _dead_after(cls, value: float, info: ValidationInfo) -> float:
+        suspect = info.data.get("suspect_after")
+        if suspect is not None and value <= suspect:
+            raise ValueError(f"must be greater than suspect_after ({suspect:g}s)")
+        return value

@@ -1,0 +1,541 @@
+"""The replica's state without I/O: who the workers are, their machine rows, their liveness.
+
+A `View` changes only through `add`, `apply`, `apply_upstream` and `tick`, each given the time
+by its caller and each returning the `ReplicaEvent`s it caused, so tests can drive it step by
+step and the runtime (`registry.replica`) only has to move bytes and publish events.
+
+Every row has one writer, the worker that owns it, so applying is simple: a worker's stream is
+applied in its own sequence order (a change at or below the applied seq is a repeat and is
+ignored; a change that skips one is a `SequenceGap`), a snapshot replaces the worker's rows, and
+nothing from one worker ever touches another worker's rows.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Literal, TypeAlias
+
+import structlog
+
+from flyd.v1 import machine_pb2 as pb
+from flyd.v1 import worker_pb2
+from flyd.validate import NAME_RE
+from nonomad.runtime import parse_host_port
+from registry.errors import InvalidArgument, SequenceGap, WrongWorker
+from registry.v1 import registry_pb2
+
+log = structlog.get_logger("registry.view")
+
+Status: TypeAlias = registry_pb2.MemberStatus.ValueType
+UNKNOWN: Status = registry_pb2.MEMBER_STATUS_UNSPECIFIED
+ALIVE: Status = registry_pb2.MEMBER_STATUS_ALIVE
+SUSPECT: Status = registry_pb2.MEMBER_STATUS_SUSPECT
+DEAD: Status = registry_pb2.MEMBER_STATUS_DEAD
+
+_BOOT_ID_RE = re.compile(r"^[A-Za-z0-9._-]{0,64}$")
+
+
+_STATUS_NAMES: dict[int, str] = {ALIVE: "alive", SUSPECT: "suspect", DEAD: "dead"}
+
+
+def status_name(status: int) -> str:
+    """`alive`, `suspect`, `dead` or `unknown` (never heard from)."""
+    return _STATUS_NAMES.get(status, "unknown")
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """One worker as the replica sees it. A new object on every read; protos are shared."""
+
+    info: pb.WorkerInfo
+    """Who the worker is; `address` is where the replica reaches it."""
+    status: Status
+    """registry.v1 MemberStatus: UNSPECIFIED until the first heartbeat, then ALIVE, SUSPECT,
+    DEAD by heartbeat age."""
+    last_heartbeat: float
+    """Clock time of the last heartbeat received; 0.0 when none was."""
+    capacity: pb.Capacity
+    """As of the last heartbeat."""
+    seq: int
+    """The last worker log sequence number applied."""
+    connected: bool
+    """Whether the replica's stream from the worker (or its upstream) is open right now."""
+    snapshots: int = 0
+    """How many snapshots were applied: 1 for a worker followed without a gap since it was
+    learned of; more after compaction, a reset or upstream resyncs."""
+
+
+@dataclass(frozen=True)
+class ReplicaEvent:
+    """Something changed in the view.
+
+    kind "machine": `machine` is the row after the change, or None when the row is gone (a
+    snapshot no longer has it: the worker dropped a destroyed row); `machine_id` names it either
+    way. kind "worker": the worker's status, info or connection changed; re-read `worker()`.
+    kind "resync": the subscriber fell behind and events were dropped; re-read the view.
+    `status` is the worker's status when the event was made.
+    """
+
+    kind: Literal["machine", "worker", "resync"]
+    worker_id: str
+    machine: pb.Machine | None
+    status: Status
+    machine_id: str = ""
+
+
+RESYNC = ReplicaEvent(kind="resync", worker_id="", machine=None, status=UNKNOWN)
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What applying one item did: the events, and whether followers should see the item."""
+
+    events: list[ReplicaEvent]
+    relay: bool
+
+
+_IGNORED = Applied([], relay=False)
+
+
+def check_worker_info(info: pb.WorkerInfo, field_prefix: str = "worker") -> None:
+    """Raise InvalidArgument naming the first bad field of a WorkerInfo."""
+    if not info.id:
+        raise InvalidArgument(f"{field_prefix}.id", "is required")
+    if not NAME_RE.match(info.id):
+        raise InvalidArgument(
+            f"{field_prefix}.id", f"{info.id!r} must be 1-63 lowercase letters, digits or dashes"
+        )
+    if not info.region:
+        raise InvalidArgument(f"{field_prefix}.region", "is required")
+    if not NAME_RE.match(info.region):
+        raise InvalidArgument(
+            f"{field_prefix}.region",
+            f"{info.region!r} must be 1-63 lowercase letters, digits or dashes",
+        )
+    if not info.address:
+        raise InvalidArgument(f"{field_prefix}.address", "is required")
+    try:
+        _, port = parse_host_port(info.address)
+    except ValueError as err:
+        raise InvalidArgument(f"{field_prefix}.address", str(err)) from None
+    if port == 0:
+        raise InvalidArgument(f"{field_prefix}.address", "port 0 is not an address to dial")
+    if not _BOOT_ID_RE.match(info.boot_id):
+        raise InvalidArgument(f"{field_prefix}.boot_id", "at most 64 letters, digits, . _ -")
+
+
+@dataclass
+class _Member:
+    info: pb.WorkerInfo
+    added: float
+    status: Status = UNKNOWN
+    last_heartbeat: float = 0.0
+    # When the worker was last heard from (a heartbeat, or an upstream vouching for it); the
+    # time it was added before that. Liveness is the age of this.
+    heard: float = 0.0
+    capacity: pb.Capacity = field(default_factory=pb.Capacity)
+    seq: int = 0
+    connected: bool = False
+    rows: dict[str, pb.Machine] = field(default_factory=dict)
+    snapshots: int = 0
+    # Upstream mode: the status the upstream replica reports.
+    upstream_status: Status = UNKNOWN
+    # The next snapshot applies even when its seq is below ours (the worker's log restarted).
+    force_snapshot: bool = False
+
+    def view(self) -> WorkerView:
+        return WorkerView(
+            info=self.info,
+            status=self.status,
+            last_heartbeat=self.last_heartbeat,
+            capacity=self.capacity,
+            seq=self.seq,
+            connected=self.connected,
+            snapshots=self.snapshots,
+        )
+
+
+@dataclass(frozen=True)
+class Added:
+    """What `View.add` did: `new` worker, whether its stream must be (re)opened, the events."""
+
+    new: bool
+    refollow: bool
+    events: list[ReplicaEvent]
+
+
+class View:
+    """Workers, their rows and liveness. Pure: no I/O, no clock of its own, no tasks.
+
+    `upstream=True` is the view of a replica that follows another replica: liveness is the
+    worse of what the upstream reports and what the age of the relayed heartbeats says (so a
+    lost upstream shows its workers as suspect, then dead, instead of frozen as alive).
+    """
+
+    def __init__(self, *, suspect_after: float, dead_after: float, upstream: bool = False) -> None:
+        if not suspect_after > 0:
+            raise ValueError(f"suspect_after must be > 0 seconds, got {suspect_after!r}")
+        if not dead_after > suspect_after:
+            raise ValueError(
+                f"dead_after ({dead_after!r}s) must be greater than "
+                f"suspect_after ({suspect_after!r}s)"
+            )
+        self.suspect_after = suspect_after
+        self.dead_after = dead_after
+        self.upstream = upstream
+        self._members: dict[str, _Member] = {}
+        # machine id -> owning worker id, and app -> machine ids: reads by id and app are O(1).
+        self._owner: dict[str, str] = {}
+        self._by_app: dict[str, set[str]] = {}
+
+    # -- membership ----------------------------------------------------------------------------
+
+    def add(self, info: pb.WorkerInfo, now: float) -> Added:
+        """Learn of a worker (validated), or update one whose address or boot id changed.
+
+        A new address or boot id asks for the worker's stream to be reopened (`refollow`): the
+        worker moved or restarted, and following the new one at once beats waiting out a
+        reconnect backoff. Region and labels are updated in place.
+        """
+        check_worker_info(info)
+        m = self._members.get(info.id)
+        if m is None:
+            m = _Member(info=_copy(info), added=now, heard=now)
+            self._members[info.id] = m
+            log.info("worker_added", worker=info.id, region=info.region, address=info.address)
+            return Added(new=True, refollow=True, events=[self._worker_event(m)])
+        moved = info.address != m.info.address
+        rebooted = bool(info.boot_id) and info.boot_id != m.info.boot_id
+        if moved or rebooted:
+            m.info = _copy(info)
+            log.info(
+                "worker_updated",
+                worker=info.id,
+                address=info.address,
+                boot_id=info.boot_id,
+                moved=moved,
+            )
+            return Added(new=False, refollow=True, events=[self._worker_event(m)])
+        if info.region != m.info.region or dict(info.labels) != dict(m.info.labels):
+            m.info = _copy(info, boot_id=m.info.boot_id)
+            return Added(new=False, refollow=False, events=[self._worker_event(m)])
+        return Added(new=False, refollow=False, events=[])
+
+    def reset(self, worker_id: str) -> None:
+        """The worker's log is behind what we applied (it was wiped): take its next snapshot
+        whatever its seq, and ask for one by following from 0."""
+        m = self._members[worker_id]
+        log.warning("worker_log_reset", worker=worker_id, applied_seq=m.seq)
+        m.seq = 0
+        m.force_snapshot = True
+
+    def set_connected(self, worker_id: str, connected: bool) -> list[ReplicaEvent]:
+        m = self._members.get(worker_id)
+        if m is None or m.connected == connected:
+            return []
+        m.connected = connected
+        return [self._worker_event(m)]
+
+    def disconnect_all(self) -> list[ReplicaEvent]:
+        """The upstream stream broke: nothing is connected any more."""
+        return [e for worker_id in self._members for e in self.set_connected(worker_id, False)]
+
+    def resume_seq(self, worker_id: str) -> int:
+        """Where to follow the worker's stream from: the last seq applied (0: snapshot first)."""
+        return self._members[worker_id].seq
+
+    # -- applying ------------------------------------------------------------------------------
+
+    def apply(self, worker_id: str, item: worker_pb2.WatchEventsResponse, now: float) -> Applied:
+        """Apply one item of the worker's own WatchEvents stream (direct mode)."""
+        m = self._members.get(worker_id)
+        if m is None:
+            return _IGNORED
+        return self._apply_item(m, item, now)
+
+    def apply_upstream(self, resp: registry_pb2.FollowResponse, now: float) -> Applied:
+        """Apply one item of an upstream replica's Follow stream (upstream mode)."""
+        m = self._members.get(resp.worker_id)
+        events: list[ReplicaEvent] = []
+        if m is None:
+            if not resp.HasField("worker"):
+                return _IGNORED
+            try:
+                check_worker_info(resp.worker)
+            except InvalidArgument as err:
+                log.warning("upstream_worker_invalid", worker=resp.worker_id, error=str(err))
+                return _IGNORED
+            m = _Member(info=_copy(resp.worker), added=now, heard=now)
+            self._members[resp.worker_id] = m
+            events.append(self._worker_event(m))
+        elif resp.HasField("worker") and resp.worker != m.info:
+            if resp.worker.boot_id and resp.worker.boot_id != m.info.boot_id:
+                # A restarted (maybe wiped) worker: the upstream's next snapshot of it is the truth.
+                m.force_snapshot = True
+            m.info = _copy(resp.worker)
+            events.append(self._worker_event(m))
+        m.upstream_status = resp.status
+        if resp.status == ALIVE:
+            m.heard = max(m.heard, now)  # the upstream vouches for it right now
+        if not m.connected:
+            m.connected = True
+            events.append(self._worker_event(m))
+        applied = self._apply_item(m, resp.item, now) if resp.HasField("item") else _IGNORED
+        events += applied.events
+        events += self._update_status(m, now)
+        return Applied(_dedupe_worker_events(events), relay=applied.relay)
+
+    def _apply_item(self, m: _Member, item: worker_pb2.WatchEventsResponse, now: float) -> Applied:
+        kind = item.WhichOneof("item")
+        if kind == "snapshot":
+            return self._apply_snapshot(m, item.snapshot)
+        if kind == "change":
+            return self._apply_change(m, item.change)
+        if kind == "heartbeat":
+            return self._apply_heartbeat(m, item.heartbeat, now)
+        log.warning("unknown_stream_item", worker=m.info.id, kind=kind)
+        return _IGNORED
+
+    def _apply_snapshot(self, m: _Member, snap: worker_pb2.Snapshot) -> Applied:
+        if snap.seq < m.seq and not m.force_snapshot:
+            return _IGNORED  # older than what we have: a lagging source
+        for machine in snap.machines:
+            _check_owner(m, machine)
+        m.force_snapshot = False
+        rows = {machine.id: machine for machine in snap.machines}
+        events: list[ReplicaEvent] = []
+        for machine_id in [mid for mid in m.rows if mid not in rows]:
+            self._drop_row(m, machine_id)
+            events.append(self._machine_event(m, machine_id, None))
+        for machine_id, machine in rows.items():
+            if m.rows.get(machine_id) != machine:
+                self._put_row(m, machine)
+                events.append(self._machine_event(m, machine_id, machine))
+        m.seq = snap.seq
+        m.snapshots += 1
+        return Applied(events, relay=True)
+
+    def _apply_change(self, m: _Member, change: worker_pb2.MachineChange) -> Applied:
+        seq = change.event.seq
+        if seq <= m.seq:
+            return _IGNORED  # already applied (a replay overlapping what we have)
+        if seq != m.seq + 1:
+            raise SequenceGap(m.info.id, m.seq, seq)
+        machine = change.machine
+        _check_owner(m, machine)
+        m.seq = seq
+        self._put_row(m, machine)
+        return Applied([self._machine_event(m, machine.id, machine)], relay=True)
+
+    def _apply_heartbeat(self, m: _Member, hb: worker_pb2.Heartbeat, now: float) -> Applied:
+        if hb.worker.id and hb.worker.id != m.info.id:
+            raise WrongWorker(m.info.id, hb.worker.id)
+        events: list[ReplicaEvent] = []
+        m.capacity = hb.capacity
+        m.last_heartbeat = now
+        m.heard = now
+        if hb.HasField("worker"):
+            # The worker is the truth about itself, except for the address we reach it at.
+            theirs = hb.worker
+            if (
+                theirs.region != m.info.region
+                or theirs.boot_id != m.info.boot_id
+                or dict(theirs.labels) != dict(m.info.labels)
+            ):
+                updated = _copy(theirs, address=m.info.address)
+                try:
+                    check_worker_info(updated)
+                except InvalidArgument as err:
+                    log.warning("heartbeat_worker_invalid", worker=m.info.id, error=str(err))
+                else:
+                    m.info = updated
+                    events.append(self._worker_event(m))
+        events += self._update_status(m, now)
+        return Applied(_dedupe_worker_events(events), relay=True)
+
+    # -- liveness ------------------------------------------------------------------------------
+
+    def tick(self, now: float) -> list[ReplicaEvent]:
+        """Re-judge every worker's liveness at `now`; events for those whose status changed."""
+        events: list[ReplicaEvent] = []
+        for m in self._members.values():
+            events += self._update_status(m, now)
+        return events
+
+    def _age_status(self, m: _Member, now: float) -> Status:
+        age = now - m.heard
+        if age >= self.dead_after:
+            return DEAD
+        if age >= self.suspect_after:
+            return SUSPECT
+        return ALIVE if m.last_heartbeat or (self.upstream and m.upstream_status) else UNKNOWN
+
+    def _update_status(self, m: _Member, now: float) -> list[ReplicaEvent]:
+        status = self._age_status(m, now)
+        if self.upstream:
+            # The worse of the two: the upstream knows the worker, our clock knows the upstream.
+            status = max(status, m.upstream_status)
+        if status == m.status:
+            return []
+        log.info(
+            "worker_status",
+            worker=m.info.id,
+            status=status_name(status),
+            was=status_name(m.status),
+            silent_for=round(now - m.heard, 3),
+        )
+        m.status = status
+        return [self._worker_event(m)]
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def __contains__(self, worker_id: object) -> bool:
+        return worker_id in self._members
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def worker(self, worker_id: str) -> WorkerView | None:
+        m = self._members.get(worker_id)
+        return None if m is None else m.view()
+
+    def workers(self, region: str | None = None) -> list[WorkerView]:
+        return [
+            m.view() for m in self._members.values() if region is None or m.info.region == region
+        ]
+
+    def regions(self) -> set[str]:
+        return {m.info.region for m in self._members.values()}
+
+    def machine(self, machine_id: str) -> pb.Machine | None:
+        owner = self._owner.get(machine_id)
+        if owner is None:
+            return None
+        return self._members[owner].rows.get(machine_id)
+
+    def machines(
+        self, *, app: str | None = None, region: str | None = None, worker_id: str | None = None
+    ) -> list[pb.Machine]:
+        if worker_id is not None:
+            m = self._members.get(worker_id)
+            members: Iterable[_Member] = () if m is None else (m,)
+        else:
+            members = self._members.values()
+        if region is not None:
+            members = [m for m in members if m.info.region == region]
+        if app is None:
+            return [row for m in members for row in m.rows.values()]
+        wanted = {m.info.id for m in members}
+        out = []
+        for machine_id in self._by_app.get(app, ()):
+            owner = self._owner.get(machine_id)
+            if owner in wanted:
+                row = self._members[owner].rows.get(machine_id)
+                if row is not None:
+                    out.append(row)
+        return out
+
+    def follow_items(self) -> Iterator[registry_pb2.FollowResponse]:
+        """The whole view as Follow stream items: per worker a snapshot, then its last
+        heartbeat (so a downstream learns capacity at once), each with status and info."""
+        for m in self._members.values():
+            snap = worker_pb2.Snapshot(seq=m.seq, machines=m.rows.values(), reason="requested")
+            yield registry_pb2.FollowResponse(
+                worker_id=m.info.id,
+                status=m.status,
+                worker=m.info,
+                item=worker_pb2.WatchEventsResponse(snapshot=snap),
+            )
+            if m.last_heartbeat:
+                hb = worker_pb2.Heartbeat(seq=m.seq, worker=m.info, capacity=m.capacity)
+                hb.time.FromNanoseconds(int(m.last_heartbeat * 1e9))
+                yield registry_pb2.FollowResponse(
+                    worker_id=m.info.id,
+                    status=m.status,
+                    worker=m.info,
+                    item=worker_pb2.WatchEventsResponse(heartbeat=hb),
+                )
+
+    def relay(
+        self, worker_id: str, item: worker_pb2.WatchEventsResponse | None
+    ) -> registry_pb2.FollowResponse:
+        """A Follow stream item for `item` of the worker (None: a status-only update)."""
+        m = self._members[worker_id]
+        resp = registry_pb2.FollowResponse(worker_id=worker_id, status=m.status, worker=m.info)
+        if item is not None:
+            resp.item.CopyFrom(item)
+        return resp
+
+    # -- rows ----------------------------------------------------------------------------------
+
+    def _put_row(self, m: _Member, machine: pb.Machine) -> None:
+        machine_id = machine.id
+        old = m.rows.get(machine_id)
+        if old is not None and old.app != machine.app:
+            self._unindex_app(old.app, machine_id)
+        owner = self._owner.get(machine_id)
+        if owner is not None and owner != m.info.id:
+            log.warning("machine_id_conflict", machine_id=machine_id, owner=owner, other=m.info.id)
+        m.rows[machine_id] = machine
+        self._owner[machine_id] = m.info.id
+        self._by_app.setdefault(machine.app, set()).add(machine_id)
+
+    def _drop_row(self, m: _Member, machine_id: str) -> None:
+        old = m.rows.pop(machine_id)
+        if self._owner.get(machine_id) == m.info.id:
+            del self._owner[machine_id]
+            self._unindex_app(old.app, machine_id)
+
+    def _unindex_app(self, app: str, machine_id: str) -> None:
+        ids = self._by_app.get(app)
+        if ids is not None:
+            ids.discard(machine_id)
+            if not ids:
+                del self._by_app[app]
+
+    def _machine_event(
+        self, m: _Member, machine_id: str, machine: pb.Machine | None
+    ) -> ReplicaEvent:
+        return ReplicaEvent("machine", m.info.id, machine, m.status, machine_id)
+
+    def _worker_event(self, m: _Member) -> ReplicaEvent:
+        return ReplicaEvent("worker", m.info.id, None, m.status)
+
+
+def _check_owner(m: _Member, machine: pb.Machine) -> None:
+    """Every row has one writer: a row of another worker means we follow the wrong one."""
+    if machine.worker_id and machine.worker_id != m.info.id:
+        raise WrongWorker(m.info.id, machine.worker_id)
+
+
+def _dedupe_worker_events(events: list[ReplicaEvent]) -> list[ReplicaEvent]:
+    """One "worker" event per worker is enough (the last, with the final status)."""
+    last_worker = {e.worker_id: i for i, e in enumerate(events) if e.kind == "worker"}
+    return [e for i, e in enumerate(events) if e.kind != "worker" or last_worker[e.worker_id] == i]
+
+
+def _copy(info: pb.WorkerInfo, **override: str) -> pb.WorkerInfo:
+    out = pb.WorkerInfo()
+    out.CopyFrom(info)
+    for name, value in override.items():
+        setattr(out, name, value)
+    return out
+
+
+__all__ = [
+    "ALIVE",
+    "DEAD",
+    "RESYNC",
+    "SUSPECT",
+    "UNKNOWN",
+    "Added",
+    "Applied",
+    "ReplicaEvent",
+    "Status",
+    "View",
+    "WorkerView",
+    "check_worker_info",
+    "status_name",
+]

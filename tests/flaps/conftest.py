@@ -1,0 +1,125 @@
+"""A real little fleet for flaps tests: flyd workers and flaps instances as processes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+
+from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
+from flyd.v1 import worker_pb2_grpc
+from tests.conftest import _kill_machines, remove_cgroups
+from tests.harness import ServiceProcess, clean_env, flyd_args
+
+_ports = itertools.count(0)
+
+
+@dataclass
+class Fleet:
+    """Workers by id and flaps instances, plus stubs to talk to them."""
+
+    tmp: Path
+    image_source: Path
+    prefix: str = field(default_factory=lambda: f"nonomad-test-{uuid.uuid4().hex[:8]}")
+    workers: dict[str, ServiceProcess] = field(default_factory=dict)
+    flaps: list[ServiceProcess] = field(default_factory=list)
+    channels: list[grpc.aio.Channel] = field(default_factory=list)
+
+    def add_worker(self, worker_id: str, region: str, *extra: str) -> ServiceProcess:
+        block = 25000 + 50 * (next(_ports) % 100)
+        args = flyd_args(
+            self.tmp / worker_id,
+            self.image_source,
+            worker_id,
+            region,
+            "--ports",
+            f"{block}-{block + 49}",
+            "--cgroup-prefix",
+            self.prefix,
+            "--heartbeat-interval",
+            "0.1",
+            *extra,
+        )
+        proc = ServiceProcess("flyd", args, self.tmp / f"{worker_id}.log", env=clean_env())
+        self.workers[worker_id] = proc.start()
+        return proc
+
+    def add_flaps(self, *extra: str) -> ServiceProcess:
+        args = [
+            "--listen",
+            "127.0.0.1:0",
+            "--grace-period",
+            "2",
+            "--suspect-after",
+            "0.5",
+            "--dead-after",
+            "1.0",
+            *extra,
+        ]
+        for worker in self.workers.values():
+            args += ["--workers", worker.address]
+        proc = ServiceProcess(
+            "flaps", args, self.tmp / f"flaps-{len(self.flaps)}.log", env=clean_env()
+        )
+        self.flaps.append(proc.start())
+        return proc
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = grpc.aio.insecure_channel(address)
+        self.channels.append(channel)
+        return channel
+
+    def machines(self, i: int = 0) -> machines_pb2_grpc.MachinesServiceStub:
+        return machines_pb2_grpc.MachinesServiceStub(self._channel(self.flaps[i].address))
+
+    def platform(self, i: int = 0) -> platform_pb2_grpc.PlatformServiceStub:
+        return platform_pb2_grpc.PlatformServiceStub(self._channel(self.flaps[i].address))
+
+    def worker(self, worker_id: str) -> worker_pb2_grpc.WorkerServiceStub:
+        return worker_pb2_grpc.WorkerServiceStub(self._channel(self.workers[worker_id].address))
+
+    async def until_alive(self, i: int = 0, deadline: float = 30.0) -> None:
+        """Wait until flaps i sees every worker alive."""
+        await eventually(lambda: self._all_alive(i), deadline, "every worker alive in flaps")
+
+    async def _all_alive(self, i: int) -> bool:
+        resp = await self.platform(i).ListWorkers(platform_pb2.ListWorkersRequest(), timeout=5)
+        alive = {w.info.id for w in resp.workers if w.status == platform_pb2.WORKER_STATUS_ALIVE}
+        return alive == set(self.workers)
+
+    async def close(self) -> None:
+        for channel in self.channels:
+            await channel.close()
+        for proc in [*self.flaps, *self.workers.values()]:
+            proc.kill()
+        for worker_id in self.workers:
+            _kill_machines(self.tmp / worker_id)
+        remove_cgroups(self.prefix)
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], deadline: float, what: str) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline
+    while True:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            if await check():
+                return
+        if loop.time() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+async def fleet(tmp_path: Path, image_source: Path) -> AsyncIterator[Fleet]:
+    fleet = Fleet(tmp_path, image_source)
+    try:
+        yield fleet
+    finally:
+        await fleet.close()

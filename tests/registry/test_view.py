@@ -1,0 +1,317 @@
+"""The replica's pure state: applying streams in seq order, liveness by heartbeat age."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from flyd.v1 import machine_pb2 as pb
+from flyd.v1 import worker_pb2 as w
+from registry.errors import InvalidArgument, SequenceGap, WrongWorker
+from registry.v1 import registry_pb2 as r
+from registry.view import ALIVE, DEAD, SUSPECT, UNKNOWN, Added, View, check_worker_info
+from tests.registry.support import view_of
+
+S = pb.MachineState
+T0 = 1_700_000_000.0
+
+
+def info(
+    worker_id: str = "w1",
+    region: str = "ams",
+    *,
+    address: str = "127.0.0.1:5001",
+    boot_id: str = "b1",
+    labels: dict[str, str] | None = None,
+) -> pb.WorkerInfo:
+    return pb.WorkerInfo(
+        id=worker_id, region=region, address=address, boot_id=boot_id, labels=labels
+    )
+
+
+def machine(
+    machine_id: str, state: int = S.MACHINE_STATE_CREATED, app: str = "web", worker: str = "w1"
+) -> pb.Machine:
+    return pb.Machine(id=machine_id, app=app, worker_id=worker, state=state)  # type: ignore[arg-type]
+
+
+def snapshot(seq: int, *machines: pb.Machine) -> w.WatchEventsResponse:
+    return w.WatchEventsResponse(snapshot=w.Snapshot(seq=seq, machines=machines))
+
+
+def change(seq: int, m: pb.Machine) -> w.WatchEventsResponse:
+    return w.WatchEventsResponse(
+        change=w.MachineChange(event=pb.MachineEvent(seq=seq, machine_id=m.id), machine=m)
+    )
+
+
+def heartbeat(seq: int = 0, worker: pb.WorkerInfo | None = None) -> w.WatchEventsResponse:
+    return w.WatchEventsResponse(
+        heartbeat=w.Heartbeat(
+            seq=seq,
+            worker=worker or info(),
+            capacity=pb.Capacity(free=pb.Resources(memory_mib=512)),
+        )
+    )
+
+
+def view_with(*workers: pb.WorkerInfo, upstream: bool = False) -> View:
+    view = View(suspect_after=0.6, dead_after=1.0, upstream=upstream)
+    for wi in workers:
+        view.add(wi, T0)
+    return view
+
+
+def state_of(view: View, machine_id: str) -> int | None:
+    row = view.machine(machine_id)
+    return None if row is None else row.state
+
+
+# -- applying in order ---------------------------------------------------------------------------
+
+
+def test_a_snapshot_then_consecutive_changes_build_the_rows() -> None:
+    view = view_with(info())
+    applied = view.apply("w1", snapshot(3, machine("m1"), machine("m2")), T0)
+    assert {e.machine_id for e in applied.events} == {"m1", "m2"}
+    assert applied.relay
+    view.apply("w1", change(4, machine("m1", S.MACHINE_STATE_STARTED)), T0)
+    view.apply("w1", change(5, machine("m3")), T0)
+    assert state_of(view, "m1") == S.MACHINE_STATE_STARTED
+    assert {m.id for m in view.machines()} == {"m1", "m2", "m3"}
+    assert view.resume_seq("w1") == 5
+
+
+def test_a_change_at_or_below_the_applied_seq_is_ignored() -> None:
+    view = view_with(info())
+    view.apply("w1", snapshot(5, machine("m1", S.MACHINE_STATE_STARTED)), T0)
+    # a replay overlapping the snapshot: seq 4 and 5 are already in it
+    for seq in (4, 5):
+        applied = view.apply("w1", change(seq, machine("m1", S.MACHINE_STATE_STOPPED)), T0)
+        assert applied.events == []
+        assert not applied.relay
+    assert state_of(view, "m1") == S.MACHINE_STATE_STARTED
+    assert view.resume_seq("w1") == 5
+
+
+def test_a_change_that_skips_a_seq_is_a_gap_and_changes_nothing() -> None:
+    view = view_with(info())
+    view.apply("w1", snapshot(5), T0)
+    with pytest.raises(SequenceGap, match="seq 7 does not follow the applied seq 5"):
+        view.apply("w1", change(7, machine("m1")), T0)
+    assert view.machine("m1") is None
+    assert view.resume_seq("w1") == 5
+
+
+def test_a_snapshot_replaces_the_rows_and_reports_the_gone_ones() -> None:
+    view = view_with(info())
+    view.apply("w1", snapshot(2, machine("m1"), machine("m2", S.MACHINE_STATE_DESTROYED)), T0)
+    # compaction dropped the destroyed m2; m1 started meanwhile
+    applied = view.apply("w1", snapshot(9, machine("m1", S.MACHINE_STATE_STARTED)), T0)
+    assert [(e.machine_id, e.machine is None) for e in applied.events] == [
+        ("m2", True),
+        ("m1", False),
+    ]
+    assert view.machine("m2") is None
+    assert view.machines(app="web") == [machine("m1", S.MACHINE_STATE_STARTED)]
+    # the same snapshot again changes nothing and says so
+    assert view.apply("w1", snapshot(9, machine("m1", S.MACHINE_STATE_STARTED)), T0).events == []
+
+
+def test_an_older_snapshot_is_ignored_unless_the_worker_log_was_reset() -> None:
+    view = view_with(info())
+    view.apply("w1", snapshot(9, machine("m1")), T0)
+    assert not view.apply("w1", snapshot(4), T0).relay
+    assert view.machine("m1") is not None
+    # the worker said our from_seq is ahead of its log: it was wiped
+    view.reset("w1")
+    assert view.resume_seq("w1") == 0
+    view.apply("w1", snapshot(4, machine("m7")), T0)
+    assert view.machine("m1") is None
+    assert view.machine("m7") is not None
+    assert view.resume_seq("w1") == 4
+    assert view_of(view, "w1").snapshots == 2
+
+
+def test_rows_never_cross_workers() -> None:
+    view = view_with(info("w1"), info("w2", "syd", address="127.0.0.1:5002"))
+    view.apply("w1", snapshot(1, machine("a1", worker="w1")), T0)
+    view.apply("w2", snapshot(1, machine("b1", worker="w2")), T0)
+    view.apply("w2", snapshot(2), T0)  # w2 dropped its row; w1's stays
+    assert [m.id for m in view.machines()] == ["a1"]
+    assert view.machines(region="syd") == []
+    assert [m.id for m in view.machines(region="ams", app="web")] == ["a1"]
+    assert view.machines(worker_id="w2") == []
+    assert view.regions() == {"ams", "syd"}
+
+
+def test_machines_by_app_follow_an_app_change() -> None:
+    view = view_with(info())
+    view.apply("w1", snapshot(0), T0)
+    view.apply("w1", change(1, machine("m1", app="old")), T0)
+    view.apply("w1", change(2, machine("m1", app="new")), T0)
+    assert view.machines(app="old") == []
+    assert [m.id for m in view.machines(app="new")] == ["m1"]
+
+
+def test_a_heartbeat_brings_capacity_and_worker_info_but_keeps_the_address() -> None:
+    view = view_with(info())
+    theirs = info(boot_id="b2", address="10.0.0.9:1", labels={"gpu": "a"})
+    applied = view.apply("w1", heartbeat(0, theirs), T0 + 0.1)
+    worker = view.worker("w1")
+    assert worker is not None
+    assert worker.status == ALIVE
+    assert worker.last_heartbeat == T0 + 0.1
+    assert worker.capacity.free.memory_mib == 512
+    assert worker.info.boot_id == "b2"
+    assert dict(worker.info.labels) == {"gpu": "a"}
+    assert worker.info.address == "127.0.0.1:5001"  # where we reach it, not what it says
+    assert [e.kind for e in applied.events] == ["worker"]
+
+
+# -- liveness ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("silent_for", "status"),
+    [(0.0, ALIVE), (0.59, ALIVE), (0.61, SUSPECT), (0.99, SUSPECT), (1.01, DEAD), (60.0, DEAD)],
+)
+def test_status_is_the_age_of_the_last_heartbeat(silent_for: float, status: int) -> None:
+    view = view_with(info())
+    view.apply("w1", heartbeat(), T0)
+    view.tick(T0 + silent_for)
+    assert view_of(view, "w1").status == status
+
+
+def test_alive_suspect_dead_and_alive_again() -> None:
+    view = view_with(info())
+    assert view_of(view, "w1").status == UNKNOWN  # never heard from
+    assert [e.status for e in view.apply("w1", heartbeat(), T0).events] == [ALIVE]
+    # the worker goes quiet here
+    assert view.tick(T0 + 0.3) == []
+    assert [e.status for e in view.tick(T0 + 0.7)] == [SUSPECT]
+    assert view.tick(T0 + 0.8) == []  # no repeat while nothing changes
+    assert [e.status for e in view.tick(T0 + 1.2)] == [DEAD]
+    # it comes back
+    assert [e.status for e in view.apply("w1", heartbeat(), T0 + 5).events] == [ALIVE]
+
+
+def test_a_worker_never_heard_from_turns_suspect_then_dead() -> None:
+    view = view_with(info())
+    assert view.tick(T0 + 0.5) == []
+    assert [e.status for e in view.tick(T0 + 0.61)] == [SUSPECT]
+    assert [e.status for e in view.tick(T0 + 1.01)] == [DEAD]
+
+
+@pytest.mark.parametrize(
+    ("suspect_after", "dead_after", "message"),
+    [
+        (0.0, 1.0, "suspect_after must be > 0"),
+        (-1.0, 1.0, "suspect_after must be > 0"),
+        (1.0, 1.0, r"dead_after \(1.0s\) must be greater than suspect_after \(1.0s\)"),
+        (2.0, 1.0, "dead_after"),
+    ],
+)
+def test_timeouts_are_validated(suspect_after: float, dead_after: float, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        View(suspect_after=suspect_after, dead_after=dead_after)
+
+
+# -- membership ----------------------------------------------------------------------------------
+
+
+def test_adding_a_known_worker_refollows_only_when_it_moved_or_restarted() -> None:
+    view = view_with(info())
+    assert view.add(info(), T0) == Added(new=False, refollow=False, events=[])
+    assert view.add(info(address="127.0.0.1:5009"), T0).refollow
+    assert view.add(info(address="127.0.0.1:5009", boot_id="b2"), T0).refollow
+    relabelled = view.add(info(address="127.0.0.1:5009", boot_id="b2", labels={"x": "y"}), T0)
+    assert not relabelled.refollow
+    assert [e.kind for e in relabelled.events] == ["worker"]
+
+
+@pytest.mark.parametrize(
+    ("worker", "field"),
+    [
+        (pb.WorkerInfo(region="ams", address="h:1"), "worker.id"),
+        (pb.WorkerInfo(id="W1", region="ams", address="h:1"), "worker.id"),
+        (pb.WorkerInfo(id="w1", address="h:1"), "worker.region"),
+        (pb.WorkerInfo(id="w1", region="a_b", address="h:1"), "worker.region"),
+        (pb.WorkerInfo(id="w1", region="ams"), "worker.address"),
+        (pb.WorkerInfo(id="w1", region="ams", address="nohost"), "worker.address"),
+        (pb.WorkerInfo(id="w1", region="ams", address="h:99999"), "worker.address"),
+        (pb.WorkerInfo(id="w1", region="ams", address="h:0"), "worker.address"),
+        (pb.WorkerInfo(id="w1", region="ams", address="h:1", boot_id="x y"), "worker.boot_id"),
+    ],
+)
+def test_a_malformed_worker_is_refused_naming_the_field(worker: pb.WorkerInfo, field: str) -> None:
+    with pytest.raises(InvalidArgument) as err:
+        check_worker_info(worker)
+    assert err.value.field == field
+    view = view_with()
+    with pytest.raises(InvalidArgument):
+        view.add(worker, T0)
+    assert len(view) == 0
+
+
+# -- upstream mode -------------------------------------------------------------------------------
+
+
+def follow(status: int, item: w.WatchEventsResponse | None = None) -> r.FollowResponse:
+    resp = r.FollowResponse(worker_id="w1", status=status, worker=info())  # type: ignore[arg-type]
+    if item is not None:
+        resp.item.CopyFrom(item)
+    return resp
+
+
+def test_upstream_items_create_the_worker_and_apply_like_its_own_stream() -> None:
+    view = view_with(upstream=True)
+    view.apply_upstream(follow(ALIVE, snapshot(3, machine("m1"))), T0)
+    view.apply_upstream(follow(ALIVE, change(4, machine("m1", S.MACHINE_STATE_STARTED))), T0)
+    worker = view.worker("w1")
+    assert worker is not None
+    assert (worker.status, worker.seq, worker.connected) == (ALIVE, 4, True)
+    assert state_of(view, "m1") == S.MACHINE_STATE_STARTED
+
+
+def test_upstream_status_wins_unless_the_upstream_itself_goes_quiet() -> None:
+    view = view_with(upstream=True)
+    view.apply_upstream(follow(ALIVE, heartbeat()), T0)
+    # the upstream judges the worker: its word is taken at once
+    view.apply_upstream(follow(SUSPECT), T0 + 0.1)
+    assert view_of(view, "w1").status == SUSPECT
+    view.apply_upstream(follow(ALIVE, heartbeat()), T0 + 0.2)
+    assert view_of(view, "w1").status == ALIVE
+    # the upstream stream goes silent: our own clock says suspect, then dead
+    view.disconnect_all()
+    view.tick(T0 + 0.9)
+    assert view_of(view, "w1").status == SUSPECT
+    view.tick(T0 + 1.3)
+    assert view_of(view, "w1").status == DEAD
+    assert not view_of(view, "w1").connected
+
+
+def test_follow_items_rebuild_the_same_view_downstream() -> None:
+    upstream = view_with(info())
+    upstream.apply("w1", snapshot(2, machine("m1"), machine("m2")), T0)
+    upstream.apply("w1", heartbeat(2), T0)
+    downstream = view_with(upstream=True)
+    for item in upstream.follow_items():
+        downstream.apply_upstream(item, T0)
+    assert downstream.machines() == upstream.machines()
+    # the same worker, except that downstream it is connected (to the upstream)
+    assert view_of(downstream, "w1") == dataclasses.replace(view_of(upstream, "w1"), connected=True)
+
+
+def test_a_stream_from_another_worker_is_refused_whole() -> None:
+    view = view_with(info("w1"))
+    # someone else now listens at w1's address
+    with pytest.raises(WrongWorker, match=r"expected worker w1.*from worker w2"):
+        view.apply("w1", snapshot(3, machine("a", worker="w1"), machine("b", worker="w2")), T0)
+    with pytest.raises(WrongWorker):
+        view.apply("w1", change(1, machine("b", worker="w2")), T0)
+    with pytest.raises(WrongWorker):
+        view.apply("w1", heartbeat(0, info("w2")), T0)
+    assert view.machines() == []
+    assert view_of(view, "w1").status == UNKNOWN
