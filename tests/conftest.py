@@ -66,6 +66,31 @@ def _kill_machines(data_dir: Path) -> None:
     kill_all(data_dir / "machines")
 
 
+@contextlib.contextmanager
+def one_flyd(tmp: Path, image_source: Path, ports: str) -> Iterator[ServiceProcess]:
+    """A flyd worker w1 in ams for a whole test module; its machines die with it."""
+    proc = ServiceProcess(
+        "flyd",
+        flyd_args(
+            tmp / "data",
+            image_source,
+            "w1",
+            "ams",
+            "--ports",
+            ports,
+            "--cgroup-prefix",
+            f"nonomad-test-{uuid.uuid4().hex[:8]}",
+        ),
+        tmp / "flyd.log",
+        env=clean_env(),
+    ).start()
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        _kill_machines(tmp / "data")
+
+
 @pytest.fixture
 def flyd_factory(tmp_path: Path, image_source: Path) -> Iterator[Callable[..., ServiceProcess]]:
     """Start real flyd processes; each call makes a new worker unless `data_dir` is reused."""

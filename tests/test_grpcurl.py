@@ -4,37 +4,20 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import _kill_machines
-from tests.harness import ServiceProcess, clean_env, flyd_args, grpcurl
+from tests.conftest import one_flyd
+from tests.harness import ServiceProcess, clean_env, grpcurl
 
 
 @pytest.fixture(scope="module")
 def flyd(tmp_path_factory: pytest.TempPathFactory, image_source: Path) -> Iterator[str]:
-    tmp = tmp_path_factory.mktemp("grpcurl")
-    proc = ServiceProcess(
-        "flyd",
-        flyd_args(
-            tmp / "data",
-            image_source,
-            "w1",
-            "ams",
-            "--ports",
-            "23050-23099",
-            "--cgroup-prefix",
-            f"nonomad-test-{uuid.uuid4().hex[:8]}",
-        ),
-        tmp / "flyd.log",
-        env=clean_env(),
-    ).start()
-    yield proc.address
-    assert proc.terminate() == 0  # graceful shutdown exits 0
-    _kill_machines(tmp / "data")
+    with one_flyd(tmp_path_factory.mktemp("grpcurl"), image_source, "23050-23099") as proc:
+        yield proc.address
+        assert proc.terminate() == 0  # graceful shutdown exits 0
 
 
 @pytest.fixture(scope="module")

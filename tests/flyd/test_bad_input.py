@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,8 +13,7 @@ from google.protobuf.duration_pb2 import Duration
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
-from tests.conftest import _kill_machines
-from tests.harness import ServiceProcess, clean_env, flyd_args
+from tests.conftest import one_flyd
 
 C = grpc.StatusCode
 S = pb.MachineState
@@ -403,25 +401,8 @@ CASES: list[tuple[str, str, Any, grpc.StatusCode, str]] = [
 
 @pytest.fixture(scope="module")
 def flyd(tmp_path_factory: pytest.TempPathFactory, image_source: Path) -> Iterator[str]:
-    tmp = tmp_path_factory.mktemp("bad-input")
-    proc = ServiceProcess(
-        "flyd",
-        flyd_args(
-            tmp / "data",
-            image_source,
-            "w1",
-            "ams",
-            "--ports",
-            "23000-23049",
-            "--cgroup-prefix",
-            f"nonomad-test-{uuid.uuid4().hex[:8]}",
-        ),
-        tmp / "flyd.log",
-        env=clean_env(),
-    ).start()
-    yield proc.address
-    proc.kill()
-    _kill_machines(tmp / "data")
+    with one_flyd(tmp_path_factory.mktemp("bad-input"), image_source, "23000-23049") as proc:
+        yield proc.address
 
 
 @pytest.fixture
