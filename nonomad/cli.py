@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -280,18 +281,16 @@ def cmd_up(args: argparse.Namespace) -> int:
             print()
             print(table(rows, ["MACHINE", "REGION", "WORKER", "STATE", "URL"]))
             first = deployed[0][0]
-            f = flaps_address
+            f, g = flaps_address, _grpcurl()
             print(f"\ntry:\n  curl http://127.0.0.1:{first.ports[0].host_port}/")
-            print(f"  grpcurl -plaintext {f} list")
-            print(f"  grpcurl -plaintext -d '{{}}' {f} flaps.v1.PlatformService/ListRegions")
-            print(
-                f'  grpcurl -plaintext -d \'{{"app": "demo"}}\' {f} '
-                "flaps.v1.MachinesService/ListMachines"
-            )
-            print(
-                f'  grpcurl -plaintext -d \'{{"machine_id": "{first.id}"}}\' {f} '
-                "flaps.v1.MachinesService/GetMachine"
-            )
+            for body, rpc in [
+                (None, "list"),
+                ("{}", "flaps.v1.PlatformService/ListRegions"),
+                ('{"app": "demo"}', "flaps.v1.MachinesService/ListMachines"),
+                (f'{{"machine_id": "{first.id}"}}', "flaps.v1.MachinesService/GetMachine"),
+            ]:
+                data = f" -d '{body}'" if body is not None else ""
+                print(f"  {g} -plaintext{data} {f} {rpc}")
         print("\nrunning; Ctrl-C stops everything", flush=True)
         while not stopping and all(p.poll() is None for _, p in procs):
             time.sleep(0.2)
@@ -319,6 +318,15 @@ def cmd_up(args: argparse.Namespace) -> int:
         pid_file.unlink(missing_ok=True)
         print("stopped")
     return 0
+
+
+def _grpcurl() -> str:
+    """How to run grpcurl here: from PATH, or the one the project installs in its venv."""
+    found = shutil.which("grpcurl")
+    if found:
+        return "grpcurl"
+    bundled = Path(sys.executable).parent / "grpcurl"
+    return os.path.relpath(bundled) if bundled.exists() else "grpcurl"
 
 
 def _alive(pid: int) -> bool:
