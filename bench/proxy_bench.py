@@ -1,0 +1,835 @@
+"""Proxy benchmark: the HTTP parser choice, and what the data plane costs per request.
+
+1. parsers: a micro-benchmark of the candidate HTTP/1.1 parsers (httptools, i.e. llhttp, and
+   h11) on a typical browser request and a typical 1 KiB JSON response. The proxy uses the
+   faster one that parses incrementally and handles chunked bodies and Upgrade.
+2. throughput and latency, all against the same backend (a small keep-alive HTTP server in its
+   own process), each target in its own process:
+   (a) direct to the backend, (b) through nonomad's proxy (`proxy.http.HttpProxy` with a
+   static router), (c) through HAProxy (installed with apt-get when missing) configured the
+   same way: keep-alive on both sides, `http-reuse always`, one thread.
+   - max requests/s: `wrk` (installed the same way) with keep-alive connections for a fixed
+     time; the Python closed-loop generator below when wrk cannot be had.
+   - latency at moderate load: a paced generator in its own process sends at half the
+     proxy's max rate over keep-alive connections; "added" latency is each target's
+     percentile minus the direct one's.
+
+Targets: proxy rps >= 0.5 x HAProxy rps; proxy's added p99 <= 1 ms at moderate load.
+
+`python -c "from bench.proxy_bench import main; main()" [--quick] [--strict] [--out FILE]`.
+Every load loop is bounded by a request count and a time limit; every child process is
+stopped at the end. Only 127.0.0.1 is used.
+
+`run()` takes `sections`: functions `(results, ctx)` run in order after the defaults, so more
+rows (cold start, failover) can be added without touching these.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench import procs
+from bench.report import Results, percentile
+
+HOST = "bench.nonomad.test"
+DOMAIN = "nonomad.test"
+TARGET_RATIO = 0.5
+TARGET_ADDED_P99_MS = 1.0
+RUN_DEADLINE = 300.0
+START_WAIT = 15.0
+
+# -- 1. the parser micro-benchmark ------------------------------------------------------------
+
+REQUEST = (
+    b"GET /api/v1/items?page=2&sort=desc HTTP/1.1\r\n"
+    b"Host: myapp.nonomad.test\r\n"
+    b"User-Agent: Mozilla/5.0 (X11; Linux x86_64) AppleWebKit/537.36 Chrome/126.0 Safari/537.36\r\n"
+    b"Accept: text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8\r\n"
+    b"Accept-Language: en-US,en;q=0.9\r\n"
+    b"Accept-Encoding: gzip, deflate, br\r\n"
+    b"Cookie: session=0123456789abcdef0123456789abcdef; theme=dark\r\n"
+    b"traceparent: 00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01\r\n"
+    b"Connection: keep-alive\r\n\r\n"
+)
+RESPONSE = (
+    b"HTTP/1.1 200 OK\r\n"
+    b"Date: Mon, 02 Nov 2026 10:00:00 GMT\r\n"
+    b"Server: app\r\n"
+    b"Content-Type: application/json\r\n"
+    b"Cache-Control: no-cache\r\n"
+    b"Content-Length: 1024\r\n"
+    b"Connection: keep-alive\r\n\r\n" + b"x" * 1024
+)
+
+
+class _Sink:
+    """Parser callbacks that keep what a proxy keeps: the headers and the body pieces."""
+
+    __slots__ = ("body", "done", "headers")
+
+    def __init__(self) -> None:
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.body: list[bytes] = []
+        self.done = False
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_body(self, data: bytes) -> None:
+        self.body.append(data)
+
+    def on_message_complete(self) -> None:
+        self.done = True
+
+
+def _time_httptools(kind: str, n: int) -> float:
+    import httptools
+
+    sink = _Sink()
+    parser: Any
+    if kind == "request":
+        parser, data = httptools.HttpRequestParser(sink), REQUEST
+    else:
+        parser, data = httptools.HttpResponseParser(sink), RESPONSE
+    start = time.perf_counter()
+    for _ in range(n):
+        sink.headers = []
+        sink.body = []
+        parser.feed_data(data)
+    return (time.perf_counter() - start) / n
+
+
+def _time_h11(kind: str, n: int) -> float:
+    import h11
+
+    # h11 parses one cycle per Connection; the connections are made outside the timing.
+    conns = []
+    for _ in range(n):
+        if kind == "request":
+            conn = h11.Connection(h11.SERVER)
+        else:
+            conn = h11.Connection(h11.CLIENT)
+            conn.send(h11.Request(method="GET", target="/", headers=[("Host", "a")]))
+            conn.send(h11.EndOfMessage())
+        conns.append(conn)
+    data = REQUEST if kind == "request" else RESPONSE
+    start = time.perf_counter()
+    for conn in conns:
+        conn.receive_data(data)
+        while True:
+            event = conn.next_event()
+            if type(event) is h11.EndOfMessage or event is h11.NEED_DATA:
+                break
+    return (time.perf_counter() - start) / n
+
+
+PARSERS: dict[str, Callable[[str, int], float]] = {
+    "httptools (llhttp)": _time_httptools,
+    "h11": _time_h11,
+}
+
+
+def parser_bench(quick: bool = False) -> Results:
+    """µs per message for each candidate parser (best of 3 runs), as a table."""
+    results = Results("HTTP/1.1 parsers: time to parse one message (best of 3)")
+    n = 3_000 if quick else 30_000
+    for name, timer in PARSERS.items():
+        for kind in ("request", "response"):
+            try:
+                best = min(timer(kind, n) for _ in range(3))
+            except ImportError:
+                results.add(f"{name}, {kind}", None, "µs", note="not installed")
+                continue
+            results.add(f"{name}, {kind}", best * 1e6, "µs")
+    return results
+
+
+# -- 2. processes: backend, proxy, HAProxy, load ---------------------------------------------
+
+_BACKEND_BODY = b"hello from the bench backend\n"
+_BACKEND_RESPONSE = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n\r\n%b"
+    % (len(_BACKEND_BODY), _BACKEND_BODY)
+)
+
+
+class _BackendProtocol(asyncio.Protocol):
+    """Answers every request (GETs without bodies) with the same small response."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buf = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf + data if self.buf else data
+        n = buf.count(b"\r\n\r\n")
+        if n:
+            assert self.transport is not None
+            self.transport.write(_BACKEND_RESPONSE * n)
+            buf = buf[buf.rfind(b"\r\n\r\n") + 4 :]
+        self.buf = buf
+
+
+async def _serve_until_stdin_closes(start: Callable[[], Any]) -> None:
+    port = await start()
+    print(port, flush=True)
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    await reader.read()  # EOF: the bench is done with us
+
+
+def backend_main() -> None:
+    """Child process: the backend. Prints its port; runs until stdin closes."""
+
+    async def start() -> int:
+        server = await asyncio.get_running_loop().create_server(
+            _BackendProtocol, "127.0.0.1", 0, backlog=1024
+        )
+        return int(server.sockets[0].getsockname()[1])
+
+    asyncio.run(_serve_until_stdin_closes(start))
+
+
+class StaticRouter:
+    """A router with one machine for every app: the data plane's cost alone."""
+
+    def __init__(self, port: int) -> None:
+        from proxy.routing import Backend
+
+        self.backend = Backend("bench-machine", "bench", "bench-worker", "ams", "127.0.0.1", port)
+
+    async def acquire(
+        self, app: str, *, pinned: str | None = None, exclude: frozenset[str] = frozenset()
+    ) -> Any:
+        return self.backend
+
+    def try_acquire(
+        self, app: str, *, pinned: str | None = None, exclude: frozenset[str] = frozenset()
+    ) -> Any:
+        return self.backend
+
+    def release(self, backend: Any, *, ok: bool, connect_failed: bool = False) -> None:
+        pass
+
+
+def proxy_main() -> None:
+    """Child process: nonomad's proxy in front of the backend port in argv[1]."""
+    import logging
+
+    import structlog
+
+    from proxy.http import HttpProxy
+    from proxy.stats import Stats
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    backend_port = int(sys.argv[1])
+
+    async def start() -> int:
+        proxy = HttpProxy(StaticRouter(backend_port), Stats(), domain=DOMAIN, region="ams")
+        _, port = await proxy.serve("127.0.0.1", 0)
+        return port
+
+    asyncio.run(_serve_until_stdin_closes(start))
+
+
+@dataclass
+class Child:
+    """A child process that printed the port it serves on."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    port: int
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError):
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.terminate()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+def _start_python_child(name: str, func: str, args: Sequence[str], log: Path) -> Child:
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", f"from bench.proxy_bench import {func}; {func}()", *args],
+            cwd=procs.REPO_ROOT,
+            env=procs.clean_env(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=err,
+        )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # bounded: the child prints its port or dies
+    if not line.strip():
+        proc.kill()
+        proc.wait(5)
+        raise RuntimeError(f"{name} failed to start; see {log}")
+    return Child(name, proc, int(line))
+
+
+def ensure_tool(binary: str, package: str) -> str | None:
+    """The path of `binary`, installing Debian's `package` (as root) when it is missing."""
+    path = _which(binary)
+    if path is not None:
+        return path
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        return None
+    procs.progress(f"installing {package} with apt-get")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", package]
+    ok = subprocess.run(install, env=env, capture_output=True, timeout=300).returncode == 0
+    if not ok:
+        subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True, timeout=300)
+        subprocess.run(install, env=env, capture_output=True, timeout=300)
+    return _which(binary)
+
+
+def _which(binary: str) -> str | None:
+    sbin = Path("/usr/sbin") / binary  # not on every PATH
+    return shutil.which(binary) or (str(sbin) if sbin.exists() else None)
+
+
+_HAPROXY_CONFIG = """\
+global
+    maxconn 4096
+    nbthread 1
+    log stdout format raw local0 err
+
+defaults
+    mode http
+    timeout connect 2s
+    timeout client 60s
+    timeout server 60s
+    timeout http-keep-alive 60s
+    timeout http-request 10s
+    option http-keep-alive
+    http-reuse always
+
+frontend bench
+    bind 127.0.0.1:{port}
+    default_backend machines
+
+backend machines
+    server m1 127.0.0.1:{backend_port}
+"""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_haproxy(binary: str, backend_port: int, tmp: Path) -> Child:
+    port = _free_port()
+    config = tmp / "haproxy.cfg"
+    config.write_text(_HAPROXY_CONFIG.format(port=port, backend_port=backend_port))
+    log = tmp / "haproxy.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [binary, "-db", "-f", str(config)],
+            stdin=subprocess.PIPE,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    child = Child("haproxy", proc, port)
+    deadline = time.monotonic() + START_WAIT
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"haproxy exited; see {log}")
+        with contextlib.suppress(OSError):
+            import socket
+
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return child
+        time.sleep(0.05)
+    child.stop()
+    raise RuntimeError("haproxy did not start listening")
+
+
+# -- the load generators --------------------------------------------------------------------------
+
+
+@dataclass
+class Load:
+    """What one run of a load generator measured."""
+
+    requests: int
+    errors: int
+    seconds: float
+    latencies_ms: list[float] = field(default_factory=list)
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.seconds if self.seconds > 0 else 0.0
+
+    def pct(self, p: float) -> float:
+        if self.latencies_ms:
+            return percentile(self.latencies_ms, p)
+        value = self.p50_ms if p == 50 else self.p99_ms if p == 99 else None
+        return float("nan") if value is None else value
+
+
+def run_wrk(wrk: str, port: int, connections: int, seconds: float) -> Load:
+    """Max throughput with wrk (one thread) for a fixed time."""
+    cmd = [
+        wrk,
+        "-t1",
+        f"-c{connections}",
+        f"-d{max(1, round(seconds))}s",
+        "--latency",
+        "-H",
+        f"Host: {HOST}",
+        f"http://127.0.0.1:{port}/",
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 30).stdout
+    rps = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    total = re.search(r"(\d+) requests in ([\d.]+)(\w+)", out)
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    socket_errors = re.search(
+        r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out
+    )
+    if rps is None or total is None:
+        raise RuntimeError(f"could not read wrk's output:\n{out}")
+    unit = {"s": 1.0, "ms": 0.001, "m": 60.0}.get(total.group(3), 1.0)
+    n = int(total.group(1))
+    load = Load(
+        requests=n,
+        errors=(int(errors.group(1)) if errors else 0)
+        + (sum(int(g) for g in socket_errors.groups()) if socket_errors else 0),
+        seconds=n / float(rps.group(1)) if float(rps.group(1)) else float(total.group(2)) * unit,
+    )
+    load.p50_ms = _wrk_latency(out, "50%")
+    load.p99_ms = _wrk_latency(out, "99%")
+    return load
+
+
+def _wrk_latency(out: str, label: str) -> float | None:
+    match = re.search(rf"^\s+{re.escape(label)}\s+([\d.]+)(us|ms|s)\s*$", out, re.MULTILINE)
+    if match is None:
+        return None
+    return float(match.group(1)) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[match.group(2)]
+
+
+def loadgen_main() -> None:
+    """Child process: `PORT CONNECTIONS REQUESTS SECONDS RATE` (RATE 0: as fast as possible).
+
+    Sends GETs over keep-alive connections until REQUESTS are answered or SECONDS pass;
+    with a RATE, each connection sends on its own schedule (RATE/CONNECTIONS per second,
+    waiting for the previous answer first). Prints one JSON line with the latencies.
+
+    It is a bare epoll loop over non-blocking sockets rather than asyncio: at ten thousand
+    requests a second the generator's own cost would otherwise crowd the CPUs it shares with
+    what it measures.
+    """
+    port, conns, total, seconds, rate = (
+        int(sys.argv[1]),
+        int(sys.argv[2]),
+        int(sys.argv[3]),
+        float(sys.argv[4]),
+        float(sys.argv[5]),
+    )
+    print(json.dumps(_loadgen(port, conns, total, seconds, rate)), flush=True)
+
+
+def _loadgen(port: int, conns: int, total: int, seconds: float, rate: float) -> dict[str, Any]:
+    import select
+    import socket
+
+    request = f"GET / HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode()
+    socks: list[socket.socket] = []
+    for _ in range(conns):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(False)
+        socks.append(sock)
+    by_fd = {sock.fileno(): i for i, sock in enumerate(socks)}
+    alive = [True] * conns
+    poller = select.epoll()
+    for sock in socks:
+        poller.register(sock.fileno(), select.EPOLLIN)
+    clock = time.perf_counter
+    start = clock()
+    deadline = start + seconds
+    interval = conns / rate if rate > 0 else 0.0
+    next_at = [start + interval * i / conns for i in range(conns)]
+    sent_at: list[float] = [0.0] * conns  # 0.0: nothing in flight
+    bufs = [b""] * conns
+    latencies: list[float] = []
+    errors = 0
+    budget = total
+    in_flight = 0
+    open_conns = conns
+    try:
+        while open_conns and (budget > 0 or in_flight) and clock() < deadline:
+            now = clock()
+            wait = 0.05
+            for i in range(conns):
+                if not sent_at[i] and budget > 0 and alive[i]:
+                    if next_at[i] <= now:
+                        socks[i].send(request)
+                        sent_at[i] = clock()
+                        in_flight += 1
+                        budget -= 1
+                        next_at[i] = max(next_at[i] + interval, now)
+                    else:
+                        wait = min(wait, next_at[i] - now)
+            for fd, _ in poller.poll(max(wait, 0.0)):
+                i = by_fd[fd]
+                try:
+                    data = socks[i].recv(65536)
+                except BlockingIOError:
+                    continue
+                if not data:
+                    poller.unregister(fd)
+                    alive[i] = False
+                    open_conns -= 1
+                    if sent_at[i]:
+                        errors += 1
+                        in_flight -= 1
+                        sent_at[i] = 0.0
+                    continue
+                buf = bufs[i] + data if bufs[i] else data
+                end = buf.find(b"\r\n\r\n")
+                if end < 0:
+                    bufs[i] = buf
+                    continue
+                head = buf[:end].lower()
+                at = head.find(b"content-length:")
+                length = 0
+                if at >= 0:
+                    line_end = head.find(b"\r\n", at)
+                    length = int(head[at + 15 : line_end if line_end >= 0 else len(head)])
+                if len(buf) < end + 4 + length:
+                    bufs[i] = buf
+                    continue
+                bufs[i] = buf[end + 4 + length :]
+                if sent_at[i]:
+                    latencies.append((clock() - sent_at[i]) * 1000)
+                    sent_at[i] = 0.0
+                    in_flight -= 1
+                if buf[9:12] != b"200":
+                    errors += 1
+    finally:
+        for sock in socks:
+            sock.close()
+        poller.close()
+    return {
+        "requests": len(latencies),
+        "errors": errors,
+        "seconds": clock() - start,
+        "latencies_ms": latencies,
+    }
+
+
+def run_loadgen(port: int, conns: int, total: int, seconds: float, rate: float = 0.0) -> Load:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from bench.proxy_bench import loadgen_main; loadgen_main()",
+            str(port),
+            str(conns),
+            str(total),
+            str(seconds),
+            str(rate),
+        ],
+        cwd=procs.REPO_ROOT,
+        env=procs.clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=seconds + 60,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"load generator failed: {out.stderr[-2000:]}")
+    doc = json.loads(out.stdout.strip().splitlines()[-1])
+    return Load(doc["requests"], doc["errors"], doc["seconds"], doc["latencies_ms"])
+
+
+# -- 3. the run -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Context:
+    """What the sections share: settings, a temp dir, the children started (stopped at the end)."""
+
+    quick: bool
+    tmp: Path
+    children: list[Child] = field(default_factory=list)
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def start(self, name: str, func: str, *args: str) -> Child:
+        child = _start_python_child(name, func, args, self.tmp / f"{name}.log")
+        self.children.append(child)
+        return child
+
+    def adopt(self, child: Child) -> Child:
+        self.children.append(child)
+        return child
+
+    def stop_all(self) -> None:
+        for child in reversed(self.children):
+            child.stop()
+        self.children.clear()
+
+
+Section = Callable[[Results, Context], None]
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) a process has used, from /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy(seconds: float = 1.0) -> float:
+    """How busy this machine's CPUs are (%) over `seconds`, from /proc/stat: what else runs
+    here skews every number below."""
+
+    def sample() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+        return sum(fields), idle
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(seconds)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+    if total1 == total0:
+        return 0.0
+    return 100.0 * (1 - (idle1 - idle0) / (total1 - total0))
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def throughput_section(results: Results, ctx: Context) -> None:
+    """Rows (a) direct, (b) nonomad proxy, (c) HAProxy: max rps and latency at moderate load.
+
+    This machine's speed drifts from one second to the next (a shared VM), so the targets are
+    measured in interleaved rounds (direct, proxy, haproxy, direct, ...) and compared round by
+    round: the ratio is the median of the per-round ratios.
+    """
+    quick = ctx.quick
+    busy = machine_busy()
+    results.add("CPU busy before the run (other work on this machine)", busy, "%")
+    if busy > 20:
+        procs.progress(f"warning: the machine is {busy:.0f}% busy already; numbers will be low")
+    backend = ctx.start("backend", "backend_main")
+    targets: dict[str, Child] = {"direct": backend}
+    targets["nonomad proxy"] = ctx.start("proxy", "proxy_main", str(backend.port))
+    haproxy = ensure_tool("haproxy", "haproxy")
+    if haproxy is not None:
+        targets["haproxy"] = ctx.adopt(start_haproxy(haproxy, backend.port, ctx.tmp))
+    else:
+        results.errors.append("haproxy is not installed and could not be installed")
+    wrk = ensure_tool("wrk", "wrk")
+    conns = 32
+    rounds = 3 if quick else 7
+    max_seconds = 2.0 if quick else 4.0
+
+    for child in targets.values():  # warm every path (pools, caches) before measuring
+        run_loadgen(child.port, 4, 1000, 5.0)
+
+    peak: dict[str, list[Load]] = {name: [] for name in targets}
+    proxy_cpu_us: list[float] = []
+    for r in range(rounds):
+        procs.progress(f"max throughput, round {r + 1}/{rounds}")
+        for name, child in targets.items():
+            before = _cpu_seconds(child.proc.pid)
+            if wrk is not None:
+                load = run_wrk(wrk, child.port, conns, max_seconds)
+            else:
+                load = run_loadgen(child.port, conns, 10_000_000, max_seconds)
+            if name == "nonomad proxy" and load.requests:
+                used = _cpu_seconds(child.proc.pid) - before
+                proxy_cpu_us.append(used / load.requests * 1e6)
+            if load.errors:
+                results.errors.append(f"{name}: {load.errors} errors at max load")
+            peak[name].append(load)
+    for name, loads in peak.items():
+        results.add(
+            f"{name}: max requests/s ({conns} conns, median of {rounds})",
+            round(_median([load.rps for load in loads])),
+            "req/s",
+        )
+    if "haproxy" in peak:
+        ratios = [
+            mine.rps / theirs.rps
+            for mine, theirs in zip(peak["nonomad proxy"], peak["haproxy"], strict=True)
+            if theirs.rps > 0
+        ]
+        results.add(
+            "proxy rps / haproxy rps (median of rounds)",
+            round(_median(ratios), 2),
+            "x",
+            target=(">=", TARGET_RATIO),
+        )
+        results.details["ratio_by_round"] = [round(x, 3) for x in ratios]
+    results.add("proxy CPU per request at max load", _median(proxy_cpu_us), "µs")
+
+    proxy_max = _median([load.rps for load in peak["nonomad proxy"]])
+    for share in (0.25, 0.5):
+        _latency_rows(
+            results,
+            targets,
+            rate=max(100.0, round(proxy_max * share, -2)),
+            ctx=ctx,
+            share=share,
+            target=share == 0.5,
+        )
+    results.details.update(
+        {
+            "max_load_tool": "wrk -t1" if wrk is not None else "python closed-loop generator",
+            "backend": "asyncio protocol in its own process, 29-byte body, keep-alive",
+            "haproxy": "nbthread 1, http-reuse always, keep-alive both sides",
+            "moderate_connections": PACED_CONNECTIONS,
+            "max_connections": conns,
+            "cpus": os.cpu_count(),
+            "max_rps_by_round": {n: [round(x.rps) for x in loads] for n, loads in peak.items()},
+            "wrk_p50_p99_ms": {
+                n: [[x.p50_ms, x.p99_ms] for x in loads] for n, loads in peak.items()
+            },
+            "proxy_cpu_us_by_round": [round(x, 1) for x in proxy_cpu_us],
+        }
+    )
+
+
+PACED_CONNECTIONS = 16
+
+
+def _latency_rows(
+    results: Results,
+    targets: dict[str, Child],
+    *,
+    rate: float,
+    ctx: Context,
+    share: float,
+    target: bool,
+) -> None:
+    """Latency of every target at one paced rate (interleaved rounds, latencies pooled);
+    "added" is a target's percentile minus direct's."""
+    seconds = 2.0 if ctx.quick else 4.0
+    rounds = 2 if ctx.quick else 3
+    pooled: dict[str, Load] = {name: Load(0, 0, 0.0) for name in targets}
+    for r in range(rounds):
+        procs.progress(f"latency at {rate:.0f} req/s, round {r + 1}/{rounds}")
+        for name, child in targets.items():
+            load = run_loadgen(child.port, PACED_CONNECTIONS, int(rate * seconds), seconds, rate)
+            total = pooled[name]
+            total.requests += load.requests
+            total.errors += load.errors
+            total.seconds += load.seconds
+            total.latencies_ms += load.latencies_ms
+    direct = pooled["direct"]
+    at = f"at {rate:.0f} req/s ({share:.0%} of proxy max)"
+    for name, load in pooled.items():
+        if load.errors:
+            results.errors.append(f"{name}: {load.errors} errors {at}")
+        if name == "direct":
+            results.add(f"direct: p50 {at}", load.pct(50), "ms")
+            results.add(f"direct: p99 {at}", load.pct(99), "ms")
+            continue
+        results.add(f"{name}: added p50 {at}", load.pct(50) - direct.pct(50), "ms")
+        results.add(
+            f"{name}: added p99 {at}",
+            load.pct(99) - direct.pct(99),
+            "ms",
+            target=("<=", TARGET_ADDED_P99_MS) if target and name == "nonomad proxy" else None,
+        )
+
+
+DEFAULT_SECTIONS: tuple[Section, ...] = (throughput_section,)
+
+
+def run(
+    quick: bool = False,
+    out: Path | None = None,
+    strict: bool = False,
+    sections: Sequence[Section] = (),
+) -> int:
+    """Run the parser table and the sections; print tables; write JSON to `out` when given."""
+    parsers = parser_bench(quick)
+    print(parsers.table())
+    print()
+    title = "proxy: requests/s and added latency (same backend, 127.0.0.1)"
+    if quick:
+        title += " [quick]"
+    results = Results(title)
+    results.details["parsers_us"] = {m.name: m.value for m in parsers.metrics}
+    procs.raise_fd_limit()
+    with tempfile.TemporaryDirectory(prefix="proxy-bench-") as tmp:
+        ctx = Context(quick, Path(tmp))
+        started = time.monotonic()
+        try:
+            for section in (*DEFAULT_SECTIONS, *sections):
+                if time.monotonic() - started > RUN_DEADLINE:
+                    results.errors.append(f"run deadline passed before {section.__name__}")
+                    break
+                section(results, ctx)
+        except Exception as err:  # report what was measured, and why the rest was not
+            results.errors.append(f"{type(err).__name__}: {err}")
+        finally:
+            ctx.stop_all()
+    print(results.table())
+    if out is not None:
+        doc = results.to_json()
+        doc["parsers"] = parsers.to_json()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=2) + "\n")
+    if results.errors or (strict and results.missed):
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="proxy_bench", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="shorter loops (a smoke test)")
+    parser.add_argument("--out", type=Path, help="also write the results as JSON here")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    args = parser.parse_args(argv)
+    return run(quick=args.quick, out=args.out, strict=args.strict)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

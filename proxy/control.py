@@ -1,0 +1,544 @@
+"""What the proxy's control plane does to machines, and the I/O it needs to do it.
+
+`proxy.router.Router` owns the route table; this module holds the parts around it:
+
+- the narrow edges to the outside, each a Protocol with one real implementation here and a
+  fake in the tests: `Flaps` (start and stop machines, `FlapsClient` over gRPC) and `Probes`
+  (is a worker's flyd answering, does a machine's port accept, does its HTTP check pass:
+  `NetProbes`);
+- the decisions, as pure functions over the table: `checks_of` (what to check on a machine),
+  `autostop_victims` (which idle machines to stop without going below min_machines_running),
+  `standby_candidates` (which standby takes over a lost primary: the same one on every proxy);
+- the loops that act on them: `HealthChecks.watch` (one per started machine), `WorkerWatch`
+  (probe a silent worker, declare it dead, start one standby per lost primary).
+
+Every loop takes the shutdown event and sleeps on the injected clock, so tests drive time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import grpc
+import grpc.aio
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from flaps.v1 import machines_pb2, machines_pb2_grpc
+from flyd.clock import Clock
+from flyd.v1 import machine_pb2 as pb
+from nonomad.runtime import aio_channel
+from proxy.errors import ProxyError
+
+if TYPE_CHECKING:
+    from proxy.router import Route, Router
+
+log = structlog.get_logger("proxy.control")
+S = pb.MachineState
+
+# A check without an interval or timeout of its own.
+DEFAULT_CHECK_INTERVAL = 10.0
+DEFAULT_CHECK_TIMEOUT = 2.0
+# While a machine warms up (just started, or its worker came back), its checks are polled this
+# fast, doubling up to the max: the first request waits for the port, not for an interval.
+READY_POLL_MIN = 0.005
+READY_POLL_MAX = 0.02
+# A machine without checks that did not accept within the warm-up window is polled this often.
+SLOW_READY_POLL = 1.0
+# flaps calls: deadline of one call, and the pause before retrying a retryable failure.
+FLAPS_TIMEOUT = 10.0
+FLAPS_RETRY = 0.2
+# Response head bytes an HTTP check reads at most.
+CHECK_HEAD_LIMIT = 8192
+
+# Codes after which another try of the same call may succeed.
+_RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.ABORTED,
+}
+
+
+class FlapsFailed(ProxyError):
+    """flaps (or the worker behind it) refused or failed a start or stop; 503 to a client."""
+
+    status = 503
+
+    def __init__(self, message: str, *, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.retryable = code is None or code in _RETRYABLE
+
+
+# -- the edges ---------------------------------------------------------------------------------
+
+
+class Flaps(Protocol):
+    """The part of the Machines API the proxy uses. Both calls are idempotent."""
+
+    async def start(self, machine_id: str) -> pb.Machine:
+        """Start a stopped or created machine (a started one: no-op); raises FlapsFailed."""
+        ...
+
+    async def stop(self, machine_id: str) -> pb.Machine:
+        """Stop a machine; raises FlapsFailed."""
+        ...
+
+
+class FlapsClient:
+    """`Flaps` over gRPC to one flaps instance (any will do: flaps holds no state)."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout: float = FLAPS_TIMEOUT,
+        channel: Callable[[str], grpc.aio.Channel] | None = None,
+    ) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._channel = (channel or _flaps_channel)(address)
+        self._stub = machines_pb2_grpc.MachinesServiceStub(self._channel)
+
+    async def start(self, machine_id: str) -> pb.Machine:
+        try:
+            resp = await self._stub.StartMachine(
+                machines_pb2.StartMachineRequest(machine_id=machine_id), timeout=self.timeout
+            )
+        except grpc.aio.AioRpcError as err:
+            raise _failed("start", machine_id, err) from None
+        return resp.machine
+
+    async def stop(self, machine_id: str) -> pb.Machine:
+        try:
+            resp = await self._stub.StopMachine(
+                machines_pb2.StopMachineRequest(machine_id=machine_id), timeout=self.timeout
+            )
+        except grpc.aio.AioRpcError as err:
+            raise _failed("stop", machine_id, err) from None
+        return resp.machine
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+def _flaps_channel(address: str) -> grpc.aio.Channel:
+    # gRPC's reconnect backoff grows to two minutes by default: a flaps back after a restart
+    # must be used again within a second, or scale from zero and failover wait for nothing.
+    return aio_channel(
+        address,
+        options=[
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ],
+    )
+
+
+def _failed(verb: str, machine_id: str, err: grpc.aio.AioRpcError) -> FlapsFailed:
+    code = err.code()
+    return FlapsFailed(
+        f"could not {verb} machine {machine_id}: {code.name}: {err.details() or ''}".rstrip(": "),
+        code=code,
+    )
+
+
+class Probes(Protocol):
+    """Direct looks at workers and machines, each bounded by `timeout` (real seconds)."""
+
+    async def worker(self, address: str, timeout: float) -> bool:
+        """Whether the worker's gRPC health service answers SERVING."""
+        ...
+
+    async def tcp(self, host: str, port: int, timeout: float) -> bool:
+        """Whether host:port accepts a connection."""
+        ...
+
+    async def http(self, host: str, port: int, path: str, method: str, timeout: float) -> bool:
+        """Whether an HTTP request answers 2xx or 3xx."""
+        ...
+
+
+class NetProbes:
+    """`Probes` over real sockets."""
+
+    async def worker(self, address: str, timeout: float) -> bool:
+        # A fresh channel each time: a reused one may sit in reconnect backoff and fail a
+        # worker that is back, or keep a half-open connection to one that is gone.
+        channel = grpc.aio.insecure_channel(address)
+        try:
+            resp = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout
+            )
+        except grpc.aio.AioRpcError as err:
+            log.debug("worker_probe_failed", address=address, code=err.code().name)
+            return False
+        finally:
+            await channel.close(grace=None)
+        return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+
+    async def tcp(self, host: str, port: int, timeout: float) -> bool:
+        try:
+            async with asyncio.timeout(timeout):
+                _, writer = await asyncio.open_connection(host, port)
+        except (OSError, TimeoutError):
+            return False
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        return True
+
+    async def http(self, host: str, port: int, path: str, method: str, timeout: float) -> bool:
+        try:
+            async with asyncio.timeout(timeout):
+                reader, writer = await asyncio.open_connection(host, port)
+                try:
+                    writer.write(
+                        f"{method or 'GET'} {path or '/'} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+                        "User-Agent: nonomad-proxy-check\r\nConnection: close\r\n\r\n".encode(
+                            "latin-1"
+                        )
+                    )
+                    await writer.drain()
+                    line = await reader.readline()
+                finally:
+                    writer.close()
+                    with contextlib.suppress(OSError):
+                        await writer.wait_closed()
+        except (OSError, TimeoutError, UnicodeEncodeError, ValueError):
+            return False
+        parts = line[:CHECK_HEAD_LIMIT].split(None, 2)
+        if len(parts) < 2 or not parts[0].startswith(b"HTTP/") or not parts[1].isdigit():
+            return False
+        return 200 <= int(parts[1]) < 400
+
+
+class Counters(Protocol):
+    """What the router counts (proxy.stats.Stats)."""
+
+    def cold_start(self) -> None: ...
+
+    def failover(self) -> None: ...
+
+
+# -- decisions ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckSpec:
+    """One check of one machine, resolved to the host port it runs against."""
+
+    name: str
+    kind: str  # "http" or "tcp"
+    host: str
+    port: int
+    path: str
+    method: str
+    interval: float
+    timeout: float
+
+
+def _seconds(d: object, default: float) -> float:
+    seconds = getattr(d, "seconds", 0) + getattr(d, "nanos", 0) / 1e9
+    return seconds if seconds > 0 else default
+
+
+def checks_of(machine: pb.Machine, host: str) -> list[CheckSpec]:
+    """The machine's configured checks against its host ports (a check on an unmapped port
+    is kept with port 0: it fails, so the machine gets no traffic rather than unchecked)."""
+    ports = {p.internal_port: p.host_port for p in machine.ports}
+    services = machine.config.services
+    first = services[0].internal_port if services else 0
+    out = []
+    for i, check in enumerate(machine.config.checks):
+        internal = check.port or first
+        out.append(
+            CheckSpec(
+                name=check.name or f"check-{i}",
+                kind="http" if check.WhichOneof("kind") == "http" else "tcp",
+                host=host,
+                port=ports.get(internal, 0),
+                path=check.http.path or "/",
+                method=check.http.method or "GET",
+                interval=_seconds(check.interval, DEFAULT_CHECK_INTERVAL),
+                timeout=_seconds(check.timeout, DEFAULT_CHECK_TIMEOUT),
+            )
+        )
+    return out
+
+
+def autostop_victims(
+    routes: Iterable[Route], *, now: float, idle_timeout: float, usable: Callable[[str], bool]
+) -> list[Route]:
+    """Machines to stop now: autostop, nothing in flight, idle for `idle_timeout`, and only as
+    many per app as keep its started machines at or above min_machines_running (the highest
+    any of its machines asks for). The longest idle go first."""
+    by_app: dict[str, list[Route]] = {}
+    for r in routes:
+        by_app.setdefault(r.app, []).append(r)
+    victims = []
+    for rs in by_app.values():
+        running = [
+            r
+            for r in rs
+            if r.state == S.MACHINE_STATE_STARTED and usable(r.worker_id) and not r.stopping
+        ]
+        floor = max((r.min_running for r in rs), default=0)
+        spare = len(running) - floor
+        for r in sorted(running, key=lambda r: (r.last_active, r.id)):
+            if spare <= 0:
+                break
+            if r.autostop and r.in_flight == 0 and now - r.last_active >= idle_timeout:
+                victims.append(r)
+                spare -= 1
+    return victims
+
+
+# States in which a machine is (or is about to be) running: losing its worker loses it.
+RUNNING = frozenset({S.MACHINE_STATE_STARTED, S.MACHINE_STATE_STARTING, S.MACHINE_STATE_RESTARTING})
+_STARTABLE = frozenset({S.MACHINE_STATE_STOPPED, S.MACHINE_STATE_CREATED})
+
+
+def standby_candidates(
+    primary: pb.Machine, machines: Iterable[pb.Machine], usable: Callable[[str], bool]
+) -> tuple[str | None, list[str]]:
+    """For a lost primary: (a standby of it already running, if any; the stopped standbys on
+    usable workers, in the order to try them).
+
+    The order is by machine id, and every proxy sees the same rows, so every proxy that
+    notices the loss picks the same standby; StartMachine is idempotent, so they converge on
+    exactly one started standby.
+    """
+    running = None
+    stopped = []
+    for m in machines:
+        if primary.id not in m.config.standbys or m.worker_id == primary.worker_id:
+            continue
+        if not usable(m.worker_id):
+            continue
+        if m.state in RUNNING:
+            running = m.id if running is None else min(running, m.id)
+        elif m.state in _STARTABLE:
+            stopped.append(m.id)
+    return running, sorted(stopped)
+
+
+# -- loops -------------------------------------------------------------------------------------
+
+
+async def sleep_until(clock: Clock, when: float, shutdown: asyncio.Event) -> bool:
+    """Sleep on `clock` until `when`; False (at once) if `shutdown` is set first."""
+    if shutdown.is_set():
+        return False
+    if when <= clock.now():
+        return True
+    sleeper = asyncio.ensure_future(clock.sleep_until(when))
+    stopper = asyncio.ensure_future(shutdown.wait())
+    try:
+        await asyncio.wait({sleeper, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        sleeper.cancel()
+        stopper.cancel()
+    return not shutdown.is_set()
+
+
+class HealthChecks:
+    """Runs each started machine's checks and reports the verdict to `report(route, ok)`.
+
+    A machine starts unverified: its checks (or, without checks, a TCP connect to its service
+    port) are polled fast until the first pass, bounded by `warm_for`; then configured checks
+    run each at its own interval with its own timeout, and a machine without checks is left
+    alone (healthy once it accepted). At most `concurrency` checks run at once, proxy-wide.
+    """
+
+    def __init__(
+        self,
+        probes: Probes,
+        clock: Clock,
+        report: Callable[[Route, bool], None],
+        *,
+        concurrency: int,
+        warm_for: float,
+    ) -> None:
+        self.probes = probes
+        self.clock = clock
+        self.report = report
+        self.warm_for = warm_for
+        self._slots = asyncio.Semaphore(concurrency)
+
+    async def _run(self, check: CheckSpec) -> bool:
+        if not check.port:
+            return False
+        async with self._slots:
+            if check.kind == "http":
+                return await self.probes.http(
+                    check.host, check.port, check.path, check.method, check.timeout
+                )
+            return await self.probes.tcp(check.host, check.port, check.timeout)
+
+    async def _all(self, checks: list[CheckSpec]) -> bool:
+        results = await asyncio.gather(*(self._run(c) for c in checks))
+        return all(results)
+
+    async def watch(self, route: Route, shutdown: asyncio.Event) -> None:
+        """Check `route` until cancelled (it left STARTED) or shutdown."""
+        configured = checks_of(route.machine, route.host)
+        checks = configured or [
+            CheckSpec(
+                name="accept",
+                kind="tcp",
+                host=route.host,
+                port=route.port,
+                path="",
+                method="",
+                interval=SLOW_READY_POLL,
+                timeout=DEFAULT_CHECK_TIMEOUT,
+            )
+        ]
+        # Warm-up: poll fast until the first pass.
+        delay = READY_POLL_MIN
+        until = self.clock.now() + self.warm_for
+        gave_up = False
+        while True:
+            if await self._all(checks):
+                self.report(route, True)
+                break
+            now = self.clock.now()
+            if now >= until and not gave_up:
+                gave_up = True
+                log.info("machine_not_ready", machine_id=route.id, waited=self.warm_for)
+                self.report(route, False)
+                delay = min(c.interval for c in checks)
+            if not await sleep_until(self.clock, now + delay, shutdown):
+                return
+            if not gave_up:
+                delay = min(delay * 2, READY_POLL_MAX)
+        if not configured:
+            return
+        # Steady state: each check at its interval; the machine is healthy while all pass.
+        now = self.clock.now()
+        due = [now + c.interval for c in checks]
+        passing = [True] * len(checks)
+        healthy = True
+        while not shutdown.is_set():
+            if not await sleep_until(self.clock, min(due), shutdown):
+                return
+            now = self.clock.now()
+            ready = [i for i, when in enumerate(due) if when <= now]
+            results = await asyncio.gather(*(self._run(checks[i]) for i in ready))
+            for i, ok in zip(ready, results, strict=True):
+                passing[i] = ok
+                due[i] = self.clock.now() + checks[i].interval
+                if not ok:
+                    log.info("check_failed", machine_id=route.id, check=checks[i].name)
+            verdict = all(passing)
+            if verdict != healthy:
+                healthy = verdict
+                self.report(route, verdict)
+
+
+class WorkerWatch:
+    """Worker death: probe a worker the registry finds silent; on failure declare it dead and
+    start one standby for each machine that was running there."""
+
+    def __init__(
+        self,
+        router: Router,
+        probes: Probes,
+        flaps: Flaps | None,
+        stats: Counters,
+        clock: Clock,
+        *,
+        probe_timeout: float,
+        probe_interval: float,
+        attempts: int,
+    ) -> None:
+        self.router = router
+        self.probes = probes
+        self.flaps = flaps
+        self.stats = stats
+        self.clock = clock
+        self.probe_timeout = probe_timeout
+        self.probe_interval = probe_interval
+        self.attempts = attempts
+
+    async def probe(self, worker_id: str, shutdown: asyncio.Event) -> None:
+        """Probe until the worker is heard from again (nothing happens) or a probe fails
+        (it is declared dead)."""
+        while not shutdown.is_set():
+            view = self.router.registry.worker(worker_id)
+            if view is None or not self.router.silent(view.status):
+                return  # back within the window: nothing to do
+            ok = await self.probes.worker(view.info.address, self.probe_timeout)
+            view = self.router.registry.worker(worker_id)
+            if view is None or not self.router.silent(view.status):
+                return
+            if not ok:
+                self.router.declare_dead(worker_id, "heartbeats stopped and the probe failed")
+                return
+            log.info("worker_silent_but_answers", worker=worker_id)
+            if not await sleep_until(self.clock, self.clock.now() + self.probe_interval, shutdown):
+                return
+
+    def plan(self, worker_id: str) -> list[tuple[pb.Machine, list[str]]]:
+        """For each machine that was running on the lost worker and has no standby running:
+        the stopped standbys to try, best first. Synchronous, so the router can mark the
+        chosen standbys as starting before any request looks."""
+        registry = self.router.registry
+        everything = registry.machines()
+        lost = sorted(
+            (m for m in registry.machines(worker_id=worker_id) if m.state in RUNNING),
+            key=lambda m: m.id,
+        )
+        out = []
+        for primary in lost:
+            running, stopped = standby_candidates(primary, everything, self.router.standby_usable)
+            if running is not None:
+                log.info("standby_already_running", primary=primary.id, standby=running)
+            elif stopped:
+                out.append((primary, stopped))
+            elif any(primary.id in m.config.standbys for m in everything):
+                log.warning("no_usable_standby", primary=primary.id)
+        return out
+
+    async def failover(
+        self, plan: list[tuple[pb.Machine, list[str]]], shutdown: asyncio.Event
+    ) -> None:
+        """Start one standby for each lost primary of `plan`."""
+        for primary, stopped in plan:
+            if shutdown.is_set() or not self.router.is_dead(primary.worker_id):
+                return  # stopping, or the worker came back meanwhile
+            await self._replace(primary, stopped, shutdown)
+
+    async def _replace(
+        self, primary: pb.Machine, stopped: list[str], shutdown: asyncio.Event
+    ) -> None:
+        if self.flaps is None:
+            log.warning("failover_without_flaps", primary=primary.id, standby=stopped[0])
+            return
+        tries = 0
+        for standby in stopped:
+            while tries < self.attempts:
+                tries += 1
+                try:
+                    await self.flaps.start(standby)
+                except FlapsFailed as err:
+                    log.warning(
+                        "standby_start_failed", primary=primary.id, standby=standby, error=str(err)
+                    )
+                    if not err.retryable:
+                        break  # this one cannot start (destroyed, gone): the next one
+                    if not await sleep_until(
+                        self.clock, self.clock.now() + FLAPS_RETRY * tries, shutdown
+                    ):
+                        return
+                    continue
+                self.stats.failover()
+                log.info("failover", primary=primary.id, worker=primary.worker_id, standby=standby)
+                return
+            self.router.standby_failed(standby)
+        log.error("failover_failed", primary=primary.id, tried=tries)

@@ -1,0 +1,38 @@
+"""What can stop a request from reaching a machine, each with the HTTP status it becomes."""
+
+from __future__ import annotations
+
+
+class ProxyError(Exception):
+    """Base: `status` is the HTTP status the client gets, the message is the reason."""
+
+    status = 502
+
+
+class UnknownApp(ProxyError):
+    """No app of that name (or the Host names no app under the proxy's domain)."""
+
+    status = 404
+
+
+class NoBackend(ProxyError):
+    """The app exists but nothing can serve now (none started or startable, all over hard
+    limit past the queue wait, every worker of it dead)."""
+
+    status = 503
+
+
+class BadRequest(ProxyError):
+    status = 400
+
+
+class HeadersTooLarge(ProxyError):
+    status = 431
+
+
+class BodyTooLarge(ProxyError):
+    status = 413
+
+
+class UpstreamTimeout(ProxyError):
+    status = 504

@@ -1,0 +1,1583 @@
+"""The proxy's data plane: an asyncio HTTP/1.1 reverse proxy.
+
+Each client connection is an `asyncio.Protocol` whose parser (httptools, i.e. llhttp: the
+fastest of the candidates measured in bench/proxy_bench.py) turns bytes into requests; one task
+per connection takes them in order, asks the router for a backend, and hands each request to a
+pooled upstream connection. Everything after that is callbacks: the upstream's parser writes
+the response head and body straight to the client transport as they arrive, so a body is never
+held whole, and flow control is the transports' own (a full write buffer on one side pauses
+reading on the other). When the exchange ends, `_Client.exchange_done` releases the machine
+and pools the connection, still in the callback.
+
+Why a protocol and not streams: each event-loop turn costs about as much as all the HTTP work
+of a request, so a request should take as few as possible. Through the task it costs one
+wake-up; when the router offers the optional `try_acquire` (a non-waiting `acquire`) and a
+pooled connection is idle, none: the request goes out from the parser callback.
+
+Timeouts use one lazily re-armed timer per connection: each phase only moves a deadline, and
+the timer, when it fires, re-arms itself if the deadline moved on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Final
+
+import httptools
+import structlog
+
+from proxy.errors import BadRequest, BodyTooLarge, HeadersTooLarge, ProxyError, UnknownApp
+from proxy.routing import Backend, Router
+from proxy.stats import Stats
+
+log = structlog.get_logger("proxy.http")
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Bounds on what one client or one machine can make the proxy hold or wait for."""
+
+    max_header_bytes: int = 16 * 1024
+    max_body_bytes: int = 10 * 1024 * 1024
+    # Slowloris: from a connection's first byte (or the first byte of the next request on a
+    # kept-alive one) to the end of the request head.
+    header_timeout: float = 10.0
+    # A kept-alive client connection with no request in progress is closed after this.
+    idle_keepalive: float = 60.0
+    # Longest wait for the next piece of a request body, and longest a client may leave the
+    # response unread (its socket buffer full).
+    body_timeout: float = 30.0
+    # Longest wait for the next piece of a response body from a machine.
+    read_timeout: float = 30.0
+    upstream_connect_timeout: float = 2.0
+    # From the request sent (its last byte) to the response head.
+    upstream_response_timeout: float = 60.0
+    # An idle pooled connection to a machine is closed after this.
+    upstream_idle_timeout: float = 30.0
+    max_connections: int = 10_000
+    # Idle connections kept per machine (in-flight ones are not capped here: the router
+    # bounds concurrency per machine).
+    pool_size_per_backend: int = 64
+    # Extra attempts, on other machines, for a GET/HEAD whose connection was refused.
+    max_retries: int = 2
+    # Request body buffered (per request) before a backend is ready, before reading pauses.
+    buffer_bytes: int = 64 * 1024
+
+
+# -- wire constants ------------------------------------------------------------------------
+
+
+def _status_line(code: int) -> bytes:
+    try:
+        phrase = HTTPStatus(code).phrase
+    except ValueError:
+        phrase = "Unknown"
+    return f"HTTP/1.1 {code} {phrase}\r\n".encode("latin-1")
+
+
+_STATUS_LINES: Final = {code: _status_line(code) for code in range(100, 600)}
+_CRLF: Final = b"\r\n"
+_CHUNK_END: Final = b"0\r\n\r\n"
+_HOP_BY_HOP: Final = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+# Request headers the proxy reads or replaces (besides hop-by-hop ones).
+_REQ_SPECIAL: Final = _HOP_BY_HOP | {
+    b"host",
+    b"content-length",
+    b"x-forwarded-for",
+    b"x-forwarded-proto",
+    b"x-forwarded-host",
+}
+_RESP_SPECIAL: Final = _HOP_BY_HOP | {b"content-length"}
+_CONNECTION_TOKENS: Final = frozenset({b"close", b"keep-alive", b"upgrade"})
+_IDEMPOTENT: Final = frozenset({b"GET", b"HEAD"})
+_QUEUE_MAX: Final = 16  # pipelined requests parsed ahead before reading pauses
+
+# Why a client connection's reading is paused (a bit mask: it resumes when all are gone).
+_PAUSE_BUFFER: Final = 1  # a request body is buffered while no backend is ready
+_PAUSE_UPSTREAM: Final = 2  # the machine is not reading the request body fast enough
+_PAUSE_QUEUE: Final = 4  # too many pipelined requests ahead
+_PAUSE_DEAD: Final = 8  # the parser has failed: read nothing more
+
+# Client connection phases (what its deadline is for).
+_C_BUSY: Final = 0  # a request is complete and being answered: no read deadline
+_C_HEAD: Final = 1
+_C_BODY: Final = 2
+_C_IDLE: Final = 3
+
+# Upstream connection phases.
+_U_POOLED: Final = 0
+_U_WAIT_HEAD: Final = 1
+_U_BODY: Final = 2
+_U_TUNNEL: Final = 3
+
+# How an exchange with a machine ended.
+_O_DONE: Final = 1  # response complete, connection reusable
+_O_DONE_CLOSE: Final = 2  # response complete, connection not reusable
+_O_CONNECT_FAILED: Final = 3
+_O_LOST: Final = 4  # the machine closed the connection (or it broke) mid-exchange
+_O_TIMEOUT: Final = 5
+_O_BAD_RESPONSE: Final = 6
+_O_CLIENT_ERROR: Final = 7  # the client broke the request (body too large) mid-stream
+_O_UPGRADED: Final = 8  # a tunnel ran and is over
+_O_CLIENT_GONE: Final = 9
+
+
+def _error_response(
+    status: int, reason: str, *, keep_alive: bool, head_only: bool = False, http10: bool = False
+) -> bytes:
+    """A plain-text error response whose body says why."""
+    body = f"{status} {_phrase(status)}: {reason}\n".encode()
+    conn = (b"keep-alive" if http10 else b"") if keep_alive else b"close"
+    return b"".join(
+        (
+            _STATUS_LINES.get(status, b"HTTP/1.1 %d Error\r\n" % status),
+            b"content-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n" % len(body),
+            b"connection: " + conn + _CRLF if conn else b"",
+            _CRLF,
+            b"" if head_only else body,
+        )
+    )
+
+
+def _phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"
+
+
+_OVERLOADED: Final = _error_response(503, "too many connections", keep_alive=False)
+
+
+class _RequestError(Exception):
+    """Raised from a parser callback to stop parsing; the error is in `error`."""
+
+    def __init__(self, error: ProxyError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+# -- a parsed request ------------------------------------------------------------------------
+
+
+class _Request:
+    """One request, from the end of its head until it is answered."""
+
+    __slots__ = (
+        "app",
+        "backend",
+        "body_buf",
+        "body_size",
+        "chunked",
+        "complete",
+        "error",
+        "fatal",
+        "has_body",
+        "head",
+        "http10",
+        "is_head",
+        "keep_alive",
+        "method",
+        "pinned",
+        "replay",
+        "retryable",
+        "sink",
+        "started",
+        "upgrade",
+    )
+
+    def __init__(self, started: float) -> None:
+        self.started = started
+        self.method = b""
+        self.head = b""
+        self.app: str | None = None
+        self.pinned: str | None = None
+        self.keep_alive = False
+        self.http10 = False
+        self.is_head = False
+        self.chunked = False
+        self.has_body = False
+        self.upgrade = False
+        self.complete = False
+        # Framed body bytes received before a machine is attached; None once attached.
+        self.body_buf: list[bytes] | None = None
+        self.body_size = 0
+        self.sink: _Upstream | None = None
+        self.error: ProxyError | None = None
+        self.fatal = False  # the connection cannot go on after this request
+        self.retryable = False  # safe to send again to another machine
+        self.replay = False  # being sent again after a pooled connection died under it
+        self.backend: Backend | None = None  # acquired already (for a replay)
+
+
+# -- the lazily re-armed deadline -------------------------------------------------------------
+
+
+class _Timed(asyncio.Protocol):
+    __slots__ = ("_deadline", "_loop", "_timer", "_timer_at")
+
+    _loop: asyncio.AbstractEventLoop
+    _deadline: float
+    _timer: asyncio.TimerHandle | None
+    _timer_at: float
+
+    def _init_timer(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._deadline = math.inf
+        self._timer = None
+        self._timer_at = math.inf
+
+    def _set_deadline(self, delay: float) -> None:
+        self._set_deadline_at(self._loop.time() + delay)
+
+    def _set_deadline_at(self, deadline: float, slack: float = 0.0) -> None:
+        """Expire at `deadline`, or up to `slack` seconds after it when that spares moving
+        the timer already armed (an idle pooled connection may well linger a little)."""
+        self._deadline = deadline
+        timer = self._timer
+        if timer is None:
+            self._timer = self._loop.call_at(deadline, self._on_timer)
+            self._timer_at = deadline
+        elif deadline + slack < self._timer_at:
+            timer.cancel()
+            self._timer = self._loop.call_at(deadline, self._on_timer)
+            self._timer_at = deadline
+
+    def _clear_deadline(self) -> None:
+        self._deadline = math.inf
+
+    def _stop_timer(self) -> None:
+        self._deadline = math.inf
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        deadline = self._deadline
+        if deadline == math.inf:
+            return
+        if self._loop.time() < deadline:
+            self._timer = self._loop.call_at(deadline, self._on_timer)
+            self._timer_at = deadline
+            return
+        self._deadline = math.inf
+        self._expired()
+
+    def _expired(self) -> None:
+        raise NotImplementedError
+
+
+# -- upstream: one connection to a machine ------------------------------------------------------
+
+
+class _Upstream(_Timed):
+    """A connection to one machine: idle in the pool, or carrying one exchange at a time."""
+
+    __slots__ = (
+        "backend",
+        "client",
+        "closed",
+        "eof_body",
+        "got_head",
+        "hbuf",
+        "in_head",
+        "interim",
+        "keep_client",
+        "machine_line",
+        "no_body",
+        "parser",
+        "parser_dirty",
+        "pending",
+        "phase",
+        "pool",
+        "proxy",
+        "read_paused",
+        "rechunk",
+        "req",
+        "resp_cl",
+        "resp_close",
+        "resp_te",
+        "resp_upgrade",
+        "reused",
+        "status",
+        "transport",
+    )
+
+    def __init__(self, proxy: HttpProxy, backend: Backend) -> None:
+        self._init_timer(proxy._loop)
+        self.proxy = proxy
+        self.pool = proxy._pool
+        self.backend = backend
+        self.machine_line = proxy._machine_line(backend)
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.parser_dirty = False
+        self.closed = False
+        self.client: _Client | None = None
+        self.req: _Request | None = None
+        self.phase = _U_POOLED
+        self.read_paused = False
+        self.reused = False
+        self._reset_response()
+
+    def _reset_response(self) -> None:
+        self.status = 0
+        self.got_head = False
+        self.in_head = False
+        self.interim = False
+        self.hbuf = bytearray()
+        self.resp_cl = False
+        self.resp_te = False
+        self.resp_close = False
+        self.resp_upgrade = b""
+        self.keep_client = False
+        self.no_body = False
+        self.eof_body = False
+        self.rechunk = False
+        self.pending: bytes | None = None
+
+    # asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        client = self.client
+        if self.phase == _U_TUNNEL:
+            if client is not None and client.transport is not None:
+                client.transport.write(data)
+            return
+        if client is None:  # bytes nobody asked for, on an idle connection
+            self.abort()
+            return
+        if self.phase == _U_BODY:
+            self._set_deadline(self.proxy.limits.read_timeout)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade as exc:
+            self._start_tunnel(data[exc.args[0] :])
+            return
+        except httptools.HttpParserError:
+            self._flush_pending()
+            self._finish(_O_BAD_RESPONSE)
+            self.abort()
+            return
+        self._flush_pending()
+        if self.req is None and self.no_body and client is not None:
+            # A HEAD (or similar) response ended at its head; llhttp expected a body, so the
+            # next exchange gets a fresh parser.
+            self.parser_dirty = True
+
+    def eof_received(self) -> bool | None:
+        return None  # close the transport; connection_lost does the rest
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._stop_timer()
+        self.pool.discard(self)
+        client = self.client
+        if self.phase == _U_TUNNEL:
+            if client is not None and client.transport is not None:
+                client.transport.close()
+            self._finish(_O_UPGRADED)
+            return
+        if self.req is not None:
+            if self.got_head and self.eof_body and exc is None:
+                # A body delimited by the connection closing has ended.
+                self._send_to_client(_CHUNK_END if self.rechunk else b"")
+                self._finish(_O_DONE_CLOSE)
+            else:
+                self._flush_pending()
+                self._finish(_O_LOST)
+
+    def pause_writing(self) -> None:
+        client = self.client
+        if client is not None:
+            client._pause(_PAUSE_UPSTREAM)
+
+    def resume_writing(self) -> None:
+        client = self.client
+        if client is not None:
+            client._resume(_PAUSE_UPSTREAM)
+
+    # the exchange
+
+    def begin(self, client: _Client, req: _Request) -> None:
+        """Send `req` (and what of its body has arrived); the client hears of the outcome
+        through `_Client.exchange_done`."""
+        assert self.transport is not None
+        if self.parser_dirty:
+            self.parser = httptools.HttpResponseParser(self)
+            self.parser_dirty = False
+        self._reset_response()
+        self.client = client
+        self.req = req
+        client.up = self
+        buf = req.body_buf
+        req.body_buf = None
+        if buf:
+            self.transport.write(b"".join((req.head, *buf)))
+            client._resume(_PAUSE_BUFFER)
+        else:
+            self.transport.write(req.head)
+        if not req.complete:
+            req.sink = self
+        self.phase = _U_WAIT_HEAD
+        self._set_deadline(self.proxy.limits.upstream_response_timeout)
+
+    def send_body(self, framed: bytes) -> None:
+        assert self.transport is not None
+        self.transport.write(framed)
+        if self.phase == _U_WAIT_HEAD:
+            self._set_deadline(self.proxy.limits.upstream_response_timeout)
+
+    def _finish(self, outcome: int) -> None:
+        """The exchange is over (from this side): tell the client."""
+        req = self.req
+        if req is None:
+            return
+        self.req = None
+        self._clear_deadline()
+        if req.sink is self:
+            req.sink = None
+        client = self.client
+        if client is not None and self.phase != _U_TUNNEL:
+            client.up = None
+            client._resume(_PAUSE_UPSTREAM)
+            if not req.complete:
+                client.dead = True  # the rest of its body has nowhere to go
+        if self.read_paused and self.transport is not None:
+            self.read_paused = False
+            self.transport.resume_reading()
+        if client is not None:
+            client.exchange_done(self, req, outcome)
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def abort(self) -> None:
+        """Close this connection now (its exchange, if any, failed)."""
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _start_tunnel(self, rest: bytes) -> None:
+        client = self.client
+        req = self.req
+        if self.status != 101 or client is None or req is None or not req.upgrade:
+            self._flush_pending()
+            self._finish(_O_BAD_RESPONSE)
+            self.abort()
+            return
+        self._flush_pending()
+        assert client.transport is not None
+        assert self.transport is not None
+        if rest:
+            client.transport.write(rest)
+        self.phase = _U_TUNNEL
+        self._clear_deadline()
+        client.start_tunnel(self)
+
+    def _flush_pending(self) -> None:
+        pending = self.pending
+        if pending is not None:
+            self.pending = None
+            client = self.client
+            if client is not None and client.transport is not None:
+                client.transport.write(pending)
+
+    def _send_to_client(self, data: bytes) -> None:
+        pending = self.pending
+        if pending is not None:
+            self.pending = None
+            data = pending + data
+        client = self.client
+        if data and client is not None and client.transport is not None:
+            client.transport.write(data)
+
+    def _expired(self) -> None:
+        phase = self.phase
+        if phase == _U_POOLED:
+            self.abort()
+        elif self.read_paused:  # the client is slow, not the machine: its own timer judges
+            self._set_deadline(self.proxy.limits.read_timeout)
+        elif phase in (_U_WAIT_HEAD, _U_BODY):
+            self._flush_pending()
+            self._finish(_O_TIMEOUT)
+            self.abort()
+
+    # httptools callbacks
+
+    def on_message_begin(self) -> None:
+        self.in_head = True
+        if self.interim or not self.got_head:
+            self.hbuf = bytearray()
+            self.resp_cl = self.resp_te = self.resp_close = False
+            self.resp_upgrade = b""
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self.in_head:
+            return  # trailers: dropped
+        lname = name.lower()
+        if lname in _RESP_SPECIAL:
+            if lname == b"content-length":
+                self.resp_cl = True
+            elif lname == b"transfer-encoding":
+                self.resp_te = True
+                return
+            elif lname == b"connection":
+                for token in value.lower().split(b","):
+                    token = token.strip()
+                    if token == b"close":
+                        self.resp_close = True
+                return
+            elif lname == b"upgrade":
+                self.resp_upgrade = value
+                return
+            else:
+                return
+        hbuf = self.hbuf
+        hbuf += name
+        hbuf += b": "
+        hbuf += value
+        hbuf += _CRLF
+
+    def on_headers_complete(self) -> None:
+        self.in_head = False
+        req = self.req
+        client = self.client
+        if req is None or client is None:
+            return
+        status = self.parser.get_status_code()
+        self.status = status
+        if 100 <= status < 200 and status != 101:
+            self.interim = True
+            if not req.http10:
+                self._send_to_client(_STATUS_LINES.get(status, b"") + bytes(self.hbuf) + _CRLF)
+            return
+        self.interim = False
+        self.got_head = True
+        self.phase = _U_BODY  # each body chunk moves the deadline on (data_received)
+        proxy = self.proxy
+        keep = (
+            req.keep_alive
+            and req.complete
+            and not req.upgrade
+            and not client.dead
+            and not proxy._closing
+        )
+        framing = b""
+        if status == 101:
+            if not req.upgrade:
+                keep = False
+            framing = b"connection: upgrade\r\nupgrade: " + self.resp_upgrade + _CRLF
+        elif req.is_head or status == 204 or status == 304:
+            self.no_body = True
+        elif self.resp_te or not self.resp_cl:
+            self.eof_body = not self.resp_te
+            if req.http10:
+                keep = False  # no chunked for HTTP/1.0: the body ends when we close
+            else:
+                self.rechunk = True
+                framing = b"transfer-encoding: chunked\r\n"
+        self.keep_client = keep
+        if status == 101:
+            pass  # the connection becomes the tunnel: its Connection header says so
+        elif not keep:
+            framing += b"connection: close\r\n"
+        elif req.http10:
+            framing += b"connection: keep-alive\r\n"
+        self.pending = b"".join(
+            (
+                _STATUS_LINES.get(status) or b"HTTP/1.1 %d Unknown\r\n" % status,
+                self.hbuf,
+                self.machine_line,
+                framing,
+                _CRLF,
+            )
+        )
+        if self.no_body:
+            self._flush_pending()
+            reusable = not self.resp_close and self.parser.get_http_version() == "1.1"
+            if not self.resp_cl and not self.resp_te and status != 204 and status != 304:
+                reusable = False  # llhttp would read a body up to EOF: give up on it
+            self._finish(_O_DONE if reusable else _O_DONE_CLOSE)
+
+    def on_body(self, data: bytes) -> None:
+        if self.req is None:  # body bytes after a HEAD response: the connection is suspect
+            self.resp_close = True
+            self.parser_dirty = True
+            self.abort()
+            return
+        if self.rechunk:
+            data = b"%x\r\n%b\r\n" % (len(data), data)
+        self._send_to_client(data)
+
+    def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
+        if self.req is None or self.status == 101:
+            return  # after a 101, llhttp raises HttpParserUpgrade: the tunnel starts there
+        if self.rechunk:
+            self._send_to_client(_CHUNK_END)
+        else:
+            self._flush_pending()
+        reusable = not self.eof_body and self.parser.should_keep_alive()
+        self._finish(_O_DONE if reusable else _O_DONE_CLOSE)
+
+
+class _Pool:
+    """Idle connections per machine, newest first (they are the least likely to be stale)."""
+
+    __slots__ = ("_idle", "_size", "_timeout")
+
+    def __init__(self, size: int, timeout: float) -> None:
+        self._idle: dict[str, list[_Upstream]] = {}
+        self._size = size
+        self._timeout = timeout
+
+    def take(self, backend: Backend) -> _Upstream | None:
+        idle = self._idle.get(backend.machine_id)
+        while idle:
+            up = idle.pop()
+            was = up.backend
+            transport = up.transport
+            if (
+                not up.closed
+                and transport is not None
+                and not transport.is_closing()
+                and was.port == backend.port
+                and was.host == backend.host
+            ):
+                up.reused = True
+                return up
+            up.abort()
+        return None
+
+    def put(self, up: _Upstream, now: float) -> None:
+        if up.closed or up.transport is None or up.transport.is_closing():
+            return
+        idle = self._idle.setdefault(up.backend.machine_id, [])
+        if len(idle) >= self._size:
+            up.abort()
+            return
+        up.client = None
+        up.phase = _U_POOLED
+        up._set_deadline_at(now + self._timeout, slack=self._timeout)
+        idle.append(up)
+
+    def discard(self, up: _Upstream) -> None:
+        idle = self._idle.get(up.backend.machine_id)
+        if idle and up in idle:
+            idle.remove(up)
+            if not idle:
+                del self._idle[up.backend.machine_id]
+
+    def close(self) -> None:
+        idle, self._idle = self._idle, {}
+        for ups in idle.values():
+            for up in ups:
+                up.abort()
+
+    def idle_count(self) -> int:
+        return sum(len(ups) for ups in self._idle.values())
+
+
+# -- client: one connection from outside ------------------------------------------------------
+
+
+class _Client(_Timed):
+    """A client connection: parses its requests and answers them in order."""
+
+    __slots__ = (
+        "backend",
+        "closed",
+        "cur",
+        "dead",
+        "fed_other",
+        "h_chunked",
+        "h_cl",
+        "h_conn_extra",
+        "h_hosts",
+        "h_ka",
+        "h_parts",
+        "h_upgrade",
+        "h_xff",
+        "head_exact",
+        "head_raw",
+        "host",
+        "in_head",
+        "limits",
+        "parser",
+        "paused",
+        "peer",
+        "phase",
+        "pin",
+        "pin_name",
+        "proxy",
+        "reqs",
+        "shutting_down",
+        "task",
+        "transport",
+        "tunnel",
+        "tunnel_buf",
+        "up",
+        "upgraded",
+        "url",
+        "waiter",
+        "write_stalled",
+        "xff_line",
+    )
+
+    def __init__(self, proxy: HttpProxy) -> None:
+        self._init_timer(proxy._loop)
+        self.proxy = proxy
+        self.limits = proxy.limits
+        self.pin_name = proxy._pin_header
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.peer = b"unknown"
+        self.xff_line = _forwarded_line(self.peer)
+        self.reqs: deque[_Request] = deque()
+        self.cur: _Request | None = None  # being parsed: head done, body in progress
+        self.task: asyncio.Task[None] | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.up: _Upstream | None = None  # the machine connection answering now
+        self.backend: Backend | None = None  # the machine `up` goes to (acquired)
+        self.tunnel: _Upstream | None = None
+        self.tunnel_buf = bytearray()
+        self.upgraded = False
+        self.closed = False
+        self.dead = False
+        self.shutting_down = False
+        self.paused = 0
+        self.write_stalled = False
+        self.phase = _C_HEAD
+        self.in_head = False
+        self.head_raw = 0
+        self.head_exact = 0
+        self.fed_other = 0
+        self._reset_head()
+
+    def _reset_head(self) -> None:
+        self.url = b""
+        self.host = b""
+        self.pin: bytes | None = None
+        # the upstream head: the request line (method and target filled in at its end), then
+        # the headers as they come
+        self.h_parts: list[bytes] = [b"", b" ", b"", b" HTTP/1.1\r\n"]
+        self.h_ka = False
+        self.h_cl = -1
+        self.h_chunked = False
+        self.h_hosts = 0
+        self.h_xff: bytes | None = None
+        self.h_upgrade = b""
+        self.h_conn_extra: list[bytes] | None = None
+
+    # asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        proxy = self.proxy
+        if proxy._closing or len(proxy._conns) >= self.limits.max_connections:
+            self.closed = True
+            transport.write(_OVERLOADED)
+            transport.close()
+            return
+        proxy._conns.add(self)
+        peer = transport.get_extra_info("peername")
+        if isinstance(peer, tuple) and peer:
+            self.peer = str(peer[0]).encode()
+            self.xff_line = _forwarded_line(self.peer)
+        self._set_deadline(self.limits.header_timeout)
+        self.task = self._loop.create_task(self._serve())
+
+    def data_received(self, data: bytes) -> None:
+        tunnel = self.tunnel
+        if tunnel is not None:
+            assert tunnel.transport is not None
+            tunnel.transport.write(data)
+            return
+        if self.upgraded:
+            self.tunnel_buf += data
+            if len(self.tunnel_buf) > self.limits.buffer_bytes:
+                self._pause(_PAUSE_BUFFER)
+            return
+        if self.dead:
+            return
+        was_in_head = self.in_head
+        self.fed_other = 0
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade as exc:
+            self._on_upgrade(data[exc.args[0] :])
+            return
+        except httptools.HttpParserCallbackError as exc:
+            context = exc.__context__
+            if isinstance(context, _RequestError):
+                self._fail(context.error)
+            else:
+                log.warning("proxy_parser_callback_failed", exc_info=exc)
+                self._fail(BadRequest("malformed request"))
+            return
+        except httptools.HttpParserError as exc:
+            self._fail(BadRequest(f"malformed request: {_parser_reason(exc)}"))
+            return
+        if self.in_head:
+            # A head still incomplete: llhttp holds a partial header line for us, so bound
+            # the raw bytes too (of a chunk where a head began, what was not an earlier
+            # request's head or body).
+            if was_in_head:
+                self.head_raw += len(data)
+            else:
+                self.head_raw = len(data) - self.fed_other
+            if self.head_raw > self.limits.max_header_bytes:
+                self._fail(HeadersTooLarge("request head too large"))
+        elif self.phase == _C_BODY:
+            self._set_deadline(self.limits.body_timeout)
+
+    def eof_received(self) -> bool | None:
+        # A client that stops sending has gone (a half-close is treated as a close): what it
+        # was waiting for is abandoned, so its machine slot is freed at once.
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._stop_timer()
+        self.proxy._conn_closed(self)
+        tunnel = self.tunnel
+        up = self.up
+        if tunnel is not None:
+            if tunnel.transport is not None:
+                tunnel.transport.close()  # its connection_lost ends the exchange
+        elif up is not None:
+            up._finish(_O_CLIENT_GONE)
+        for req in self.reqs:  # machines acquired for requests nobody will send now
+            if req.backend is not None:
+                self.proxy.router.release(req.backend, ok=False)
+                req.backend = None
+        self.reqs.clear()
+        task = self.task
+        if task is not None and not task.done():
+            task.cancel()
+
+    def pause_writing(self) -> None:
+        up = self.up
+        if up is not None and up.transport is not None and not up.read_paused:
+            up.read_paused = True
+            up.transport.pause_reading()
+        self.write_stalled = True
+        stall_deadline = self._loop.time() + self.limits.body_timeout
+        if stall_deadline < self._deadline:
+            self._set_deadline_at(stall_deadline)
+
+    def resume_writing(self) -> None:
+        self.write_stalled = False
+        up = self.up
+        if up is not None and up.transport is not None and up.read_paused:
+            up.read_paused = False
+            up.transport.resume_reading()
+        if self.phase == _C_BUSY:
+            self._clear_deadline()
+
+    # flow control
+
+    def _pause(self, reason: int) -> None:
+        if not self.paused and self.transport is not None and not self.closed:
+            self.transport.pause_reading()
+        self.paused |= reason
+
+    def _resume(self, reason: int) -> None:
+        if self.paused & reason:
+            self.paused &= ~reason
+            if not self.paused and self.transport is not None and not self.closed:
+                self.transport.resume_reading()
+
+    def _expired(self) -> None:
+        if self.write_stalled:
+            log.debug("proxy_client_write_stalled", peer=self.peer)
+            self._abort()
+            return
+        phase = self.phase
+        if self.paused and phase in (_C_HEAD, _C_BODY):
+            self._set_deadline(self.limits.body_timeout)  # it is us who stopped reading
+            return
+        if phase == _C_IDLE:
+            self._close()
+        elif phase == _C_HEAD:
+            if self.up is None and not self.reqs and self.in_head:
+                self._write(
+                    _error_response(408, "request head not received in time", keep_alive=False)
+                )
+            self._close()
+        elif phase == _C_BODY:
+            if self.up is None or not self.up.got_head:
+                self._write(_error_response(408, "request body stalled", keep_alive=False))
+            self._abort()
+
+    # httptools callbacks
+
+    def on_message_begin(self) -> None:
+        self.in_head = True
+        self.head_raw = 0
+        self.head_exact = 0
+        if self.phase != _C_HEAD:
+            self.phase = _C_HEAD
+            self._set_deadline(self.limits.header_timeout)
+
+    def on_url(self, url: bytes) -> None:
+        self.url = self.url + url if self.url else url
+        self._count_head(len(url))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self.in_head:
+            return  # trailers of a chunked body: dropped
+        size = self.head_exact + len(name) + len(value) + 4
+        self.head_exact = size
+        if size > self.limits.max_header_bytes:
+            raise _RequestError(HeadersTooLarge("request head too large"))
+        lname = name.lower()
+        if lname in _REQ_SPECIAL:
+            if lname == b"host":
+                self.host = value
+                self.h_hosts += 1
+            elif lname == b"content-length":
+                self.h_cl = int(value)  # llhttp has checked it is digits
+            elif lname == b"transfer-encoding":
+                self.h_chunked = True  # llhttp rejects a request whose last coding is not chunked
+                return
+            elif lname == b"x-forwarded-for":
+                xff = self.h_xff
+                self.h_xff = value if xff is None else xff + b", " + value
+                return
+            elif lname == b"connection":
+                for token in value.split(b","):
+                    token = token.strip().lower()
+                    if token == b"keep-alive":
+                        self.h_ka = True
+                    elif token and token not in _CONNECTION_TOKENS:
+                        if self.h_conn_extra is None:
+                            self.h_conn_extra = []
+                        self.h_conn_extra.append(token)
+                return
+            elif lname == b"upgrade":
+                self.h_upgrade = value
+                return
+            else:
+                return  # other hop-by-hop headers, and X-Forwarded-Proto/Host: ours replace them
+        elif lname == self.pin_name:
+            self.pin = value
+        self.h_parts += (name, b": ", value, _CRLF)
+
+    def on_headers_complete(self) -> None:
+        self.in_head = False
+        self.fed_other += self.head_exact + 64  # what the head took, with its line ends
+        parser = self.parser
+        proxy = self.proxy
+        req = _Request(self._loop.time())
+        method = parser.get_method()
+        req.method = method
+        req.is_head = method == b"HEAD"
+        keep_alive = parser.should_keep_alive()
+        # An HTTP/1.0 request keeps the connection only if it says keep-alive: otherwise
+        # the (slower) version check is not needed.
+        req.http10 = (self.h_ka or not keep_alive) and parser.get_http_version() == "1.0"
+        req.keep_alive = keep_alive and not self.shutting_down
+        req.upgrade = parser.should_upgrade()
+        req.chunked = self.h_chunked
+        cl = self.h_cl
+        req.has_body = req.chunked or cl > 0
+        host = self.host
+        if self.h_hosts > 1:
+            req.error = BadRequest("more than one Host header")
+        elif method == b"CONNECT":
+            req.error = BadRequest("CONNECT is not supported")
+        elif cl > self.limits.max_body_bytes:
+            req.error = BodyTooLarge(
+                f"request body of {cl} bytes is over the limit of {self.limits.max_body_bytes}"
+            )
+        else:
+            req.app = proxy._app_for(host)
+            if req.app is None:
+                req.error = UnknownApp(
+                    f"no app at host {host.decode('latin-1')!r}: expected <app>.{proxy.domain}"
+                )
+            elif self.pin is not None:
+                req.pinned = self.pin.decode("latin-1").strip() or None
+            req.retryable = method in _IDEMPOTENT and not req.has_body and req.pinned is None
+        if req.error is not None:
+            # A bad request closes the connection after the answer; so does one whose body
+            # is not going to be read.
+            req.fatal = isinstance(req.error, BadRequest) or req.has_body or req.upgrade
+            req.keep_alive = req.keep_alive and not req.fatal
+        if req.upgrade and req.error is None:
+            framing = b"connection: upgrade\r\nupgrade: " + self.h_upgrade + _CRLF
+        elif req.chunked:
+            framing = b"transfer-encoding: chunked\r\n"
+        else:
+            framing = b""
+        parts = self.h_parts
+        parts[0] = method
+        parts[2] = self.url
+        if self.h_conn_extra is not None:
+            parts = [_drop_headers(b"".join(parts), self.h_conn_extra)]
+        xff = self.h_xff
+        if xff is None:
+            parts.append(self.xff_line)
+        else:
+            parts += (b"X-Forwarded-For: ", xff, b", ", self.xff_line[17:])
+        parts += (host, _CRLF, framing, _CRLF)
+        req.head = b"".join(parts)
+        self._reset_head()
+        if req.has_body and req.error is None:
+            self.cur = req
+            req.body_buf = []
+            self.phase = _C_BODY
+            self._set_deadline(self.limits.body_timeout)
+        else:
+            req.complete = not req.has_body
+            self.phase = _C_BUSY
+            self._clear_deadline()
+            if req.fatal:
+                self.dead = True
+                self._pause(_PAUSE_DEAD)
+        self._queue(req)
+
+    def on_body(self, data: bytes) -> None:
+        req = self.cur
+        if req is None:
+            return
+        self.fed_other += len(data)
+        size = req.body_size + len(data)
+        req.body_size = size
+        if size > self.limits.max_body_bytes:
+            raise _RequestError(
+                BodyTooLarge(f"request body is over the limit of {self.limits.max_body_bytes}")
+            )
+        framed = b"%x\r\n%b\r\n" % (len(data), data) if req.chunked else data
+        sink = req.sink
+        if sink is not None:
+            sink.send_body(framed)
+            return
+        buf = req.body_buf
+        if buf is not None:
+            buf.append(framed)
+            if size > self.limits.buffer_bytes:
+                self._pause(_PAUSE_BUFFER)
+
+    def on_message_complete(self) -> None:
+        req = self.cur
+        if req is None:
+            return
+        self.cur = None
+        req.complete = True
+        if self.phase == _C_BODY:
+            self.phase = _C_BUSY
+            self._clear_deadline()
+        if req.chunked:
+            sink = req.sink
+            if sink is not None:
+                sink.send_body(_CHUNK_END)
+            elif req.body_buf is not None:
+                req.body_buf.append(_CHUNK_END)
+        req.sink = None
+
+    # requests in, answers out
+
+    def _count_head(self, n: int) -> None:
+        self.head_exact += n
+        if self.head_exact > self.limits.max_header_bytes:
+            raise _RequestError(HeadersTooLarge("request head too large"))
+
+    def _queue(self, req: _Request) -> None:
+        reqs = self.reqs
+        if (
+            self.waiter is not None  # the task is idle, so nothing is ahead of `req`
+            and not reqs
+            and self.proxy._try_acquire is not None
+            and self._start_now(req)
+        ):
+            return
+        reqs.append(req)
+        if len(reqs) > _QUEUE_MAX:
+            self._pause(_PAUSE_QUEUE)
+        if self.up is None:  # else exchange_done wakes the task when the answer is out
+            self._wake()
+
+    def _start_now(self, req: _Request) -> bool:
+        """The fast path: when the router can name a machine at once and a pooled connection
+        to it is idle, send `req` from this callback, without waking the task (a task switch
+        is an event-loop turn: at moderate load, a good part of a request's cost)."""
+        if req.error is not None or req.upgrade or req.app is None or self.closed:
+            return False
+        try_acquire = self.proxy._try_acquire
+        assert try_acquire is not None
+        try:
+            backend = try_acquire(req.app, pinned=req.pinned, exclude=frozenset())
+        except Exception:  # the task's acquire says why, with the router's own error
+            return False
+        if backend is None:
+            return False
+        up = self.proxy._pool.take(backend)
+        if up is None:
+            req.backend = backend  # acquired: the task only connects
+            return False
+        self.backend = backend
+        up.begin(self, req)
+        return True
+
+    def _fail(self, error: ProxyError) -> None:
+        """The request stream is broken: answer `error` after what is queued, then close."""
+        self.dead = True
+        self.in_head = False
+        self._pause(_PAUSE_DEAD)
+        cur = self.cur
+        if cur is not None:
+            # Mid-body (chunked over the limit, or a bad chunk): it may be on its way.
+            self.cur = None
+            cur.error = error
+            cur.fatal = True
+            sink = cur.sink
+            if sink is not None:
+                sink._finish(_O_CLIENT_ERROR)
+                sink.abort()
+            return
+        req = _Request(self._loop.time())
+        req.error = error
+        req.fatal = True
+        self.phase = _C_BUSY
+        self._clear_deadline()
+        self._queue(req)
+
+    def _on_upgrade(self, rest: bytes) -> None:
+        self.upgraded = True
+        self.tunnel_buf += rest
+        self.cur = None
+        self.phase = _C_BUSY
+        self._clear_deadline()
+
+    def start_tunnel(self, up: _Upstream) -> None:
+        """The machine accepted the upgrade: splice bytes both ways until either side closes."""
+        self.tunnel = up
+        self.up = up
+        assert up.transport is not None
+        if self.tunnel_buf:
+            up.transport.write(bytes(self.tunnel_buf))
+            self.tunnel_buf.clear()
+        self.paused = 0
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
+        req = up.req
+        if req is not None:
+            self.proxy.stats.record(101, self._loop.time() - req.started)
+
+    async def _serve(self) -> None:
+        """Take requests in order and start each exchange; the exchange itself runs in
+        callbacks and ends in `exchange_done`, so a request costs this task one wake-up."""
+        reqs = self.reqs
+        try:
+            while not self.closed:
+                if self.up is not None or not reqs:
+                    if self.up is None and self.shutting_down:
+                        self._close()
+                        return
+                    waiter = self.waiter = self._loop.create_future()
+                    try:
+                        await waiter
+                    finally:
+                        self.waiter = None
+                    continue
+                req = reqs.popleft()
+                if self.paused & _PAUSE_QUEUE and len(reqs) < _QUEUE_MAX:
+                    self._resume(_PAUSE_QUEUE)
+                await self._start(req)
+        except asyncio.CancelledError:
+            self._abort()  # the client went away (or shutdown ran out of grace)
+        except Exception:
+            log.warning("proxy_connection_failed", peer=self.peer, exc_info=True)
+            self._abort()
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _start(self, req: _Request) -> None:
+        """Find a machine for `req` and hand the request to a connection to it (or answer
+        with the error)."""
+        if req.error is not None or (req.upgrade and not self.upgraded):
+            if req.backend is not None:  # acquired by the fast path: not going to be used
+                self.proxy.router.release(req.backend, ok=False)
+                req.backend = None
+            if req.error is not None:
+                self._after(self._reply_error(req, req.error.status, str(req.error)))
+            else:
+                self._after(self._reply_error(req, 400, "bad upgrade request"))
+            return
+        app = req.app
+        assert app is not None
+        proxy = self.proxy
+        router = proxy.router
+        exclude: frozenset[str] = frozenset()
+        attempts = 0
+        while True:
+            backend = req.backend
+            if backend is None:
+                try:
+                    backend = await router.acquire(app, pinned=req.pinned, exclude=exclude)
+                except ProxyError as err:
+                    self._after(self._reply_error(req, err.status, str(err)))
+                    return
+                except Exception:
+                    log.warning("proxy_router_failed", app=app, exc_info=True)
+                    self._after(self._reply_error(req, 502, "routing failed"))
+                    return
+            else:
+                req.backend = None  # a replay after a stale pooled connection: acquired already
+            up: _Upstream | None = None
+            handed = connect_failed = False
+            try:
+                if req.error is None and not self.closed:
+                    if not req.replay:
+                        up = proxy._pool.take(backend)
+                    if up is None:
+                        up = await self._connect(backend)
+                        connect_failed = up is None
+                    if up is not None and not self.closed:
+                        self.backend = backend
+                        up.begin(self, req)
+                        handed = True
+                        return
+            finally:
+                if not handed:
+                    if up is not None:
+                        up.abort()
+                    router.release(backend, ok=False, connect_failed=connect_failed)
+            if req.error is not None:  # the body went over the limit while we waited
+                self._after(self._reply_error(req, req.error.status, str(req.error)))
+                return
+            if not connect_failed:
+                return  # the client is gone
+            if req.retryable and attempts < self.limits.max_retries:
+                attempts += 1
+                exclude = exclude | {backend.machine_id}
+                continue
+            self._after(
+                self._reply_error(req, 502, f"could not connect to machine {backend.machine_id}")
+            )
+            return
+
+    def exchange_done(self, up: _Upstream, req: _Request, outcome: int) -> None:
+        """The exchange on `up` is over: release the machine, pool or drop the connection,
+        answer with an error if the machine gave no answer, and go on (or close)."""
+        proxy = self.proxy
+        backend = self.backend
+        assert backend is not None
+        if self.up is up:
+            self.up = None
+        now = self._loop.time()
+        if (
+            outcome == _O_LOST
+            and up.reused
+            and not up.got_head
+            and req.retryable
+            and not self.closed
+        ):
+            # The pooled connection died under us (the machine closed it while idle): replay
+            # the safe request once, on a fresh connection to the same machine.
+            up.abort()
+            req.backend = backend
+            req.replay = True
+            req.retryable = False
+            self.reqs.appendleft(req)
+            self._wake()
+            return
+        self.backend = None
+        if outcome == _O_DONE and not proxy._closing and not self.closed:
+            proxy._pool.put(up, now)
+        elif outcome in (_O_DONE, _O_DONE_CLOSE):
+            up.close()  # the exchange went well: a graceful close
+        else:
+            up.abort()
+        proxy.router.release(backend, ok=up.got_head, connect_failed=False)
+        if self.closed:
+            return
+        if outcome in (_O_DONE, _O_DONE_CLOSE):
+            proxy.stats.record(up.status, now - req.started)
+            keep = up.keep_client
+        elif outcome == _O_UPGRADED:
+            keep = False
+        elif up.got_head:  # the response is cut short: the client sees a truncated body
+            proxy.stats.record(up.status, now - req.started)
+            keep = False
+        elif outcome == _O_TIMEOUT:
+            keep = self._reply_error(
+                req, 504, f"machine {backend.machine_id} did not answer in time", now
+            )
+        elif outcome == _O_CLIENT_ERROR and req.error is not None:
+            keep = self._reply_error(req, req.error.status, str(req.error), now)
+        elif outcome == _O_BAD_RESPONSE:
+            keep = self._reply_error(
+                req, 502, f"machine {backend.machine_id} sent an invalid response", now
+            )
+        else:
+            keep = self._reply_error(
+                req,
+                502,
+                f"machine {backend.machine_id} closed the connection without a response",
+                now,
+            )
+        self._after(keep, now)
+
+    async def _connect(self, backend: Backend) -> _Upstream | None:
+        proxy = self.proxy
+        try:
+            async with asyncio.timeout(self.limits.upstream_connect_timeout):
+                _, protocol = await self._loop.create_connection(
+                    lambda: _Upstream(proxy, backend), backend.host, backend.port
+                )
+        except (OSError, TimeoutError) as exc:
+            log.debug("proxy_connect_failed", machine_id=backend.machine_id, error=str(exc))
+            return None
+        assert isinstance(protocol, _Upstream)
+        return protocol
+
+    def _reply_error(
+        self, req: _Request, status: int, reason: str, now: float | None = None
+    ) -> bool:
+        """Answer `req` with an error of ours; whether the connection can go on."""
+        keep = (
+            req.keep_alive
+            and req.complete
+            and not req.fatal
+            and not self.dead
+            and not self.upgraded
+            and not self.proxy._closing
+        )
+        self._write(
+            _error_response(
+                status, reason, keep_alive=keep, head_only=req.is_head, http10=req.http10
+            )
+        )
+        if now is None:
+            now = self._loop.time()
+        self.proxy.stats.record(status, now - req.started)
+        return keep
+
+    def _after(self, keep: bool, now: float | None = None) -> None:
+        """An answer is written: close, go on with the next request, or wait for one."""
+        if not keep or self.proxy._closing:
+            self._close()
+        elif self.reqs:
+            self._wake()
+        elif self.cur is None and not self.in_head and not self.dead:
+            self.phase = _C_IDLE
+            if now is None:
+                now = self._loop.time()
+            self._set_deadline_at(now + self.limits.idle_keepalive)
+
+    def _write(self, data: bytes) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.write(data)
+
+    def _close(self) -> None:
+        self.closed = True
+        self._stop_timer()
+        if self.transport is not None:
+            self.transport.close()
+
+    def _abort(self) -> None:
+        self.closed = True
+        self._stop_timer()
+        if self.transport is not None:
+            self.transport.abort()
+
+    def shutdown(self) -> None:
+        """Close now if idle; otherwise after the answer in progress."""
+        self.shutting_down = True
+        if (
+            self.up is None
+            and not self.reqs
+            and self.cur is None
+            and not self.in_head
+            and self.waiter is not None
+        ):
+            self._close()
+
+
+def _drop_headers(buf: bytes, names: list[bytes]) -> bytes:
+    """`buf` without the header lines whose (lowercased) names are in `names`."""
+    drop = set(names)
+    out = bytearray()
+    for line in buf.split(_CRLF):
+        if line and line.split(b":", 1)[0].strip().lower() not in drop:
+            out += line
+            out += _CRLF
+    return bytes(out)
+
+
+def _forwarded_line(peer: bytes) -> bytes:
+    """The X-Forwarded-* lines for a client at `peer`, up to the value of X-Forwarded-Host."""
+    return b"X-Forwarded-For: " + peer + b"\r\nX-Forwarded-Proto: http\r\nX-Forwarded-Host: "
+
+
+def _parser_reason(exc: Exception) -> str:
+    return str(exc) or type(exc).__name__
+
+
+# -- the proxy -------------------------------------------------------------------------------
+
+
+class HttpProxy:
+    """The edge's HTTP/1.1 data plane: routes `<app>.<domain>` to the app's machines.
+
+    `router` chooses machines (see proxy.routing); `stats` counts what happens. Responses name
+    the machine that served them in `machine_header`; a request may ask for one machine with
+    `pin_header`. If the router also has `try_acquire(app, *, pinned, exclude) -> Backend |
+    None` (what `acquire` would return without waiting, or None if it would wait), requests
+    start without a task switch. Create it inside the running event loop.
+    """
+
+    def __init__(
+        self,
+        router: Router,
+        stats: Stats,
+        *,
+        domain: str,
+        region: str,
+        limits: Limits = Limits(),
+        machine_header: str = "nonomad-machine-id",
+        pin_header: str = "nonomad-force-instance-id",
+    ) -> None:
+        self.router = router
+        # Optional fast path: `try_acquire(app, *, pinned, exclude) -> Backend | None`, the
+        # same as `acquire` when it would not wait, None when it would.
+        self._try_acquire: Callable[..., Backend | None] | None = getattr(
+            router, "try_acquire", None
+        )
+        self.stats = stats
+        self.domain = domain.lower().strip(".")
+        self.region = region
+        self.limits = limits
+        self.machine_header = machine_header
+        self.pin_header = pin_header
+        self._suffix = b"." + self.domain.encode("ascii")
+        self._pin_header = pin_header.lower().encode("ascii")
+        self._machine_header = machine_header.encode("ascii")
+        self._machine_lines: dict[str, bytes] = {}
+        self._apps: dict[bytes, str | None] = {}
+        self._loop = asyncio.get_running_loop()
+        self._pool = _Pool(limits.pool_size_per_backend, limits.upstream_idle_timeout)
+        self._conns: set[_Client] = set()
+        self._server: asyncio.Server | None = None
+        self._closing = False
+        self._all_closed: asyncio.Event | None = None
+
+    async def serve(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
+        """Listen on host:port (0: any free port); returns the address bound."""
+        self._server = await self._loop.create_server(
+            lambda: _Client(self), host, port, backlog=1024, reuse_address=True
+        )
+        sockname = self._server.sockets[0].getsockname()
+        return str(sockname[0]), int(sockname[1])
+
+    async def close(self, grace: float = 10.0) -> None:
+        """Stop accepting; close idle connections now; give requests in flight `grace` seconds
+        to finish, then cut what is left."""
+        self._closing = True
+        if self._server is not None:
+            self._server.close()
+        self._all_closed = asyncio.Event()
+        for conn in list(self._conns):
+            conn.shutdown()
+        if self._conns:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(grace):
+                    await self._all_closed.wait()
+        tasks = [conn.task for conn in self._conns if conn.task is not None]
+        for conn in list(self._conns):
+            conn._abort()
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        self._pool.close()
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    @property
+    def connections(self) -> int:
+        """Client connections open now."""
+        return len(self._conns)
+
+    @property
+    def idle_upstream_connections(self) -> int:
+        return self._pool.idle_count()
+
+    # for the connections
+
+    def _conn_closed(self, conn: _Client) -> None:
+        self._conns.discard(conn)
+        if not self._conns and self._all_closed is not None:
+            self._all_closed.set()
+
+    def _app_for(self, host: bytes) -> str | None:
+        apps = self._apps
+        try:
+            return apps[host]
+        except KeyError:
+            pass
+        app = self._parse_host(host)
+        if len(apps) >= 4096:
+            apps.clear()
+        apps[host] = app
+        return app
+
+    def _parse_host(self, host: bytes) -> str | None:
+        name = host.strip().lower()
+        if name.startswith(b"["):
+            return None  # an IP literal names no app
+        name = name.rsplit(b":", 1)[0] if b":" in name else name
+        name = name.rstrip(b".")
+        suffix = self._suffix
+        if not name.endswith(suffix):
+            return None
+        app = name[: -len(suffix)]
+        if not app or b"." in app or not app.isascii():
+            return None
+        return app.decode("ascii")
+
+    def _machine_line(self, backend: Backend) -> bytes:
+        try:
+            return self._machine_lines[backend.machine_id]
+        except KeyError:
+            pass
+        line = self._machine_header + b": " + backend.machine_id.encode("latin-1") + _CRLF
+        if len(self._machine_lines) >= 4096:
+            self._machine_lines.clear()
+        self._machine_lines[backend.machine_id] = line
+        return line

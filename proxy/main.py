@@ -1,0 +1,103 @@
+"""The proxy console script: the edge. HTTP for apps, gRPC for its admin API and registry.
+
+Before the runtime's `NONOMAD_READY proxy <grpc address>` line it prints
+`NONOMAD_HTTP proxy <host:port>`, the bound HTTP address, so that tests and the CLI can read
+both from stdout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import structlog
+
+from nonomad.runtime import Service, configure_logging, main_entry, settings_or_exit, setup_tracing
+from nonomad.runtime.settings import parse_host_port
+from proxy.control import FlapsClient
+from proxy.http import HttpProxy
+from proxy.router import Router
+from proxy.service import ProxyServicer, map_error
+from proxy.settings import ProxySettings
+from proxy.stats import Stats
+from proxy.v1 import proxy_pb2, proxy_pb2_grpc
+from registry.replica import Replica
+from registry.service import RegistryServicer
+from registry.service import map_error as registry_map_error
+from registry.v1 import registry_pb2, registry_pb2_grpc
+
+HTTP_PREFIX = "NONOMAD_HTTP"
+"""First word of the stdout line with the bound HTTP address: `NONOMAD_HTTP proxy host:port`."""
+
+log = structlog.get_logger("proxy")
+
+
+def _format(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def build(argv: list[str]) -> Service:
+    settings = settings_or_exit(ProxySettings, argv, "proxy")
+    configure_logging("proxy", settings.log_level)
+    setup_tracing("proxy")
+    replica = Replica(
+        suspect_after=settings.suspect_after,
+        dead_after=settings.dead_after,
+        upstream=settings.upstream,
+        peers=settings.peers,
+    )
+    stats = Stats()
+    flaps = (
+        FlapsClient(settings.flaps, timeout=settings.flaps_timeout)
+        if settings.flaps is not None
+        else None
+    )
+    if flaps is None:
+        log.warning("no_flaps", consequence="no scale from zero, autostop or failover")
+    router = Router(replica, flaps, stats, config=settings.router_config())
+    service = Service("proxy", settings)
+    service.add(
+        ProxyServicer(router, stats),
+        proxy_pb2_grpc.add_ProxyServiceServicer_to_server,
+        proxy_pb2.DESCRIPTOR.services_by_name["ProxyService"],
+        map_error,
+    )
+    # Workers can announce themselves to the proxy, and replicas share members with it.
+    service.add(
+        RegistryServicer(replica, draining=service.draining),
+        registry_pb2_grpc.add_RegistryServiceServicer_to_server,
+        registry_pb2.DESCRIPTOR.services_by_name["RegistryService"],
+        registry_map_error,
+    )
+    for address in settings.workers:
+        replica.add_address(address)
+
+    http = HttpProxy(router, stats, domain=settings.domain, region=settings.region)
+    host, port = parse_host_port(settings.http_listen)
+    try:
+        bound = await http.serve(host, port)
+    except OSError as err:
+        print(f"proxy: cannot listen on {settings.http_listen}: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    address = _format(*bound)
+    log.info("http_listening", address=address, domain=settings.domain)
+    print(f"{HTTP_PREFIX} proxy {address}", flush=True)
+
+    async def serve_http(shutdown: asyncio.Event) -> None:
+        # Stop taking requests as soon as shutdown begins; those in flight get the grace.
+        await service.draining.wait()
+        await http.close(settings.grace_period)
+
+    async def close_flaps() -> None:
+        if flaps is not None:
+            await flaps.close()
+
+    service.spawn("replica", replica.run)
+    service.spawn("router", router.run)
+    service.spawn("http", serve_http)
+    service.on_shutdown(close_flaps)
+    return service
+
+
+def main() -> None:
+    main_entry(build)

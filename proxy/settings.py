@@ -1,0 +1,124 @@
+"""The proxy's settings (env prefix `PROXY_`): where it listens, what it follows, its timings.
+
+Worker death is noticed within `suspect_after` (no heartbeat for that long) plus
+`probe_timeout` (the direct probe that confirms it) plus one registry liveness tick: 0.85 s
+with the defaults, against flyd's heartbeat every 0.2 s.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, ValidationInfo, field_validator
+from pydantic_settings import SettingsConfigDict
+
+from flyd.validate import NAME_RE
+from nonomad.runtime import ServiceSettings, parse_host_port
+from proxy.router import RouterConfig
+
+
+class ProxySettings(ServiceSettings):
+    """Settings of one edge proxy (any number may run; they share nothing)."""
+
+    model_config = SettingsConfigDict(env_prefix="PROXY_")
+
+    http_listen: str = Field(
+        default="127.0.0.1:8080", description="HTTP listen address host:port; port 0: any free"
+    )
+    domain: str = Field(
+        default="nonomad.localhost",
+        description="apps are served as <app>.<domain> (*.localhost resolves to loopback)",
+    )
+    region: str = Field(default="local", description="this proxy's region: preferred machines")
+    flaps: str | None = Field(
+        default=None,
+        description="flaps address host:port to start and stop machines through "
+        "(without it: no scale from zero, autostop or failover)",
+    )
+    workers: list[str] = Field(default_factory=list, description="worker addresses to follow")
+    peers: list[str] = Field(default_factory=list, description="replicas to share members with")
+    upstream: str | None = Field(default=None, description="follow this registry instead")
+    suspect_after: float = Field(
+        default=0.5, gt=0, description="s without heartbeat before a worker is probed"
+    )
+    dead_after: float = Field(
+        default=1.0, gt=0, description="s without heartbeat before the registry says dead"
+    )
+    probe_timeout: float = Field(
+        default=0.3, gt=0, description="deadline of the direct probe of a silent worker, s"
+    )
+    probe_interval: float = Field(
+        default=0.5, gt=0, description="s between probes of a silent worker that answers"
+    )
+    idle_timeout: float = Field(
+        default=300.0, gt=0, description="s without a request before an autostop machine stops"
+    )
+    autostop_interval: float = Field(
+        default=1.0, gt=0, description="s between looks for idle machines"
+    )
+    cold_start_timeout: float = Field(
+        default=10.0, gt=0, description="longest a request waits for a machine to start, s"
+    )
+    queue_wait: float = Field(
+        default=2.0, gt=0, description="longest a request waits for a slot under a hard limit, s"
+    )
+    unhealthy_for: float = Field(
+        default=2.0, gt=0, description="s a machine that refused a connection gets no traffic"
+    )
+    check_concurrency: int = Field(default=64, ge=1, description="health checks at once")
+    flaps_timeout: float = Field(default=10.0, gt=0, description="deadline of a flaps call, s")
+
+    @field_validator("http_listen")
+    @classmethod
+    def _listen(cls, value: str) -> str:
+        parse_host_port(value)
+        return value
+
+    @field_validator("flaps", "upstream")
+    @classmethod
+    def _address(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_host_port(value)
+        return value
+
+    @field_validator("workers", "peers")
+    @classmethod
+    def _addresses(cls, value: list[str]) -> list[str]:
+        for address in value:
+            parse_host_port(address)
+        return value
+
+    @field_validator("domain")
+    @classmethod
+    def _domain(cls, value: str) -> str:
+        value = value.strip(".").lower()
+        labels = value.split(".")
+        if not value or len(value) > 253 or not all(NAME_RE.match(label) for label in labels):
+            raise ValueError(f"{value!r} is not a domain name")
+        return value
+
+    @field_validator("region")
+    @classmethod
+    def _region(cls, value: str) -> str:
+        if not NAME_RE.match(value):
+            raise ValueError("must be 1-63 lowercase letters, digits or dashes")
+        return value
+
+    @field_validator("dead_after")
+    @classmethod
+    def _dead_after(cls, value: float, info: ValidationInfo) -> float:
+        suspect = info.data.get("suspect_after")
+        if suspect is not None and value <= suspect:
+            raise ValueError(f"must be greater than suspect_after ({suspect:g}s)")
+        return value
+
+    def router_config(self) -> RouterConfig:
+        return RouterConfig(
+            region=self.region,
+            queue_wait=self.queue_wait,
+            cold_start_timeout=self.cold_start_timeout,
+            idle_timeout=self.idle_timeout,
+            autostop_interval=self.autostop_interval,
+            unhealthy_for=self.unhealthy_for,
+            probe_timeout=self.probe_timeout,
+            probe_interval=self.probe_interval,
+            check_concurrency=self.check_concurrency,
+        )

@@ -1,0 +1,319 @@
+"""The proxy as a real process in front of real flyd workers and flaps: scale from zero,
+autostop, failover when a worker is killed or frozen, two proxies racing, the admin API.
+
+Waits are on conditions with deadlines (the assertion is that it happens, not when)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from flyd.v1 import machine_pb2 as pb
+from proxy.v1 import proxy_pb2 as p
+from tests.conftest import DEMO_APP
+from tests.harness import REPO_ROOT, clean_env
+from tests.proxy.support import (
+    DEADLINE,
+    Netns,
+    ProxyFleet,
+    Reply,
+    T,
+    eventually,
+    get,
+    netns_unavailable,
+    proxy_fleet,
+)
+
+S = pb.MachineState
+
+
+async def serves(fleet: ProxyFleet, app: str, machine_id: str, i: int = 0) -> list[Reply]:
+    """Send requests one after another until `machine_id` answers one; every reply."""
+    replies: list[Reply] = []
+    loop = asyncio.get_running_loop()
+    end = loop.time() + DEADLINE
+    while loop.time() < end:
+        reply = await get(fleet.proxies[i].http, app)
+        replies.append(reply)
+        if reply.headers.get("nonomad-machine-id") == machine_id:
+            return replies
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{machine_id} never answered: {[(r.status, r.body) for r in replies]}")
+
+
+async def stats(fleet: ProxyFleet, i: int = 0) -> p.GetStatsResponse:
+    return await fleet.admin(i).GetStats(p.GetStatsRequest(), timeout=T)
+
+
+async def primary_with_standbys(
+    fleet: ProxyFleet, workers: int, standbys: int
+) -> tuple[pb.Machine, list[pb.Machine]]:
+    await fleet.add_workers(*(f"w{i}" for i in range(1, workers + 1)))
+    fleet.start_flaps()
+    await fleet.until_alive()
+    primary = await fleet.create("db")
+    spares = [await fleet.create("db", standby_for=[primary.id]) for _ in range(standbys)]
+    assert all(s.worker_id != primary.worker_id for s in spares)
+    assert all(s.state == S.MACHINE_STATE_CREATED for s in spares)
+    return primary, spares
+
+
+async def test_cold_requests_start_the_stopped_machine_once_and_the_admin_api(
+    tmp_path: Path, image_source: Path
+) -> None:
+    async with proxy_fleet(tmp_path, image_source) as fleet:
+        fleet.add_worker("w1")
+        fleet.start_flaps()
+        await fleet.until_alive()
+        cold = await fleet.create("cold", skip_launch=True)
+        proxy = fleet.add_proxy()
+        await fleet.until_routed("cold", 1)
+
+        # Several requests arrive while the app is scaled to zero: one start serves them all.
+        replies = await asyncio.gather(*(get(proxy.http, "cold") for _ in range(5)))
+        assert [r.status for r in replies] == [200] * 5
+        assert {r.body for r in replies} == {f"hello from {cold.id}\n".encode()}
+        assert await fleet.starts(cold.id) == 1
+        got = await stats(fleet)
+        assert got.cold_starts == 1
+        assert got.requests_by_status["200"] == 5
+        assert got.requests_total == 5
+        assert got.latency.p50_ms > 0
+
+        [route] = await fleet.routes("cold")
+        assert route.machine_id == cold.id
+        assert route.state == S.MACHINE_STATE_STARTED
+        assert route.healthy
+        assert not route.draining
+        assert route.address.startswith("127.0.0.1:")
+
+        # Draining the worker leaves nothing to serve: 503 with the reason; undrain restores.
+        admin = fleet.admin()
+        drained = await admin.DrainWorker(p.DrainWorkerRequest(worker_id="w1"), timeout=T)
+        assert drained.draining
+        reply = await get(proxy.http, "cold")
+        assert reply.status == 503
+        assert b"1 on a draining worker" in reply.body
+        await admin.DrainWorker(p.DrainWorkerRequest(worker_id="w1", undrain=True), timeout=T)
+        assert (await get(proxy.http, "cold")).status == 200
+
+        assert (await get(proxy.http, "nope")).status == 404
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await admin.DrainWorker(p.DrainWorkerRequest(worker_id="w9"), timeout=T)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await admin.ListRoutes(p.ListRoutesRequest(app="Not_An_App"), timeout=T)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "app" in (err.value.details() or "")
+
+
+async def test_an_idle_machine_is_stopped_and_started_again_on_demand(
+    tmp_path: Path, image_source: Path
+) -> None:
+    async with proxy_fleet(tmp_path, image_source) as fleet:
+        fleet.add_worker("w1")
+        fleet.start_flaps()
+        await fleet.until_alive()
+        idle = await fleet.create(
+            "idle",
+            service=pb.ServiceConfig(internal_port=8080, autostart=True, autostop=True),
+        )
+        proxy = fleet.add_proxy("--idle-timeout", "1", "--autostop-interval", "0.2")
+        await fleet.until_routed("idle", 1)
+        assert (await get(proxy.http, "idle")).status == 200
+
+        async def stopped() -> bool:
+            return (await fleet.machine(idle.id)).state == S.MACHINE_STATE_STOPPED
+
+        await eventually(stopped, "the idle machine to be stopped")
+        # Scale from zero brings it back.
+        assert (await get(proxy.http, "idle")).status == 200
+        assert (await stats(fleet)).cold_starts == 1
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
+async def test_a_lost_worker_fails_over_to_its_standby(
+    tmp_path: Path, image_source: Path, how: str
+) -> None:
+    async with proxy_fleet(tmp_path, image_source) as fleet:
+        primary, [standby] = await primary_with_standbys(fleet, workers=2, standbys=1)
+        proxy = fleet.add_proxy()
+        await fleet.until_routed("db", 2)
+        reply = await get(proxy.http, "db")
+        assert reply.headers["nonomad-machine-id"] == primary.id
+
+        # The primary's flyd is lost (its machine keeps running, but the edge cannot know).
+        if how == "SIGKILL":
+            fleet.workers[primary.worker_id].kill()
+        else:
+            fleet.freeze(primary.worker_id)  # its connections stay open; probes time out
+
+        replies = await serves(fleet, "db", standby.id)
+        assert {r.status for r in replies} == {200}  # nothing dropped on the way
+        assert (await fleet.machine(standby.id)).state == S.MACHINE_STATE_STARTED
+        assert (await stats(fleet)).failovers == 1
+        routes = {r.machine_id: r for r in await fleet.routes("db")}
+        assert not routes[primary.id].healthy
+        assert routes[standby.id].healthy
+        # From now on only the standby serves.
+        for _ in range(3):
+            assert (await get(proxy.http, "db")).headers["nonomad-machine-id"] == standby.id
+
+
+async def test_two_proxies_noticing_one_death_start_exactly_one_standby(
+    tmp_path: Path, image_source: Path
+) -> None:
+    async with proxy_fleet(tmp_path, image_source) as fleet:
+        primary, spares = await primary_with_standbys(fleet, workers=3, standbys=2)
+        fleet.add_proxy()
+        fleet.add_proxy()
+        for i in (0, 1):
+            await fleet.until_routed("db", 3, i)
+        fleet.workers[primary.worker_id].kill()
+
+        chosen = min(s.id for s in spares)  # every proxy picks the lowest id
+        for i in (0, 1):
+            await serves(fleet, "db", chosen, i)
+        states = {s.id: (await fleet.machine(s.id)).state for s in spares}
+        assert states == {
+            s.id: S.MACHINE_STATE_STARTED if s.id == chosen else S.MACHINE_STATE_CREATED
+            for s in spares
+        }
+        for s in spares:
+            assert await fleet.starts(s.id) == (1 if s.id == chosen else 0)
+        assert (await stats(fleet, 0)).failovers + (await stats(fleet, 1)).failovers >= 1
+
+
+# Runs inside namespace b (all traffic to the test's namespaces comes from inside them):
+# creates a primary pinned to side a and its standby on side b, checks the primary serves,
+# takes b's end of the link down, then asks until the standby answers. Prints JSON.
+PARTITION_CLIENT = r"""
+import http.client, json, subprocess, sys, time
+import grpc
+from flaps.v1 import machines_pb2 as m, machines_pb2_grpc
+from flyd.v1 import machine_pb2 as pb
+from proxy.v1 import proxy_pb2 as p, proxy_pb2_grpc
+
+flaps, proxy_grpc, proxy_http, dev, app_code = sys.argv[1:6]
+
+def config(side, code=""):
+    c = pb.MachineConfig(
+        image="demo:v1",
+        guest=pb.GuestConfig(cpu_millicores=100, memory_mib=64),
+        services=[pb.ServiceConfig(internal_port=8080, autostart=True)],
+        placement=pb.PlacementConfig(required_labels={"side": side}),
+    )
+    if code:
+        c.entrypoint[:] = ["python3", "-u", "-c", code]
+    return c
+
+def get():
+    host, port = proxy_http.rsplit(":", 1)
+    try:
+        conn = http.client.HTTPConnection(host, int(port), timeout=2)
+        conn.request("GET", "/", headers={"Host": "part.nonomad.test"})
+        r = conn.getresponse()
+        r.read()
+        conn.close()
+        return [r.status, r.getheader("nonomad-machine-id")]
+    except OSError as err:
+        return [0, repr(err)]
+
+out = {}
+with grpc.insecure_channel(flaps) as ch, grpc.insecure_channel(proxy_grpc) as pch:
+    machines = machines_pb2_grpc.MachinesServiceStub(ch)
+    admin = proxy_pb2_grpc.ProxyServiceStub(pch)
+    primary = machines.CreateMachine(m.CreateMachineRequest(
+        app="part", region="ams", config=config("a", app_code)), timeout=10).machine
+    standby = machines.CreateMachine(m.CreateMachineRequest(
+        app="part", region="ams", config=config("b"), standby_for=[primary.id]),
+        timeout=10).machine
+    out.update(primary=primary.id, standby=standby.id,
+               workers=[primary.worker_id, standby.worker_id])
+    end = time.monotonic() + 15
+    while time.monotonic() < end:
+        resp = admin.ListRoutes(p.ListRoutesRequest(app="part"), timeout=5)
+        routes = {r.machine_id: r for a in resp.apps for r in a.machines}
+        if primary.id in routes and routes[primary.id].healthy and standby.id in routes:
+            break
+        time.sleep(0.05)
+    out["before"] = get()
+    subprocess.run(["ip", "link", "set", dev, "down"], check=True)
+    cut = time.monotonic()
+    out["after"] = []
+    while time.monotonic() < cut + 15:
+        reply = get()
+        out["after"].append(reply)
+        if reply[1] == standby.id:
+            break
+        time.sleep(0.02)
+    out["failover_s"] = round(time.monotonic() - cut, 3)
+    out["failovers"] = admin.GetStats(p.GetStatsRequest(), timeout=5).failovers
+print(json.dumps(out))
+"""
+
+
+async def test_a_worker_cut_off_by_a_partition_fails_over(
+    tmp_path: Path, image_source: Path
+) -> None:
+    reason = netns_unavailable()
+    if reason is not None:
+        pytest.skip(f"partition test needs network namespaces: {reason}")
+    ns = Netns.create()
+    try:
+        async with proxy_fleet(tmp_path, image_source) as fleet:
+            # Side a: the primary's worker, its machine reachable on the veth address.
+            side_a = fleet._worker(
+                "wa",
+                "--listen",
+                f"{ns.a_ip}:0",
+                "--machine-host",
+                ns.a_ip,
+                "--labels",
+                "side=a",
+                netns=ns.a,
+            )
+            side_b = fleet._worker("wb", "--labels", "side=b", netns=ns.b)
+            await asyncio.gather(asyncio.to_thread(side_a.start), asyncio.to_thread(side_b.start))
+            fleet.workers.update(wa=side_a, wb=side_b)
+            # Side b: flaps, the proxy and the client.
+            fleet.start_flaps(netns=ns.b)
+            proxy = fleet.add_proxy(netns=ns.b)
+            app_code = DEMO_APP.replace('"127.0.0.1"', '"0.0.0.0"')
+            client = await asyncio.create_subprocess_exec(
+                "nsenter",
+                f"--net=/var/run/netns/{ns.b}",
+                "--",
+                sys.executable,
+                "-c",
+                PARTITION_CLIENT,
+                fleet.flaps_address,
+                proxy.address,
+                proxy.http,
+                ns.b_dev,
+                app_code,
+                cwd=REPO_ROOT,
+                env=clean_env(),
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            try:
+                async with asyncio.timeout(45):
+                    out, err = await client.communicate()
+            finally:
+                if client.returncode is None:
+                    client.kill()
+                    await client.wait()
+            assert client.returncode == 0, err.decode()[-2000:]
+            result = json.loads(out)
+            assert result["workers"] == ["wa", "wb"]
+            assert result["before"] == [200, result["primary"]]
+            assert result["after"][-1] == [200, result["standby"]]
+            assert result["failovers"] == 1
+    finally:
+        ns.remove()
