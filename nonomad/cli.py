@@ -32,6 +32,7 @@ from flyd.v1 import worker_pb2_grpc
 
 DEMO_SOURCE = Path(__file__).parent / "demo"
 READY_TIMEOUT = 30.0
+PROXY_DOMAIN = "nonomad.localhost"  # the proxy's default: <app>.nonomad.localhost
 RPC_TIMEOUT = 10.0
 
 
@@ -78,13 +79,19 @@ def _start(state: Path, name: str, module: str, *args: str) -> subprocess.Popen[
         )
 
 
-def _read_ready(proc: subprocess.Popen[bytes], worker_id: str) -> str:
+def _read_ready(
+    proc: subprocess.Popen[bytes], worker_id: str, seen: dict[str, str] | None = None
+) -> str:
+    """The gRPC address a service announces; other NONOMAD_* lines go into `seen`."""
     assert proc.stdout is not None
     deadline = time.monotonic() + READY_TIMEOUT
     while time.monotonic() < deadline:
         line = proc.stdout.readline().decode()
         if line.startswith("NONOMAD_READY "):
             return line.split()[2]
+        if line.startswith("NONOMAD_") and seen is not None:
+            kind, _, address = line.split()
+            seen[kind] = address
         if not line and proc.poll() is not None:
             break
     raise CliError(f"{worker_id} did not start (exit {proc.poll()}); see its log")
@@ -208,6 +215,28 @@ def cmd_up(args: argparse.Namespace) -> int:
                 flaps,
             )
         )
+        # The edge, which also follows the workers (they announce to it too).
+        http: dict[str, str] = {}
+        proxy = _start(
+            state,
+            "proxy",
+            "proxy",
+            "--http-listen",
+            f"127.0.0.1:{args.proxy_port}",
+            "--flaps",
+            flaps_address,
+            "--region",
+            regions[0] if regions else "local",
+        )
+        proxy_address = _read_ready(proxy, "proxy", http)
+        procs.append(
+            (
+                WorkerProc(
+                    "proxy", "-", proxy_address, proxy.pid, str(state / "logs" / "proxy.log")
+                ),
+                proxy,
+            )
+        )
         n = 0
         for region in regions:
             for i in range(args.workers_per_region):
@@ -232,6 +261,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                     f"nonomad-{state.name}-{worker_id}",
                     "--announce",
                     flaps_address,
+                    "--announce",
+                    proxy_address,
                     "--announce-interval",
                     "2",
                 )
@@ -248,7 +279,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                         proc,
                     )
                 )
-        workers = [p for p, _ in procs if p.worker_id != "flaps"]
+        workers = [p for p, _ in procs if p.region != "-"]
         (state / "workers.json").write_text(json.dumps([asdict(p) for p in workers], indent=2))
         pid_file.write_text(str(os.getpid()))
         asyncio.run(_until_alive(flaps_address, len(workers)))
@@ -282,7 +313,13 @@ def cmd_up(args: argparse.Namespace) -> int:
             print(table(rows, ["MACHINE", "REGION", "WORKER", "STATE", "URL"]))
             first = deployed[0][0]
             f, g = flaps_address, _grpcurl()
-            print(f"\ntry:\n  curl http://127.0.0.1:{first.ports[0].host_port}/")
+            edge = http.get("NONOMAD_HTTP", "")
+            print("\nthrough the proxy (scale from zero, failover to the standby):")
+            print(f"  curl -H 'Host: demo.{PROXY_DOMAIN}' http://{edge}/")
+            print(
+                f"\nstraight to the machine:\n  curl http://127.0.0.1:{first.ports[0].host_port}/"
+            )
+            print("\nthe exchange:")
             for body, rpc in [
                 (None, "list"),
                 ("{}", "flaps.v1.PlatformService/ListRegions"),
@@ -443,6 +480,12 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=20000,
         help="first host port handed to machines (each worker gets 100)",
+    )
+    up.add_argument(
+        "--proxy-port",
+        type=int,
+        default=8080,
+        help="HTTP port of the proxy on 127.0.0.1 (0 picks a free one)",
     )
     up.add_argument("--demo", action="store_true", help="deploy the demo app in every region")
     up.set_defaults(func=cmd_up)

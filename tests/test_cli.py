@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -38,6 +39,20 @@ def alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
+def through_proxy(address: str, host: str) -> str:
+    """GET / through the proxy; its registry may need a moment to learn the machine."""
+    deadline = time.monotonic() + 30
+    while True:
+        request = urllib.request.Request(f"http://{address}/", headers={"Host": host})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as resp:
+                return str(resp.read().decode())
+        except urllib.error.HTTPError as err:
+            if err.code not in (404, 503) or time.monotonic() > deadline:
+                raise
+        time.sleep(0.05)
+
+
 def test_up_serves_the_demo_app_and_down_leaves_nothing_behind(tmp_path: Path) -> None:
     state = tmp_path / "cluster"
     up = subprocess.Popen(
@@ -51,6 +66,8 @@ def test_up_serves_the_demo_app_and_down_leaves_nothing_behind(tmp_path: Path) -
             "ams",
             "--workers-per-region",
             "2",
+            "--proxy-port",
+            "0",
             "--base-port",
             "24000",
         ],
@@ -75,6 +92,10 @@ def test_up_serves_the_demo_app_and_down_leaves_nothing_behind(tmp_path: Path) -
         assert url, text
         with urllib.request.urlopen(url.group(0), timeout=10) as resp:
             assert "hello from machine" in resp.read().decode()
+        # And through the edge, by app name.
+        edge = re.search(r"-H 'Host: (demo\.[a-z.]+)' http://(127\.0\.0\.1:\d+)/", text)
+        assert edge, text
+        assert "hello from machine" in through_proxy(edge.group(2), edge.group(1))
 
         status = nonomad("--state-dir", str(state), "status", "--json")
         assert status.returncode == 0, status.stderr

@@ -33,6 +33,28 @@ def flaps(flyd: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     assert proc.terminate() == 0
 
 
+@pytest.fixture(scope="module")
+def proxy(flyd: str, flaps: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    tmp = tmp_path_factory.mktemp("grpcurl-proxy")
+    proc = ServiceProcess(
+        "proxy",
+        [
+            "--listen",
+            "127.0.0.1:0",
+            "--http-listen",
+            "127.0.0.1:0",
+            "--flaps",
+            flaps,
+            "--workers",
+            flyd,
+        ],
+        tmp / "proxy.log",
+        env=clean_env(),
+    ).start()
+    yield proc.address
+    assert proc.terminate() == 0
+
+
 def ok(*args: str) -> str:
     result = grpcurl(*args)
     assert result.returncode == 0, result.stderr
@@ -186,3 +208,35 @@ def test_a_machine_lifecycle_through_flaps_with_grpcurl_alone(flaps: str) -> Non
         "flaps.v1.MachinesService/WaitMachine",
         {"machine_id": mid, "state": "MACHINE_STATE_DESTROYED", "timeout": "20s"},
     )
+
+
+def test_the_proxy_serves_its_admin_api_health_and_reflection(proxy: str) -> None:
+    services = set(ok("-plaintext", proxy, "list").split())
+    assert {
+        "proxy.v1.ProxyService",
+        "registry.v1.RegistryService",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+    } <= services
+    assert "rpc DrainWorker" in ok("-plaintext", proxy, "describe", "proxy.v1.ProxyService")
+    health = json.loads(
+        ok(
+            "-plaintext",
+            "-d",
+            json.dumps({"service": "proxy.v1.ProxyService"}),
+            proxy,
+            "grpc.health.v1.Health/Check",
+        )
+    )
+    assert health == {"status": "SERVING"}
+    stats = json.loads(ok("-plaintext", "-d", "{}", proxy, "proxy.v1.ProxyService/GetStats"))
+    assert "latency" in stats
+    refused = grpcurl(
+        "-plaintext",
+        "-d",
+        json.dumps({"worker_id": "nosuch"}),
+        proxy,
+        "proxy.v1.ProxyService/DrainWorker",
+    )
+    assert refused.returncode != 0
+    assert "NotFound" in refused.stderr
