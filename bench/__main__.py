@@ -1,4 +1,4 @@
-"""`python -m bench [--quick] [--only flyd|registry]`: run the benchmarks, print tables, write
+"""`python -m bench [--quick] [--only flyd|registry|proxy]`: run the benchmarks, print tables, write
 JSON to bench/results/."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from bench import registry_bench
+from bench import proxy_bench, proxy_control_bench, registry_bench
 from bench.flyd_bench import run
 
 
@@ -47,6 +47,17 @@ def main(argv: list[str] | None = None) -> int:
         codes.append(
             registry_bench.run(
                 quick=args.quick, out=args.out.with_name("registry.json"), strict=args.strict
+            )
+        )
+    if args.only in (None, "proxy"):
+        codes.append(
+            proxy_bench.run(
+                quick=args.quick, out=args.out.with_name("proxy.json"), strict=args.strict
+            )
+        )
+        codes.append(
+            proxy_control_bench.run(
+                quick=args.quick, out=args.out.with_name("proxy-control.json"), strict=args.strict
             )
         )
     return max(codes)
