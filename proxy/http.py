@@ -298,7 +298,7 @@ class _Upstream(_Timed):
         "closed",
         "eof_body",
         "got_head",
-        "hbuf",
+        "hparts",
         "in_head",
         "interim",
         "keep_client",
@@ -344,7 +344,7 @@ class _Upstream(_Timed):
         self.got_head = False
         self.in_head = False
         self.interim = False
-        self.hbuf = bytearray()
+        self.hparts: list[bytes] = [b""]  # the status line goes first, when it is known
         self.resp_cl = False
         self.resp_te = False
         self.resp_close = False
@@ -531,11 +531,7 @@ class _Upstream(_Timed):
     # httptools callbacks
 
     def on_message_begin(self) -> None:
-        self.in_head = True
-        if self.interim or not self.got_head:
-            self.hbuf = bytearray()
-            self.resp_cl = self.resp_te = self.resp_close = False
-            self.resp_upgrade = b""
+        self.in_head = True  # (begin, or an interim response's end, reset the rest)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if not self.in_head:
@@ -558,11 +554,7 @@ class _Upstream(_Timed):
                 return
             else:
                 return
-        hbuf = self.hbuf
-        hbuf += name
-        hbuf += b": "
-        hbuf += value
-        hbuf += _CRLF
+        self.hparts += (name, b": ", value, _CRLF)
 
     def on_headers_complete(self) -> None:
         self.in_head = False
@@ -574,8 +566,14 @@ class _Upstream(_Timed):
         self.status = status
         if 100 <= status < 200 and status != 101:
             self.interim = True
+            parts = self.hparts
             if not req.http10:
-                self._send_to_client(_STATUS_LINES.get(status, b"") + bytes(self.hbuf) + _CRLF)
+                parts[0] = _STATUS_LINES.get(status, b"")
+                parts.append(_CRLF)
+                self._send_to_client(b"".join(parts))
+            self.hparts = [b""]
+            self.resp_cl = self.resp_te = self.resp_close = False
+            self.resp_upgrade = b""
             return
         self.interim = False
         self.got_head = True
@@ -609,15 +607,10 @@ class _Upstream(_Timed):
             framing += b"connection: close\r\n"
         elif req.http10:
             framing += b"connection: keep-alive\r\n"
-        self.pending = b"".join(
-            (
-                _STATUS_LINES.get(status) or b"HTTP/1.1 %d Unknown\r\n" % status,
-                self.hbuf,
-                self.machine_line,
-                framing,
-                _CRLF,
-            )
-        )
+        parts = self.hparts
+        parts[0] = _STATUS_LINES.get(status) or b"HTTP/1.1 %d Unknown\r\n" % status
+        parts += (self.machine_line, framing, _CRLF)
+        self.pending = b"".join(parts)
         if self.no_body:
             self._flush_pending()
             reusable = not self.resp_close and self.parser.get_http_version() == "1.1"
