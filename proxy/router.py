@@ -328,10 +328,7 @@ class Router:
                 raise NoBackend("the proxy is shutting down")
             got = self._choose(app, state, pinned, exclude)
             if isinstance(got, Route):
-                got.in_flight += 1
-                got.last_active = self.clock.now()
-                assert got.backend is not None
-                return got.backend
+                return self._take(got)
             now = self.clock.now()
             if not kinds:
                 first = now
@@ -344,6 +341,25 @@ class Router:
             if now >= deadline:
                 raise NoBackend(f"{got.reason} (waited {now - first:.3g}s)")
             await self._wait(state, deadline)
+
+    def try_acquire(
+        self, app: str, *, pinned: str | None = None, exclude: frozenset[str] = frozenset()
+    ) -> Backend | None:
+        """What `acquire` returns when it need not wait, else None (then call `acquire`).
+
+        Lets the data plane send a request from its parser callback without a task switch.
+        """
+        state = self._apps.get(app)
+        if state is None or self._closed:
+            return None
+        got = self._choose(app, state, pinned, exclude)
+        return self._take(got) if isinstance(got, Route) else None
+
+    def _take(self, route: Route) -> Backend:
+        route.in_flight += 1
+        route.last_active = self.clock.now()
+        assert route.backend is not None
+        return route.backend
 
     def release(self, backend: Backend, *, ok: bool, connect_failed: bool = False) -> None:
         r = self._routes.get(backend.machine_id)

@@ -131,6 +131,18 @@ async def test_excluded_machines_are_skipped() -> None:
             await w.router.acquire("web", exclude=frozenset({"a", "b"}))
 
 
+async def test_try_acquire_answers_only_when_nothing_needs_waiting() -> None:
+    async with world(
+        fleet(machine("a", worker="w1"), machine("b", worker="w2", state=STOPPED))
+    ) as w:
+        got = w.router.try_acquire("web", pinned="a")
+        assert got is not None
+        assert got.machine_id == "a"
+        w.router.release(got, ok=True)
+        assert w.router.try_acquire("nope") is None  # acquire raises UnknownApp instead
+        assert w.router.try_acquire("web", pinned="b") is None  # it would have to start b
+
+
 async def test_a_refused_connection_benches_the_machine_for_a_while() -> None:
     async with world(fleet(machine("a", worker="w1"), machine("b", worker="w2"))) as w:
         backend = await w.router.acquire("web", pinned="a")
