@@ -13,9 +13,11 @@ import hashlib
 import secrets
 from collections import Counter
 from collections.abc import Iterable
+from typing import Any
 
 import grpc
 import structlog
+from google.protobuf import json_format
 from google.protobuf.duration_pb2 import Duration
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
@@ -347,14 +349,24 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
                 return got.machine
         return None
 
+    async def _forward(self, rpc: str, request: Any, *, timeout: float = RPC_TIMEOUT) -> Any:
+        """Send a call on a machine to its worker, field by field name, and return the worker's
+        answer as flaps' response (the two APIs' responses share their layout)."""
+        worker_request = getattr(w, f"{rpc}Request")()
+        json_format.ParseDict(
+            json_format.MessageToDict(request, preserving_proto_field_name=True),
+            worker_request,
+            ignore_unknown_fields=True,  # e.g. flaps-only fields; the worker has the rest
+        )
+        answer = await self._call(request.machine_id, rpc, worker_request, timeout=timeout)
+        response = getattr(m, f"{rpc}Response")()
+        response.MergeFromString(answer.SerializeToString())  # type: ignore[attr-defined]
+        return response
+
     async def GetMachine(
         self, request: m.GetMachineRequest, context: grpc.aio.ServicerContext
     ) -> m.GetMachineResponse:
-        resp = await self._call(
-            request.machine_id, "GetMachine", w.GetMachineRequest(machine_id=request.machine_id)
-        )
-        assert isinstance(resp, w.GetMachineResponse)
-        return m.GetMachineResponse(machine=resp.machine)
+        return await self._forward("GetMachine", request)
 
     async def ListMachines(
         self, request: m.ListMachinesRequest, context: grpc.aio.ServicerContext
@@ -380,90 +392,33 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
         self, request: m.UpdateMachineRequest, context: grpc.aio.ServicerContext
     ) -> m.UpdateMachineResponse:
         check_config(request.config)
-        resp = await self._call(
-            request.machine_id,
-            "UpdateMachine",
-            w.UpdateMachineRequest(
-                machine_id=request.machine_id,
-                config=request.config,
-                lease_nonce=request.lease_nonce,
-                skip_launch=request.skip_launch,
-            ),
-            timeout=CLAIM_TIMEOUT + 30,
-        )
-        assert isinstance(resp, w.UpdateMachineResponse)
-        return m.UpdateMachineResponse(machine=resp.machine)
+        # Replacing a running machine stops it first: allow for its stop timeout.
+        return await self._forward("UpdateMachine", request, timeout=CLAIM_TIMEOUT + 30)
 
     async def StartMachine(
         self, request: m.StartMachineRequest, context: grpc.aio.ServicerContext
     ) -> m.StartMachineResponse:
-        resp = await self._call(
-            request.machine_id,
-            "StartMachine",
-            w.StartMachineRequest(machine_id=request.machine_id, lease_nonce=request.lease_nonce),
-        )
-        assert isinstance(resp, w.StartMachineResponse)
-        return m.StartMachineResponse(machine=resp.machine)
+        return await self._forward("StartMachine", request)
 
     async def StopMachine(
         self, request: m.StopMachineRequest, context: grpc.aio.ServicerContext
     ) -> m.StopMachineResponse:
-        resp = await self._call(
-            request.machine_id,
-            "StopMachine",
-            w.StopMachineRequest(
-                machine_id=request.machine_id,
-                lease_nonce=request.lease_nonce,
-                signal=request.signal,
-                timeout=request.timeout if request.HasField("timeout") else None,
-            ),
-        )
-        assert isinstance(resp, w.StopMachineResponse)
-        return m.StopMachineResponse(machine=resp.machine)
+        return await self._forward("StopMachine", request)
 
     async def RestartMachine(
         self, request: m.RestartMachineRequest, context: grpc.aio.ServicerContext
     ) -> m.RestartMachineResponse:
-        resp = await self._call(
-            request.machine_id,
-            "RestartMachine",
-            w.RestartMachineRequest(
-                machine_id=request.machine_id,
-                lease_nonce=request.lease_nonce,
-                signal=request.signal,
-                timeout=request.timeout if request.HasField("timeout") else None,
-            ),
-        )
-        assert isinstance(resp, w.RestartMachineResponse)
-        return m.RestartMachineResponse(machine=resp.machine)
+        return await self._forward("RestartMachine", request)
 
     async def SignalMachine(
         self, request: m.SignalMachineRequest, context: grpc.aio.ServicerContext
     ) -> m.SignalMachineResponse:
-        resp = await self._call(
-            request.machine_id,
-            "SignalMachine",
-            w.SignalMachineRequest(
-                machine_id=request.machine_id,
-                lease_nonce=request.lease_nonce,
-                signal=request.signal,
-            ),
-        )
-        assert isinstance(resp, w.SignalMachineResponse)
-        return m.SignalMachineResponse(machine=resp.machine)
+        return await self._forward("SignalMachine", request)
 
     async def DestroyMachine(
         self, request: m.DestroyMachineRequest, context: grpc.aio.ServicerContext
     ) -> m.DestroyMachineResponse:
-        resp = await self._call(
-            request.machine_id,
-            "DestroyMachine",
-            w.DestroyMachineRequest(
-                machine_id=request.machine_id, lease_nonce=request.lease_nonce, force=request.force
-            ),
-        )
-        assert isinstance(resp, w.DestroyMachineResponse)
-        return m.DestroyMachineResponse(machine=resp.machine)
+        return await self._forward("DestroyMachine", request)
 
     async def WaitMachine(
         self, request: m.WaitMachineRequest, context: grpc.aio.ServicerContext
@@ -492,40 +447,17 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
     async def AcquireLease(
         self, request: m.AcquireLeaseRequest, context: grpc.aio.ServicerContext
     ) -> m.AcquireLeaseResponse:
-        resp = await self._call(
-            request.machine_id,
-            "AcquireLease",
-            w.AcquireLeaseRequest(
-                machine_id=request.machine_id,
-                ttl=request.ttl,
-                owner=request.owner,
-                description=request.description,
-                nonce=request.nonce,
-            ),
-        )
-        assert isinstance(resp, w.AcquireLeaseResponse)
-        return m.AcquireLeaseResponse(lease=resp.lease)
+        return await self._forward("AcquireLease", request)
 
     async def ReleaseLease(
         self, request: m.ReleaseLeaseRequest, context: grpc.aio.ServicerContext
     ) -> m.ReleaseLeaseResponse:
-        await self._call(
-            request.machine_id,
-            "ReleaseLease",
-            w.ReleaseLeaseRequest(machine_id=request.machine_id, nonce=request.nonce),
-        )
-        return m.ReleaseLeaseResponse()
+        return await self._forward("ReleaseLease", request)
 
     async def ListMachineEvents(
         self, request: m.ListMachineEventsRequest, context: grpc.aio.ServicerContext
     ) -> m.ListMachineEventsResponse:
-        resp = await self._call(
-            request.machine_id,
-            "ListMachineEvents",
-            w.ListMachineEventsRequest(machine_id=request.machine_id),
-        )
-        assert isinstance(resp, w.ListMachineEventsResponse)
-        return m.ListMachineEventsResponse(events=resp.events)
+        return await self._forward("ListMachineEvents", request)
 
 
 def _any(message: object) -> object:
