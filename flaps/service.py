@@ -237,8 +237,9 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
             request.app, regions, config, request.standby_for, request.idempotency_key or None
         )
         counts: Counter[str] = Counter()
+        states = worker_states(self.x.replica)  # one pass over the view for every region
         for region in regions:
-            decision = self.x.pipeline.decide(worker_states(self.x.replica), bid, region)
+            decision = self.x.pipeline.decide(states, bid, region)
             for candidate in decision.candidates:
                 machine = await self._claim(
                     candidate, suffix, request, config, skip_launch, decision

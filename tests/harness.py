@@ -32,20 +32,28 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 @dataclass
 class ServiceProcess:
-    """One service started as `python -m <module>.main`; `address` is where it listens."""
+    """One service started as `python -m <module>.main`; `address` is where it listens.
+
+    `netns` runs it inside that network namespace. `announced` holds the other `NONOMAD_*`
+    lines it printed before it was ready, by kind (the proxy's `NONOMAD_HTTP` address).
+    """
 
     name: str
     args: list[str]
     stderr_path: Path
     env: dict[str, str] = field(default_factory=clean_env)
+    netns: str = ""
     proc: subprocess.Popen[bytes] | None = None
     address: str = ""
+    announced: dict[str, str] = field(default_factory=dict)
 
     def start(self) -> ServiceProcess:
         self.stderr_path.parent.mkdir(parents=True, exist_ok=True)
+        enter = ["nsenter", f"--net=/var/run/netns/{self.netns}", "--"] if self.netns else []
+        code = f"from {self.name}.main import main; main()"
         with open(self.stderr_path, "ab") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", f"from {self.name}.main import main; main()", *self.args],
+                [*enter, sys.executable, "-c", code, *self.args],
                 cwd=REPO_ROOT,
                 env=self.env,
                 stdin=subprocess.DEVNULL,
@@ -71,6 +79,9 @@ class ServiceProcess:
                 for line in buf.decode(errors="replace").splitlines():
                     if line.startswith("NONOMAD_READY "):
                         return line.split()[2]
+                    if line.startswith("NONOMAD_") and len(line.split()) == 3:
+                        kind, _, address = line.split()
+                        self.announced[kind] = address
             elif self.proc.poll() is not None:
                 break
         self.kill()

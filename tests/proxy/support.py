@@ -15,11 +15,8 @@ import contextlib
 import itertools
 import os
 import secrets
-import select
 import socket
 import subprocess
-import sys
-import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +37,7 @@ from proxy.v1 import proxy_pb2, proxy_pb2_grpc
 from registry.replica import RESYNC, ReplicaEvent, Subscription, WorkerView
 from registry.view import ALIVE, Status
 from tests.conftest import _kill_machines, remove_cgroups
-from tests.harness import READY_DEADLINE, REPO_ROOT, ServiceProcess, clean_env, flyd_args
+from tests.harness import ServiceProcess, clean_env, flyd_args
 
 S = pb.MachineState
 STARTED = S.MACHINE_STATE_STARTED
@@ -321,62 +318,12 @@ DOMAIN = "nonomad.test"
 _ports = itertools.count(0)
 
 
-@dataclass
-class NsProcess(ServiceProcess):
-    """A service process, inside network namespace `netns` when one is named."""
-
-    netns: str = ""
-
-    def start(self) -> NsProcess:
-        self.stderr_path.parent.mkdir(parents=True, exist_ok=True)
-        enter = ["nsenter", f"--net=/var/run/netns/{self.netns}", "--"] if self.netns else []
-        code = f"from {self.name}.main import main; main()"
-        with open(self.stderr_path, "ab") as err:
-            self.proc = subprocess.Popen(
-                [*enter, sys.executable, "-c", code, *self.args],
-                cwd=REPO_ROOT,
-                env=self.env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=err,
-            )
-        self.address = self._read_ready()
-        return self
-
-
-class ProxyProcess(NsProcess):
+class ProxyProcess(ServiceProcess):
     """The proxy as a process: `address` is its gRPC address, `http` its HTTP address."""
 
-    http: str = ""
-
-    def _read_ready(self) -> str:
-        assert self.proc is not None
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + READY_DEADLINE
-        buf = b""
-        fd = self.proc.stdout.fileno()
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([fd], [], [], 0.1)
-            if ready:
-                chunk = os.read(fd, 4096)
-                if not chunk:
-                    break
-                buf += chunk
-                lines = buf.decode(errors="replace").splitlines()
-                for i, line in enumerate(lines):
-                    if line.startswith("NONOMAD_READY "):
-                        # The HTTP address is announced first, on a line of its own.
-                        http = [x for x in lines[:i] if x.startswith("NONOMAD_HTTP proxy ")]
-                        assert http, f"no NONOMAD_HTTP line before NONOMAD_READY: {lines}"
-                        self.http = http[-1].split()[2]
-                        return line.split()[2]
-            elif self.proc.poll() is not None:
-                break
-        self.kill()
-        raise RuntimeError(
-            f"proxy did not become ready: exit {self.proc.poll()}; stdout {buf!r}; "
-            f"stderr tail:\n{self.stderr_tail()}"
-        )
+    @property
+    def http(self) -> str:
+        return self.announced["NONOMAD_HTTP"]
 
 
 @dataclass
@@ -392,7 +339,7 @@ class ProxyFleet:
     channels: list[grpc.aio.Channel] = field(default_factory=list)
     frozen: list[ServiceProcess] = field(default_factory=list)
 
-    def _worker(self, worker_id: str, *extra: str, netns: str = "") -> NsProcess:
+    def _worker(self, worker_id: str, *extra: str, netns: str = "") -> ServiceProcess:
         block = 27000 + 50 * (next(_ports) % 100)
         args = flyd_args(
             self.tmp / worker_id,
@@ -407,7 +354,9 @@ class ProxyFleet:
             "0.1",
             *extra,
         )
-        return NsProcess("flyd", args, self.tmp / f"{worker_id}.log", env=clean_env(), netns=netns)
+        return ServiceProcess(
+            "flyd", args, self.tmp / f"{worker_id}.log", env=clean_env(), netns=netns
+        )
 
     def add_worker(self, worker_id: str, *extra: str, netns: str = "") -> ServiceProcess:
         proc = self._worker(worker_id, *extra, netns=netns)
@@ -429,7 +378,7 @@ class ProxyFleet:
 
     def start_flaps(self, netns: str = "") -> ServiceProcess:
         args = ["--listen", "127.0.0.1:0", "--grace-period", "2", *self._follow_args()]
-        proc = NsProcess("flaps", args, self.tmp / "flaps.log", env=clean_env(), netns=netns)
+        proc = ServiceProcess("flaps", args, self.tmp / "flaps.log", env=clean_env(), netns=netns)
         self.flaps = proc.start()
         return proc
 
