@@ -5,6 +5,7 @@ A service's entry point loads its `ServiceSettings` subclass with `settings_or_e
 Clients open channels with `aio_channel` so trace context crosses every hop.
 """
 
+from nonomad.runtime.endpoints import METRICS_PREFIX, MetricsEndpoint, TokenAuth
 from nonomad.runtime.logs import configure_logging
 from nonomad.runtime.server import (
     READY_PREFIX,
@@ -36,13 +37,16 @@ from nonomad.runtime.tracing import (
 
 __all__ = [
     "DEFAULT_CHANNEL_OPTIONS",
+    "METRICS_PREFIX",
     "READY_PREFIX",
     "ChannelOption",
     "ChannelTLS",
     "ErrorMapper",
+    "MetricsEndpoint",
     "Service",
     "ServiceSettings",
     "SettingsError",
+    "TokenAuth",
     "aio_channel",
     "client_interceptors",
     "configure_logging",

@@ -30,6 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from nonomad.runtime import tracing
+from nonomad.runtime.endpoints import METRICS_PREFIX, MetricsEndpoint, TokenAuth
 from nonomad.runtime.settings import ServiceSettings, SettingsError, parse_host_port
 
 __all__ = [
@@ -203,6 +204,7 @@ class Service:
         self._address: str | None = None
         self._started = False
         self._health: Any = None
+        self._metrics: MetricsEndpoint | None = None
 
     # -- registration ----------------------------------------------------------------------
 
@@ -334,8 +336,12 @@ class Service:
     async def _start_server(self) -> Any:
         settings = self.settings
         host, _ = parse_host_port(settings.listen)
+        interceptors: list[Any] = tracing.server_interceptors()
+        token = settings.auth_token
+        if token is not None:
+            interceptors.append(TokenAuth(token))
         server = grpc.aio.server(
-            interceptors=tracing.server_interceptors() or None,
+            interceptors=interceptors or None,
             options=server_options(settings),
         )
         for reg in self._registrations:
@@ -361,6 +367,14 @@ class Service:
             raise RuntimeError(f"could not bind {settings.listen}")
         self._address = _format_address(host, port)
         await server.start()
+        if settings.metrics_listen is not None:
+            try:
+                self._metrics = MetricsEndpoint(settings.metrics_listen)
+            except OSError as exc:
+                await server.stop(None)
+                raise RuntimeError(
+                    f"could not bind metrics_listen {settings.metrics_listen}: {exc}"
+                ) from exc
         return server
 
     async def _announce_ready(self) -> None:
@@ -374,6 +388,10 @@ class Service:
             tls=self.settings.tls_enabled,
             mutual_tls=self.settings.tls_client_ca is not None,
         )
+        if self._metrics is not None:
+            print(
+                f"{METRICS_PREFIX} {self.name} {self._metrics.address}", file=sys.stdout, flush=True
+            )
         # Test harnesses and supervisors wait for this exact line rather than polling a port.
         print(f"{READY_PREFIX} {self.name} {address}", file=sys.stdout, flush=True)
         if self.settings.ready_file is not None:
@@ -450,6 +468,8 @@ class Service:
             # A stale file would announce an address nobody listens on any more.
             with contextlib.suppress(FileNotFoundError):
                 ready_file.unlink()
+        if self._metrics is not None:
+            await asyncio.to_thread(self._metrics.close)
         # The exporter may block on an unreachable collector; keep the loop free meanwhile.
         await asyncio.to_thread(tracing.shutdown_tracing)
         _log.info("stopped", exit_code=self._exit_code)

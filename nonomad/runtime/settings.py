@@ -149,12 +149,42 @@ class ServiceSettings(BaseSettings):
         default=None,
         description="PEM CA bundle; when set, clients must present a certificate it signed",
     )
+    auth_token_file: Path | None = Field(
+        default=None,
+        description="file holding a bearer token; when set, every call but health and reflection "
+        "must send `authorization: Bearer <token>`",
+    )
+    metrics_listen: str | None = Field(
+        default=None,
+        description="host:port serving Prometheus metrics at /metrics over HTTP; port 0 picks one",
+    )
 
     @field_validator("listen")
     @classmethod
     def _check_listen(cls, value: str) -> str:
         parse_host_port(value)
         return value
+
+    @field_validator("metrics_listen")
+    @classmethod
+    def _check_metrics_listen(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_host_port(value)
+        return value
+
+    @field_validator("auth_token_file")
+    @classmethod
+    def _check_auth_token_file(cls, value: Path | None) -> Path | None:
+        if value is not None:
+            _existing_file(value)
+            if not value.read_text().strip():
+                raise ValueError(f"token file is empty: {value}")
+        return value
+
+    @property
+    def auth_token(self) -> str | None:
+        """The bearer token clients must send, or None when calls are not authenticated."""
+        return self.auth_token_file.read_text().strip() if self.auth_token_file else None
 
     @field_validator("tls_cert")
     @classmethod
