@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import grpc
@@ -459,6 +459,25 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
         self, request: m.ListMachineEventsRequest, context: grpc.aio.ServicerContext
     ) -> m.ListMachineEventsResponse:
         return await self._forward("ListMachineEvents", request)
+
+    async def GetMachineLogs(
+        self, request: m.GetMachineLogsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[m.GetMachineLogsResponse]:
+        stub = self.x.workers.stub(self.x.workers.owner(request.machine_id))
+        # A followed stream lasts as long as the client wants it; the client's cancel ends it.
+        call = stub.GetMachineLogs(
+            w.GetMachineLogsRequest(
+                machine_id=request.machine_id, follow=request.follow, tail_lines=request.tail_lines
+            ),
+            timeout=None if request.follow else RPC_TIMEOUT,
+        )
+        try:
+            async for item in call:
+                yield m.GetMachineLogsResponse(line=item.line)
+        except grpc.aio.AioRpcError as err:
+            raise Upstream(err) from None
+        finally:
+            call.cancel()
 
 
 def _any(message: object) -> object:

@@ -655,3 +655,50 @@ class ListMachineEventsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListMachineEventsResponse: _TypeAlias = ListMachineEventsResponse  # noqa: Y015
+
+@_typing.final
+class GetMachineLogsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MACHINE_ID_FIELD_NUMBER: _builtins.int
+    FOLLOW_FIELD_NUMBER: _builtins.int
+    TAIL_LINES_FIELD_NUMBER: _builtins.int
+    machine_id: _builtins.str
+    follow: _builtins.bool
+    """Keep streaming new lines."""
+    tail_lines: _builtins.int
+    """Start with the last N lines (default 100, at most 10000)."""
+    def __init__(
+        self,
+        *,
+        machine_id: _builtins.str = ...,
+        follow: _builtins.bool = ...,
+        tail_lines: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["follow", b"follow", "machine_id", b"machine_id", "tail_lines", b"tail_lines"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetMachineLogsRequest: _TypeAlias = GetMachineLogsRequest  # noqa: Y015
+
+@_typing.final
+class GetMachineLogsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LINE_FIELD_NUMBER: _builtins.int
+    line: _builtins.str
+    """One line of the machine's combined stdout and stderr, without newline."""
+    def __init__(
+        self,
+        *,
+        line: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["line", b"line"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetMachineLogsResponse: _TypeAlias = GetMachineLogsResponse  # noqa: Y015

@@ -105,6 +105,11 @@ class MachinesServiceStub:
                 request_serializer=flaps_dot_v1_dot_machines__pb2.ListMachineEventsRequest.SerializeToString,
                 response_deserializer=flaps_dot_v1_dot_machines__pb2.ListMachineEventsResponse.FromString,
                 _registered_method=True)
+        self.GetMachineLogs = channel.unary_stream(
+                '/flaps.v1.MachinesService/GetMachineLogs',
+                request_serializer=flaps_dot_v1_dot_machines__pb2.GetMachineLogsRequest.SerializeToString,
+                response_deserializer=flaps_dot_v1_dot_machines__pb2.GetMachineLogsResponse.FromString,
+                _registered_method=True)
 
 
 class MachinesServiceServicer:
@@ -220,6 +225,16 @@ class MachinesServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetMachineLogs(self, request, context):
+        """Streams the machine's log lines from its worker; with follow, keeps
+        streaming new lines until the client cancels or the machine is destroyed.
+        NOT_FOUND for an unknown id, INVALID_ARGUMENT for tail_lines outside
+        0..10000.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MachinesServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -287,6 +302,11 @@ def add_MachinesServiceServicer_to_server(servicer, server):
                     servicer.ListMachineEvents,
                     request_deserializer=flaps_dot_v1_dot_machines__pb2.ListMachineEventsRequest.FromString,
                     response_serializer=flaps_dot_v1_dot_machines__pb2.ListMachineEventsResponse.SerializeToString,
+            ),
+            'GetMachineLogs': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetMachineLogs,
+                    request_deserializer=flaps_dot_v1_dot_machines__pb2.GetMachineLogsRequest.FromString,
+                    response_serializer=flaps_dot_v1_dot_machines__pb2.GetMachineLogsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -646,6 +666,33 @@ class MachinesService:
             '/flaps.v1.MachinesService/ListMachineEvents',
             flaps_dot_v1_dot_machines__pb2.ListMachineEventsRequest.SerializeToString,
             flaps_dot_v1_dot_machines__pb2.ListMachineEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetMachineLogs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/flaps.v1.MachinesService/GetMachineLogs',
+            flaps_dot_v1_dot_machines__pb2.GetMachineLogsRequest.SerializeToString,
+            flaps_dot_v1_dot_machines__pb2.GetMachineLogsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -86,6 +86,12 @@ class MachinesServiceStub:
     """Returns the machine's recorded state changes, oldest first. NOT_FOUND for
     an unknown id.
     """
+    GetMachineLogs: _grpc.UnaryStreamMultiCallable[_machines_pb2.GetMachineLogsRequest, _machines_pb2.GetMachineLogsResponse]
+    """Streams the machine's log lines from its worker; with follow, keeps
+    streaming new lines until the client cancels or the machine is destroyed.
+    NOT_FOUND for an unknown id, INVALID_ARGUMENT for tail_lines outside
+    0..10000.
+    """
 
 @_typing.type_check_only
 class MachinesServiceAsyncStub(MachinesServiceStub):
@@ -144,6 +150,12 @@ class MachinesServiceAsyncStub(MachinesServiceStub):
     ListMachineEvents: _aio.UnaryUnaryMultiCallable[_machines_pb2.ListMachineEventsRequest, _machines_pb2.ListMachineEventsResponse]  # type: ignore[assignment]
     """Returns the machine's recorded state changes, oldest first. NOT_FOUND for
     an unknown id.
+    """
+    GetMachineLogs: _aio.UnaryStreamMultiCallable[_machines_pb2.GetMachineLogsRequest, _machines_pb2.GetMachineLogsResponse]  # type: ignore[assignment]
+    """Streams the machine's log lines from its worker; with follow, keeps
+    streaming new lines until the client cancels or the machine is destroyed.
+    NOT_FOUND for an unknown id, INVALID_ARGUMENT for tail_lines outside
+    0..10000.
     """
 
 class MachinesServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -278,6 +290,18 @@ class MachinesServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_machines_pb2.ListMachineEventsResponse, _abc.Awaitable[_machines_pb2.ListMachineEventsResponse]]:
         """Returns the machine's recorded state changes, oldest first. NOT_FOUND for
         an unknown id.
+        """
+
+    @_abc_1.abstractmethod
+    def GetMachineLogs(
+        self,
+        request: _machines_pb2.GetMachineLogsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_machines_pb2.GetMachineLogsResponse], _abc.AsyncIterator[_machines_pb2.GetMachineLogsResponse]]:
+        """Streams the machine's log lines from its worker; with follow, keeps
+        streaming new lines until the client cancels or the machine is destroyed.
+        NOT_FOUND for an unknown id, INVALID_ARGUMENT for tail_lines outside
+        0..10000.
         """
 
 def add_MachinesServiceServicer_to_server(servicer: MachinesServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
