@@ -48,6 +48,10 @@ LAST_LAG = Gauge(
 )
 
 
+# The per-worker gauge children, so applying a change skips the labels() lookup and its lock.
+_last_lag: dict[str, Gauge] = {}
+
+
 def applied(worker_id: str, item: worker_pb2.WatchEventsResponse, now: float) -> None:
     """Count an item the view applied; `now` is the replica's clock (seconds since the epoch)."""
     kind = item.WhichOneof("item")
@@ -60,7 +64,10 @@ def applied(worker_id: str, item: worker_pb2.WatchEventsResponse, now: float) ->
         if stamp.seconds or stamp.nanos:
             lag = max(0.0, now - (stamp.seconds + stamp.nanos * 1e-9))
             REPLICATION_LAG.observe(lag)
-            LAST_LAG.labels(worker_id).set(lag)
+            gauge = _last_lag.get(worker_id)
+            if gauge is None:
+                gauge = _last_lag[worker_id] = LAST_LAG.labels(worker_id)
+            gauge.set(lag)
 
 
 class _WorkersByStatus(Collector):
