@@ -281,35 +281,36 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
                 response.lease.CopyFrom(lease.lease)
             return response
         error = NoCapacity(regions, counts)
-        log.info("no capacity", app=request.app, regions=regions, rejections=dict(counts))
-        await context.abort_with_status(
-            rpc_status.to_status(
-                status_pb2.Status(
-                    code=code_pb2.RESOURCE_EXHAUSTED,
-                    message=str(error),
-                    details=[
-                        _any(
-                            error_details_pb2.ErrorInfo(
-                                reason="NO_CAPACITY",
-                                domain="flaps.nonomad",
-                                metadata={reason: str(n) for reason, n in counts.items()},
-                            )
-                        ),
-                        _any(
-                            error_details_pb2.QuotaFailure(
-                                violations=[
-                                    error_details_pb2.QuotaFailure.Violation(
-                                        subject=reason, description=f"{n}"
-                                    )
-                                    for reason, n in counts.most_common()
-                                ]
-                            )
-                        ),
-                    ],
-                )
+        log.info("no_capacity", app=request.app, regions=regions, rejections=dict(counts))
+        status = rpc_status.to_status(
+            status_pb2.Status(
+                code=code_pb2.RESOURCE_EXHAUSTED,
+                message=str(error),
+                details=[
+                    _any(
+                        error_details_pb2.ErrorInfo(
+                            reason="NO_CAPACITY",
+                            domain="flaps.nonomad",
+                            metadata={reason: str(n) for reason, n in counts.items()},
+                        )
+                    ),
+                    _any(
+                        error_details_pb2.QuotaFailure(
+                            violations=[
+                                error_details_pb2.QuotaFailure.Violation(
+                                    subject=reason, description=f"{n}"
+                                )
+                                for reason, n in counts.most_common()
+                            ]
+                        )
+                    ),
+                ],
             )
         )
-        raise AssertionError("abort_with_status returns only by raising")
+        # What abort_with_status does, but through `abort`: the tracing interceptor's context
+        # records the status code on the span only from abort (abort_with_status bypasses it).
+        await context.abort(status.code, status.details, status.trailing_metadata)
+        raise AssertionError("abort returns only by raising")
 
     async def _claim_best(
         self,

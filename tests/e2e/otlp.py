@@ -30,7 +30,6 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 __all__ = ["Event", "OtlpReceiver", "Span", "SpanKind"]
 
 SpanKind = trace_pb2.Span.SpanKind
-STATUS_ERROR = trace_pb2.Status.STATUS_CODE_ERROR
 
 # Spans a receiver keeps at most: a test that exports more is broken, not busy.
 MAX_SPANS = 100_000

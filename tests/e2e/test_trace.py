@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import sys
 from typing import Any
 
+import grpc
+
 from tests.e2e.otlp import OtlpReceiver, Span, SpanKind
 from tests.flaps.conftest import Fleet
-from tests.harness import REPO_ROOT, clean_env
+from tests.harness import REPO_ROOT, clean_env, grpcurl
 
 SERVER, CLIENT = SpanKind.SPAN_KIND_SERVER, SpanKind.SPAN_KIND_CLIENT
 FLAPS_CREATE = "/flaps.v1.MachinesService/CreateMachine"
@@ -60,8 +63,8 @@ async def test_create_and_wait_is_one_trace_across_client_flaps_and_flyd(
     traced_fleet: Fleet, otlp: OtlpReceiver
 ) -> None:
     fleet = traced_fleet
-    fleet.add_worker("ams-1", "ams")
-    fleet.add_worker("ams-2", "ams")
+    for worker_id in ("ams-1", "ams-2"):
+        fleet.add_worker(worker_id, "ams", "--capacity.memory-mib", "512")
     flaps = fleet.add_flaps()
     await fleet.until_alive()
 
@@ -121,3 +124,38 @@ async def test_create_and_wait_is_one_trace_across_client_flaps_and_flyd(
         if line["event"] == "placed" and line.get("machine_id") == answer["machine_id"]
     ]
     assert (placed["trace_id"], placed["span_id"]) == (served.trace_id, served.span_id)
+
+    # A bid nobody can take, sent by grpcurl under a caller's own trace context: the refusal
+    # is traced too, with every rejection on the decision.
+    trace_id, parent_id = secrets.token_hex(16), secrets.token_hex(8)
+    guest = {"cpu_millicores": 100, "memory_mib": 600}
+    body = {"app": "big", "region": "ams", "config": {"image": "demo:v1", "guest": guest}}
+    refused = await asyncio.to_thread(
+        grpcurl,
+        "-plaintext",
+        "-H",
+        f"traceparent: 00-{trace_id}-{parent_id}-01",
+        "-d",
+        json.dumps(body),
+        flaps.address,
+        FLAPS_CREATE.lstrip("/"),
+    )
+    assert "ResourceExhausted" in refused.stderr, refused.stderr
+    failed = await otlp.until(
+        lambda s: s.trace_id == trace_id and s.name == FLAPS_CREATE, what="the refused create"
+    )
+    assert (failed.parent_span_id, failed.kind, failed.service) == (parent_id, SERVER, "flaps")
+    # The code is on the span (the semantic conventions leave a server span's status unset
+    # for RESOURCE_EXHAUSTED: the caller's mistake or the fleet's state, not the server's).
+    assert failed.attributes["rpc.grpc.status_code"] == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    decision = failed.event("placement.decision").attributes
+    assert (decision["outcome"], decision["winner"], decision["candidates"]) == (
+        "exhausted",
+        "",
+        (),
+    )
+    assert sorted(decision["rejections"]) == [
+        "ams-1:insufficient_memory",
+        "ams-2:insufficient_memory",
+    ]
+    assert otlp.children(failed) == []  # no worker was asked
