@@ -23,7 +23,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 from opentelemetry import trace
 
-from flaps import placement
+from flaps import metrics, placement
 from flaps.errors import InvalidArgument, NoCapacity, NotFound, Unavailable, Upstream
 from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
@@ -48,7 +48,7 @@ RPC_TIMEOUT = 10.0
 MAX_WAIT = 60.0
 MAX_LEASE = 3600.0
 # Worker answers that mean "not here, try another": nothing was created.
-REFUSALS = {
+REFUSALS: dict[grpc.StatusCode, metrics.Claim] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: "refused",
     grpc.StatusCode.UNAVAILABLE: "unreachable",
 }
@@ -122,8 +122,12 @@ def _state(view: WorkerView, machines: list[pb.Machine]) -> placement.WorkerStat
     )
 
 
-def _record(decision: placement.Decision) -> None:
-    """Put the decision on the current span; a no-op (and cheap) when tracing is off."""
+def _conclude(
+    decision: placement.Decision, outcome: metrics.Outcome, winner: str | None = None
+) -> None:
+    """A region's decision is final: count it, and put it on the current span as the event
+    `placement.decision` (a cheap no-op when tracing is off)."""
+    metrics.concluded(decision, outcome)
     span = trace.get_current_span()
     if not span.is_recording():
         return
@@ -131,6 +135,8 @@ def _record(decision: placement.Decision) -> None:
         "placement.decision",
         {
             "region": decision.region,
+            "outcome": outcome,
+            "winner": winner or "",
             "examined": decision.examined,
             "candidates": [f"{c.worker_id}={c.score}" for c in decision.candidates],
             "sub_scores": [
@@ -138,6 +144,7 @@ def _record(decision: placement.Decision) -> None:
                 for c in decision.candidates
             ],
             "rejections": [f"{r.worker_id}:{r.reason}" for r in decision.rejections],
+            "rejection_details": [f"{r.worker_id}:{r.detail}" for r in decision.rejections],
         },
     )
 
@@ -238,67 +245,89 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
         )
         counts: Counter[str] = Counter()
         states = worker_states(self.x.replica)  # one pass over the view for every region
-        for region in regions:
+        for i, region in enumerate(regions):
+            if i:
+                metrics.fell_back("next_region")
             decision = self.x.pipeline.decide(states, bid, region)
-            for candidate in decision.candidates:
-                machine = await self._claim(
-                    candidate, suffix, request, config, skip_launch, decision
+            try:
+                placed = await self._claim_best(decision, suffix, request, config, skip_launch)
+            except Upstream:
+                _conclude(decision, "failed")
+                raise
+            if placed is None:
+                _conclude(decision, "exhausted")
+                counts.update(decision.counts())
+                continue
+            machine, candidate = placed
+            _conclude(decision, "placed", candidate.worker_id)
+            log.info(
+                "placed",
+                machine_id=machine.id,
+                worker=candidate.worker_id,
+                region=region,
+                score=candidate.score,
+                state="created",
+            )
+            response = m.CreateMachineResponse(machine=machine)
+            if lease_ttl:
+                lease = await self._call(
+                    machine.id,
+                    "AcquireLease",
+                    w.AcquireLeaseRequest(
+                        machine_id=machine.id, ttl=request.lease_ttl, owner="flaps create"
+                    ),
                 )
-                if machine is None:
-                    continue
-                _record(decision)
-                log.info(
-                    "placed",
-                    machine_id=machine.id,
-                    worker=candidate.worker_id,
-                    region=region,
-                    score=candidate.score,
-                    state="created",
-                )
-                response = m.CreateMachineResponse(machine=machine)
-                if lease_ttl:
-                    lease = await self._call(
-                        machine.id,
-                        "AcquireLease",
-                        w.AcquireLeaseRequest(
-                            machine_id=machine.id, ttl=request.lease_ttl, owner="flaps create"
-                        ),
-                    )
-                    assert isinstance(lease, w.AcquireLeaseResponse)
-                    response.lease.CopyFrom(lease.lease)
-                return response
-            _record(decision)
-            counts.update(decision.counts())
+                assert isinstance(lease, w.AcquireLeaseResponse)
+                response.lease.CopyFrom(lease.lease)
+            return response
         error = NoCapacity(regions, counts)
-        log.info("no capacity", app=request.app, regions=regions, rejections=dict(counts))
-        await context.abort_with_status(
-            rpc_status.to_status(
-                status_pb2.Status(
-                    code=code_pb2.RESOURCE_EXHAUSTED,
-                    message=str(error),
-                    details=[
-                        _any(
-                            error_details_pb2.ErrorInfo(
-                                reason="NO_CAPACITY",
-                                domain="flaps.nonomad",
-                                metadata={reason: str(n) for reason, n in counts.items()},
-                            )
-                        ),
-                        _any(
-                            error_details_pb2.QuotaFailure(
-                                violations=[
-                                    error_details_pb2.QuotaFailure.Violation(
-                                        subject=reason, description=f"{n}"
-                                    )
-                                    for reason, n in counts.most_common()
-                                ]
-                            )
-                        ),
-                    ],
-                )
+        log.info("no_capacity", app=request.app, regions=regions, rejections=dict(counts))
+        status = rpc_status.to_status(
+            status_pb2.Status(
+                code=code_pb2.RESOURCE_EXHAUSTED,
+                message=str(error),
+                details=[
+                    _any(
+                        error_details_pb2.ErrorInfo(
+                            reason="NO_CAPACITY",
+                            domain="flaps.nonomad",
+                            metadata={reason: str(n) for reason, n in counts.items()},
+                        )
+                    ),
+                    _any(
+                        error_details_pb2.QuotaFailure(
+                            violations=[
+                                error_details_pb2.QuotaFailure.Violation(
+                                    subject=reason, description=f"{n}"
+                                )
+                                for reason, n in counts.most_common()
+                            ]
+                        )
+                    ),
+                ],
             )
         )
-        raise AssertionError("abort_with_status returns only by raising")
+        # What abort_with_status does, but through `abort`: the tracing interceptor's context
+        # records the status code on the span only from abort (abort_with_status bypasses it).
+        await context.abort(status.code, status.details, status.trailing_metadata)
+        raise AssertionError("abort returns only by raising")
+
+    async def _claim_best(
+        self,
+        decision: placement.Decision,
+        suffix: str,
+        request: m.CreateMachineRequest,
+        config: pb.MachineConfig,
+        skip_launch: bool,
+    ) -> tuple[pb.Machine, placement.Candidate] | None:
+        """Claim on the candidates in rank order; the first that takes it, or None."""
+        for i, candidate in enumerate(decision.candidates):
+            if i:
+                metrics.fell_back("next_worker")
+            machine = await self._claim(candidate, suffix, request, config, skip_launch, decision)
+            if machine is not None:
+                return machine, candidate
+        return None
 
     async def _claim(
         self,
@@ -328,16 +357,20 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
             if reason is None:
                 # Anything else is final: a timeout may have created the machine, and trying
                 # elsewhere could create it twice. A retry with the same key is safe.
+                metrics.claimed("failed")
                 raise Upstream(err) from None
+            metrics.claimed(reason)
             decision.rejections.append(
                 placement.Rejection(candidate.worker_id, reason, err.details() or "")
             )
             return None
         except Unavailable as err:
+            metrics.claimed("unreachable")
             decision.rejections.append(
                 placement.Rejection(candidate.worker_id, "unreachable", str(err))
             )
             return None
+        metrics.claimed("accepted")
         return resp.machine
 
     async def _existing(self, app: str, suffix: str) -> pb.Machine | None:

@@ -26,6 +26,7 @@ from flyd.clock import Clock, SystemClock
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2, worker_pb2_grpc
 from nonomad.runtime import aio_channel, parse_host_port
+from registry import metrics
 from registry.errors import InvalidArgument, RegistryError, Unavailable
 from registry.v1 import registry_pb2, registry_pb2_grpc
 from registry.view import (
@@ -329,6 +330,7 @@ class Replica:
         if self._running or self._stopped:
             raise RuntimeError("a Replica runs only once")
         self._running = True
+        metrics.track(self._view)
         core: list[asyncio.Task[None]] = []
         try:
             core.append(asyncio.create_task(self._liveness_loop(), name="registry/liveness"))
@@ -358,6 +360,7 @@ class Replica:
         finally:
             self._stopped = True
             self._running = False
+            metrics.untrack(self._view)
             tasks = [*core, *self._followers.values(), *self._tasks]
             for task in tasks:
                 task.cancel()
@@ -403,7 +406,10 @@ class Replica:
         self._changed = asyncio.Event()
 
     def _apply(self, worker_id: str, item: worker_pb2.WatchEventsResponse) -> None:
-        applied = self._view.apply(worker_id, item, self.clock.now())
+        now = self.clock.now()
+        applied = self._view.apply(worker_id, item, now)
+        if applied.relay:
+            metrics.applied(worker_id, item, now)
         self._publish(applied.events, (worker_id, item) if applied.relay else None)
 
     def _set_connected(self, worker_id: str, connected: bool) -> None:
@@ -614,8 +620,11 @@ class Replica:
                         got_any = True
                         backoff = RETRY_MIN
                         log.info("following_upstream", upstream=self.upstream)
-                    applied = self._view.apply_upstream(resp, self.clock.now())
+                    now = self.clock.now()
+                    applied = self._view.apply_upstream(resp, now)
                     relayed = (resp.worker_id, resp.item) if resp.HasField("item") else None
+                    if relayed is not None and applied.relay:
+                        metrics.applied(*relayed, now)
                     self._publish(applied.events, relayed if applied.relay else None)
                 reason = "ended"
             except grpc.aio.AioRpcError as err:

@@ -409,6 +409,10 @@ class View:
     def regions(self) -> set[str]:
         return {m.info.region for m in self._members.values()}
 
+    def liveness(self) -> list[tuple[str, Status]]:
+        """(region, status) of every worker; safe to call from another thread (for metrics)."""
+        return [(m.info.region, m.status) for m in list(self._members.values())]
+
     def machine(self, machine_id: str) -> pb.Machine | None:
         owner = self._owner.get(machine_id)
         if owner is None:

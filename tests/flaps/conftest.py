@@ -23,31 +23,43 @@ _ports = itertools.count(0)
 
 @dataclass
 class Fleet:
-    """Workers by id and flaps instances, plus stubs to talk to them."""
+    """Workers by id and flaps instances, plus stubs to talk to them.
+
+    `env` is added to every process's environment (the `OTEL_*` settings of a trace receiver).
+    """
 
     tmp: Path
     image_source: Path
+    env: dict[str, str] = field(default_factory=dict)
     prefix: str = field(default_factory=lambda: f"nonomad-test-{uuid.uuid4().hex[:8]}")
     workers: dict[str, ServiceProcess] = field(default_factory=dict)
     flaps: list[ServiceProcess] = field(default_factory=list)
     channels: list[grpc.aio.Channel] = field(default_factory=list)
 
-    def add_worker(self, worker_id: str, region: str, *extra: str) -> ServiceProcess:
-        block = 25000 + 50 * (next(_ports) % 100)
+    def add_worker(
+        self, worker_id: str, region: str, *extra: str, ports: str = ""
+    ) -> ServiceProcess:
+        """Start worker `worker_id`; `ports` ("LOW-HIGH") are its host ports for services
+        (default: a block of 50 of its own)."""
+        if not ports:
+            block = 25000 + 50 * (next(_ports) % 100)
+            ports = f"{block}-{block + 49}"
         args = flyd_args(
             self.tmp / worker_id,
             self.image_source,
             worker_id,
             region,
             "--ports",
-            f"{block}-{block + 49}",
+            ports,
             "--cgroup-prefix",
             self.prefix,
             "--heartbeat-interval",
             "0.1",
             *extra,
         )
-        proc = ServiceProcess("flyd", args, self.tmp / f"{worker_id}.log", env=clean_env())
+        proc = ServiceProcess(
+            "flyd", args, self.tmp / f"{worker_id}.log", env=clean_env(**self.env)
+        )
         self.workers[worker_id] = proc.start()
         return proc
 
@@ -66,7 +78,7 @@ class Fleet:
         for worker in self.workers.values():
             args += ["--workers", worker.address]
         proc = ServiceProcess(
-            "flaps", args, self.tmp / f"flaps-{len(self.flaps)}.log", env=clean_env()
+            "flaps", args, self.tmp / f"flaps-{len(self.flaps)}.log", env=clean_env(**self.env)
         )
         self.flaps.append(proc.start())
         return proc

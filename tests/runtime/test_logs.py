@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 import structlog
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+from opentelemetry.trace import NoOpTracerProvider
 
 from nonomad.runtime import configure_logging
 
@@ -101,6 +103,32 @@ def test_trace_and_span_ids_inside_an_active_span(capsys: pytest.CaptureFixture[
         assert line["trace_id"] == format(context.trace_id, "032x")
         assert line["span_id"] == format(context.span_id, "016x")
     assert "trace_id" not in outside
+
+
+def test_no_trace_keys_when_tracing_is_off(capsys: pytest.CaptureFixture[str]) -> None:
+    # What the API hands out before any SDK provider is installed: spans without valid ids.
+    configure_logging("flyd", "info")
+    with NoOpTracerProvider().get_tracer("test").start_as_current_span("create_machine"):
+        log.info("inside")
+    [line] = lines(capsys)
+    assert "trace_id" not in line
+    assert "span_id" not in line
+
+
+def test_an_unsampled_span_still_correlates_by_trace_id(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # A caller that did not sample still gave the trace its id: lines of every service that
+    # handled the request share it, whether or not any span of it is exported.
+    configure_logging("flyd", "info")
+    tracer = TracerProvider(sampler=ALWAYS_OFF, shutdown_on_exit=False).get_tracer("test")
+    with tracer.start_as_current_span("create_machine") as span:
+        log.info("inside")
+    [line] = lines(capsys)
+    assert not span.is_recording()
+    context = span.get_span_context()
+    assert line["trace_id"] == format(context.trace_id, "032x")
+    assert line["span_id"] == format(context.span_id, "016x")
 
 
 def test_unknown_level_is_refused() -> None:
