@@ -42,6 +42,9 @@ PID_FILE = "up.pid"
 MAX_WAIT_CALL = 60.0  # flaps' WaitMachine limit; longer waits are several calls
 DEFAULT_WAIT = 60.0
 HINT = "is a cluster running? `nonomad up`"
+TLS_HINT = (
+    "does it serve TLS (--tls, --tls-ca) or want a client certificate (--tls-cert, --tls-key)?"
+)
 
 
 class CliError(Exception):
@@ -211,11 +214,15 @@ def describe(err: ApiError, address: str) -> str:
     if err.code.name == "UNAVAILABLE" and (
         "failed to connect" in err.message or "DNS resolution failed" in err.message
     ):
+        if any(sign in err.message.lower() for sign in ("socket closed", "handshake", "ssl")):
+            # The connection opened and then failed: its TLS does not match flaps'.
+            return f"cannot reach flaps at {address} ({err.message}); {TLS_HINT}"
         return f"cannot reach flaps at {address} ({err.message}); {HINT}"
     if err.code.name == "DEADLINE_EXCEEDED" and err.message == "Deadline Exceeded":
         return f"flaps at {address} did not answer in time; {HINT}"
     line = f"{err.code.name}: {err.message}"
-    if err.rejections:  # only RESOURCE_EXHAUSTED from placement has them
+    # Only RESOURCE_EXHAUSTED from placement has them; flaps' message usually names them too.
+    if err.rejections and not all(reason in err.message for reason in err.rejections):
         by_reason = ", ".join(
             f"{reason}={n}" for reason, n in sorted(err.rejections.items(), key=lambda i: -i[1])
         )
@@ -324,7 +331,7 @@ async def wait_state(flaps: Client, machine_id: str, state: str, budget: float) 
         left = deadline - time.monotonic()
         try:
             return await flaps.wait_machine(
-                machine_id, state, wait=max(0.1, min(left, MAX_WAIT_CALL))
+                machine_id, state, wait=round(max(0.1, min(left, MAX_WAIT_CALL)), 1)
             )
         except DeadlineExceeded:
             if deadline - time.monotonic() <= 0:

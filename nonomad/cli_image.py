@@ -44,6 +44,10 @@ def tree_size(root: Path) -> tuple[int, int]:
     return files, total
 
 
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def human_bytes(n: int) -> str:
     if n < 1024:
         return f"{n} B"
@@ -88,7 +92,10 @@ def cmd_build(args: argparse.Namespace) -> int:
     files, size = tree_size(src)
     tty = sys.stderr.isatty() and not args.json
     if tty:
-        print(f"building {ref} from {src} ({files} files, {human_bytes(size)})...", file=sys.stderr)
+        print(
+            f"building {ref} from {src} ({plural(files, 'file')}, {human_bytes(size)})...",
+            file=sys.stderr,
+        )
     started = time.monotonic()
     try:
         digest = build_image(
@@ -121,7 +128,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 
     def human() -> str:
         line = (
-            f"built {ref} in {seconds:.2f} s: {files} files, {human_bytes(size)} "
+            f"built {ref} in {seconds:.2f} s: {plural(files, 'file')}, {human_bytes(size)} "
             f"({human_bytes(layer)} compressed), digest {digest}\ninto {report['out']}"
         )
         if cluster is not None and Path(cluster.image_source).absolute() == Path(out).absolute():

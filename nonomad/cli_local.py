@@ -31,6 +31,7 @@ from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
 from nonomad.cli_common import (
     CLUSTER_FILE,
+    DEFAULT_STATE_DIR,
     CliError,
     LocalCluster,
     emit,
@@ -303,7 +304,11 @@ def cmd_up(args: argparse.Namespace) -> int:
             print(
                 f"\nstraight to the machine:\n  curl http://127.0.0.1:{first.ports[0].host_port}/"
             )
-            print("\nthe exchange:")
+            here = "" if args.state_dir == DEFAULT_STATE_DIR else f" --state-dir {args.state_dir}"
+            print("\nthe CLI (it finds this cluster's flaps from its state dir):")
+            for command in ("machines list demo", f"machines show {first.id}", "regions"):
+                print(f"  nonomad{here} {command}")
+            print("\nthe exchange with grpcurl:")
             for body, rpc in [
                 (None, "list"),
                 ("{}", "flaps.v1.PlatformService/ListRegions"),

@@ -30,6 +30,11 @@ def size(guest: GuestConfig) -> str:
     return f"{guest.cpu_millicores}m/{guest.memory_mib}MiB"
 
 
+def display_name(machine: Machine) -> str:
+    """The name given at create; a machine without one is named by its id."""
+    return machine.name if machine.name and machine.name != machine.id else "-"
+
+
 def ports(machine: Machine) -> str:
     return ", ".join(f"{p.internal_port}->{p.host}:{p.host_port}" for p in machine.ports) or "-"
 
@@ -38,7 +43,7 @@ def machines_table(machines: list[Machine]) -> str:
     rows = [
         [
             m.id,
-            m.name or "-",
+            display_name(m),
             state_name(m.state),
             m.region,
             m.worker_id,
@@ -80,7 +85,7 @@ def show_text(machine: Machine) -> str:
     lease = machine.lease
     fields: list[tuple[str, object]] = [
         ("id", machine.id),
-        ("name", machine.name or "-"),
+        ("name", display_name(machine)),
         ("app", machine.app),
         ("state", state_name(machine.state)),
         ("region", machine.region),

@@ -127,11 +127,13 @@ async def test_a_machine_from_run_to_destroy(cli_fleet: CliFleet) -> None:
     assert (restart.code, restart.out) == (0, f"{mid}: started\n"), restart.err
 
     # A standby on the other worker, and what the platform refuses, side by side.
-    standby, not_forced, unknown, no_room, no_region, anonymous, too_soon = await asyncio.gather(
+    results = await asyncio.gather(
         cli_fleet(
             "machines", "run", "web", "--image", "demo:v1", "--region", "ams", "--memory", "64",
             "--standby-for", mid, "--json", "--", "sleep", "1000",
         ),
+        cli_fleet("machines", "run", "idle", "--image", "demo:v1", "--region", "ams",
+                  "--memory", "64", "--no-start", "--json"),
         cli_fleet("machines", "destroy", mid),
         cli_fleet("machines", "show", "ams-1-000000000000"),
         cli_fleet("machines", "run", "web", "--image", "demo:v1", "--region", "ams",
@@ -140,13 +142,15 @@ async def test_a_machine_from_run_to_destroy(cli_fleet: CliFleet) -> None:
         nonomad("machines", "list", "web", env=cli_fleet.env),  # no --token-file
         cli_fleet("machines", "wait", mid, "stopped", "--timeout", "0.5"),
     )  # fmt: skip
+    standby, idle, not_forced, unknown, no_room, no_region, anonymous, too_soon = results
     spare = standby.json()
     assert spare["worker_id"] != created["worker_id"]
     assert spare["state"] == "MACHINE_STATE_CREATED"
     assert spare["config"]["standbys"] == [mid]
+    assert idle.json()["state"] == "MACHINE_STATE_CREATED"
     one_line_error(not_forced, 1, "FAILED_PRECONDITION")
     one_line_error(unknown, 1, "NOT_FOUND", "ams-1-000000000000")
-    one_line_error(no_room, 1, "RESOURCE_EXHAUSTED", "[rejections: insufficient_memory=2]")
+    one_line_error(no_room, 1, "RESOURCE_EXHAUSTED", "2 insufficient_memory")
     one_line_error(no_region, 1, "INVALID_ARGUMENT", "nowhere")
     one_line_error(anonymous, 1, "UNAUTHENTICATED")
     one_line_error(too_soon, 1, "DEADLINE_EXCEEDED", "started, not stopped")

@@ -6,6 +6,10 @@ import asyncio
 import socket
 from pathlib import Path
 
+import grpc
+
+from nonomad.cli_common import describe
+from nonomad.client import ResourceExhausted
 from tests.cli.conftest import Result, nonomad
 from tests.cli.test_machines import one_line_error
 
@@ -69,3 +73,14 @@ async def test_bad_input_and_an_unreachable_flaps(tmp_path: Path) -> None:
     for (args, code, fragments), result in zip(cases, results, strict=True):
         assert result.out == "", (args, result.out)
         one_line_error(result, code, *fragments)
+
+
+def test_rejections_are_spelled_out_when_the_message_lacks_them() -> None:
+    bare = ResourceExhausted(grpc.StatusCode.RESOURCE_EXHAUSTED, "no room", "CreateMachine")
+    bare.rejections = {"insufficient_cpu": 1, "insufficient_memory": 3}
+    assert describe(bare, "127.0.0.1:1") == (
+        "RESOURCE_EXHAUSTED: no room [rejections: insufficient_memory=3, insufficient_cpu=1]"
+    )
+    told = ResourceExhausted(grpc.StatusCode.RESOURCE_EXHAUSTED, "no room (3 insufficient_memory)")
+    told.rejections = {"insufficient_memory": 3}
+    assert describe(told, "127.0.0.1:1") == "RESOURCE_EXHAUSTED: no room (3 insufficient_memory)"
