@@ -32,6 +32,7 @@ from flyd.v1 import worker_pb2_grpc
 from nonomad.cli_common import (
     CLUSTER_FILE,
     DEFAULT_STATE_DIR,
+    PID_FILE,
     CliError,
     LocalCluster,
     emit,
@@ -157,7 +158,7 @@ def _wait_listening(port: int, timeout: float = READY_TIMEOUT) -> bool:
 
 def cmd_up(args: argparse.Namespace) -> int:
     state: Path = args.state_dir.absolute()
-    pid_file = state / "up.pid"
+    pid_file = state / PID_FILE
     if pid_file.exists() and pid_alive(int(pid_file.read_text())):
         raise CliError(
             f"a cluster already runs from {state} (pid {pid_file.read_text()}); "
@@ -358,7 +359,7 @@ def _grpcurl() -> str:
 
 def _workers(state: Path) -> list[WorkerProc]:
     path = state / "workers.json"
-    pid_file = state / "up.pid"
+    pid_file = state / PID_FILE
     if not path.exists() or not pid_file.exists():
         raise CliError(f"no cluster runs from {state}; start one with `nonomad up`")
     return [WorkerProc(**item) for item in json.loads(path.read_text())]
@@ -418,7 +419,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_down(args: argparse.Namespace) -> int:
     state = args.state_dir.absolute()
-    pid_file = state / "up.pid"
+    pid_file = state / PID_FILE
     if not pid_file.exists():
         raise CliError(f"no cluster runs from {state}")
     pid = int(pid_file.read_text())

@@ -8,7 +8,6 @@ import contextlib
 import json
 import shlex
 import signal
-import uuid
 
 from nonomad.cli_common import (
     UsageError,
@@ -177,7 +176,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             name=args.name or "",
             skip_launch=args.no_start,
             standby_for=args.standby_for,
-            idempotency_key=args.idempotency_key or uuid.uuid4().hex,
+            idempotency_key=args.idempotency_key or "",
         )
         standby = bool(args.standby_for)
         if args.wait and not standby:
