@@ -262,12 +262,14 @@ def to_json(value: Any) -> Any:
     from google.protobuf.message import Message
 
     if isinstance(value, Message):
-        return json_format.MessageToDict(
-            value,
-            preserving_proto_field_name=True,
-            always_print_fields_with_no_presence=True,
-            unquote_int64_if_possible=True,
-        )
+        options: dict[str, Any] = {
+            "preserving_proto_field_name": True,
+            "always_print_fields_with_no_presence": True,
+        }
+        try:  # int64 fields (capacities) as JSON numbers, not ProtoJSON's strings
+            return json_format.MessageToDict(value, **options, unquote_int64_if_possible=True)
+        except TypeError:  # a protobuf before 7.35 (pyproject allows 5.28): strings it is
+            return json_format.MessageToDict(value, **options)
     if isinstance(value, Mapping):
         return {k: to_json(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
