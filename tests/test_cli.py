@@ -106,6 +106,19 @@ def test_up_serves_the_demo_app_and_down_leaves_nothing_behind(tmp_path: Path) -
         by_state = sorted(tuple(sorted(r["machines"].items())) for r in report)
         assert by_state == [(("created", 1),), (("started", 1),)]
 
+        # The other commands find this cluster's flaps and image source from its state dir.
+        demo = listed_until(state, "demo", 2)
+        assert {m["state"] for m in demo} == {"MACHINE_STATE_STARTED", "MACHINE_STATE_CREATED"}
+        src = tmp_path / "src"
+        src.mkdir()
+        (src / "run.sh").write_text("echo hi\n")
+        built = nonomad(
+            "--state-dir", str(state), "image", "build", str(src), "--tag", "hi:v1",
+            "--entrypoint", "sh run.sh", "--json",
+        )  # fmt: skip
+        assert built.returncode == 0, built.stderr
+        assert json.loads(built.stdout)["out"] == str(state / "images")
+
         workers = json.loads((state / "workers.json").read_text())
         down = nonomad("--state-dir", str(state), "down")
         assert down.returncode == 0, down.stderr
@@ -117,6 +130,19 @@ def test_up_serves_the_demo_app_and_down_leaves_nothing_behind(tmp_path: Path) -
             up.send_signal(signal.SIGTERM)
             up.wait(30)
         up.stdout.close()
+
+
+def listed_until(state: Path, app: str, count: int) -> list[dict[str, object]]:
+    """`machines list APP --json` once flaps' registry has `count` machines of the app."""
+    deadline = time.monotonic() + 30
+    while True:
+        result = nonomad("--state-dir", str(state), "machines", "list", app, "--json")
+        assert result.returncode == 0, result.stderr
+        machines: list[dict[str, object]] = json.loads(result.stdout)
+        if len(machines) == count or time.monotonic() > deadline:
+            assert len(machines) == count, machines
+            return machines
+        time.sleep(0.2)
 
 
 def test_status_without_a_cluster_fails_clearly(tmp_path: Path) -> None:

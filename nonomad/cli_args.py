@@ -1,0 +1,225 @@
+"""The command line of `nonomad machines`, `regions`, `workers` and `image`: parsers only.
+
+Each command is named as "module:function" and imported when it runs (see `nonomad.cli`), so
+building the parser, `--help` and usage errors stay quick. Argument types name what is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from nonomad.cli_common import Parser
+
+DEFAULT_CPU = 250
+DEFAULT_MEMORY = 128
+
+RUN_EPILOG = """\
+Everything after `--` is the command the machine runs instead of the image's entrypoint and
+cmd, e.g. `nonomad machines run web --image demo:v1 --region ams -- sh -c 'echo hi; sleep 60'`.
+Images come from the workers' image source; `nonomad image build` puts one there.
+"""
+
+
+BUILD_EPILOG = """\
+Where images go: workers pull images from their image source directory (flyd --image-source),
+which holds one OCI layout per image name. `nonomad up` points every worker of the local
+cluster at STATE_DIR/images, so when a local cluster runs, --out defaults to that directory and
+a built image can be run at once:
+
+  nonomad image build ./site --tag site:v1 --entrypoint 'python3 -u app.py'
+  nonomad machines run site --image site:v1 --region ams --port 8080
+
+For other workers, pass --out DIR with their --image-source directory.
+--entrypoint and --cmd take a shell-like string ('python3 -u app.py') or a JSON array.
+"""
+
+
+# -- argument types: each names what is wrong ------------------------------------------------
+
+
+def env_pair(value: str) -> tuple[str, str]:
+    key, sep, val = value.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{value!r} is not KEY=VALUE")
+    return key, val
+
+
+def positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {number}")
+    return number
+
+
+def port(value: str) -> int:
+    number = positive_int(value)
+    if number > 65535:
+        raise argparse.ArgumentTypeError(f"{number} is not a port (1-65535)")
+    return number
+
+
+def machine_state(value: str) -> str:
+    from nonomad.client import parse_state, state_name  # only when --state or STATE is given
+
+    try:
+        return state_name(parse_state(value))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+# -- machines --------------------------------------------------------------------------------------
+
+
+def add_machines(
+    sub: argparse._SubParsersAction[Parser],
+    conn: Parser,
+    out: Parser,
+) -> None:
+    """Add `machines` and its subcommands to the top-level subparsers."""
+    parents = [conn, out]
+    machines = sub.add_parser("machines", help="machines of an app, through flaps")
+    msub = machines.add_subparsers(dest="machines_command", required=True, metavar="COMMAND")
+
+    ls = msub.add_parser("list", parents=parents, help="an app's machines")
+    ls.add_argument("app", metavar="APP", help="the app's name")
+    ls.add_argument("--region", help="only this region")
+    ls.add_argument("--state", type=machine_state, help="only this state (started, stopped...)")
+    ls.add_argument("--all", action="store_true", help="include destroyed machines")
+    ls.set_defaults(func="nonomad.cli_machines:cmd_list")
+
+    show = msub.add_parser("show", parents=parents, help="a machine: config, ports, events")
+    show.add_argument("id", metavar="ID", help="machine id")
+    show.set_defaults(func="nonomad.cli_machines:cmd_show")
+
+    create = msub.add_parser(
+        "run",
+        parents=parents,
+        help="create (and start) a machine",
+        epilog=RUN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    create.add_argument("app", metavar="APP", help="the app's name")
+    create.add_argument("--image", required=True, help="image reference, NAME:TAG")
+    create.add_argument("--region", required=True, help="region to place it in")
+    create.add_argument(
+        "--cpu", type=positive_int, default=DEFAULT_CPU, metavar="MILLI", help="millicores"
+    )
+    create.add_argument(
+        "--memory", type=positive_int, default=DEFAULT_MEMORY, metavar="MIB", help="MiB"
+    )
+    create.add_argument(
+        "--env", type=env_pair, action="append", default=[], metavar="K=V", help="repeatable"
+    )
+    create.add_argument(
+        "--port",
+        type=port,
+        action="append",
+        default=[],
+        metavar="INTERNAL",
+        help="a port the machine listens on ($PORT); mapped to a host port. Repeatable",
+    )
+    create.add_argument("--name", help="a name for the machine")
+    create.add_argument(
+        "--standby-for",
+        action="append",
+        default=[],
+        metavar="ID",
+        help="create a stopped standby for machine ID on another worker. Repeatable",
+    )
+    create.add_argument("--no-start", action="store_true", help="create it, do not start it")
+    create.add_argument("--wait", action="store_true", help="wait until it is started")
+    create.add_argument(
+        "--idempotency-key", metavar="KEY", help="a retry with the same key names the same machine"
+    )
+    create.add_argument(
+        "cmd_argv", nargs="*", metavar="-- CMD ARGS", help="what to run (see below)"
+    )
+    create.set_defaults(func="nonomad.cli_machines:cmd_run")
+
+    for action, text in [
+        ("start", "start a stopped machine"),
+        ("stop", "stop a started machine"),
+        ("restart", "stop and start a machine"),
+        ("destroy", "destroy a machine"),
+    ]:
+        cmd = msub.add_parser(action, parents=parents, help=text)
+        cmd.add_argument("id", metavar="ID", help="machine id")
+        if action == "destroy":
+            cmd.add_argument("--force", action="store_true", help="destroy even if started")
+        if action in ("stop", "restart"):
+            cmd.add_argument("--signal", metavar="S", help="signal name (default the config's)")
+            cmd.add_argument(
+                "--kill-timeout", type=float, metavar="S", help="seconds before SIGKILL"
+            )
+        cmd.add_argument("--wait", action="store_true", help="wait for the state it leads to")
+        cmd.set_defaults(func="nonomad.cli_machines:cmd_lifecycle", action=action)
+
+    logs = msub.add_parser("logs", parents=parents, help="a machine's log lines")
+    logs.add_argument("id", metavar="ID", help="machine id")
+    logs.add_argument("--tail", type=positive_int, default=100, metavar="N", help="last N lines")
+    logs.add_argument(
+        "--follow", "-f", action="store_true", help="keep printing new lines; Ctrl-C ends it"
+    )
+    logs.set_defaults(func="nonomad.cli_machines:cmd_logs")
+
+    wait = msub.add_parser(
+        "wait", parents=parents, help="wait until a machine is in a state (--timeout S)"
+    )
+    wait.add_argument("id", metavar="ID", help="machine id")
+    wait.add_argument("state", metavar="STATE", type=machine_state, help="started, stopped...")
+    wait.set_defaults(func="nonomad.cli_machines:cmd_wait")
+
+
+# -- the fleet and images ----------------------------------------------------------------------
+
+
+def add_platform(
+    sub: argparse._SubParsersAction[Parser],
+    conn: Parser,
+    out: Parser,
+) -> None:
+    """Add `regions` and `workers` to the top-level subparsers."""
+    regions = sub.add_parser(
+        "regions",
+        parents=[conn, out],
+        help="free capacity per region; with --cpu and --memory, how many of that size fit",
+    )
+    regions.add_argument("--cpu", type=positive_int, metavar="MILLI", help="machine size: CPU")
+    regions.add_argument("--memory", type=positive_int, metavar="MIB", help="machine size: MiB")
+    regions.set_defaults(func="nonomad.cli_platform:cmd_regions")
+
+    workers = sub.add_parser("workers", parents=[conn, out], help="the workers flaps knows")
+    workers.add_argument("--region", help="only this region")
+    workers.set_defaults(func="nonomad.cli_platform:cmd_workers")
+
+
+def add_image(sub: argparse._SubParsersAction[Parser], out: Parser) -> None:
+    """Add `image build` to the top-level subparsers."""
+    image = sub.add_parser("image", help="build images for the workers")
+    isub = image.add_subparsers(dest="image_command", required=True, metavar="COMMAND")
+    build = isub.add_parser(
+        "build",
+        parents=[out],
+        help="build DIR into an OCI image",
+        epilog=BUILD_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    build.add_argument("dir", metavar="DIR", help="the files of the image")
+    build.add_argument("--tag", required=True, metavar="NAME:TAG", help="the image's reference")
+    build.add_argument("--entrypoint", metavar="CMD", help="what machines run")
+    build.add_argument("--cmd", metavar="ARGS", help="arguments after the entrypoint")
+    build.add_argument(
+        "--env", type=env_pair, action="append", default=[], metavar="K=V", help="repeatable"
+    )
+    build.add_argument("--workdir", default="/", help="working directory (absolute)")
+    build.add_argument(
+        "--out",
+        type=Path,
+        metavar="DIR",
+        help="image source directory to write to (default: the local cluster's, see below)",
+    )
+    build.set_defaults(func="nonomad.cli_image:cmd_build")

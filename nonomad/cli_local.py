@@ -1,0 +1,436 @@
+"""`nonomad up`, `status` and `down`: a local cluster of flaps, a proxy and workers.
+
+`up` runs it in the foreground under one state directory (logs, worker data, images) and
+records where its services listen (`cluster.json`), so that the other commands find its flaps
+and `image build` its image source by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import grpc
+
+from flaps.v1 import platform_pb2
+from flyd.driver import kill_all
+from flyd.images import build_image
+from flyd.v1 import machine_pb2 as pb
+from flyd.v1 import worker_pb2 as w
+from flyd.v1 import worker_pb2_grpc
+from nonomad.cli_common import (
+    CLUSTER_FILE,
+    DEFAULT_STATE_DIR,
+    PID_FILE,
+    CliError,
+    LocalCluster,
+    emit,
+    pid_alive,
+    table,
+)
+from nonomad.client import ApiError, Client
+
+DEMO_SOURCE = Path(__file__).parent / "demo"
+READY_TIMEOUT = 30.0
+PROXY_DOMAIN = "nonomad.localhost"  # the proxy's default: <app>.nonomad.localhost
+RPC_TIMEOUT = 10.0
+
+
+@dataclass
+class WorkerProc:
+    worker_id: str
+    region: str
+    address: str
+    pid: int
+    log: str
+
+
+def _start(state: Path, name: str, module: str, *args: str) -> subprocess.Popen[bytes]:
+    """Start one service of the cluster with its log under the state dir."""
+    logs = state / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    with open(logs / f"{name}.log", "ab") as err:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                f"from {module}.main import main; main()",
+                "--listen",
+                "127.0.0.1:0",
+                *args,
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            start_new_session=True,  # Ctrl-C goes to `up`, which stops everything in order
+        )
+
+
+def _read_ready(
+    proc: subprocess.Popen[bytes], worker_id: str, seen: dict[str, str] | None = None
+) -> str:
+    """The gRPC address a service announces; other NONOMAD_* lines go into `seen`."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + READY_TIMEOUT
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline().decode()
+        if line.startswith("NONOMAD_READY "):
+            return line.split()[2]
+        if line.startswith("NONOMAD_") and seen is not None:
+            kind, _, address = line.split()
+            seen[kind] = address
+        if not line and proc.poll() is not None:
+            break
+    raise CliError(f"{worker_id} did not start (exit {proc.poll()}); see its log")
+
+
+async def _until_alive(flaps: str, count: int, timeout: float = READY_TIMEOUT) -> None:
+    """Wait until flaps sees `count` workers alive (they announce themselves to it)."""
+    async with Client(flaps, timeout=RPC_TIMEOUT) as client:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            workers = await client.list_workers()
+            if sum(w.status == platform_pb2.WORKER_STATUS_ALIVE for w in workers) >= count:
+                return
+            await asyncio.sleep(0.1)
+    raise CliError(f"flaps did not see {count} workers within {timeout:g}s; see the logs")
+
+
+async def _deploy_demo(
+    flaps: str, regions: list[str]
+) -> list[tuple[pb.Machine, pb.Machine | None]]:
+    """One demo machine per region, each with a standby on another worker, through flaps."""
+    config = pb.MachineConfig(
+        image="demo:v1",
+        guest=pb.GuestConfig(cpu_millicores=250, memory_mib=128),
+        restart=pb.RestartPolicy(mode=pb.RESTART_MODE_ALWAYS),
+    )
+    config.services.add(internal_port=8080, autostart=True, autostop=True)
+    out: list[tuple[pb.Machine, pb.Machine | None]] = []
+    async with Client(flaps, timeout=RPC_TIMEOUT) as client:
+        for region in regions:
+            key = f"make-up/{region}/1"
+            primary = await client.create_machine(
+                "demo", config, region=region, idempotency_key=key
+            )
+            standby: pb.Machine | None = None
+            try:
+                standby = await client.create_machine(
+                    "demo",
+                    config,
+                    region=region,
+                    standby_for=[primary.id],
+                    idempotency_key=f"{key}-standby",
+                )
+            except ApiError as err:
+                print(f"note: no standby in {region}: {err.message}", file=sys.stderr)
+            out.append((primary, standby))
+    return out
+
+
+async def _destroy_all(flaps: str, ids: list[str]) -> None:
+    async with Client(flaps, timeout=RPC_TIMEOUT) as client:
+        for machine_id in ids:
+            with contextlib.suppress(ApiError):
+                await client.destroy_machine(machine_id, force=True)
+
+
+def _wait_listening(port: int, timeout: float = READY_TIMEOUT) -> bool:
+    """Whether the machine accepts connections on its port within the timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    state: Path = args.state_dir.absolute()
+    pid_file = state / PID_FILE
+    if pid_file.exists() and pid_alive(int(pid_file.read_text())):
+        raise CliError(
+            f"a cluster already runs from {state} (pid {pid_file.read_text()}); "
+            "run `nonomad down` first"
+        )
+    state.mkdir(parents=True, exist_ok=True)
+    digest = build_image(
+        DEMO_SOURCE, state / "images", name="demo", tag="v1", entrypoint=["python3", "-u", "app.py"]
+    )
+    print(f"built image demo:v1 ({digest[:19]})")
+
+    procs: list[tuple[WorkerProc, subprocess.Popen[bytes]]] = []
+    machine_ids: list[str] = []
+    flaps_address = ""
+    stopping = False
+
+    def request_stop(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    regions = [r for r in args.regions.split(",") if r]
+    try:
+        # flaps first: workers announce themselves to it and are followed from then on.
+        flaps = _start(state, "flaps", "flaps")
+        flaps_address = _read_ready(flaps, "flaps")
+        procs.append(
+            (
+                WorkerProc(
+                    "flaps", "-", flaps_address, flaps.pid, str(state / "logs" / "flaps.log")
+                ),
+                flaps,
+            )
+        )
+        # The edge, which also follows the workers (they announce to it too).
+        http: dict[str, str] = {}
+        proxy = _start(
+            state,
+            "proxy",
+            "proxy",
+            "--http-listen",
+            f"127.0.0.1:{args.proxy_port}",
+            "--flaps",
+            flaps_address,
+            "--region",
+            regions[0] if regions else "local",
+        )
+        proxy_address = _read_ready(proxy, "proxy", http)
+        procs.append(
+            (
+                WorkerProc(
+                    "proxy", "-", proxy_address, proxy.pid, str(state / "logs" / "proxy.log")
+                ),
+                proxy,
+            )
+        )
+        n = 0
+        for region in regions:
+            for i in range(args.workers_per_region):
+                worker_id = f"{region}-{i + 1}"
+                base = args.base_port + 100 * n
+                n += 1
+                proc = _start(
+                    state,
+                    worker_id,
+                    "flyd",
+                    "--worker-id",
+                    worker_id,
+                    "--region",
+                    region,
+                    "--data-dir",
+                    str(state / "workers" / worker_id),
+                    "--image-source",
+                    str(state / "images"),
+                    "--ports",
+                    f"{base}-{base + 99}",
+                    "--cgroup-prefix",
+                    f"nonomad-{state.name}-{worker_id}",
+                    "--announce",
+                    flaps_address,
+                    "--announce",
+                    proxy_address,
+                    "--announce-interval",
+                    "2",
+                )
+                address = _read_ready(proc, worker_id)
+                procs.append(
+                    (
+                        WorkerProc(
+                            worker_id,
+                            region,
+                            address,
+                            proc.pid,
+                            str(state / "logs" / f"{worker_id}.log"),
+                        ),
+                        proc,
+                    )
+                )
+        workers = [p for p, _ in procs if p.region != "-"]
+        (state / "workers.json").write_text(json.dumps([asdict(p) for p in workers], indent=2))
+        # Where `nonomad machines ...` and `image build` find this cluster by default.
+        LocalCluster(
+            flaps=flaps_address,
+            proxy=proxy_address,
+            http=http.get("NONOMAD_HTTP", ""),
+            image_source=str(state / "images"),
+        ).save(state)
+        pid_file.write_text(str(os.getpid()))
+        asyncio.run(_until_alive(flaps_address, len(workers)))
+        print(
+            table(
+                [[p.worker_id, p.region, p.address, p.log] for p, _ in procs],
+                ["SERVICE", "REGION", "GRPC", "LOG"],
+            )
+        )
+        if args.demo:
+            deployed = asyncio.run(_deploy_demo(flaps_address, regions))
+            rows = []
+            for primary, standby in deployed:
+                machine_ids.append(primary.id)
+                url = f"http://127.0.0.1:{primary.ports[0].host_port}/"
+                if not _wait_listening(primary.ports[0].host_port):
+                    print(f"warning: {primary.id} does not accept connections yet", file=sys.stderr)
+                rows.append([primary.id, primary.region, primary.worker_id, "started", url])
+                if standby is not None:
+                    machine_ids.append(standby.id)
+                    rows.append(
+                        [
+                            standby.id,
+                            standby.region,
+                            standby.worker_id,
+                            f"standby for {primary.id}",
+                            "-",
+                        ]
+                    )
+            print()
+            print(table(rows, ["MACHINE", "REGION", "WORKER", "STATE", "URL"]))
+            first = deployed[0][0]
+            f, g = flaps_address, _grpcurl()
+            edge = http.get("NONOMAD_HTTP", "")
+            print("\nthrough the proxy (scale from zero, failover to the standby):")
+            print(f"  curl -H 'Host: demo.{PROXY_DOMAIN}' http://{edge}/")
+            print(
+                f"\nstraight to the machine:\n  curl http://127.0.0.1:{first.ports[0].host_port}/"
+            )
+            here = "" if args.state_dir == DEFAULT_STATE_DIR else f" --state-dir {args.state_dir}"
+            print("\nthe CLI (it finds this cluster's flaps from its state dir):")
+            for command in ("machines list demo", f"machines show {first.id}", "regions"):
+                print(f"  nonomad{here} {command}")
+            print("\nthe exchange with grpcurl:")
+            for body, rpc in [
+                (None, "list"),
+                ("{}", "flaps.v1.PlatformService/ListRegions"),
+                ('{"app": "demo"}', "flaps.v1.MachinesService/ListMachines"),
+                (f'{{"machine_id": "{first.id}"}}', "flaps.v1.MachinesService/GetMachine"),
+            ]:
+                data = f" -d '{body}'" if body is not None else ""
+                print(f"  {g} -plaintext{data} {f} {rpc}")
+        print("\nrunning; Ctrl-C stops everything", flush=True)
+        while not stopping and all(p.poll() is None for _, p in procs):
+            time.sleep(0.2)
+        if not stopping:
+            dead = [w.worker_id for w, p in procs if p.poll() is not None]
+            print(f"{', '.join(dead)} exited; stopping", file=sys.stderr)
+    finally:
+        print("stopping...", flush=True)
+        if flaps_address and machine_ids:
+            asyncio.run(_destroy_all(flaps_address, machine_ids))
+        for _, proc in reversed(procs):
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+        for _, proc in procs:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+        # Whatever a worker could not destroy does not outlive the cluster.
+        for wp, _ in procs:
+            kill_all(state / "workers" / wp.worker_id / "machines")
+        pid_file.unlink(missing_ok=True)
+        (state / CLUSTER_FILE).unlink(missing_ok=True)
+        print("stopped")
+    return 0
+
+
+def _grpcurl() -> str:
+    """How to run grpcurl here: from PATH, or the one the project installs in its venv."""
+    found = shutil.which("grpcurl")
+    if found:
+        return "grpcurl"
+    bundled = Path(sys.executable).parent / "grpcurl"
+    return os.path.relpath(bundled) if bundled.exists() else "grpcurl"
+
+
+def _workers(state: Path) -> list[WorkerProc]:
+    path = state / "workers.json"
+    pid_file = state / PID_FILE
+    if not path.exists() or not pid_file.exists():
+        raise CliError(f"no cluster runs from {state}; start one with `nonomad up`")
+    return [WorkerProc(**item) for item in json.loads(path.read_text())]
+
+
+async def _capacities(workers: list[WorkerProc]) -> list[w.GetCapacityResponse | Exception]:
+    async def one(address: str) -> w.GetCapacityResponse | Exception:
+        try:
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = worker_pb2_grpc.WorkerServiceStub(channel)
+                return await stub.GetCapacity(w.GetCapacityRequest(), timeout=RPC_TIMEOUT)
+        except grpc.RpcError as err:
+            return err
+
+    return list(await asyncio.gather(*(one(wp.address) for wp in workers)))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    workers = _workers(args.state_dir.absolute())
+    results = asyncio.run(_capacities(workers))
+    rows: list[list[str]] = []
+    report: list[dict[str, object]] = []
+    for worker, result in zip(workers, results, strict=True):
+        if isinstance(result, Exception):
+            rows.append(
+                [worker.worker_id, worker.region, worker.address, "unreachable", "", "", ""]
+            )
+            report.append({"worker": worker.worker_id, "status": "unreachable"})
+            continue
+        cap = result.capacity
+        rows.append(
+            [
+                worker.worker_id,
+                worker.region,
+                worker.address,
+                "cordoned" if cap.cordoned else "up",
+                f"{cap.free.cpu_millicores}/{cap.total.cpu_millicores}",
+                f"{cap.free.memory_mib}/{cap.total.memory_mib}",
+                ", ".join(f"{k}={v}" for k, v in sorted(cap.machines_by_state.items())) or "-",
+            ]
+        )
+        report.append(
+            {
+                "worker": worker.worker_id,
+                "region": worker.region,
+                "address": worker.address,
+                "cordoned": cap.cordoned,
+                "free_cpu_millicores": cap.free.cpu_millicores,
+                "free_memory_mib": cap.free.memory_mib,
+                "machines": dict(cap.machines_by_state),
+            }
+        )
+    header = ["WORKER", "REGION", "GRPC", "STATUS", "CPU FREE", "MEM FREE (MiB)", "MACHINES"]
+    emit(args, report, lambda: table(rows, header))
+    return 0 if all(not isinstance(r, Exception) for r in results) else 1
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    state = args.state_dir.absolute()
+    pid_file = state / PID_FILE
+    if not pid_file.exists():
+        raise CliError(f"no cluster runs from {state}")
+    pid = int(pid_file.read_text())
+    if not pid_alive(pid):
+        pid_file.unlink()
+        raise CliError(f"the cluster of {state} is not running (stale pid {pid} removed)")
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if pid_alive(pid):
+        raise CliError(f"`nonomad up` (pid {pid}) did not stop within 60s")
+    print("stopped")
+    return 0

@@ -1,0 +1,264 @@
+"""`nonomad machines ...`: list, show, run, start/stop/restart/destroy, logs and wait, via flaps."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import shlex
+import signal
+
+from nonomad.cli_common import (
+    UsageError,
+    emit,
+    key_values,
+    run,
+    table,
+    wait_budget,
+    wait_state,
+    when,
+)
+from nonomad.client import Client, GuestConfig, Machine, MachineConfig, state_name
+from nonomad.client import MachineEvent as Event
+
+# -- human output ------------------------------------------------------------------------------
+
+
+def size(guest: GuestConfig) -> str:
+    return f"{guest.cpu_millicores}m/{guest.memory_mib}MiB"
+
+
+def display_name(machine: Machine) -> str:
+    """The name given at create; a machine without one is named by its id."""
+    return machine.name if machine.name and machine.name != machine.id else "-"
+
+
+def ports(machine: Machine) -> str:
+    return ", ".join(f"{p.internal_port}->{p.host}:{p.host_port}" for p in machine.ports) or "-"
+
+
+def machines_table(machines: list[Machine]) -> str:
+    rows = [
+        [
+            m.id,
+            display_name(m),
+            state_name(m.state),
+            m.region,
+            m.worker_id,
+            m.config.image,
+            size(m.config.guest),
+            ports(m),
+            when(m.created_at).partition(" (")[2].rstrip(")") or "-",
+        ]
+        for m in machines
+    ]
+    header = ["ID", "NAME", "STATE", "REGION", "WORKER", "IMAGE", "SIZE", "PORTS", "CREATED"]
+    return table(rows, header)
+
+
+def command_line(config: MachineConfig) -> str:
+    argv = [*config.entrypoint, *config.cmd]
+    if not argv:
+        return "(the image's)"
+    text = shlex.join(argv)
+    return text if config.entrypoint else f"(the image's entrypoint) {text}"
+
+
+def last_exit(machine: Machine) -> str:
+    ex = machine.last_exit
+    if not machine.HasField("last_exit"):
+        return "-"
+    parts = []
+    if ex.has_exit_code:
+        parts.append(f"code {ex.exit_code}")
+    if ex.signal:
+        parts.append(f"signal {ex.signal}")
+    if ex.oom_killed:
+        parts.append("out of memory")
+    return f"{', '.join(parts) or 'unknown'} at {when(ex.exited_at)}"
+
+
+def show_text(machine: Machine) -> str:
+    c = machine.config
+    lease = machine.lease
+    fields: list[tuple[str, object]] = [
+        ("id", machine.id),
+        ("name", display_name(machine)),
+        ("app", machine.app),
+        ("state", state_name(machine.state)),
+        ("region", machine.region),
+        ("worker", machine.worker_id),
+        ("instance", machine.instance_id),
+        ("image", c.image),
+        ("command", command_line(c)),
+        ("guest", f"{c.guest.cpu_millicores} millicores, {c.guest.memory_mib} MiB"),
+        ("env", ", ".join(f"{k}={v}" for k, v in sorted(c.env.items())) or "-"),
+        ("services", ", ".join(str(s.internal_port) for s in c.services) or "-"),
+        ("standby for", ", ".join(c.standbys) or "-"),
+        ("restarts", machine.restart_count),
+        ("last exit", last_exit(machine)),
+        ("lease", f"{lease.owner or '?'} until {when(lease.expires_at)}" if lease.nonce else "-"),
+        ("created", when(machine.created_at)),
+        ("updated", when(machine.updated_at)),
+    ]
+    out = [key_values(fields)]
+    if machine.ports:
+        rows = [[p.internal_port, f"{p.host}:{p.host_port}"] for p in machine.ports]
+        out += ["", "PORTS", table(rows, ["INTERNAL", "HOST"])]
+    out += ["", "EVENTS", events_table(list(machine.events))]
+    return "\n".join(out)
+
+
+def events_table(events: list[Event]) -> str:
+    rows = [
+        [
+            e.seq,
+            when(e.time),
+            e.type,
+            f"{state_name(e.from_state)} -> {state_name(e.to_state)}",
+            e.reason or "-",
+        ]
+        for e in events
+    ]
+    return table(rows, ["SEQ", "TIME", "TYPE", "STATE", "REASON"])
+
+
+# -- commands ----------------------------------------------------------------------------------
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    async def body(flaps: Client) -> int:
+        machines = await flaps.list_machines(
+            args.app, region=args.region or "", state=args.state, include_destroyed=args.all
+        )
+        emit(
+            args,
+            machines,
+            lambda: machines_table(machines) if machines else f"no machines in app {args.app}",
+        )
+        return 0
+
+    return run(args, body)
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    async def body(flaps: Client) -> int:
+        machine = await flaps.get_machine(args.id)
+        events = await flaps.list_machine_events(args.id)
+        del machine.events[:]
+        machine.events.extend(events)
+        emit(args, machine, lambda: show_text(machine))
+        return 0
+
+    return run(args, body)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    if args.wait and args.no_start:
+        raise UsageError(
+            "--wait and --no-start: a machine that is not started has nothing to wait for"
+        )
+    config = MachineConfig(
+        image=args.image,
+        guest=GuestConfig(cpu_millicores=args.cpu, memory_mib=args.memory),
+        entrypoint=args.cmd_argv,
+        env=dict(args.env),
+    )
+    for internal in args.port:
+        config.services.add(internal_port=internal)
+
+    async def body(flaps: Client) -> int:
+        machine = await flaps.create_machine(
+            args.app,
+            config,
+            region=args.region,
+            name=args.name or "",
+            skip_launch=args.no_start,
+            standby_for=args.standby_for,
+            idempotency_key=args.idempotency_key or "",
+        )
+        standby = bool(args.standby_for)
+        if args.wait and not standby:
+            machine = await wait_state(flaps, machine.id, "started", wait_budget(args))
+
+        def human() -> str:
+            what = f"standby for {', '.join(args.standby_for)}" if standby else ""
+            line = f"{machine.id} in {machine.region} on {machine.worker_id}: "
+            line += state_name(machine.state) + (f" ({what})" if what else "")
+            return line + (f"\nports: {ports(machine)}" if machine.ports else "")
+
+        emit(args, machine, human)
+        return 0
+
+    return run(args, body)
+
+
+def cmd_lifecycle(args: argparse.Namespace) -> int:
+    """start, stop, restart and destroy: one call, then with --wait the state it leads to."""
+
+    async def body(flaps: Client) -> int:
+        if args.action == "start":
+            machine = await flaps.start_machine(args.id)
+            target = "started"
+        elif args.action == "stop":
+            machine = await flaps.stop_machine(
+                args.id, signal=args.signal or "", kill_timeout=args.kill_timeout
+            )
+            target = "stopped"
+        elif args.action == "restart":
+            machine = await flaps.restart_machine(
+                args.id, signal=args.signal or "", kill_timeout=args.kill_timeout
+            )
+            target = "started"
+        else:
+            machine = await flaps.destroy_machine(args.id, force=args.force)
+            target = "destroyed"
+        if args.wait:
+            machine = await wait_state(flaps, args.id, target, wait_budget(args))
+        emit(args, machine, lambda: f"{machine.id}: {state_name(machine.state)}")
+        return 0
+
+    return run(args, body)
+
+
+def cmd_wait(args: argparse.Namespace) -> int:
+    async def body(flaps: Client) -> int:
+        machine = await wait_state(flaps, args.id, args.state, wait_budget(args))
+        emit(args, machine, lambda: f"{machine.id}: {state_name(machine.state)}")
+        return 0
+
+    return run(args, body)
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    """Print the log tail; with --follow keep printing until Ctrl-C (or SIGTERM), exit 0."""
+
+    async def body(flaps: Client) -> int:
+        async def pump() -> None:
+            # Cancelling this task ends the stream: the SDK's generator cancels its call.
+            lines = flaps.machine_logs(args.id, tail_lines=args.tail, follow=args.follow)
+            async for line in lines:
+                print(json.dumps({"line": line}) if args.json else line, flush=args.follow)
+
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        reader = asyncio.create_task(pump())
+        stopper = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait({reader, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopper.cancel()
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(signum)
+        if not reader.done():
+            reader.cancel()  # Ctrl-C: the stream is cancelled, which ends it on flaps too
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+            return 0
+        reader.result()  # an error of the stream (ApiError) goes up from here
+        return 0
+
+    return run(args, body)

@@ -1,0 +1,101 @@
+"""`nonomad image build`, then `machines run` of the built image on a real fleet."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from nonomad.cli_common import LocalCluster
+from tests.cli.conftest import CliFleet, nonomad
+from tests.harness import clean_env
+
+SITE = """\
+import http.server, os
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = open("static/greeting.txt").read().encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+print("serving on", os.environ["PORT"], flush=True)
+http.server.ThreadingHTTPServer(("127.0.0.1", int(os.environ["PORT"])), Handler).serve_forever()
+"""
+
+
+def get(url: str, deadline: float = 30) -> str:
+    """GET url once the machine listens (it has just been started)."""
+    stop = time.monotonic() + deadline
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                return str(resp.read().decode())
+        except (urllib.error.URLError, ConnectionError):
+            if time.monotonic() > stop:
+                raise
+        time.sleep(0.05)
+
+
+async def test_an_image_built_by_the_cli_runs_on_the_fleet(
+    cli_fleet: CliFleet, tmp_path: Path
+) -> None:
+    src = tmp_path / "site"
+    (src / "static").mkdir(parents=True)
+    (src / "app.py").write_text(SITE)
+    (src / "static" / "greeting.txt").write_text("built by nonomad image build\n")
+    images = cli_fleet.fleet.image_source  # the directory the fleet's workers pull from
+
+    built = (
+        await nonomad(
+            "image", "build", str(src), "--tag", "cli-site:v1",
+            "--entrypoint", "python3 -u app.py", "--env", "WHO=cli", "--out", str(images),
+            "--json",
+        )
+    ).json()  # fmt: skip
+    assert built["image"] == "cli-site:v1"
+    assert re.fullmatch(r"sha256:[0-9a-f]{64}", built["digest"])
+    assert (built["out"], built["files"]) == (str(images), 2)
+    assert built["bytes"] == len(SITE) + len("built by nonomad image build\n")
+    assert built["layer_bytes"] > 0
+    # The build is deterministic: the same tree and arguments give the same digest.
+    again = await nonomad(
+        "image", "build", str(src), "--tag", "cli-site:v1",
+        "--entrypoint", '["python3", "-u", "app.py"]', "--env", "WHO=cli", "--out", str(images),
+    )  # fmt: skip
+    assert again.code == 0, again.err
+    assert again.out.startswith("built cli-site:v1 in ")
+    assert f"digest {built['digest']}" in again.out
+
+    # A local cluster's record (what `nonomad up` writes) makes --out and --flaps optional.
+    state = tmp_path / "cluster"
+    state.mkdir()
+    LocalCluster(flaps=cli_fleet.address, proxy="", http="", image_source=str(images)).save(state)
+    (state / "up.pid").write_text(str(os.getpid()))
+    local = ["--state-dir", str(state)]
+    v2 = await nonomad(
+        *local, "image", "build", str(src), "--tag", "cli-site:v2", "--cmd", "python3 -u app.py",
+        env=clean_env(),
+    )  # fmt: skip
+    assert v2.code == 0, v2.err
+    assert f"into {images}" in v2.out
+    assert "the local cluster can run it: nonomad machines run APP --image cli-site:v2" in v2.out
+
+    run = await nonomad(
+        *local, "machines", "run", "site", "--image", "cli-site:v2", "--region", "ams",
+        "--port", "8080", "--memory", "64", "--wait", "--token-file", str(cli_fleet.token_file),
+        env=clean_env(),
+    )  # fmt: skip
+    assert run.code == 0, run.err
+    found = re.fullmatch(
+        r"(ams-\d-\w+) in ams on ams-\d: started\nports: 8080->127\.0\.0\.1:(\d+)\n", run.out
+    )
+    assert found, run.out
+    body = await asyncio.to_thread(get, f"http://127.0.0.1:{found.group(2)}/")
+    assert body == "built by nonomad image build\n"
