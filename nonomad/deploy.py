@@ -485,6 +485,7 @@ class _Deployer:
         bad = await self.run_checks(p, started)
         if bad is not None:
             check, seen = bad
+            seen += await self.exit_note(started)
             self.emit("failed", p, machine.id, detail=f"check {check}: {seen}")
             raise self.fail(
                 p,
@@ -495,6 +496,26 @@ class _Deployer:
             )
         self.emit("passed", p, machine.id, detail=", ".join(self._check_names()) or "started")
         return started
+
+    async def exit_note(self, machine: Machine) -> str:
+        """When the machine's process exited since it started (a crash loop, a config that
+        kills it), how it ended and its last log lines: often the real reason a check failed."""
+        try:
+            now = await self.client.get_machine(machine.id)
+            if now.instance_id != machine.instance_id or not (
+                now.state != S.MACHINE_STATE_STARTED
+                or now.restart_count
+                or now.last_exit.ByteSize()
+            ):
+                return ""
+            lines = [line async for line in self.client.machine_logs(machine.id, tail_lines=10)]
+        except ApiError:
+            return ""
+        note = _exit_of(now)
+        lines = [line for line in lines if line.strip()]
+        if lines and not now.log_tail:
+            note += "; log: " + " | ".join(lines[-3:])
+        return f" (the machine: {note})"
 
     def _check_names(self) -> list[str]:
         return [c.label(i) for i, c in enumerate(self.spec.checks)]
@@ -769,6 +790,7 @@ def _exit_of(machine: Machine) -> str:
         parts.append(f"killed by {last.signal}")
     if last.oom_killed:
         parts.append("out of memory")
-    if machine.log_tail:
-        parts.append("log: " + " | ".join(machine.log_tail[-3:]))
+    lines = [line for line in machine.log_tail if line.strip()]
+    if lines:
+        parts.append("log: " + " | ".join(lines[-3:]))
     return "; ".join(parts)

@@ -122,6 +122,17 @@ async def test_create_with_standbys_then_nothing_to_do_then_scale_down(
         for machine_id in gone:
             assert state_name((await flaps.get_machine(machine_id)).state) == "destroyed"
 
+        # Wanted again, the slot gets a new machine: the idempotency key that named the
+        # destroyed one moves on to its next generation.
+        back = await deploy(flaps, spec)
+        assert back.ok, back.reason
+        machines = await by_name(flaps)
+        assert sorted(back.created) == sorted(
+            [machines["web-ams-2"].id, machines["web-ams-2-standby"].id]
+        )
+        assert not set(back.created) & set(gone)
+        assert state_name(machines["web-ams-2"].state) == "started"
+
 
 async def test_rolling_update_keeps_ids_and_goes_one_at_a_time(fleet: Fleet) -> None:
     async with await three_workers(fleet) as flaps:
@@ -234,3 +245,32 @@ async def test_no_room_in_a_region_names_it_and_keeps_what_was_created(fleet: Fl
         assert report.rolled_back == []
         assert state_name(created.state) == "started"
         assert steps(events, "done") == [("done", "")]
+
+
+async def test_an_app_that_crashes_with_the_new_env_is_rolled_back(fleet: Fleet) -> None:
+    async with await three_workers(fleet) as flaps:
+        good = make_spec(regions={"ams": 1}, standbys=0)
+        assert (await deploy(flaps, good)).ok
+        [before] = await flaps.list_machines("web")
+
+        # Python cannot even start with this; the worker gives up after one retry.
+        broken = make_spec(
+            regions={"ams": 1},
+            standbys=0,
+            env={"PYTHONHOME": "/nonexistent"},
+            restart={"policy": "on-failure", "max_retries": 1},
+            checks=[{"type": "http", "interval": "100ms", "grace_period": "1s"}],
+        )
+        report = await deploy(flaps, broken)
+        assert not report.ok
+        assert report.failure is not None
+        assert report.failure.machine_id == before.id
+        assert report.updated == [before.id]
+        assert report.rolled_back == [before.id]
+
+        [after] = await flaps.list_machines("web")
+        assert after.id == before.id
+        assert after.config.metadata[META_DIGEST] == good.digest
+        assert "PYTHONHOME" not in after.config.env
+        assert state_name(after.state) == "started"
+        assert (await http_get(after)).startswith(f"hello from {before.id}")
