@@ -331,6 +331,32 @@ async def probe(check: Check, host: str, port: int) -> tuple[bool, str]:
     return 200 <= status < 400, f"HTTP {status} for {check.method or 'GET'} {check.path or '/'}"
 
 
+def _seconds(d: Any, default: float) -> float:
+    value = float(d.seconds + d.nanos / 1e9)
+    return value if value > 0 else default
+
+
+def checks_of(config: MachineConfig, grace: float) -> list[Check]:
+    """A machine config's checks as spec checks, given a grace period (configs have none)."""
+    out = []
+    for i, c in enumerate(config.checks):
+        kind = "http" if c.WhichOneof("kind") == "http" else "tcp"
+        # Built unvalidated: a config written by another client may use other HTTP methods.
+        out.append(
+            Check.model_construct(
+                name=c.name or f"{kind}-{i}",
+                type=kind,
+                port=c.port or None,
+                path=(c.http.path or "/") if kind == "http" else None,
+                method=(c.http.method or None) if kind == "http" else None,
+                interval=_seconds(c.interval, 1.0),
+                timeout=_seconds(c.timeout, 2.0),
+                grace_period=grace,
+            )
+        )
+    return out
+
+
 # -- the deploy --------------------------------------------------------------------------------
 
 
@@ -359,6 +385,9 @@ class _Deployer:
         self.spec = spec
         self.on_event = on_event
         self.wait_timeout = wait_timeout
+        # The spec's checks, each named (check.name is optional in the spec).
+        self.checks = [c.model_copy(update={"name": c.label(i)}) for i, c in enumerate(spec.checks)]
+        self.rollback_grace = max((c.grace_period for c in spec.checks), default=10.0)
         grace = max((c.grace_period + c.timeout for c in spec.checks), default=0.0)
         self.lease_ttl = min(MAX_LEASE, 2 * wait_timeout + grace + 60)
         self.report = DeployReport(spec.app, spec.digest)
@@ -457,12 +486,15 @@ class _Deployer:
             host, _, _ = worker.info.address.rpartition(":")
             self.hosts[worker.info.id] = host.strip("[]")
 
-    async def run_checks(self, p: SlotPlan, machine: Machine) -> tuple[str, str] | None:
+    async def run_checks(
+        self, p: SlotPlan, machine: Machine, checks: list[Check]
+    ) -> tuple[str, str] | None:
         """None when every check passed within its grace period, else (check, what it saw)."""
         loop = asyncio.get_running_loop()
         started = loop.time()
-        for i, check in enumerate(self.spec.checks):
-            port = check.port or self.spec.first_port()
+        services = machine.config.services
+        for i, check in enumerate(checks):
+            port = check.port or (services[0].internal_port if services else 0)
             mapping = next((m for m in machine.ports if m.internal_port == port), None)
             if mapping is None:
                 return check.label(i), f"port {port} is not mapped on {machine.id}"
@@ -482,7 +514,7 @@ class _Deployer:
         self.emit("checking", p, machine.id)
         started = await self.wait_state(p, machine, "started")
         self.current[p.slot] = started
-        bad = await self.run_checks(p, started)
+        bad = await self.run_checks(p, started, self.checks)
         if bad is not None:
             check, seen = bad
             seen += await self.exit_note(started)
@@ -494,7 +526,9 @@ class _Deployer:
                 check=check,
                 observed=seen,
             )
-        self.emit("passed", p, machine.id, detail=", ".join(self._check_names()) or "started")
+        self.emit(
+            "passed", p, machine.id, detail=", ".join(c.name for c in self.checks) or "started"
+        )
         return started
 
     async def exit_note(self, machine: Machine) -> str:
@@ -516,9 +550,6 @@ class _Deployer:
         if lines and not now.log_tail:
             note += "; log: " + " | ".join(lines[-3:])
         return f" (the machine: {note})"
-
-    def _check_names(self) -> list[str]:
-        return [c.label(i) for i, c in enumerate(self.spec.checks)]
 
     def config_for(self, p: SlotPlan) -> MachineConfig:
         if p.role == PRIMARY:
@@ -645,7 +676,8 @@ class _Deployer:
                 return "previous config, kept stopped"
             machine = await self.wait_state(p, machine, "started")
             self.current[p.slot] = machine
-        bad = await self.run_checks(p, machine)
+        # The previous config's own checks: the spec's may name ports it does not have.
+        bad = await self.run_checks(p, machine, checks_of(change.previous, self.rollback_grace))
         if bad is not None:
             return f"previous config, started, but check {bad[0]} fails: {bad[1]}"
         return "previous config, started, checks pass"

@@ -342,9 +342,6 @@ class AppSpec(_Model):
             config.standbys.append(standby_for)
         return config
 
-    def first_port(self) -> int:
-        return self.services[0].internal_port if self.services else 0
-
 
 # -- loading -----------------------------------------------------------------------------------
 

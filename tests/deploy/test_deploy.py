@@ -208,7 +208,9 @@ async def test_a_failing_check_rolls_back_and_run_exits_1(
         assert "failed check 'admin': connection refused" in err
         kinds = [(e["kind"], e["slot"]) for e in report["events"]]
         assert kinds.index(("failed", "web-ams-1")) < kinds.index(("rolling_back", "web-ams-1"))
-        assert ("rolled_back", "web-ams-1") in kinds
+        [rolled] = [e for e in report["events"] if e["kind"] == "rolled_back"]
+        assert rolled["slot"] == "web-ams-1"
+        assert rolled["detail"] == "previous config, started, checks pass"
         assert not any(kind == "updating" and slot != "web-ams-1" for kind, slot in kinds)
 
         after = await by_name(flaps)
