@@ -472,6 +472,29 @@ class _Deployer:
                     p, machine.id, f"{machine.id} failed to start", observed=_exit_of(seen)
                 )
 
+    async def update(
+        self, machine_id: str, config: MachineConfig, *, launch: bool, nonce: str
+    ) -> Machine:
+        """UpdateMachine, retried while the worker says the machine is busy (mid-start, say,
+        or mid-restart after a crash) until the wait deadline."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.wait_timeout
+        while True:
+            try:
+                return await self.client.update_machine(
+                    machine_id,
+                    config,
+                    skip_launch=not launch,
+                    lease_nonce=nonce,
+                    timeout=UPDATE_TIMEOUT,
+                )
+            except FailedPrecondition as err:
+                # flyd says "machine is busy (...); retry when it settles"; anything else
+                # (destroyed, leased by another) will not change by waiting.
+                if "busy" not in err.message or loop.time() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
+
     async def host_of(self, p: SlotPlan, machine: Machine, mapping: pb.PortMapping) -> str:
         if mapping.host and mapping.host not in ("0.0.0.0", "::"):
             return mapping.host
@@ -612,13 +635,7 @@ class _Deployer:
             self.emit("updating", p, detail=p.reason)
             async with self.lease(p, machine.id) as nonce:
                 try:
-                    new = await self.client.update_machine(
-                        machine.id,
-                        config,
-                        skip_launch=not gated,
-                        lease_nonce=nonce,
-                        timeout=UPDATE_TIMEOUT,
-                    )
+                    new = await self.update(machine.id, config, launch=gated, nonce=nonce)
                 except ResourceExhausted as err:
                     raise self.fail(
                         p,
@@ -654,23 +671,10 @@ class _Deployer:
 
     async def _roll_back(self, change: _Change) -> str:
         p = change.plan
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.wait_timeout
         async with self.lease(p, p.machine_id) as nonce:
-            while True:
-                try:
-                    machine = await self.client.update_machine(
-                        p.machine_id,
-                        change.previous,
-                        skip_launch=not change.was_running,
-                        lease_nonce=nonce,
-                        timeout=UPDATE_TIMEOUT,
-                    )
-                    break
-                except FailedPrecondition:  # busy with the failed start: retry once it settles
-                    if loop.time() > deadline:
-                        raise
-                    await asyncio.sleep(0.2)
+            machine = await self.update(
+                p.machine_id, change.previous, launch=change.was_running, nonce=nonce
+            )
             self.current[p.slot] = machine
             if not change.was_running:
                 return "previous config, kept stopped"
