@@ -135,31 +135,40 @@ def _summary(report: DeployReport) -> str:
     return "\n".join(lines)
 
 
-async def _placement(client: Client, spec: AppSpec, p: SlotPlan, slots: list[SlotPlan]) -> str:
-    """Where flaps would put the slot's new machine now (each simulated on its own)."""
-    standby_for = ""
+async def _placement(
+    client: Client, spec: AppSpec, p: SlotPlan, slots: list[SlotPlan], targets: dict[str, str]
+) -> str:
+    """Where flaps would put the slot's new machine now. Each is simulated on its own, except
+    that a standby of a new primary avoids the worker that primary would get."""
+    standby_for, avoid = "", ""
     if p.role == STANDBY:
         primary = next(s for s in slots if s.slot == spec.slot(p.region, p.index))
-        standby_for = primary.machine_id if primary.action != CREATE else ""
+        if primary.action == CREATE:
+            avoid = targets.get(primary.slot, "")
+        else:
+            standby_for = primary.machine_id
     config = spec.machine_config(p.region, p.slot, standby_for=standby_for)
     sim = await client.simulate_placement(
         spec.app, config, region=p.region, standby_for=[standby_for] if standby_for else []
     )
-    if sim.candidates and p.role == STANDBY and not standby_for:
-        # Its primary does not exist yet, so which workers it excludes is not known.
-        return f"{len(sim.candidates)} worker(s) with room; the one of its new primary excluded"
-    if sim.candidates:
-        return f"on {sim.candidates[0].worker_id}"
-    reasons = ", ".join(f"{r}: {n}" for r, n in sorted(sim.rejections_by_reason.items()))
+    candidates = [c for c in sim.candidates if c.worker_id != avoid]
+    if candidates:
+        targets[p.slot] = candidates[0].worker_id
+        return f"on {candidates[0].worker_id}"
+    counts = dict(sim.rejections_by_reason)
+    if sim.candidates:  # only the new primary's worker would have it
+        counts["standby_conflict"] = counts.get("standby_conflict", 0) + len(sim.candidates)
+    reasons = ", ".join(f"{r}: {n}" for r, n in sorted(counts.items()))
     return f"no room ({reasons or 'no workers'})"
 
 
 async def _dry_run(client: Client, spec: AppSpec, *, as_json: bool) -> int:
     the_plan = await plan(client, spec)
     placements: dict[str, str] = {}
+    targets: dict[str, str] = {}
     for p in the_plan.slots:
         if p.action in (CREATE, REPLACE):
-            placements[p.slot] = await _placement(client, spec, p, the_plan.slots)
+            placements[p.slot] = await _placement(client, spec, p, the_plan.slots, targets)
     no_room = [
         f"{p.slot} in {p.region}"
         for p in the_plan.slots

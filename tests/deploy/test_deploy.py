@@ -47,6 +47,10 @@ async def test_create_with_standbys_then_nothing_to_do_then_scale_down(
         assert rows["web-ams-1"][:3] == ["primary", "ams", "create"]
         assert rows["web-syd-1"][:4] == ["primary", "syd", "create", "-"]
         assert " ".join(rows["web-syd-1"][4:]) == "on syd-1"
+        # A standby avoids the worker its new primary would get; syd has no other.
+        assert rows["web-ams-1-standby"][4] == "on"
+        assert rows["web-ams-1-standby"][5] != rows["web-ams-1"][5]
+        assert " ".join(rows["web-syd-1-standby"][4:]) == "no room (standby_conflict: 1)"
         assert f"web ({spec_digest}): 6 create; dry run, nothing changed" in out
         assert await flaps.list_machines("web") == []
 
