@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from nonomad.client import ApiError, Client
 from nonomad.deploy import (
     CREATE,
@@ -70,8 +72,10 @@ async def run(args: argparse.Namespace, client: Client) -> int:
     """Run `deploy` (or `deploy --dry-run`) with `client`; returns the exit status.
 
     Progress goes to stdout as it happens (or the report as JSON at the end); the library's
-    own log lines go to stderr, warnings only, so they never mix into `--json` output."""
-    configure_logging("nonomad-deploy", "warning")
+    own log lines go to stderr (warnings only, unless the caller configured logging), so they
+    never mix into `--json` output."""
+    if not structlog.is_configured():
+        configure_logging("nonomad-deploy", "warning")
     try:
         spec = load_spec(args.app_toml)
     except SpecError as err:

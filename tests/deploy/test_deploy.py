@@ -208,8 +208,9 @@ async def test_a_failing_check_rolls_back_and_run_exits_1(
         assert "connection refused" in report["failure"]["observed"]
         assert report["updated"] == [first.id]
         assert report["rolled_back"] == [first.id]
-        assert err.startswith("nonomad deploy: failed: web-ams-1 ")
-        assert "failed check 'admin': connection refused" in err
+        [message] = [line for line in err.splitlines() if line.startswith("nonomad deploy:")]
+        assert message.startswith("nonomad deploy: failed: web-ams-1 ")
+        assert "failed check 'admin': connection refused" in message
         kinds = [(e["kind"], e["slot"]) for e in report["events"]]
         assert kinds.index(("failed", "web-ams-1")) < kinds.index(("rolling_back", "web-ams-1"))
         [rolled] = [e for e in report["events"] if e["kind"] == "rolled_back"]
