@@ -10,6 +10,7 @@ through flaps (--flaps HOST:PORT, $NONOMAD_FLAPS, or the local cluster's):
   nonomad regions             free capacity per region (--cpu --memory: how many fit)
   nonomad workers             the workers flaps knows
   nonomad image build DIR     an image the workers can pull (the local cluster's by default)
+  nonomad deploy APP_TOML     make an app's machines match its spec, with standbys
 
 Commands that print data take --json. Exit codes: 0 ok, 1 an error from the platform, 2 bad usage.
 """
@@ -76,6 +77,7 @@ def parser() -> argparse.ArgumentParser:
     down.set_defaults(func="nonomad.cli_local:cmd_down")
     cli_args.add_machines(sub, conn, out)
     cli_args.add_platform(sub, conn, out)
+    cli_args.add_deploy(sub, conn, out)
     cli_args.add_image(sub, out)
     return top
 

@@ -197,6 +197,46 @@ def add_platform(
     workers.set_defaults(func="nonomad.cli_platform:cmd_workers")
 
 
+def add_deploy(
+    sub: argparse._SubParsersAction[Parser],
+    conn: Parser,
+    out: Parser,
+) -> None:
+    """Add `deploy APP_TOML` to the top-level subparsers (the command is nonomad.cli_deploy)."""
+    deploy = sub.add_parser(
+        "deploy",
+        parents=[conn, out],
+        help="make an app's machines match its spec (TOML), with standbys",
+        description=DEPLOY_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    deploy.add_argument("app_toml", type=Path, metavar="APP_TOML", help="the app spec")
+    deploy.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+    deploy.add_argument(
+        "--wait-timeout",
+        type=float,
+        default=60.0,
+        help="seconds each wait for a machine's state may take (default 60)",
+    )
+    deploy.set_defaults(func="nonomad.cli_deploy:cmd_deploy")
+
+
+DEPLOY_DESCRIPTION = """\
+Make an app's machines match its spec: create what is missing (each with a standby on another
+worker of its region), replace changed machines one at a time gated by their checks (rolling
+back on a failed check), destroy what the spec no longer asks for. Running it twice changes
+nothing.
+
+  nonomad deploy app.toml             deploy, one line per step, then a table
+  nonomad deploy app.toml --dry-run   the plan per slot and where flaps would place new
+                                      machines; changes nothing
+  nonomad deploy app.toml --json      the report (or the plan) as JSON
+
+Exit status: 0 done, 1 the deploy failed or was rolled back (the message says why), 2 the spec
+is invalid (the message names the field).
+"""
+
+
 def add_image(sub: argparse._SubParsersAction[Parser], out: Parser) -> None:
     """Add `image build` to the top-level subparsers."""
     image = sub.add_parser("image", help="build images for the workers")

@@ -1,20 +1,11 @@
-"""`nonomad deploy APP_TOML`: make an app's machines match its spec (see nonomad.deploy).
-
-    nonomad deploy app.toml             deploy, one line per step, then a table
-    nonomad deploy app.toml --dry-run   the plan per slot (create/update/destroy/unchanged)
-                                        and where flaps would place new machines; changes nothing
-    nonomad deploy app.toml --json      the report (or the plan) as JSON
-
-Exit status: 0 done, 1 the deploy failed or was rolled back (the message says why), 2 the
-spec is invalid (the message names the field).
-"""
+"""`nonomad deploy APP_TOML`: make an app's machines match its spec (see nonomad.deploy; the
+flags and help text are in nonomad.cli_args.add_deploy)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 import structlog
@@ -33,39 +24,16 @@ from nonomad.deploy import (
 from nonomad.runtime.logs import configure_logging
 from nonomad.spec import AppSpec, SpecError, load_spec
 
-__all__ = ["register", "run"]
+__all__ = ["cmd_deploy", "run"]
 
 PROG = "nonomad deploy"
 
 
-def _defines(parsers: list[argparse.ArgumentParser], option: str) -> bool:
-    return any(option in action.option_strings for p in parsers for action in p._actions)
+def cmd_deploy(args: argparse.Namespace) -> int:
+    """The `nonomad deploy` command: connect to flaps (the shared flags), then `run`."""
+    from nonomad.cli_common import run as with_client
 
-
-def register(
-    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
-    parents: list[argparse.ArgumentParser],
-) -> argparse.ArgumentParser:
-    """Add the `deploy` subcommand; `parents` carry the shared flags (--flaps, --json, ...).
-    The caller connects and then awaits `run(args, client)`."""
-    parser = subparsers.add_parser(
-        "deploy",
-        parents=parents,
-        help="make an app's machines match its spec (TOML)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("app_toml", type=Path, metavar="APP_TOML", help="the app spec")
-    parser.add_argument("--dry-run", action="store_true", help="print the plan and change nothing")
-    parser.add_argument(
-        "--wait-timeout",
-        type=float,
-        default=60.0,
-        help="seconds each wait for a machine's state may take (default 60)",
-    )
-    if not _defines(parents, "--json"):
-        parser.add_argument("--json", action="store_true", help="machine-readable output")
-    return parser
+    return with_client(args, lambda client: run(args, client))
 
 
 async def run(args: argparse.Namespace, client: Client) -> int:
@@ -96,7 +64,7 @@ async def run(args: argparse.Namespace, client: Client) -> int:
     def on_event(event: DeployEvent) -> None:
         events.append(event)
         if not args.json:
-            print(_event_line(event), flush=True)
+            print(event_line(event), flush=True)
 
     report = await deploy(client, spec, on_event=on_event, wait_timeout=args.wait_timeout)
     if args.json:
@@ -112,14 +80,14 @@ async def run(args: argparse.Namespace, client: Client) -> int:
     return 0
 
 
-def _event_line(event: DeployEvent) -> str:
+def event_line(event: DeployEvent) -> str:
     return (
         f"  {event.kind:<12} {event.slot or '-':<28} {event.machine_id or '-':<22} {event.detail}"
     )
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
-    from nonomad.cli import table  # imported late: nonomad.cli imports this module
+    from nonomad.cli_common import table
 
     return table(rows, header)
 

@@ -107,34 +107,35 @@ async def _until_alive(flaps: str, count: int, timeout: float = READY_TIMEOUT) -
     raise CliError(f"flaps did not see {count} workers within {timeout:g}s; see the logs")
 
 
+DEMO_SPEC = DEMO_SOURCE / "app.toml"
+
+
 async def _deploy_demo(
     flaps: str, regions: list[str]
 ) -> list[tuple[pb.Machine, pb.Machine | None]]:
-    """One demo machine per region, each with a standby on another worker, through flaps."""
-    config = pb.MachineConfig(
-        image="demo:v1",
-        guest=pb.GuestConfig(cpu_millicores=250, memory_mib=128),
-        restart=pb.RestartPolicy(mode=pb.RESTART_MODE_ALWAYS),
-    )
-    config.services.add(internal_port=8080, autostart=True, autostop=True)
-    out: list[tuple[pb.Machine, pb.Machine | None]] = []
+    """Deploy nonomad/demo/app.toml (one machine per region, each with a standby on another
+    worker of its region), the way `nonomad deploy` does, and return (primary, standby) pairs."""
+    from nonomad.cli_deploy import event_line
+    from nonomad.deploy import PRIMARY, deploy
+    from nonomad.spec import STANDBY_SUFFIX, AppSpec, load_spec
+
+    spec = load_spec(DEMO_SPEC)
+    spec = AppSpec.model_validate({**spec.model_dump(), "regions": dict.fromkeys(regions, 1)})
+    print(f"deploying {DEMO_SPEC.name} ({spec.app}: 1 machine + 1 standby per region)")
     async with Client(flaps, timeout=RPC_TIMEOUT) as client:
-        for region in regions:
-            key = f"make-up/{region}/1"
-            primary = await client.create_machine(
-                "demo", config, region=region, idempotency_key=key
-            )
-            standby: pb.Machine | None = None
-            try:
-                standby = await client.create_machine(
-                    "demo",
-                    config,
-                    region=region,
-                    standby_for=[primary.id],
-                    idempotency_key=f"{key}-standby",
-                )
-            except ApiError as err:
-                print(f"note: no standby in {region}: {err.message}", file=sys.stderr)
+        report = await deploy(client, spec, on_event=lambda e: print(event_line(e), flush=True))
+        for warning in report.warnings:
+            print(f"note: {warning}", file=sys.stderr)
+        if not report.ok:
+            raise CliError(f"the demo deploy failed: {report.reason}")
+        rows = {row.slot: row for row in report.machines}
+        out: list[tuple[pb.Machine, pb.Machine | None]] = []
+        for row in report.machines:
+            if row.role != PRIMARY:
+                continue
+            primary = await client.get_machine(row.machine_id)
+            standby_row = rows.get(f"{row.slot}{STANDBY_SUFFIX}")
+            standby = await client.get_machine(standby_row.machine_id) if standby_row else None
             out.append((primary, standby))
     return out
 

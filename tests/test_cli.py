@@ -119,6 +119,16 @@ def test_up_serves_the_demo_app_and_down_leaves_nothing_behind(tmp_path: Path) -
         assert built.returncode == 0, built.stderr
         assert json.loads(built.stdout)["out"] == str(state / "images")
 
+        # `up` deployed the demo spec; deploying it again through the CLI changes nothing.
+        spec = tmp_path / "app.toml"
+        demo_toml = (REPO_ROOT / "nonomad" / "demo" / "app.toml").read_text()
+        spec.write_text(demo_toml.replace("syd = 1\n", ""))
+        again = nonomad("--state-dir", str(state), "deploy", str(spec), "--json")
+        assert again.returncode == 0, again.stderr
+        deployed = json.loads(again.stdout)
+        assert (deployed["created"], deployed["updated"]) == ([], [])
+        assert sorted(deployed["unchanged"]) == sorted(m["id"] for m in demo)
+
         workers = json.loads((state / "workers.json").read_text())
         down = nonomad("--state-dir", str(state), "down")
         assert down.returncode == 0, down.stderr

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from nonomad.cli_deploy import register, run
+from nonomad.cli import parse_args
+from nonomad.cli_deploy import run
 from nonomad.client import Client, Machine
 from nonomad.spec import AppSpec, parse_spec
 
@@ -74,13 +75,8 @@ def write_spec(tmp: Path, data: dict[str, Any], name: str = "app.toml") -> Path:
 
 
 def cli_args(path: Path, *flags: str) -> argparse.Namespace:
-    """Parse `deploy PATH FLAGS` as nonomad's CLI would, with a shared --json parent."""
-    top = argparse.ArgumentParser(prog="nonomad")
-    sub = top.add_subparsers(dest="command", required=True)
-    shared = argparse.ArgumentParser(add_help=False)
-    shared.add_argument("--json", action="store_true")
-    register(sub, [shared])
-    return top.parse_args(["deploy", str(path), *flags])
+    """Parse `deploy PATH FLAGS` with nonomad's own command line."""
+    return parse_args(["deploy", str(path), *flags])
 
 
 async def run_cli(
