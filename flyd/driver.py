@@ -177,6 +177,7 @@ class Driver(Protocol):
 
     async def start(self, spec: ProcessSpec) -> Handle: ...
     def release(self, machine_id: str) -> None: ...
+    def discard(self, machine_id: str) -> None: ...
     def attach(self, machine_id: str, handle: Handle) -> bool: ...
     def is_running(self, machine_id: str) -> bool: ...
     async def signal(self, machine_id: str, sig: int) -> None: ...
@@ -333,14 +334,19 @@ class ProcessDriver:
         run_dir = self._run_dir(mid)
         status_dir = run_dir / "status"
         try:
-            run_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
-            status_dir.mkdir(mode=0o700, exist_ok=True)
+            # A new run dir (the usual first start) has no stale files to clear.
+            fresh = _mkdir_new(run_dir, 0o755)
+            if fresh or not status_dir.is_dir():
+                status_dir.mkdir(mode=0o700, exist_ok=True)
             if self._user is not None:
                 os.chown(status_dir, self._user[0], self._user[1])
-            for stale in (status_dir / "exit", status_dir / "exit.tmp", run_dir / "exit"):
-                with contextlib.suppress(FileNotFoundError):
-                    stale.unlink()
-            cgroup_procs = self._setup_cgroups(mid, spec.limits) if self.limits_enforced else []
+            if not fresh:
+                for stale in (status_dir / "exit", status_dir / "exit.tmp", run_dir / "exit"):
+                    with contextlib.suppress(FileNotFoundError):
+                        stale.unlink()
+            cgroup_procs = (
+                self._setup_cgroups(mid, spec.limits, fresh) if self.limits_enforced else []
+            )
             log_fd = os.open(
                 run_dir / LOG_NAME,
                 os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
@@ -377,10 +383,12 @@ class ProcessDriver:
         proc = _read_proc_stat(popen.pid)
         assert proc is not None, "an unreaped child always has a /proc entry"
         handle = Handle(pid=popen.pid, start_time=proc.start_time, boot_id=self._boot_id)
-        _write_atomic(run_dir / "handle.json", json.dumps(handle.to_dict()).encode())
+        # Not written atomically: an empty or torn file (flyd died mid-write) reads as no
+        # handle, and the process it would name is held and exits on its own when flyd dies.
+        _write_file(run_dir / "handle.json", json.dumps(handle.to_dict()).encode())
         w = self._watch(loop, mid, handle, os.pidfd_open(popen.pid), popen)
         w.go_fd = hold_w
-        log.info("machine_process_started", machine_id=mid, pid=popen.pid)
+        log.debug("machine_process_started", machine_id=mid, pid=popen.pid)
         return handle
 
     def release(self, machine_id: str) -> None:
@@ -395,6 +403,18 @@ class ProcessDriver:
             pass  # it already exited; its exit is reported as usual
         finally:
             os.close(fd)
+
+    def discard(self, machine_id: str) -> None:
+        """End a held process that will never be released: it exits without running anything.
+
+        For a start whose handle flyd could not record. A no-op for a released process. The
+        exit is reported through `on_exit` as usual.
+        """
+        w = self._watched.get(machine_id)
+        if w is None or w.go_fd is None:
+            return
+        fd, w.go_fd = w.go_fd, None
+        os.close(fd)  # EOF on the hold pipe: the wrapper exits before the machine's command
 
     def _kill_unreleased(self, handle: Handle) -> None:
         pidfd = self._open_pidfd(handle)
@@ -929,20 +949,26 @@ class ProcessDriver:
     def _cgroup_dirs(self, machine_id: str) -> list[Path]:
         return [self._cgroup_root / c / self._cgroup_prefix / machine_id for c in _CONTROLLERS]
 
-    def _setup_cgroups(self, machine_id: str, limits: Limits) -> list[Path]:
+    def _setup_cgroups(self, machine_id: str, limits: Limits, fresh_run_dir: bool) -> list[Path]:
         """Create (or reuse) the machine's cgroups with `limits`; returns their cgroup.procs."""
         memory, cpu, pids = self._cgroup_dirs(machine_id)
-        for cg in (memory, cpu, pids):
-            cg.mkdir(exist_ok=True)
-        self._kill_cgroup(machine_id)  # leftovers of a previous run, if flyd missed its end
+        created = [_mkdir_new(cg, 0o755) for cg in (memory, cpu, pids)]
+        if not all(created):
+            self._kill_cgroup(machine_id)  # leftovers of a previous run, if flyd missed its end
         _set_memory_limit(memory, limits.memory_mib << 20)
         _write(cpu / "cpu.cfs_period_us", _CPU_PERIOD_US)
         _write(cpu / "cpu.cfs_quota_us", max(_CPU_MIN_QUOTA_US, limits.cpu_millicores * 100))
         _write(pids / "pids.max", limits.pids)
         # Counters outlive a run: keep their value at start so an exit can be judged on its own.
-        oom_kill = _read_oom_kill(memory) or 0
-        failcnt = int((memory / "memory.failcnt").read_text())
-        _write_atomic(self._run_dir(machine_id) / "oom.base", f"{oom_kill} {failcnt}\n".encode())
+        # A new memory cgroup counts from zero, which is what a missing oom.base means.
+        oom_base = self._run_dir(machine_id) / "oom.base"
+        if not created[0]:
+            oom_kill = _read_oom_kill(memory) or 0
+            failcnt = int((memory / "memory.failcnt").read_text())
+            _write_atomic(oom_base, f"{oom_kill} {failcnt}\n".encode())
+        elif not fresh_run_dir:
+            with contextlib.suppress(FileNotFoundError):
+                oom_base.unlink()
         procs = [cg / "cgroup.procs" for cg in (memory, cpu, pids)]
         if self._user is not None:
             for p in procs:  # the wrapper joins as the machine's user
@@ -969,9 +995,11 @@ class ProcessDriver:
             return False
         memory = self._cgroup_dirs(machine_id)[0]
         try:
-            base_oom, base_failcnt = (
-                int(v) for v in (self._run_dir(machine_id) / "oom.base").read_text().split()
-            )
+            try:
+                base = (self._run_dir(machine_id) / "oom.base").read_text()
+            except FileNotFoundError:
+                base = "0 0"  # the run started in a new memory cgroup (see _setup_cgroups)
+            base_oom, base_failcnt = (int(v) for v in base.split())
             oom_kill = _read_oom_kill(memory)
             if oom_kill is not None:
                 return oom_kill > base_oom
@@ -1162,6 +1190,23 @@ def _set_memory_limit(memory_cgroup: Path, limit: int) -> None:
 
 def _write(path: Path, value: int) -> None:
     path.write_text(f"{value}\n")
+
+
+def _mkdir_new(path: Path, mode: int) -> bool:
+    """Create the directory; False if it already existed."""
+    try:
+        os.mkdir(path, mode)
+    except FileExistsError:
+        return False
+    return True
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
