@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import json
 import os
@@ -78,6 +79,8 @@ SETUP_FAILED_EXIT_CODE = 125
 # Names the wrapper uses (its function and its variable): reserved in machine environments.
 _WRAPPER_PREFIX = "__nonomad_"
 _WRAPPER_VAR = "__nonomad_signal"
+# What the exit file holds when the wrapper ended without being released.
+_HELD = "held"
 
 _MACHINE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 _CONTROLLERS = ("memory", "cpu", "pids")
@@ -151,6 +154,8 @@ class ExitStatus:
     exit_code: int | None
     signal: int | None
     oom_killed: bool = False
+    # False: the process was held and never released, so it ran nothing of the machine's.
+    released: bool = True
 
     def __post_init__(self) -> None:
         if (self.exit_code is None) == (self.signal is None):
@@ -158,6 +163,8 @@ class ExitStatus:
 
     def describe(self) -> str:
         """A phrase for humans: "exited with code 3", "killed by SIGKILL (out of memory)"."""
+        if not self.released:
+            return "ended before it was released"
         if self.exit_code is not None:
             text = f"exited with code {self.exit_code}"
         else:
@@ -236,6 +243,7 @@ class _Watched:
     killed_by_us: bool = False
     done: bool = field(default=False)
     go_fd: int | None = None  # write end of the hold pipe until release()
+    discarded: bool = False  # let go of unreleased (discard)
 
 
 class ProcessDriver:
@@ -414,6 +422,7 @@ class ProcessDriver:
         if w is None or w.go_fd is None:
             return
         fd, w.go_fd = w.go_fd, None
+        w.discarded = True
         os.close(fd)  # EOF on the hold pipe: the wrapper exits before the machine's command
 
     def _kill_unreleased(self, handle: Handle) -> None:
@@ -763,12 +772,15 @@ class ProcessDriver:
                 if result is not None:
                     fallback = _from_waitid(result)
         os.close(w.pidfd)
+        held = w.go_fd is not None or w.discarded  # never released by this driver
         if w.go_fd is not None:
             os.close(w.go_fd)
             w.go_fd = None
         # No wait status when init reaped it; then only SIGKILL ends a wrapper without a record.
         fallback = fallback or ExitStatus(exit_code=None, signal=signal.SIGKILL)
         status = self._status_from_files(w.machine_id, fallback, w.killed_by_us) or fallback
+        if held and status.released:
+            status = dataclasses.replace(status, released=False)
         del self._watched[w.machine_id]
         self._reported[w.machine_id] = w.handle
         w.exited.set_result(status)
@@ -1034,9 +1046,12 @@ def _wrapper_script(
         f"trap '{_WRAPPER_VAR}={int(s)}' {s.name.removeprefix('SIG')}" for s in FORWARDED_SIGNALS
     ]
     lines += [
+        "__nonomad_record() {",
+        f"  {{ printf '%s\\n' \"$1\" > {tmp} && {q(mv)} -f {tmp} {final}; }} ||",
+        f"    printf '%s\\n' \"$1\" > {final}",
+        "}",
         "__nonomad_exit() {",
-        f"  {{ printf '%d\\n' \"$1\" > {tmp} && {q(mv)} -f {tmp} {final}; }} ||",
-        f"    printf '%d\\n' \"$1\" > {final}",
+        '  __nonomad_record "$1"',
         '  exit "$1"',
         "}",
     ]
@@ -1046,9 +1061,11 @@ def _wrapper_script(
     lines.append(f"cd {q(str(cwd))} || __nonomad_exit {SETUP_FAILED_EXIT_CODE}")
     # `cd` exported these; the machine gets exactly the environment flyd passed.
     lines += [f"unset {name}" for name in ("PWD", "OLDPWD") if name not in env]
-    # Held until flyd has recorded the handle: EOF (flyd died first) means never run.
+    # Held until flyd has recorded the handle: EOF (flyd died first) means never run, and the
+    # exit file says so ("held"), so a later flyd knows this process ran nothing.
     lines += [
-        f"IFS= read -r {_WRAPPER_PREFIX}go || __nonomad_exit {SETUP_FAILED_EXIT_CODE}",
+        f"IFS= read -r {_WRAPPER_PREFIX}go || {{ __nonomad_record {_HELD}; "
+        f"exit {SETUP_FAILED_EXIT_CODE}; }}",
         f"unset {_WRAPPER_PREFIX}go",
         "exec </dev/null",
     ]
@@ -1109,7 +1126,10 @@ def _read_exit_file(path: Path) -> ExitStatus | None:
         # O_NOFOLLOW: the status dir is writable by the machine's user.
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         with os.fdopen(fd, "rb") as f:
-            return _from_shell_status(int(f.read(32).strip()))
+            text = f.read(32).strip()
+        if text == _HELD.encode():
+            return ExitStatus(exit_code=SETUP_FAILED_EXIT_CODE, signal=None, released=False)
+        return _from_shell_status(int(text))
     except (OSError, ValueError):
         return None
 

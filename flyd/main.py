@@ -32,7 +32,8 @@ from registry.v1 import registry_pb2, registry_pb2_grpc
 
 log = structlog.get_logger("flyd")
 ANNOUNCE_TIMEOUT = 2.0
-# How often machine logs are checked against their size bound (and image recency saved).
+# How often machine logs are checked against their size bound, image recency saved, and lazy
+# row changes (a released process's finished start) committed if no other commit carried them.
 LOG_ROTATE_INTERVAL = 1.0
 
 
@@ -105,6 +106,7 @@ async def build(argv: list[str]) -> Service:
             identity.address = await service.wait_ready()
         worker.recover()
         while not shutdown.is_set():
+            worker.flush()
             driver.rotate_logs()
             images.flush()
             with contextlib.suppress(TimeoutError):
@@ -145,6 +147,7 @@ async def build(argv: list[str]) -> Service:
         assert worker is not None
         await worker.close()
         await driver.close()  # stops watching; the machines keep running
+        worker.flush()
         images.flush()
         store.close()
 

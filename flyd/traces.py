@@ -108,6 +108,12 @@ class OpTracer:
             op_span.end()
         return op_span.trace_id()
 
+    def rested(self, machine_id: str) -> None:
+        """The machine has no operation in progress any more: its open span ends."""
+        op_span = self._open.pop(machine_id, None)
+        if op_span is not None:
+            op_span.end()
+
     def finish(
         self, machine_id: str, op_span: OpSpan, error: BaseException | None, *, resting: bool
     ) -> None:

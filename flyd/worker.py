@@ -126,6 +126,8 @@ class Worker:
         self._by_state: collections.Counter[int] = collections.Counter()
         # Machines being created: reserved (and their ports taken) before their first commit.
         self._pending: dict[str, pb.Machine] = {}
+        # Machines whose durable row lags behind `rows` by a lazy step (see fsm.Transition).
+        self._dirty: set[str] = set()
         self._op_tracer = op_tracer
         self._locks: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -174,7 +176,12 @@ class Worker:
         with contextlib.suppress(Exception):
             tail = tuple(self.driver.read_logs(machine_id, 20))
         event = fsm.Exited(
-            handle.to_dict(), status.exit_code, status.signal, status.oom_killed, tail
+            handle.to_dict(),
+            status.exit_code,
+            status.signal,
+            status.oom_killed,
+            tail,
+            released=status.released,
         )
         self._spawn_task(self.drive(machine_id, event))
 
@@ -234,6 +241,12 @@ class Worker:
                 transition = fsm.step(row, event, now=self.clock.now(), policy=self.policy)
                 if transition is None:
                     break
+                if transition.lazy:
+                    assert not staged, "a lazy step follows an effect, so a commit"
+                    self._apply_lazy(machine_id, transition)
+                    row = transition.row
+                    event = await self._perform(machine_id, transition)
+                    continue
                 staged.append(transition)
                 row = transition.row
                 if transition.effects == _SPAWN_ONLY:
@@ -254,6 +267,23 @@ class Worker:
             if staged and staged[-1].row.handle is not None:
                 # Spawned but never committed: the held process must not run.
                 self.driver.discard(machine_id)
+
+    def _apply_lazy(self, machine_id: str, t: fsm.Transition) -> None:
+        """A change of flyd's internals that may become durable later (see fsm.Transition).
+
+        It rides along with the next commit of any machine, or `flush`.
+        """
+        self.rows[machine_id] = t.row
+        self._dirty.add(machine_id)
+        if self._op_tracer is not None and t.row.op is None:
+            self._op_tracer.rested(machine_id)
+
+    def flush(self) -> None:
+        """Commit the rows whose durable copy lags behind (lazy steps); flyd calls it often."""
+        if self._dirty:
+            dirty = {mid: fsm.encode_row(self.rows[mid]) for mid in self._dirty}
+            self.store.commit([], dirty)
+            self._dirty.clear()
 
     def _take_span(self, machine_id: str, op_span: tuple[str, OpSpan]) -> None:
         if self._op_tracer is not None:
@@ -300,7 +330,14 @@ class Worker:
             status = ExitStatus(exit_code=None, signal=9, oom_killed=False)
         # The driver's on_exit reports the same exit; whichever comes second is ignored.
         await self.drive(
-            machine_id, fsm.Exited(dict(handle), status.exit_code, status.signal, status.oom_killed)
+            machine_id,
+            fsm.Exited(
+                dict(handle),
+                status.exit_code,
+                status.signal,
+                status.oom_killed,
+                released=status.released,
+            ),
         )
 
     async def _timer(self, machine_id: str, when: float) -> None:
@@ -338,10 +375,12 @@ class Worker:
             tail = machine.events
             changes.append(worker_pb2.MachineChange(event=event, machine=machine))
         row = steps[-1].row
+        rows = {mid: fsm.encode_row(self.rows[mid]) for mid in self._dirty}  # lazy steps
+        rows[machine_id] = fsm.encode_row(row)
         self.store.commit(
-            [NewRecord(RecordType.MACHINE_CHANGE, c.SerializeToString()) for c in changes],
-            {machine_id: fsm.encode_row(row)},
+            [NewRecord(RecordType.MACHINE_CHANGE, c.SerializeToString()) for c in changes], rows
         )
+        self._dirty.clear()
         self._account(self.rows.get(machine_id), row)
         self.rows[machine_id] = row
         self._pending.pop(machine_id, None)  # a create's reservation is now the row's
@@ -361,9 +400,7 @@ class Worker:
         trace_id = None
         if self._op_tracer is not None:
             trace_id = self._op_tracer.committed(machine_id, t, seq)
-        # "process spawned" is a debug line: the next step (running) says the same at info.
-        spawned = t.row.op is not None and t.row.op.step == "release"
-        (log.debug if spawned else log.info)(
+        log.info(
             t.type,
             machine_id=machine_id,
             state=fsm.state_name(t.to_state),

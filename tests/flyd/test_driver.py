@@ -282,6 +282,19 @@ async def test_machine_sees_default_signal_dispositions(make_driver, workdir: Pa
     assert int(fields["SigCgt"], 16) == 0
 
 
+async def test_a_discarded_start_never_runs_and_says_so(make_driver, workdir: Path) -> None:
+    exits = Exits()
+    driver = make_driver(exits)
+    marker = workdir / "ran"
+    await driver.start(spec("m1", sh(f"touch {marker}; sleep 1000"), workdir))
+    driver.discard("m1")  # flyd could not record the handle
+    status = await exits.wait("m1")
+    assert (status.released, status.describe()) == (False, "ended before it was released")
+    assert not marker.exists()
+    driver.release("m1")  # too late: a no-op
+    assert not driver.is_running("m1")
+
+
 async def test_start_holds_the_process_until_released(make_driver, workdir: Path) -> None:
     exits = Exits()
     first = make_driver(exits)
@@ -303,6 +316,8 @@ async def test_start_holds_the_process_until_released(make_driver, workdir: Path
     assert not marker.exists()
 
     second = make_driver(exits)
+    # Its exit file says it was never released, so a later flyd does not count it as run.
+    assert second.last_exit("m1") == ExitStatus(125, None, released=False)
     new = await second.start(machine)
     assert new != handle
     second.release("m1")
