@@ -23,13 +23,16 @@ Run dir layout (`<run_root>/<machine_id>/`): `handle.json`, `oom.base` (cgroup c
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import errno
+import hashlib
 import json
 import os
 import pwd
 import re
+import secrets
 import select
 import shlex
 import shutil
@@ -79,6 +82,10 @@ SETUP_FAILED_EXIT_CODE = 125
 # Names the wrapper uses (its function and its variable): reserved in machine environments.
 _WRAPPER_PREFIX = "__nonomad_"
 _WRAPPER_VAR = "__nonomad_signal"
+# Spare run dirs (under the run root) and cgroups (beside the machines'), made ahead of need.
+_SPARE_DIR = ".spare"
+_SPARE_CGROUP = ".spare-"
+SPARES = 8
 # What the exit file holds when the wrapper ended without being released.
 _HELD = "held"
 
@@ -246,6 +253,104 @@ class _Watched:
     discarded: bool = False  # let go of unreleased (discard)
 
 
+class _Spares:
+    """Run dirs and cgroups made ahead of need, so a machine's first start renames a set into
+    place instead of making five directories while its caller waits (each a journalled or
+    cgroup-locked operation that takes long on a busy host).
+
+    A worker thread makes them, up to `SPARES` at a time. Their names say which run root they
+    belong to, so a driver on the same run root removes what a dead one left; `close` removes
+    the rest. Taking one is a rename, which fails harmlessly onto anything that exists.
+    """
+
+    def __init__(
+        self,
+        run_root: Path,
+        cgroup_parents: list[Path],
+        user: tuple[int, int, list[int]] | None,
+    ) -> None:
+        self._root = run_root / _SPARE_DIR
+        self._cgroup_parents = cgroup_parents  # one per controller, in _CONTROLLERS order
+        self._user = user
+        self._tag = hashlib.blake2s(str(run_root).encode(), digest_size=4).hexdigest()
+        self._ready: collections.deque[str] = collections.deque()
+        self._making: asyncio.Future[None] | None = None
+        self._closed = False
+        self._remove_all()  # what a driver on this run root left when it died
+
+    def take(self, run_dir: Path, cgroups: list[Path]) -> list[bool] | None:
+        """Move a spare set to `run_dir` and `cgroups`; None if none was ready (or `run_dir`
+        exists). Else, per cgroup, whether it is a new one (False: it existed, left as it was).
+        """
+        self._refill()
+        if not self._ready:
+            return None
+        token = self._ready.popleft()
+        try:
+            os.rename(self._root / token, run_dir)
+        except OSError:
+            self._ready.appendleft(token)  # the machine has a run dir: not a first start
+            return None
+        fresh = []
+        for parent, cg in zip(self._cgroup_parents, cgroups, strict=True):
+            spare = parent / f"{_SPARE_CGROUP}{self._tag}-{token}"
+            try:
+                os.rename(spare, cg)
+                fresh.append(True)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    spare.rmdir()
+                fresh.append(False)
+        self._refill()
+        return fresh
+
+    def _refill(self) -> None:
+        if self._closed or self._making is not None or len(self._ready) >= SPARES:
+            return
+        loop = asyncio.get_running_loop()
+        self._making = loop.run_in_executor(None, self._make, SPARES - len(self._ready))
+        self._making.add_done_callback(self._made)
+
+    def _made(self, future: asyncio.Future[None]) -> None:
+        self._making = None
+        if not future.cancelled() and future.exception() is not None:
+            log.warning("spare_run_dirs_failed", error=str(future.exception()))
+            return  # the next start tries again
+        self._refill()  # some were taken meanwhile
+
+    def _make(self, count: int) -> None:
+        """In a worker thread: make `count` spare sets."""
+        self._root.mkdir(mode=0o755, exist_ok=True)
+        for _ in range(count):
+            if self._closed:
+                return
+            token = secrets.token_hex(6)
+            run_dir = self._root / token
+            os.mkdir(run_dir, 0o755)
+            os.mkdir(run_dir / "status", 0o700)
+            if self._user is not None:
+                os.chown(run_dir / "status", self._user[0], self._user[1])
+            for parent in self._cgroup_parents:
+                os.mkdir(parent / f"{_SPARE_CGROUP}{self._tag}-{token}", 0o755)
+            self._ready.append(token)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._making is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._making)
+        self._remove_all()
+
+    def _remove_all(self) -> None:
+        self._ready.clear()
+        shutil.rmtree(self._root, ignore_errors=True)
+        for parent in self._cgroup_parents:
+            with contextlib.suppress(OSError):
+                for spare in parent.glob(f"{_SPARE_CGROUP}{self._tag}-*"):
+                    with contextlib.suppress(OSError):
+                        spare.rmdir()
+
+
 class ProcessDriver:
     """Runs machines as host processes; see the module docstring for the design.
 
@@ -303,12 +408,22 @@ class ProcessDriver:
 
         self.limits_problem = self._probe_cgroups()
         self.limits_enforced = self.limits_problem is None
+        # Whether the kernel accounts swap (memory.memsw.*): then memory+swap is limited too.
+        self._memsw = (
+            self.limits_enforced
+            and (cgroup_root / "memory" / cgroup_prefix / "memory.memsw.limit_in_bytes").is_file()
+        )
         if self.limits_problem is not None:
             log.warning(
                 "cgroup_limits_not_enforced",
                 reason=self.limits_problem,
                 message=f"cgroup limits are not enforced: {self.limits_problem}",
             )
+        self._spares = _Spares(
+            self._run_root,
+            [cgroup_root / c / cgroup_prefix for c in _CONTROLLERS] if self.limits_enforced else [],
+            self._user,
+        )
         ignored = [s.name for s in FORWARDED_SIGNALS if signal.getsignal(s) == signal.SIG_IGN]
         if ignored:
             # Ignored dispositions survive exec and a non-interactive sh cannot reset them.
@@ -341,19 +456,25 @@ class ProcessDriver:
         _prune_detached_children()
         run_dir = self._run_dir(mid)
         status_dir = run_dir / "status"
+        cgroups = self._cgroup_dirs(mid) if self.limits_enforced else []
         try:
-            # A new run dir (the usual first start) has no stale files to clear.
-            fresh = _mkdir_new(run_dir, 0o755)
-            if fresh or not status_dir.is_dir():
-                status_dir.mkdir(mode=0o700, exist_ok=True)
-            if self._user is not None:
-                os.chown(status_dir, self._user[0], self._user[1])
+            # A first start takes a spare run dir and cgroups; a new run dir has no stale files.
+            new_cgroups = self._spares.take(run_dir, cgroups)
+            fresh = new_cgroups is not None
+            if not fresh:
+                fresh = _mkdir_new(run_dir, 0o755)
+                if fresh or not status_dir.is_dir():
+                    status_dir.mkdir(mode=0o700, exist_ok=True)
+                if self._user is not None:
+                    os.chown(status_dir, self._user[0], self._user[1])
             if not fresh:
                 for stale in (status_dir / "exit", status_dir / "exit.tmp", run_dir / "exit"):
                     with contextlib.suppress(FileNotFoundError):
                         stale.unlink()
             cgroup_procs = (
-                self._setup_cgroups(mid, spec.limits, fresh) if self.limits_enforced else []
+                self._setup_cgroups(mid, spec.limits, fresh, new_cgroups)
+                if self.limits_enforced
+                else []
             )
             log_fd = os.open(
                 run_dir / LOG_NAME,
@@ -576,6 +697,7 @@ class ProcessDriver:
         if self._closed:
             return
         self._closed = True
+        await self._spares.close()
         loop = asyncio.get_running_loop()
         for w in list(self._watched.values()):
             loop.remove_reader(w.pidfd)
@@ -606,6 +728,8 @@ class ProcessDriver:
         except FileNotFoundError:
             return
         for run_dir in run_dirs:
+            if run_dir.name.startswith("."):  # spares
+                continue
             try:
                 self._rotate(run_dir / LOG_NAME)
             except OSError as e:
@@ -961,14 +1085,23 @@ class ProcessDriver:
     def _cgroup_dirs(self, machine_id: str) -> list[Path]:
         return [self._cgroup_root / c / self._cgroup_prefix / machine_id for c in _CONTROLLERS]
 
-    def _setup_cgroups(self, machine_id: str, limits: Limits, fresh_run_dir: bool) -> list[Path]:
-        """Create (or reuse) the machine's cgroups with `limits`; returns their cgroup.procs."""
+    def _setup_cgroups(
+        self, machine_id: str, limits: Limits, fresh_run_dir: bool, new: list[bool] | None
+    ) -> list[Path]:
+        """Create (or reuse) the machine's cgroups with `limits`; returns their cgroup.procs.
+
+        `new`: which of them were just put in place from spares (None: none were).
+        """
         memory, cpu, pids = self._cgroup_dirs(machine_id)
-        created = [_mkdir_new(cg, 0o755) for cg in (memory, cpu, pids)]
+        created = [
+            (new is not None and new[i]) or _mkdir_new(cg, 0o755)
+            for i, cg in enumerate((memory, cpu, pids))
+        ]
         if not all(created):
             self._kill_cgroup(machine_id)  # leftovers of a previous run, if flyd missed its end
-        _set_memory_limit(memory, limits.memory_mib << 20)
-        _write(cpu / "cpu.cfs_period_us", _CPU_PERIOD_US)
+        _set_memory_limit(memory, limits.memory_mib << 20, memsw=self._memsw)
+        if not created[1]:  # a new cgroup has the kernel's default period, which is ours
+            _write(cpu / "cpu.cfs_period_us", _CPU_PERIOD_US)
         _write(cpu / "cpu.cfs_quota_us", max(_CPU_MIN_QUOTA_US, limits.cpu_millicores * 100))
         _write(pids / "pids.max", limits.pids)
         # Counters outlive a run: keep their value at start so an exit can be judged on its own.
@@ -1191,25 +1324,30 @@ def _read_oom_kill(memory_cgroup: Path) -> int | None:
     return None
 
 
-def _set_memory_limit(memory_cgroup: Path, limit: int) -> None:
-    memsw = memory_cgroup / "memory.memsw.limit_in_bytes"
+def _set_memory_limit(memory_cgroup: Path, limit: int, *, memsw: bool) -> None:
+    """Set the memory limit, and memory+swap to the same where the kernel accounts swap."""
+    memsw_path = memory_cgroup / "memory.memsw.limit_in_bytes"
     try:
         _write(memory_cgroup / "memory.limit_in_bytes", limit)
     except OSError as e:
         # The memory limit may not exceed memory+swap: raise that one first.
-        if e.errno != errno.EINVAL or not memsw.exists():
+        if e.errno != errno.EINVAL or not memsw:
             raise
-        _write(memsw, limit)
+        _write(memsw_path, limit)
         _write(memory_cgroup / "memory.limit_in_bytes", limit)
-    if memsw.exists():
+    if memsw:
         try:  # no swap beyond the limit either, where the kernel accounts for swap
-            _write(memsw, limit)
+            _write(memsw_path, limit)
         except OSError as e:
             log.debug("memsw_limit_not_set", cgroup=str(memory_cgroup), error=str(e))
 
 
 def _write(path: Path, value: int) -> None:
-    path.write_text(f"{value}\n")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, b"%d\n" % value)
+    finally:
+        os.close(fd)
 
 
 def _mkdir_new(path: Path, mode: int) -> bool:

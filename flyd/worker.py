@@ -384,31 +384,37 @@ class Worker:
         self._account(self.rows.get(machine_id), row)
         self.rows[machine_id] = row
         self._pending.pop(machine_id, None)  # a create's reservation is now the row's
+        trace_id = None
         for t, change in zip(steps, changes, strict=True):
-            self._committed(machine_id, t, change.event.seq)
+            trace_id = self._committed(machine_id, t, change.event.seq) or trace_id
+        # One line per commit: steps committed together (create, start, running) share it.
+        first, last = steps[0], steps[-1]
+        log.info(
+            first.type,
+            machine_id=machine_id,
+            state=fsm.state_name(last.to_state),
+            from_state=fsm.state_name(first.from_state),
+            reason=last.reason if len(steps) == 1 else "; ".join(t.reason for t in steps),
+            seq=seq,
+            **({"trace_id": trace_id} if trace_id else {}),
+        )
         for change in changes:
             self._publish(change)
         if self.store.last_seq() - self.store.first_seq() >= 2 * self.log_keep:
             self._compact()
 
-    def _committed(self, machine_id: str, t: fsm.Transition, seq: int) -> None:
-        """What follows one committed step: images, metrics, the operation's span, the log."""
+    def _committed(self, machine_id: str, t: fsm.Transition, seq: int) -> str | None:
+        """What follows one committed step: images, metrics, the operation's span.
+
+        Returns the trace id of the operation's span, if one is open.
+        """
         if t.from_state != t.to_state:
             count_transition(t.from_state, t.to_state)
             if t.to_state == S.MACHINE_STATE_DESTROYED:
                 self.images.release(t.row.image_digest)
-        trace_id = None
         if self._op_tracer is not None:
-            trace_id = self._op_tracer.committed(machine_id, t, seq)
-        log.info(
-            t.type,
-            machine_id=machine_id,
-            state=fsm.state_name(t.to_state),
-            from_state=fsm.state_name(t.from_state),
-            reason=t.reason,
-            seq=seq,
-            **({"trace_id": trace_id} if trace_id else {}),
-        )
+            return self._op_tracer.committed(machine_id, t, seq)
+        return None
 
     def _account(self, old: fsm.Row | None, new: fsm.Row | None) -> None:
         """Keep the running totals (reservations, machines by state) in step with the rows."""

@@ -26,7 +26,15 @@ import pytest
 import structlog
 
 from flyd.clock import ManualClock
-from flyd.driver import Driver, ExitStatus, Handle, Limits, ProcessDriver, ProcessSpec
+from flyd.driver import (
+    SPARES,
+    Driver,
+    ExitStatus,
+    Handle,
+    Limits,
+    ProcessDriver,
+    ProcessSpec,
+)
 from flyd.errors import CorruptLog, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from flyd.fakes import FakeDriver, FakeHost, FakeScript
 
@@ -280,6 +288,39 @@ async def test_machine_sees_default_signal_dispositions(make_driver, workdir: Pa
     restored = (1 << (signal.SIGPIPE - 1)) | (1 << (signal.SIGXFSZ - 1))
     assert int(fields["SigIgn"], 16) == int(ours["SigIgn"], 16) & ~restored
     assert int(fields["SigCgt"], 16) == 0
+
+
+def spares(run_root: Path, prefix: str) -> tuple[int, list[int]]:
+    """How many spare run dirs there are, and spare cgroups per controller."""
+    dirs = len(list((run_root / ".spare").iterdir())) if (run_root / ".spare").is_dir() else 0
+    cgroups = [len(list((CGROUP_ROOT / c / prefix).glob(".spare-*"))) for c in CONTROLLERS]
+    return dirs, cgroups
+
+
+async def test_first_starts_take_run_dirs_and_cgroups_made_ahead(
+    make_driver, run_root: Path, prefix: str, workdir: Path
+) -> None:
+    exits = Exits()
+    driver = make_driver(exits)
+    await run_machine(driver, spec("m1", ["sleep", "1000"], workdir))  # none are ready yet
+    full = (SPARES, [SPARES] * len(CONTROLLERS))
+    await wait_until(lambda: spares(run_root, prefix) == full, "the spares to be made")
+
+    await run_machine(driver, spec("m2", sh("echo hi; sleep 1000"), workdir))
+    assert (run_root / "m2" / "status").is_dir()
+    await wait_until(lambda: driver.read_logs("m2", 1) == ["hi"], "m2 to run")
+    for controller in CONTROLLERS:
+        procs = (CGROUP_ROOT / controller / prefix / "m2" / "cgroup.procs").read_text().split()
+        assert procs  # the wrapper joined the cgroups it was given
+    await wait_until(lambda: spares(run_root, prefix) == full, "the spare taken to be replaced")
+
+    # Another driver on the same run root (flyd restarted) removes what the last one left.
+    make_driver(exits)
+    assert spares(run_root, prefix) == (0, [0] * len(CONTROLLERS))
+    for mid in ("m1", "m2"):
+        await driver.stop(mid, signal.SIGKILL, timeout=1)
+    await driver.close()
+    assert spares(run_root, prefix) == (0, [0] * len(CONTROLLERS))
 
 
 async def test_a_discarded_start_never_runs_and_says_so(make_driver, workdir: Path) -> None:
