@@ -275,6 +275,9 @@ class _Spares:
         self._tag = hashlib.blake2s(str(run_root).encode(), digest_size=4).hexdigest()
         self._ready: collections.deque[str] = collections.deque()
         self._making: asyncio.Future[None] | None = None
+        # Set here, cleared by the thread as it ends: back-to-back starts that never yield to
+        # the event loop (which would run the future's callbacks) must still see it is done.
+        self._busy = False
         self._closed = False
         self._remove_all()  # what a driver on this run root left when it died
 
@@ -305,14 +308,14 @@ class _Spares:
         return fresh
 
     def _refill(self) -> None:
-        if self._closed or self._making is not None or len(self._ready) >= SPARES:
+        if self._closed or self._busy or len(self._ready) >= SPARES:
             return
+        self._busy = True
         loop = asyncio.get_running_loop()
         self._making = loop.run_in_executor(None, self._make, SPARES - len(self._ready))
         self._making.add_done_callback(self._made)
 
     def _made(self, future: asyncio.Future[None]) -> None:
-        self._making = None
         if not future.cancelled() and future.exception() is not None:
             log.warning("spare_run_dirs_failed", error=str(future.exception()))
             return  # the next start tries again
@@ -320,19 +323,22 @@ class _Spares:
 
     def _make(self, count: int) -> None:
         """In a worker thread: make `count` spare sets."""
-        self._root.mkdir(mode=0o755, exist_ok=True)
-        for _ in range(count):
-            if self._closed:
-                return
-            token = secrets.token_hex(6)
-            run_dir = self._root / token
-            os.mkdir(run_dir, 0o755)
-            os.mkdir(run_dir / "status", 0o700)
-            if self._user is not None:
-                os.chown(run_dir / "status", self._user[0], self._user[1])
-            for parent in self._cgroup_parents:
-                os.mkdir(parent / f"{_SPARE_CGROUP}{self._tag}-{token}", 0o755)
-            self._ready.append(token)
+        try:
+            self._root.mkdir(mode=0o755, exist_ok=True)
+            for _ in range(count):
+                if self._closed:
+                    return
+                token = secrets.token_hex(6)
+                run_dir = self._root / token
+                os.mkdir(run_dir, 0o755)
+                os.mkdir(run_dir / "status", 0o700)
+                if self._user is not None:
+                    os.chown(run_dir / "status", self._user[0], self._user[1])
+                for parent in self._cgroup_parents:
+                    os.mkdir(parent / f"{_SPARE_CGROUP}{self._tag}-{token}", 0o755)
+                self._ready.append(token)
+        finally:
+            self._busy = False
 
     async def close(self) -> None:
         self._closed = True
