@@ -259,8 +259,9 @@ class _Spares:
     cgroup-locked operation that takes long on a busy host).
 
     A worker thread makes them, up to `SPARES` at a time. Their names say which run root they
-    belong to, so a driver on the same run root removes what a dead one left; `close` removes
-    the rest. Taking one is a rename, which fails harmlessly onto anything that exists.
+    belong to, so a driver on the same run root removes what a dead one left (in that thread,
+    before it makes any: not while flyd starts); `close` removes the rest. Taking one is a
+    rename, which fails harmlessly onto anything that exists.
     """
 
     def __init__(
@@ -279,7 +280,7 @@ class _Spares:
         # the event loop (which would run the future's callbacks) must still see it is done.
         self._busy = False
         self._closed = False
-        self._remove_all()  # what a driver on this run root left when it died
+        self._swept = False  # what a driver on this run root left when it died is gone
 
     def take(self, run_dir: Path, cgroups: list[Path]) -> list[bool] | None:
         """Move a spare set to `run_dir` and `cgroups`; None if none was ready (or `run_dir`
@@ -324,6 +325,9 @@ class _Spares:
     def _make(self, count: int) -> None:
         """In a worker thread: make `count` spare sets."""
         try:
+            if not self._swept:
+                self._remove_all()
+                self._swept = True
             self._root.mkdir(mode=0o755, exist_ok=True)
             for _ in range(count):
                 if self._closed:
@@ -350,11 +354,13 @@ class _Spares:
     def _remove_all(self) -> None:
         self._ready.clear()
         shutil.rmtree(self._root, ignore_errors=True)
+        ours = f"{_SPARE_CGROUP}{self._tag}-"
         for parent in self._cgroup_parents:
-            with contextlib.suppress(OSError):
-                for spare in parent.glob(f"{_SPARE_CGROUP}{self._tag}-*"):
-                    with contextlib.suppress(OSError):
-                        spare.rmdir()
+            with contextlib.suppress(OSError), os.scandir(parent) as entries:
+                for entry in entries:
+                    if entry.name.startswith(ours):
+                        with contextlib.suppress(OSError):
+                            os.rmdir(entry.path)
 
 
 class ProcessDriver:

@@ -314,13 +314,28 @@ async def test_first_starts_take_run_dirs_and_cgroups_made_ahead(
         assert procs  # the wrapper joined the cgroups it was given
     await wait_until(lambda: spares(run_root, prefix) == full, "the spare taken to be replaced")
 
-    # Another driver on the same run root (flyd restarted) removes what the last one left.
-    make_driver(exits)
-    assert spares(run_root, prefix) == (0, [0] * len(CONTROLLERS))
     for mid in ("m1", "m2"):
         await driver.stop(mid, signal.SIGKILL, timeout=1)
     await driver.close()
     assert spares(run_root, prefix) == (0, [0] * len(CONTROLLERS))
+
+
+async def test_a_new_driver_replaces_the_spares_a_dead_one_left(
+    make_driver, run_root: Path, prefix: str, workdir: Path
+) -> None:
+    exits = Exits()
+    first = make_driver(exits)
+    await run_machine(first, spec("m1", ["sleep", "1000"], workdir))
+    full = (SPARES, [SPARES] * len(CONTROLLERS))
+    await wait_until(lambda: spares(run_root, prefix) == full, "the spares to be made")
+    left = set((run_root / ".spare").iterdir())
+    await first.stop("m1", signal.SIGKILL, timeout=1)
+    # flyd dies (its driver never closes); the next one makes its own spares at its first start
+    second = make_driver(exits)
+    await run_machine(second, spec("m2", ["sleep", "1000"], workdir))
+    await wait_until(lambda: spares(run_root, prefix) == full, "the spares to be made again")
+    assert not left & set((run_root / ".spare").iterdir())
+    await second.stop("m2", signal.SIGKILL, timeout=1)
 
 
 async def test_a_discarded_start_never_runs_and_says_so(make_driver, workdir: Path) -> None:
