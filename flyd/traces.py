@@ -14,7 +14,10 @@ the create path runs none of this.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
+
 from opentelemetry import context as otel_context
+from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 
 from flyd import fsm
@@ -46,8 +49,9 @@ class OpSpan:
             },
         )
 
-    def trace_id(self) -> str:
-        return format(self._span.get_span_context().trace_id, "032x")
+    def current(self) -> AbstractContextManager[Span]:
+        """Make it the current span (for log lines), without ending it on exit."""
+        return trace.use_span(self._span, end_on_exit=False)
 
     def end(self, error: BaseException | None = None, *, superseded_by: str = "") -> None:
         """End the span (once): ok, failed with `error`, or cut short by another operation."""
@@ -94,8 +98,8 @@ class OpTracer:
     def current(self, machine_id: str) -> OpSpan | None:
         return self._open.get(machine_id)
 
-    def committed(self, machine_id: str, t: fsm.Transition, seq: int) -> str | None:
-        """Record a committed step on the machine's open span; returns its trace id, if any.
+    def committed(self, machine_id: str, t: fsm.Transition, seq: int) -> OpSpan | None:
+        """Record a committed step on the machine's open span, and return that span.
 
         The span ends with the step that leaves the machine at rest.
         """
@@ -106,7 +110,7 @@ class OpTracer:
         if t.row.op is None:
             del self._open[machine_id]
             op_span.end()
-        return op_span.trace_id()
+        return op_span
 
     def rested(self, machine_id: str) -> None:
         """The machine has no operation in progress any more: its open span ends."""

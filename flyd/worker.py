@@ -384,9 +384,21 @@ class Worker:
         self._account(self.rows.get(machine_id), row)
         self.rows[machine_id] = row
         self._pending.pop(machine_id, None)  # a create's reservation is now the row's
-        trace_id = None
+        op_span = None
         for t, change in zip(steps, changes, strict=True):
-            trace_id = self._committed(machine_id, t, change.event.seq) or trace_id
+            op_span = self._committed(machine_id, t, change.event.seq) or op_span
+        if op_span is None:
+            self._log_commit(machine_id, steps, seq)
+        else:
+            with op_span.current():  # the line carries the operation's trace, even in a task
+                self._log_commit(machine_id, steps, seq)
+        for change in changes:
+            self._publish(change)
+        if self.store.last_seq() - self.store.first_seq() >= 2 * self.log_keep:
+            self._compact()
+
+    @staticmethod
+    def _log_commit(machine_id: str, steps: list[fsm.Transition], seq: int) -> None:
         # One line per commit: steps committed together (create, start, running) share it.
         first, last = steps[0], steps[-1]
         log.info(
@@ -396,17 +408,12 @@ class Worker:
             from_state=fsm.state_name(first.from_state),
             reason=last.reason if len(steps) == 1 else "; ".join(t.reason for t in steps),
             seq=seq,
-            **({"trace_id": trace_id} if trace_id else {}),
         )
-        for change in changes:
-            self._publish(change)
-        if self.store.last_seq() - self.store.first_seq() >= 2 * self.log_keep:
-            self._compact()
 
-    def _committed(self, machine_id: str, t: fsm.Transition, seq: int) -> str | None:
+    def _committed(self, machine_id: str, t: fsm.Transition, seq: int) -> OpSpan | None:
         """What follows one committed step: images, metrics, the operation's span.
 
-        Returns the trace id of the operation's span, if one is open.
+        Returns the operation's span, if one is open.
         """
         if t.from_state != t.to_state:
             count_transition(t.from_state, t.to_state)

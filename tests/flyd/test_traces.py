@@ -10,17 +10,19 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-import structlog
+from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Span, StatusCode, Tracer
 
+from flyd import fsm
 from flyd.clock import ManualClock
 from flyd.errors import FailedPrecondition
 from flyd.store import LmdbMachineLog
 from flyd.traces import OpTracer
 from flyd.v1 import machine_pb2 as pb
+from flyd.worker import Worker
 from tests.flyd.support import (
     DEADLINE,
     Flyd,
@@ -118,24 +120,32 @@ async def test_create_is_one_span_under_the_rpc_with_a_step_per_commit(
 
 
 async def test_a_stop_span_ends_when_its_background_step_commits(
-    flyd: Flyd, tracer: Tracer, exporter: InMemorySpanExporter
+    flyd: Flyd, tracer: Tracer, exporter: InMemorySpanExporter, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     w = flyd.worker
     await w.create(machine_id="m1", name="", app="web", config=config(), skip_launch=False)
-    with (
-        structlog.testing.capture_logs() as logs,
-        tracer.start_as_current_span("rpc StopMachine") as rpc,
-    ):
+    logged: dict[str, int] = {}  # state -> the trace current when its commit was logged
+    log_commit = Worker._log_commit
+
+    def spy(machine_id: str, steps: list[fsm.Transition], seq: int) -> None:
+        logged[fsm.state_name(steps[-1].to_state)] = (
+            trace.get_current_span().get_span_context().trace_id
+        )
+        log_commit(machine_id, steps, seq)
+
+    monkeypatch.setattr(Worker, "_log_commit", staticmethod(spy))
+    with tracer.start_as_current_span("rpc StopMachine") as rpc:
         await w.stop("m1", None, None)
         # the RPC returns here; the machine is stopping, and the kill goes on in a task
         assert spans_named(exporter, "flyd.stop") == []
-        await until(w, settled(w, "m1", S.MACHINE_STATE_STOPPED))
+    await until(w, settled(w, "m1", S.MACHINE_STATE_STOPPED))
     [span] = spans_named(exporter, "flyd.stop")
     assert child_of(span, rpc)
     assert steps(span) == [("started", "stopping", "kill"), ("stopping", "stopped", "done")]
-    # The step logged from the background task carries the operation's trace.
-    [stopped] = [e for e in logs if e.get("state") == "stopped"]
-    assert stopped["trace_id"] == format(rpc.get_span_context().trace_id, "032x")
+    # Each commit is logged with the operation's span current, so log lines carry its trace id
+    # (test_tracing_process checks a task that inherited another RPC's context).
+    trace_id = rpc.get_span_context().trace_id
+    assert logged == {"stopping": trace_id, "stopped": trace_id}
 
 
 async def test_a_refused_operation_is_a_failed_span(
