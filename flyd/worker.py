@@ -597,21 +597,38 @@ class Worker:
         """Create a machine and, unless skip_launch, start it; returns it at rest (STARTED)."""
         t0 = time.perf_counter()
         check_name("machine_id", machine_id, required=False)
-        machine_id = machine_id or secrets.token_hex(7)
-        if self._op_tracer is None:
-            machine = await self._create(machine_id, name, app, config, skip_launch, None)
-        else:
-            span = self._op_tracer.start("create", machine_id, app)
-            try:
-                machine = await self._create(
-                    machine_id, name, app, config, skip_launch, ("create", span)
-                )
-            except BaseException as err:
-                self._op_tracer.finish(machine_id, span, err, resting=True)
-                raise
-            row = self.rows.get(machine_id)
-            self._op_tracer.finish(machine_id, span, None, resting=row is None or row.op is None)
+        mid = machine_id or secrets.token_hex(7)
+        machine = await self._traced(
+            "create",
+            mid,
+            app,
+            lambda op_span: self._create(mid, name, app, config, skip_launch, op_span),
+        )
         CREATE_SECONDS.observe(time.perf_counter() - t0)
+        return machine
+
+    async def _traced(
+        self,
+        op: str,
+        machine_id: str,
+        app: str,
+        run: Callable[[tuple[str, OpSpan] | None], Awaitable[pb.Machine]],
+    ) -> pb.Machine:
+        """`run(op_span)`, as the span `flyd.<op>` when tracing is on (else op_span is None).
+
+        The span ends here if the operation failed or the machine is at rest; otherwise with
+        the commit that brings it to rest (see flyd.traces).
+        """
+        if self._op_tracer is None:
+            return await run(None)
+        span = self._op_tracer.start(op, machine_id, app)
+        try:
+            machine = await run((op, span))
+        except BaseException as err:
+            self._op_tracer.finish(machine_id, span, err, resting=True)
+            raise
+        row = self.rows.get(machine_id)
+        self._op_tracer.finish(machine_id, span, None, resting=row is None or row.op is None)
         return machine
 
     async def _create(
@@ -694,19 +711,12 @@ class Worker:
         self, op: str, machine_id: str, event: fsm.Event, lease_nonce: str
     ) -> pb.Machine:
         """Run one requested operation on a machine; traced as `flyd.<op>` when tracing is on."""
-        row = self.get(machine_id)
-        if self._op_tracer is None:
-            await self.drive(machine_id, event, lease_nonce=lease_nonce)
+
+        async def run(op_span: tuple[str, OpSpan] | None) -> pb.Machine:
+            await self.drive(machine_id, event, lease_nonce=lease_nonce, op_span=op_span)
             return self.rows[machine_id].machine
-        span = self._op_tracer.start(op, machine_id, row.machine.app)
-        try:
-            await self.drive(machine_id, event, lease_nonce=lease_nonce, op_span=(op, span))
-        except BaseException as err:
-            self._op_tracer.finish(machine_id, span, err, resting=True)
-            raise
-        row = self.rows[machine_id]
-        self._op_tracer.finish(machine_id, span, None, resting=row.op is None)
-        return row.machine
+
+        return await self._traced(op, machine_id, self.get(machine_id).machine.app, run)
 
     async def start(self, machine_id: str, *, lease_nonce: str = "") -> pb.Machine:
         return await self._operate("start", machine_id, fsm.StartRequested(), lease_nonce)
@@ -741,19 +751,12 @@ class Worker:
     ) -> pb.Machine:
         """Replace the machine's config in place: same id, new instance_id."""
         check_config(config)
-        row = self.get(machine_id)
-        if self._op_tracer is None:
-            return await self._update(machine_id, config, skip_launch, lease_nonce, None)
-        span = self._op_tracer.start("update", machine_id, row.machine.app)
-        try:
-            machine = await self._update(
-                machine_id, config, skip_launch, lease_nonce, ("update", span)
-            )
-        except BaseException as err:
-            self._op_tracer.finish(machine_id, span, err, resting=True)
-            raise
-        self._op_tracer.finish(machine_id, span, None, resting=self.rows[machine_id].op is None)
-        return machine
+        return await self._traced(
+            "update",
+            machine_id,
+            self.get(machine_id).machine.app,
+            lambda op_span: self._update(machine_id, config, skip_launch, lease_nonce, op_span),
+        )
 
     async def _update(
         self,
