@@ -15,9 +15,13 @@ flyd re-attaches to them when it comes back. So nothing about a machine lives on
   recycled pid or a reboot cannot pass for the machine. The driver also keeps the handle in the
   run dir, so `start` stays idempotent even if flyd dies before recording it.
 - Exits are noticed without a thread per process: a pidfd per machine, watched by the event loop.
+- A wrapper let go of before it was released (its flyd died) writes `held` as its exit status,
+  so a later flyd tells "never ran" from "ran and exited".
 
-Run dir layout (`<run_root>/<machine_id>/`): `handle.json`, `oom.base` (cgroup counters at start),
-`machine.log[.N]` (owned by flyd) and `status/` (writable by the machine's user; holds `exit`).
+Run dir layout (`<run_root>/<machine_id>/`): `handle.json`, `oom.base` (cgroup counters at start,
+when the memory cgroup was not a new one), `machine.log[.N]` (owned by flyd) and `status/`
+(writable by the machine's user; holds `exit`). `<run_root>/.spare/` holds run dirs made ahead
+of need (and `.spare-*` cgroups sit beside the machines'), so a first start only renames them.
 """
 
 from __future__ import annotations
