@@ -15,20 +15,28 @@ flyd re-attaches to them when it comes back. So nothing about a machine lives on
   recycled pid or a reboot cannot pass for the machine. The driver also keeps the handle in the
   run dir, so `start` stays idempotent even if flyd dies before recording it.
 - Exits are noticed without a thread per process: a pidfd per machine, watched by the event loop.
+- A wrapper let go of before it was released (its flyd died) writes `held` as its exit status,
+  so a later flyd tells "never ran" from "ran and exited".
 
-Run dir layout (`<run_root>/<machine_id>/`): `handle.json`, `oom.base` (cgroup counters at start),
-`machine.log[.N]` (owned by flyd) and `status/` (writable by the machine's user; holds `exit`).
+Run dir layout (`<run_root>/<machine_id>/`): `handle.json`, `oom.base` (cgroup counters at start,
+when the memory cgroup was not a new one), `machine.log[.N]` (owned by flyd) and `status/`
+(writable by the machine's user; holds `exit`). `<run_root>/.spare/` holds run dirs made ahead
+of need (and `.spare-*` cgroups sit beside the machines'), so a first start only renames them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import dataclasses
 import errno
+import hashlib
 import json
 import os
 import pwd
 import re
+import secrets
 import select
 import shlex
 import shutil
@@ -78,6 +86,12 @@ SETUP_FAILED_EXIT_CODE = 125
 # Names the wrapper uses (its function and its variable): reserved in machine environments.
 _WRAPPER_PREFIX = "__nonomad_"
 _WRAPPER_VAR = "__nonomad_signal"
+# Spare run dirs (under the run root) and cgroups (beside the machines'), made ahead of need.
+_SPARE_DIR = ".spare"
+_SPARE_CGROUP = ".spare-"
+SPARES = 8
+# What the exit file holds when the wrapper ended without being released.
+_HELD = "held"
 
 _MACHINE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 _CONTROLLERS = ("memory", "cpu", "pids")
@@ -151,6 +165,8 @@ class ExitStatus:
     exit_code: int | None
     signal: int | None
     oom_killed: bool = False
+    # False: the process was held and never released, so it ran nothing of the machine's.
+    released: bool = True
 
     def __post_init__(self) -> None:
         if (self.exit_code is None) == (self.signal is None):
@@ -158,6 +174,8 @@ class ExitStatus:
 
     def describe(self) -> str:
         """A phrase for humans: "exited with code 3", "killed by SIGKILL (out of memory)"."""
+        if not self.released:
+            return "ended before it was released"
         if self.exit_code is not None:
             text = f"exited with code {self.exit_code}"
         else:
@@ -177,6 +195,7 @@ class Driver(Protocol):
 
     async def start(self, spec: ProcessSpec) -> Handle: ...
     def release(self, machine_id: str) -> None: ...
+    def discard(self, machine_id: str) -> None: ...
     def attach(self, machine_id: str, handle: Handle) -> bool: ...
     def is_running(self, machine_id: str) -> bool: ...
     async def signal(self, machine_id: str, sig: int) -> None: ...
@@ -235,6 +254,117 @@ class _Watched:
     killed_by_us: bool = False
     done: bool = field(default=False)
     go_fd: int | None = None  # write end of the hold pipe until release()
+    discarded: bool = False  # let go of unreleased (discard)
+
+
+class _Spares:
+    """Run dirs and cgroups made ahead of need, so a machine's first start renames a set into
+    place instead of making five directories while its caller waits (each a journalled or
+    cgroup-locked operation that takes long on a busy host).
+
+    A worker thread makes them, up to `SPARES` at a time. Their names say which run root they
+    belong to, so a driver on the same run root removes what a dead one left (in that thread,
+    before it makes any: not while flyd starts); `close` removes the rest. Taking one is a
+    rename, which fails harmlessly onto anything that exists.
+    """
+
+    def __init__(
+        self,
+        run_root: Path,
+        cgroup_parents: list[Path],
+        user: tuple[int, int, list[int]] | None,
+    ) -> None:
+        self._root = run_root / _SPARE_DIR
+        self._cgroup_parents = cgroup_parents  # one per controller, in _CONTROLLERS order
+        self._user = user
+        self._tag = hashlib.blake2s(str(run_root).encode(), digest_size=4).hexdigest()
+        self._ready: collections.deque[str] = collections.deque()
+        self._making: asyncio.Future[None] | None = None
+        # Set here, cleared by the thread as it ends: back-to-back starts that never yield to
+        # the event loop (which would run the future's callbacks) must still see it is done.
+        self._busy = False
+        self._closed = False
+        self._swept = False  # what a driver on this run root left when it died is gone
+
+    def take(self, run_dir: Path, cgroups: list[Path]) -> list[bool] | None:
+        """Move a spare set to `run_dir` and `cgroups`; None if none was ready (or `run_dir`
+        exists). Else, per cgroup, whether it is a new one (False: it existed, left as it was).
+        """
+        self._refill()
+        if not self._ready:
+            return None
+        token = self._ready.popleft()
+        try:
+            os.rename(self._root / token, run_dir)
+        except OSError:
+            self._ready.appendleft(token)  # the machine has a run dir: not a first start
+            return None
+        fresh = []
+        for parent, cg in zip(self._cgroup_parents, cgroups, strict=True):
+            spare = parent / f"{_SPARE_CGROUP}{self._tag}-{token}"
+            try:
+                os.rename(spare, cg)
+                fresh.append(True)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    spare.rmdir()
+                fresh.append(False)
+        self._refill()
+        return fresh
+
+    def _refill(self) -> None:
+        if self._closed or self._busy or len(self._ready) >= SPARES:
+            return
+        self._busy = True
+        loop = asyncio.get_running_loop()
+        self._making = loop.run_in_executor(None, self._make, SPARES - len(self._ready))
+        self._making.add_done_callback(self._made)
+
+    def _made(self, future: asyncio.Future[None]) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            log.warning("spare_run_dirs_failed", error=str(future.exception()))
+            return  # the next start tries again
+        self._refill()  # some were taken meanwhile
+
+    def _make(self, count: int) -> None:
+        """In a worker thread: make `count` spare sets."""
+        try:
+            if not self._swept:
+                self._remove_all()
+                self._swept = True
+            self._root.mkdir(mode=0o755, exist_ok=True)
+            for _ in range(count):
+                if self._closed:
+                    return
+                token = secrets.token_hex(6)
+                run_dir = self._root / token
+                os.mkdir(run_dir, 0o755)
+                os.mkdir(run_dir / "status", 0o700)
+                if self._user is not None:
+                    os.chown(run_dir / "status", self._user[0], self._user[1])
+                for parent in self._cgroup_parents:
+                    os.mkdir(parent / f"{_SPARE_CGROUP}{self._tag}-{token}", 0o755)
+                self._ready.append(token)
+        finally:
+            self._busy = False
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._making is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._making)
+        self._remove_all()
+
+    def _remove_all(self) -> None:
+        self._ready.clear()
+        shutil.rmtree(self._root, ignore_errors=True)
+        ours = f"{_SPARE_CGROUP}{self._tag}-"
+        for parent in self._cgroup_parents:
+            with contextlib.suppress(OSError), os.scandir(parent) as entries:
+                for entry in entries:
+                    if entry.name.startswith(ours):
+                        with contextlib.suppress(OSError):
+                            os.rmdir(entry.path)
 
 
 class ProcessDriver:
@@ -294,12 +424,22 @@ class ProcessDriver:
 
         self.limits_problem = self._probe_cgroups()
         self.limits_enforced = self.limits_problem is None
+        # Whether the kernel accounts swap (memory.memsw.*): then memory+swap is limited too.
+        self._memsw = (
+            self.limits_enforced
+            and (cgroup_root / "memory" / cgroup_prefix / "memory.memsw.limit_in_bytes").is_file()
+        )
         if self.limits_problem is not None:
             log.warning(
                 "cgroup_limits_not_enforced",
                 reason=self.limits_problem,
                 message=f"cgroup limits are not enforced: {self.limits_problem}",
             )
+        self._spares = _Spares(
+            self._run_root,
+            [cgroup_root / c / cgroup_prefix for c in _CONTROLLERS] if self.limits_enforced else [],
+            self._user,
+        )
         ignored = [s.name for s in FORWARDED_SIGNALS if signal.getsignal(s) == signal.SIG_IGN]
         if ignored:
             # Ignored dispositions survive exec and a non-interactive sh cannot reset them.
@@ -332,15 +472,26 @@ class ProcessDriver:
         _prune_detached_children()
         run_dir = self._run_dir(mid)
         status_dir = run_dir / "status"
+        cgroups = self._cgroup_dirs(mid) if self.limits_enforced else []
         try:
-            run_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
-            status_dir.mkdir(mode=0o700, exist_ok=True)
-            if self._user is not None:
-                os.chown(status_dir, self._user[0], self._user[1])
-            for stale in (status_dir / "exit", status_dir / "exit.tmp", run_dir / "exit"):
-                with contextlib.suppress(FileNotFoundError):
-                    stale.unlink()
-            cgroup_procs = self._setup_cgroups(mid, spec.limits) if self.limits_enforced else []
+            # A first start takes a spare run dir and cgroups; a new run dir has no stale files.
+            new_cgroups = self._spares.take(run_dir, cgroups)
+            fresh = new_cgroups is not None
+            if not fresh:
+                fresh = _mkdir_new(run_dir, 0o755)
+                if fresh or not status_dir.is_dir():
+                    status_dir.mkdir(mode=0o700, exist_ok=True)
+                if self._user is not None:
+                    os.chown(status_dir, self._user[0], self._user[1])
+            if not fresh:
+                for stale in (status_dir / "exit", status_dir / "exit.tmp", run_dir / "exit"):
+                    with contextlib.suppress(FileNotFoundError):
+                        stale.unlink()
+            cgroup_procs = (
+                self._setup_cgroups(mid, spec.limits, fresh, new_cgroups)
+                if self.limits_enforced
+                else []
+            )
             log_fd = os.open(
                 run_dir / LOG_NAME,
                 os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
@@ -377,10 +528,12 @@ class ProcessDriver:
         proc = _read_proc_stat(popen.pid)
         assert proc is not None, "an unreaped child always has a /proc entry"
         handle = Handle(pid=popen.pid, start_time=proc.start_time, boot_id=self._boot_id)
-        _write_atomic(run_dir / "handle.json", json.dumps(handle.to_dict()).encode())
+        # Not written atomically: an empty or torn file (flyd died mid-write) reads as no
+        # handle, and the process it would name is held and exits on its own when flyd dies.
+        _write_file(run_dir / "handle.json", json.dumps(handle.to_dict()).encode())
         w = self._watch(loop, mid, handle, os.pidfd_open(popen.pid), popen)
         w.go_fd = hold_w
-        log.info("machine_process_started", machine_id=mid, pid=popen.pid)
+        log.debug("machine_process_started", machine_id=mid, pid=popen.pid)
         return handle
 
     def release(self, machine_id: str) -> None:
@@ -395,6 +548,19 @@ class ProcessDriver:
             pass  # it already exited; its exit is reported as usual
         finally:
             os.close(fd)
+
+    def discard(self, machine_id: str) -> None:
+        """End a held process that will never be released: it exits without running anything.
+
+        For a start whose handle flyd could not record. A no-op for a released process. The
+        exit is reported through `on_exit` as usual.
+        """
+        w = self._watched.get(machine_id)
+        if w is None or w.go_fd is None:
+            return
+        fd, w.go_fd = w.go_fd, None
+        w.discarded = True
+        os.close(fd)  # EOF on the hold pipe: the wrapper exits before the machine's command
 
     def _kill_unreleased(self, handle: Handle) -> None:
         pidfd = self._open_pidfd(handle)
@@ -547,6 +713,7 @@ class ProcessDriver:
         if self._closed:
             return
         self._closed = True
+        await self._spares.close()
         loop = asyncio.get_running_loop()
         for w in list(self._watched.values()):
             loop.remove_reader(w.pidfd)
@@ -577,6 +744,8 @@ class ProcessDriver:
         except FileNotFoundError:
             return
         for run_dir in run_dirs:
+            if run_dir.name.startswith("."):  # spares
+                continue
             try:
                 self._rotate(run_dir / LOG_NAME)
             except OSError as e:
@@ -743,12 +912,15 @@ class ProcessDriver:
                 if result is not None:
                     fallback = _from_waitid(result)
         os.close(w.pidfd)
+        held = w.go_fd is not None or w.discarded  # never released by this driver
         if w.go_fd is not None:
             os.close(w.go_fd)
             w.go_fd = None
         # No wait status when init reaped it; then only SIGKILL ends a wrapper without a record.
         fallback = fallback or ExitStatus(exit_code=None, signal=signal.SIGKILL)
         status = self._status_from_files(w.machine_id, fallback, w.killed_by_us) or fallback
+        if held and status.released:
+            status = dataclasses.replace(status, released=False)
         del self._watched[w.machine_id]
         self._reported[w.machine_id] = w.handle
         w.exited.set_result(status)
@@ -929,20 +1101,35 @@ class ProcessDriver:
     def _cgroup_dirs(self, machine_id: str) -> list[Path]:
         return [self._cgroup_root / c / self._cgroup_prefix / machine_id for c in _CONTROLLERS]
 
-    def _setup_cgroups(self, machine_id: str, limits: Limits) -> list[Path]:
-        """Create (or reuse) the machine's cgroups with `limits`; returns their cgroup.procs."""
+    def _setup_cgroups(
+        self, machine_id: str, limits: Limits, fresh_run_dir: bool, new: list[bool] | None
+    ) -> list[Path]:
+        """Create (or reuse) the machine's cgroups with `limits`; returns their cgroup.procs.
+
+        `new`: which of them were just put in place from spares (None: none were).
+        """
         memory, cpu, pids = self._cgroup_dirs(machine_id)
-        for cg in (memory, cpu, pids):
-            cg.mkdir(exist_ok=True)
-        self._kill_cgroup(machine_id)  # leftovers of a previous run, if flyd missed its end
-        _set_memory_limit(memory, limits.memory_mib << 20)
-        _write(cpu / "cpu.cfs_period_us", _CPU_PERIOD_US)
+        created = [
+            (new is not None and new[i]) or _mkdir_new(cg, 0o755)
+            for i, cg in enumerate((memory, cpu, pids))
+        ]
+        if not all(created):
+            self._kill_cgroup(machine_id)  # leftovers of a previous run, if flyd missed its end
+        _set_memory_limit(memory, limits.memory_mib << 20, memsw=self._memsw)
+        if not created[1]:  # a new cgroup has the kernel's default period, which is ours
+            _write(cpu / "cpu.cfs_period_us", _CPU_PERIOD_US)
         _write(cpu / "cpu.cfs_quota_us", max(_CPU_MIN_QUOTA_US, limits.cpu_millicores * 100))
         _write(pids / "pids.max", limits.pids)
         # Counters outlive a run: keep their value at start so an exit can be judged on its own.
-        oom_kill = _read_oom_kill(memory) or 0
-        failcnt = int((memory / "memory.failcnt").read_text())
-        _write_atomic(self._run_dir(machine_id) / "oom.base", f"{oom_kill} {failcnt}\n".encode())
+        # A new memory cgroup counts from zero, which is what a missing oom.base means.
+        oom_base = self._run_dir(machine_id) / "oom.base"
+        if not created[0]:
+            oom_kill = _read_oom_kill(memory) or 0
+            failcnt = int((memory / "memory.failcnt").read_text())
+            _write_atomic(oom_base, f"{oom_kill} {failcnt}\n".encode())
+        elif not fresh_run_dir:
+            with contextlib.suppress(FileNotFoundError):
+                oom_base.unlink()
         procs = [cg / "cgroup.procs" for cg in (memory, cpu, pids)]
         if self._user is not None:
             for p in procs:  # the wrapper joins as the machine's user
@@ -969,9 +1156,11 @@ class ProcessDriver:
             return False
         memory = self._cgroup_dirs(machine_id)[0]
         try:
-            base_oom, base_failcnt = (
-                int(v) for v in (self._run_dir(machine_id) / "oom.base").read_text().split()
-            )
+            try:
+                base = (self._run_dir(machine_id) / "oom.base").read_text()
+            except FileNotFoundError:
+                base = "0 0"  # the run started in a new memory cgroup (see _setup_cgroups)
+            base_oom, base_failcnt = (int(v) for v in base.split())
             oom_kill = _read_oom_kill(memory)
             if oom_kill is not None:
                 return oom_kill > base_oom
@@ -1006,9 +1195,12 @@ def _wrapper_script(
         f"trap '{_WRAPPER_VAR}={int(s)}' {s.name.removeprefix('SIG')}" for s in FORWARDED_SIGNALS
     ]
     lines += [
+        "__nonomad_record() {",
+        f"  {{ printf '%s\\n' \"$1\" > {tmp} && {q(mv)} -f {tmp} {final}; }} ||",
+        f"    printf '%s\\n' \"$1\" > {final}",
+        "}",
         "__nonomad_exit() {",
-        f"  {{ printf '%d\\n' \"$1\" > {tmp} && {q(mv)} -f {tmp} {final}; }} ||",
-        f"    printf '%d\\n' \"$1\" > {final}",
+        '  __nonomad_record "$1"',
         '  exit "$1"',
         "}",
     ]
@@ -1018,9 +1210,11 @@ def _wrapper_script(
     lines.append(f"cd {q(str(cwd))} || __nonomad_exit {SETUP_FAILED_EXIT_CODE}")
     # `cd` exported these; the machine gets exactly the environment flyd passed.
     lines += [f"unset {name}" for name in ("PWD", "OLDPWD") if name not in env]
-    # Held until flyd has recorded the handle: EOF (flyd died first) means never run.
+    # Held until flyd has recorded the handle: EOF (flyd died first) means never run, and the
+    # exit file says so ("held"), so a later flyd knows this process ran nothing.
     lines += [
-        f"IFS= read -r {_WRAPPER_PREFIX}go || __nonomad_exit {SETUP_FAILED_EXIT_CODE}",
+        f"IFS= read -r {_WRAPPER_PREFIX}go || {{ __nonomad_record {_HELD}; "
+        f"exit {SETUP_FAILED_EXIT_CODE}; }}",
         f"unset {_WRAPPER_PREFIX}go",
         "exec </dev/null",
     ]
@@ -1081,7 +1275,10 @@ def _read_exit_file(path: Path) -> ExitStatus | None:
         # O_NOFOLLOW: the status dir is writable by the machine's user.
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         with os.fdopen(fd, "rb") as f:
-            return _from_shell_status(int(f.read(32).strip()))
+            text = f.read(32).strip()
+        if text == _HELD.encode():
+            return ExitStatus(exit_code=SETUP_FAILED_EXIT_CODE, signal=None, released=False)
+        return _from_shell_status(int(text))
     except (OSError, ValueError):
         return None
 
@@ -1143,25 +1340,47 @@ def _read_oom_kill(memory_cgroup: Path) -> int | None:
     return None
 
 
-def _set_memory_limit(memory_cgroup: Path, limit: int) -> None:
-    memsw = memory_cgroup / "memory.memsw.limit_in_bytes"
+def _set_memory_limit(memory_cgroup: Path, limit: int, *, memsw: bool) -> None:
+    """Set the memory limit, and memory+swap to the same where the kernel accounts swap."""
+    memsw_path = memory_cgroup / "memory.memsw.limit_in_bytes"
     try:
         _write(memory_cgroup / "memory.limit_in_bytes", limit)
     except OSError as e:
         # The memory limit may not exceed memory+swap: raise that one first.
-        if e.errno != errno.EINVAL or not memsw.exists():
+        if e.errno != errno.EINVAL or not memsw:
             raise
-        _write(memsw, limit)
+        _write(memsw_path, limit)
         _write(memory_cgroup / "memory.limit_in_bytes", limit)
-    if memsw.exists():
+    if memsw:
         try:  # no swap beyond the limit either, where the kernel accounts for swap
-            _write(memsw, limit)
+            _write(memsw_path, limit)
         except OSError as e:
             log.debug("memsw_limit_not_set", cgroup=str(memory_cgroup), error=str(e))
 
 
 def _write(path: Path, value: int) -> None:
-    path.write_text(f"{value}\n")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, b"%d\n" % value)
+    finally:
+        os.close(fd)
+
+
+def _mkdir_new(path: Path, mode: int) -> bool:
+    """Create the directory; False if it already existed."""
+    try:
+        os.mkdir(path, mode)
+    except FileExistsError:
+        return False
+    return True
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

@@ -180,6 +180,12 @@ class FakeDriver:
             process.released = True
         self.released.append(machine_id)
 
+    def discard(self, machine_id: str) -> None:
+        """A held fake process that is never released ends without having run anything."""
+        process = self.host.processes.get(machine_id)
+        if process is not None and not process.released and self.is_running(machine_id):
+            self.host.exit(machine_id, ExitStatus(exit_code=125, signal=None, released=False))
+
     def attach(self, machine_id: str, handle: Handle) -> bool:
         """True if the same fake process still runs (now watched); else on_exit comes soon."""
         self._check_open()
@@ -284,7 +290,7 @@ class FakeDriver:
                 del self.host.watchers[mid]
                 process = self.host.processes.get(mid)
                 if process is not None and not process.released:
-                    self.host.exit(mid, ExitStatus(exit_code=125, signal=None))
+                    self.host.exit(mid, ExitStatus(exit_code=125, signal=None, released=False))
 
     # -- internals ---------------------------------------------------------------------------
 

@@ -19,6 +19,11 @@ Operations and their steps:
 Spawning is two-phase (spawn holds the process before it runs anything,
 release lets it go) so that the process handle is committed before the
 machine's command runs: a crash in between can never start a machine twice.
+The spawned step already declares the machine STARTED, with the release
+still pending in its row; once released, the row only drops the pending
+step. That last change is `lazy`: a runner may make it durable with a later
+commit, because recovering from the row before it reaches the same state (a
+live process is re-attached as running, a dead one is spawned again).
 """
 
 from __future__ import annotations
@@ -165,6 +170,7 @@ class Exited:
     signal: int | None
     oom_killed: bool
     log_tail: tuple[str, ...] = ()
+    released: bool = True  # False: it was held and ran nothing of the machine's
 
 
 @dataclass(frozen=True)
@@ -249,6 +255,9 @@ class Transition:
     reason: str
     from_state: int
     effects: tuple[Effect, ...] = ()
+    # Nothing to log: only flyd's internals changed (the public Machine did not), and losing
+    # the change in a crash is safe. The runner may commit it later, with another transaction.
+    lazy: bool = False
 
     @property
     def to_state(self) -> int:
@@ -288,6 +297,8 @@ def signal_name(sig: int) -> str:
 
 
 def describe_exit(ev: Exited) -> str:
+    if not ev.released:
+        return "ended before it was released"
     if ev.exit_code is not None:
         return f"exited with code {ev.exit_code}"
     text = f"killed by {signal_name(ev.signal or 0)}"
@@ -329,10 +340,11 @@ def step(row: Row, event: Event, *, now: float, policy: Policy) -> Transition | 
         case Spawned(handle=handle):
             if row.op is None or row.op.step != "spawn":
                 return None
+            # Committed before the release: declared started, with the release still pending.
             b = _Builder(row, now, row.op.kind, [Release()])
             return b.to(
-                row.state,
-                f"process spawned (pid {handle.get('pid')})",
+                S.MACHINE_STATE_STARTED,
+                f"running (pid {handle.get('pid')})",
                 op=replace(row.op, step="release"),
                 handle=handle,
             )
@@ -343,7 +355,9 @@ def step(row: Row, event: Event, *, now: float, policy: Policy) -> Transition | 
         case Released():
             if row.op is None or row.op.step != "release":
                 return None
-            return _Builder(row, now, row.op.kind).to(S.MACHINE_STATE_STARTED, "running", op=None)
+            return Transition(
+                replace(row, op=None), row.op.kind, "released", row.state, (), lazy=True
+            )
         case Signalled():
             if row.op is None or row.op.kind != "signal":
                 return None
@@ -520,9 +534,16 @@ def _retry_spawn(row: Row, now: float, why: str) -> Transition:
             op=None,
             handle=None,
         )
+    state = row.state
+    if state == S.MACHINE_STATE_STARTED:  # its process died before it was released
+        state = (
+            S.MACHINE_STATE_RESTARTING
+            if row.op.kind in ("restart", "policy_restart")
+            else S.MACHINE_STATE_STARTING
+        )
     b = _Builder(row, now, row.op.kind, [Spawn()])
     return b.to(
-        row.state,
+        state,
         f"{why}; retrying",
         op=replace(row.op, step="spawn", attempts=attempts),
         handle=None,
@@ -572,9 +593,12 @@ def _exited(row: Row, ev: Exited, now: float, policy: Policy) -> Transition | No
                 op=replace(op, step="spawn"),
                 handle=None,
             )
-    if op is not None and op.step in ("spawn", "release"):
-        # Died before it was declared started (flyd restarted in between): try again.
-        return _retry_spawn(row, now, what)
+    if not ev.released and (op is None or op.step == "release"):
+        # It ran nothing (its flyd died before releasing it): spawn it again.
+        return _retry_spawn(replace(row, op=op or Op("start", "release")), now, what)
+    if op is not None and op.step == "release":
+        # Released, and it ran: flyd restarted before it had recorded the release.
+        row = replace(row, op=None)
     return _apply_restart_policy(row, ev, now, policy, what)
 
 

@@ -9,14 +9,17 @@ import signal
 
 import grpc
 import structlog
+from opentelemetry import trace
 
 from flyd import fsm
 from flyd.clock import SystemClock
 from flyd.driver import ProcessDriver
 from flyd.images import ImageCache, ImageSource
+from flyd.metrics import register_worker
 from flyd.service import WorkerServicer, map_error
 from flyd.settings import FlydSettings
 from flyd.store import LmdbMachineLog
+from flyd.traces import OpTracer
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2, worker_pb2_grpc
 from flyd.worker import Identity, Worker
@@ -27,12 +30,14 @@ from nonomad.runtime import (
     main_entry,
     settings_or_exit,
     setup_tracing,
+    tracing_enabled,
 )
 from registry.v1 import registry_pb2, registry_pb2_grpc
 
 log = structlog.get_logger("flyd")
 ANNOUNCE_TIMEOUT = 2.0
-# How often machine logs are checked against their size bound (and image recency saved).
+# How often machine logs are checked against their size bound, image recency saved, and lazy
+# row changes (a released process's finished start) committed if no other commit carried them.
 LOG_ROTATE_INTERVAL = 1.0
 
 
@@ -88,7 +93,12 @@ async def build(argv: list[str]) -> Service:
         ),
         log_keep=settings.log_keep,
         state_dir=data,
+        # Spans of machine operations only while tracing is on: off, the steps run none of it.
+        op_tracer=OpTracer(trace.get_tracer("flyd"), settings.worker_id)
+        if tracing_enabled()
+        else None,
     )
+    register_worker(worker)  # gauges read at scrape time: nothing on the create path
     servicer = WorkerServicer(
         worker, heartbeat_interval=settings.heartbeat_interval, draining=service.draining
     )
@@ -105,6 +115,7 @@ async def build(argv: list[str]) -> Service:
             identity.address = await service.wait_ready()
         worker.recover()
         while not shutdown.is_set():
+            worker.flush()
             driver.rotate_logs()
             images.flush()
             with contextlib.suppress(TimeoutError):
@@ -145,6 +156,7 @@ async def build(argv: list[str]) -> Service:
         assert worker is not None
         await worker.close()
         await driver.close()  # stops watching; the machines keep running
+        worker.flush()
         images.flush()
         store.close()
 

@@ -10,10 +10,12 @@ WatchEvents subscribers and waiters.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import secrets
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,8 +34,10 @@ from flyd.errors import (
     Unavailable,
 )
 from flyd.images import Image, ImageCache
+from flyd.metrics import CREATE_SECONDS, count_transition
 from flyd.settings import CapacitySettings
 from flyd.store import Compacted, MachineLog, NewRecord, RecordType
+from flyd.traces import OpSpan, OpTracer
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
 from flyd.validate import check_config, check_name
@@ -46,6 +50,23 @@ SUBSCRIBER_QUEUE = 4096
 # How many destroyed machines stay readable (GetMachine, waits) before their rows go.
 KEEP_DESTROYED = 1000
 _LAGGED = object()
+_SPAWN_ONLY = (fsm.Spawn(),)
+
+
+@dataclass(slots=True)
+class _Totals:
+    """Resources reserved by a set of machines, kept as running sums."""
+
+    cpu_millicores: int = 0
+    memory_mib: int = 0
+    disk_mib: int = 0
+    machines: int = 0
+
+    def add(self, guest: pb.GuestConfig, sign: int = 1) -> None:
+        self.cpu_millicores += sign * guest.cpu_millicores
+        self.memory_mib += sign * guest.memory_mib
+        self.disk_mib += sign * guest.disk_mib
+        self.machines += sign
 
 
 @dataclass
@@ -84,7 +105,9 @@ class Worker:
         log_keep: int = 10_000,
         state_dir: Path | None = None,
         port_free: Callable[[str, int], bool] = _port_free,
+        op_tracer: OpTracer | None = None,
     ) -> None:
+        """`op_tracer`: spans of machine operations; None (tracing off) costs nothing."""
         self.identity = identity
         self.store = store
         self.driver = driver
@@ -98,6 +121,14 @@ class Worker:
         self._state_dir = state_dir
         self._port_free = port_free
         self.rows: dict[str, fsm.Row] = {}
+        # Running totals over `rows`, so placement checks and heartbeats cost O(1).
+        self._used = _Totals()
+        self._by_state: collections.Counter[int] = collections.Counter()
+        # Machines being created: reserved (and their ports taken) before their first commit.
+        self._pending: dict[str, pb.Machine] = {}
+        # Machines whose durable row lags behind `rows` by a lazy step (see fsm.Transition).
+        self._dirty: set[str] = set()
+        self._op_tracer = op_tracer
         self._locks: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._subscribers: set[asyncio.Queue[object]] = set()
@@ -112,6 +143,7 @@ class Worker:
         for machine_id, raw in self.store.rows().items():
             row = fsm.decode_row(raw)
             self.rows[machine_id] = row
+            self._account(None, row)
             if row.state != S.MACHINE_STATE_DESTROYED:
                 self.images.use(row.image_digest)
         resumed = 0
@@ -144,7 +176,12 @@ class Worker:
         with contextlib.suppress(Exception):
             tail = tuple(self.driver.read_logs(machine_id, 20))
         event = fsm.Exited(
-            handle.to_dict(), status.exit_code, status.signal, status.oom_killed, tail
+            handle.to_dict(),
+            status.exit_code,
+            status.signal,
+            status.oom_killed,
+            tail,
+            released=status.released,
         )
         self._spawn_task(self.drive(machine_id, event))
 
@@ -167,22 +204,98 @@ class Worker:
         return lock
 
     async def drive(
-        self, machine_id: str, event: fsm.Event, *, lease_nonce: str | None = None
+        self,
+        machine_id: str,
+        event: fsm.Event,
+        *,
+        lease_nonce: str | None = None,
+        op_span: tuple[str, OpSpan] | None = None,
     ) -> None:
         """Apply an event; a caller's request (lease_nonce given) must hold any lease."""
         async with self._lock(machine_id):
             if lease_nonce is not None:
                 fsm.check_lease(self.rows[machine_id], lease_nonce, self.clock.now())
-            await self._drive_locked(machine_id, event)
+            await self._drive_locked(machine_id, event, op_span=op_span)
 
-    async def _drive_locked(self, machine_id: str, event: fsm.Event | None) -> None:
-        while event is not None:
-            row = self.rows[machine_id]
-            transition = fsm.step(row, event, now=self.clock.now(), policy=self.policy)
-            if transition is None:
-                return
-            self._commit(machine_id, transition)
-            event = await self._perform(machine_id, transition)
+    async def _drive_locked(
+        self,
+        machine_id: str,
+        event: fsm.Event | None,
+        staged: list[fsm.Transition] | None = None,
+        *,
+        op_span: tuple[str, OpSpan] | None = None,
+    ) -> None:
+        """Step the machine until it rests, committing each step before its effects run.
+
+        A step whose one effect is Spawn is the exception: the driver's spawn holds the new
+        process before it runs anything, so the step is committed together with the spawn's
+        outcome (one transaction instead of two). A crash before that commit leaves a held
+        process that dies with flyd, and the last committed step is resumed as before.
+        `staged` are steps computed but not committed yet (a create's first ones). `op_span`
+        (op, span) receives the steps from the first commit on, in place of any open one.
+        """
+        staged = staged if staged is not None else []
+        row = staged[-1].row if staged else self.rows[machine_id]
+        try:
+            while event is not None:
+                transition = fsm.step(row, event, now=self.clock.now(), policy=self.policy)
+                if transition is None:
+                    break
+                if transition.lazy:
+                    assert not staged, "a lazy step follows an effect, so a commit"
+                    self._apply_lazy(machine_id, transition)
+                    row = transition.row
+                    event = await self._perform(machine_id, transition)
+                    continue
+                staged.append(transition)
+                row = transition.row
+                if transition.effects == _SPAWN_ONLY:
+                    event = await self._spawn(machine_id, row)
+                    continue
+                if op_span is not None:
+                    self._take_span(machine_id, op_span)
+                    op_span = None
+                self._commit(machine_id, staged)
+                staged = []
+                event = await self._perform(machine_id, transition)
+            if staged:
+                if op_span is not None:
+                    self._take_span(machine_id, op_span)
+                self._commit(machine_id, staged)
+                staged = []
+        finally:
+            if staged and staged[-1].row.handle is not None:
+                # Spawned but never committed: the held process must not run.
+                self.driver.discard(machine_id)
+
+    def _apply_lazy(self, machine_id: str, t: fsm.Transition) -> None:
+        """A change of flyd's internals that may become durable later (see fsm.Transition).
+
+        It rides along with the next commit of any machine, or `flush`.
+        """
+        self.rows[machine_id] = t.row
+        self._dirty.add(machine_id)
+        if self._op_tracer is not None and t.row.op is None:
+            self._op_tracer.rested(machine_id)
+
+    def flush(self) -> None:
+        """Commit the rows whose durable copy lags behind (lazy steps); flyd calls it often."""
+        if self._dirty:
+            dirty = {mid: fsm.encode_row(self.rows[mid]) for mid in self._dirty}
+            self.store.commit([], dirty)
+            self._dirty.clear()
+
+    def _take_span(self, machine_id: str, op_span: tuple[str, OpSpan]) -> None:
+        if self._op_tracer is not None:
+            self._op_tracer.attach(machine_id, op_span[1], op_span[0])
+
+    async def _spawn(self, machine_id: str, row: fsm.Row) -> fsm.Event:
+        try:
+            handle = await self.driver.start(self._spec(row))
+        except Exception as err:  # any failure to spawn is the machine's, not ours
+            log.warning("spawn failed", machine_id=machine_id, error=str(err))
+            return fsm.SpawnFailed(str(err))
+        return fsm.Spawned(handle.to_dict())
 
     async def _perform(self, machine_id: str, t: fsm.Transition) -> fsm.Event | None:
         row = t.row
@@ -190,13 +303,7 @@ class Worker:
         for effect in t.effects:
             match effect:
                 case fsm.Spawn():
-                    try:
-                        handle = await self.driver.start(self._spec(row))
-                    except Exception as err:  # any failure to spawn is the machine's, not ours
-                        log.warning("spawn failed", machine_id=machine_id, error=str(err))
-                        next_event = fsm.SpawnFailed(str(err))
-                    else:
-                        next_event = fsm.Spawned(handle.to_dict())
+                    next_event = await self._spawn(machine_id, row)
                 case fsm.Release():
                     self.driver.release(machine_id)
                     next_event = fsm.Released()
@@ -223,47 +330,107 @@ class Worker:
             status = ExitStatus(exit_code=None, signal=9, oom_killed=False)
         # The driver's on_exit reports the same exit; whichever comes second is ignored.
         await self.drive(
-            machine_id, fsm.Exited(dict(handle), status.exit_code, status.signal, status.oom_killed)
+            machine_id,
+            fsm.Exited(
+                dict(handle),
+                status.exit_code,
+                status.signal,
+                status.oom_killed,
+                released=status.released,
+            ),
         )
 
     async def _timer(self, machine_id: str, when: float) -> None:
         await self.clock.sleep_until(when)
         await self.drive(machine_id, fsm.TimerFired())
 
-    def _commit(self, machine_id: str, t: fsm.Transition) -> None:
-        """One transaction: the log record and the new row. Then tell everyone who waits."""
-        seq = self.store.last_seq() + 1
-        machine = t.row.machine
-        event = pb.MachineEvent(
-            seq=seq,
-            machine_id=machine_id,
-            type=t.type,
-            from_state=t.from_state,  # type: ignore[arg-type]
-            to_state=t.to_state,  # type: ignore[arg-type]
-            reason=t.reason,
-            time=machine.updated_at,
+    def _commit(self, machine_id: str, steps: list[fsm.Transition]) -> None:
+        """One transaction: a log record per step and the row after the last. Then tell all.
+
+        Steps computed together (a step and its spawn's outcome) are committed together; each
+        record still carries the machine as it was after its own step.
+        """
+        seq = self.store.last_seq()
+        changes: list[worker_pb2.MachineChange] = []
+        tail: Sequence[pb.MachineEvent] | None = None  # the event tail after the step before
+        for t in steps:
+            seq += 1
+            machine = t.row.machine
+            if tail is not None:
+                del machine.events[:]
+                machine.events.extend(tail)
+            event = pb.MachineEvent(
+                seq=seq,
+                machine_id=machine_id,
+                type=t.type,
+                from_state=t.from_state,  # type: ignore[arg-type]
+                to_state=t.to_state,  # type: ignore[arg-type]
+                reason=t.reason,
+                time=machine.updated_at,
+            )
+            if t.from_state != t.to_state:
+                machine.events.append(event)
+                if len(machine.events) > fsm.EVENT_TAIL:
+                    del machine.events[: len(machine.events) - fsm.EVENT_TAIL]
+            tail = machine.events
+            changes.append(worker_pb2.MachineChange(event=event, machine=machine))
+        row = steps[-1].row
+        rows = {mid: fsm.encode_row(self.rows[mid]) for mid in self._dirty}  # lazy steps
+        rows[machine_id] = fsm.encode_row(row)
+        self.store.commit(
+            [NewRecord(RecordType.MACHINE_CHANGE, c.SerializeToString()) for c in changes], rows
         )
-        if t.from_state != t.to_state:
-            machine.events.append(event)
-            if len(machine.events) > fsm.EVENT_TAIL:
-                del machine.events[: len(machine.events) - fsm.EVENT_TAIL]
-        change = worker_pb2.MachineChange(event=event, machine=machine)
-        record = NewRecord(RecordType.MACHINE_CHANGE, change.SerializeToString())
-        self.store.commit([record], {machine_id: fsm.encode_row(t.row)})
-        self.rows[machine_id] = t.row
-        if t.to_state == S.MACHINE_STATE_DESTROYED and t.from_state != S.MACHINE_STATE_DESTROYED:
-            self.images.release(t.row.image_digest)
-        log.info(
-            t.type,
-            machine_id=machine_id,
-            state=fsm.state_name(t.to_state),
-            from_state=fsm.state_name(t.from_state),
-            reason=t.reason,
-            seq=seq,
-        )
-        self._publish(change)
+        self._dirty.clear()
+        self._account(self.rows.get(machine_id), row)
+        self.rows[machine_id] = row
+        self._pending.pop(machine_id, None)  # a create's reservation is now the row's
+        op_span = None
+        for t, change in zip(steps, changes, strict=True):
+            op_span = self._committed(machine_id, t, change.event.seq) or op_span
+        if op_span is None:
+            self._log_commit(machine_id, steps, seq)
+        else:
+            with op_span.current():  # the line carries the operation's trace, even in a task
+                self._log_commit(machine_id, steps, seq)
+        for change in changes:
+            self._publish(change)
         if self.store.last_seq() - self.store.first_seq() >= 2 * self.log_keep:
             self._compact()
+
+    @staticmethod
+    def _log_commit(machine_id: str, steps: list[fsm.Transition], seq: int) -> None:
+        # One line per commit: steps committed together (create, start, running) share it.
+        first, last = steps[0], steps[-1]
+        log.info(
+            first.type,
+            machine_id=machine_id,
+            state=fsm.state_name(last.to_state),
+            from_state=fsm.state_name(first.from_state),
+            reason=last.reason if len(steps) == 1 else "; ".join(t.reason for t in steps),
+            seq=seq,
+        )
+
+    def _committed(self, machine_id: str, t: fsm.Transition, seq: int) -> OpSpan | None:
+        """What follows one committed step: images, metrics, the operation's span.
+
+        Returns the operation's span, if one is open.
+        """
+        if t.from_state != t.to_state:
+            count_transition(t.from_state, t.to_state)
+            if t.to_state == S.MACHINE_STATE_DESTROYED:
+                self.images.release(t.row.image_digest)
+        if self._op_tracer is not None:
+            return self._op_tracer.committed(machine_id, t, seq)
+        return None
+
+    def _account(self, old: fsm.Row | None, new: fsm.Row | None) -> None:
+        """Keep the running totals (reservations, machines by state) in step with the rows."""
+        for row, sign in ((old, -1), (new, 1)):
+            if row is None:
+                continue
+            self._by_state[row.state] += sign
+            if row.state != S.MACHINE_STATE_DESTROYED:
+                self._used.add(row.machine.config.guest, sign)
 
     def _publish(self, change: worker_pb2.MachineChange) -> None:
         for q in self._subscribers:
@@ -288,7 +455,7 @@ class Worker:
         if drop:
             self.store.commit([], dict.fromkeys(drop))
             for mid in drop:
-                del self.rows[mid]
+                self._account(self.rows.pop(mid), None)
                 self._locks.pop(mid, None)
         dropped = self.store.compact(self.log_keep)
         log.info(
@@ -301,16 +468,25 @@ class Worker:
     # --- capacity -----------------------------------------------------------
 
     def reserved(self) -> pb.Resources:
-        res = pb.Resources()
-        for row in self.rows.values():
-            if row.state == S.MACHINE_STATE_DESTROYED:
-                continue
-            guest = row.machine.config.guest
+        """What the machines that are not destroyed reserve, plus creates under way."""
+        used = self._used
+        res = pb.Resources(
+            cpu_millicores=used.cpu_millicores,
+            memory_mib=used.memory_mib,
+            disk_mib=used.disk_mib,
+            machines=used.machines,
+        )
+        for machine in self._pending.values():
+            guest = machine.config.guest
             res.cpu_millicores += guest.cpu_millicores
             res.memory_mib += guest.memory_mib
             res.disk_mib += guest.disk_mib
             res.machines += 1
         return res
+
+    def machines_by_state(self) -> dict[int, int]:
+        """How many machines (rows, destroyed ones included while kept) are in each state."""
+        return {state: n for state, n in self._by_state.items() if n}
 
     def capacity(self) -> pb.Capacity:
         total = pb.Resources(
@@ -327,9 +503,8 @@ class Worker:
             machines=total.machines - used.machines,
         )
         cap = pb.Capacity(total=total, free=free, cordoned=self.cordoned)
-        for row in self.rows.values():
-            name = fsm.state_name(row.state)
-            cap.machines_by_state[name] = cap.machines_by_state.get(name, 0) + 1
+        for state, count in self.machines_by_state().items():
+            cap.machines_by_state[fsm.state_name(state)] = count
         for img in self.images.cached():
             cached = cap.images.add(ref=img.ref, digest=img.digest, size_bytes=img.size_bytes)
             cached.last_used.FromNanoseconds(int(img.last_used * 1e9))
@@ -371,6 +546,7 @@ class Worker:
             if row.state != S.MACHINE_STATE_DESTROYED
             for p in row.machine.ports
         }
+        used.update(p.host_port for m in self._pending.values() for p in m.ports)
         found: list[int] = []
         for port in self.ports:
             if port in used or not self._port_free(self.machine_host, port):
@@ -418,12 +594,56 @@ class Worker:
         config: pb.MachineConfig,
         skip_launch: bool,
     ) -> pb.Machine:
+        """Create a machine and, unless skip_launch, start it; returns it at rest (STARTED)."""
+        t0 = time.perf_counter()
         check_name("machine_id", machine_id, required=False)
+        mid = machine_id or secrets.token_hex(7)
+        machine = await self._traced(
+            "create",
+            mid,
+            app,
+            lambda op_span: self._create(mid, name, app, config, skip_launch, op_span),
+        )
+        CREATE_SECONDS.observe(time.perf_counter() - t0)
+        return machine
+
+    async def _traced(
+        self,
+        op: str,
+        machine_id: str,
+        app: str,
+        run: Callable[[tuple[str, OpSpan] | None], Awaitable[pb.Machine]],
+    ) -> pb.Machine:
+        """`run(op_span)`, as the span `flyd.<op>` when tracing is on (else op_span is None).
+
+        The span ends here if the operation failed or the machine is at rest; otherwise with
+        the commit that brings it to rest (see flyd.traces).
+        """
+        if self._op_tracer is None:
+            return await run(None)
+        span = self._op_tracer.start(op, machine_id, app)
+        try:
+            machine = await run((op, span))
+        except BaseException as err:
+            self._op_tracer.finish(machine_id, span, err, resting=True)
+            raise
+        row = self.rows.get(machine_id)
+        self._op_tracer.finish(machine_id, span, None, resting=row is None or row.op is None)
+        return machine
+
+    async def _create(
+        self,
+        machine_id: str,
+        name: str,
+        app: str,
+        config: pb.MachineConfig,
+        skip_launch: bool,
+        op_span: tuple[str, OpSpan] | None,
+    ) -> pb.Machine:
         check_name("app", app)
         if len(name) > 63:
             raise InvalidArgument("name", "must be at most 63 characters")
         check_config(config)
-        machine_id = machine_id or secrets.token_hex(7)
         if (existing := self._existing(machine_id, app, config)) is not None:
             return existing
         if self.cordoned or self.closing:
@@ -441,7 +661,8 @@ class Worker:
                 if (existing := self._existing(machine_id, app, config)) is not None:
                     self.images.release(image.digest)
                     return existing
-                # No await from here to the commit: the check and the reservation are atomic.
+                # The check and the reservation are atomic: the machine is reserved (as
+                # pending) before the first await, and its first commit makes that its row's.
                 self._check_room(config.guest)
                 ports = self._allocate_ports(len(config.services))
                 machine = pb.Machine(
@@ -457,17 +678,21 @@ class Worker:
                     machine.ports.add(
                         internal_port=svc.internal_port, host=self.machine_host, host_port=port
                     )
-                self._commit(
-                    machine_id,
-                    fsm.create(
-                        machine,
-                        image_digest=image.digest,
-                        skip_launch=skip_launch,
-                        now=self.clock.now(),
-                    ),
+                first = fsm.create(
+                    machine,
+                    image_digest=image.digest,
+                    skip_launch=skip_launch,
+                    now=self.clock.now(),
                 )
-                # Continue the pending start in the same operation.
-                await self._drive_locked(machine_id, fsm.Resume(alive=False))
+                self._pending[machine_id] = machine
+                try:
+                    # The pending start goes on in the same operation: its spawn comes before
+                    # the first commit, which records the creation, the start and the process.
+                    await self._drive_locked(
+                        machine_id, fsm.Resume(alive=False), [first], op_span=op_span
+                    )
+                finally:
+                    self._pending.pop(machine_id, None)
         except BaseException:
             if machine_id not in self.rows:
                 self.images.release(image.digest)
@@ -482,36 +707,39 @@ class Worker:
             raise AlreadyExists(f"machine {machine_id} exists with another app or config")
         return row.machine
 
+    async def _operate(
+        self, op: str, machine_id: str, event: fsm.Event, lease_nonce: str
+    ) -> pb.Machine:
+        """Run one requested operation on a machine; traced as `flyd.<op>` when tracing is on."""
+
+        async def run(op_span: tuple[str, OpSpan] | None) -> pb.Machine:
+            await self.drive(machine_id, event, lease_nonce=lease_nonce, op_span=op_span)
+            return self.rows[machine_id].machine
+
+        return await self._traced(op, machine_id, self.get(machine_id).machine.app, run)
+
     async def start(self, machine_id: str, *, lease_nonce: str = "") -> pb.Machine:
-        self.get(machine_id)
-        await self.drive(machine_id, fsm.StartRequested(), lease_nonce=lease_nonce)
-        return self.rows[machine_id].machine
+        return await self._operate("start", machine_id, fsm.StartRequested(), lease_nonce)
 
     async def stop(
         self, machine_id: str, sig: int | None, timeout: float | None, *, lease_nonce: str = ""
     ) -> pb.Machine:
-        row = self.get(machine_id)
-        sig, timeout = self._stop_params(row, sig, timeout)
-        await self.drive(machine_id, fsm.StopRequested(sig, timeout), lease_nonce=lease_nonce)
-        return self.rows[machine_id].machine
+        sig, timeout = self._stop_params(self.get(machine_id), sig, timeout)
+        event = fsm.StopRequested(sig, timeout)
+        return await self._operate("stop", machine_id, event, lease_nonce)
 
     async def restart(
         self, machine_id: str, sig: int | None, timeout: float | None, *, lease_nonce: str = ""
     ) -> pb.Machine:
-        row = self.get(machine_id)
-        sig, timeout = self._stop_params(row, sig, timeout)
-        await self.drive(machine_id, fsm.RestartRequested(sig, timeout), lease_nonce=lease_nonce)
-        return self.rows[machine_id].machine
+        sig, timeout = self._stop_params(self.get(machine_id), sig, timeout)
+        event = fsm.RestartRequested(sig, timeout)
+        return await self._operate("restart", machine_id, event, lease_nonce)
 
     async def signal(self, machine_id: str, sig: int, *, lease_nonce: str = "") -> pb.Machine:
-        self.get(machine_id)
-        await self.drive(machine_id, fsm.SignalRequested(sig), lease_nonce=lease_nonce)
-        return self.rows[machine_id].machine
+        return await self._operate("signal", machine_id, fsm.SignalRequested(sig), lease_nonce)
 
     async def destroy(self, machine_id: str, force: bool, *, lease_nonce: str = "") -> pb.Machine:
-        self.get(machine_id)
-        await self.drive(machine_id, fsm.DestroyRequested(force), lease_nonce=lease_nonce)
-        return self.rows[machine_id].machine
+        return await self._operate("destroy", machine_id, fsm.DestroyRequested(force), lease_nonce)
 
     async def update(
         self,
@@ -523,6 +751,21 @@ class Worker:
     ) -> pb.Machine:
         """Replace the machine's config in place: same id, new instance_id."""
         check_config(config)
+        return await self._traced(
+            "update",
+            machine_id,
+            self.get(machine_id).machine.app,
+            lambda op_span: self._update(machine_id, config, skip_launch, lease_nonce, op_span),
+        )
+
+    async def _update(
+        self,
+        machine_id: str,
+        config: pb.MachineConfig,
+        skip_launch: bool,
+        lease_nonce: str,
+        op_span: tuple[str, OpSpan] | None,
+    ) -> pb.Machine:
         row = self.get(machine_id)
         fsm.check_lease(row, lease_nonce, self.clock.now())
         if row.state == S.MACHINE_STATE_DESTROYED:
@@ -551,7 +794,7 @@ class Worker:
                     stop_signal=sig,
                     stop_timeout=timeout,
                 )
-                await self._drive_locked(machine_id, event)
+                await self._drive_locked(machine_id, event, op_span=op_span)
         except BaseException:
             # Cancelled after the commit, the row already holds the new image: drop the old.
             now = self.rows.get(machine_id)
@@ -591,7 +834,7 @@ class Worker:
                 description=description,
                 now=self.clock.now(),
             )
-            self._commit(machine_id, t)
+            self._commit(machine_id, [t])
         lease = self.rows[machine_id].lease
         assert lease is not None
         out = pb.Lease()
@@ -604,7 +847,7 @@ class Worker:
         async with self._lock(machine_id):
             t = fsm.release_lease(self.rows[machine_id], nonce, self.clock.now())
             if t is not None:
-                self._commit(machine_id, t)
+                self._commit(machine_id, [t])
 
     @staticmethod
     def _stop_params(row: fsm.Row, sig: int | None, timeout: float | None) -> tuple[int, float]:

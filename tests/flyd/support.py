@@ -20,6 +20,7 @@ from flyd.fakes import FakeDriver, FakeHost, FakeScript, _FakeProcess
 from flyd.images import ImageCache, ImageSource, build_image
 from flyd.settings import CapacitySettings
 from flyd.store import MachineLog, NewRecord, Record, Snapshot
+from flyd.traces import OpTracer
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
 from flyd.worker import Identity, Worker
@@ -184,6 +185,7 @@ def boot(
     log_keep: int = 10_000,
     policy: fsm.Policy | None = None,
     port_free: Callable[[str, int], bool] = lambda host, port: True,
+    op_tracer: OpTracer | None = None,
 ) -> Flyd:
     """A flyd on `host`, before recover()."""
     relay = _ExitRelay()
@@ -200,6 +202,7 @@ def boot(
         policy=policy or fsm.Policy(),
         log_keep=log_keep,
         port_free=port_free,
+        op_tracer=op_tracer,
     )
     relay.worker = worker
     return Flyd(worker, driver, store)

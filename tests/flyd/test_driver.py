@@ -26,7 +26,15 @@ import pytest
 import structlog
 
 from flyd.clock import ManualClock
-from flyd.driver import Driver, ExitStatus, Handle, Limits, ProcessDriver, ProcessSpec
+from flyd.driver import (
+    SPARES,
+    Driver,
+    ExitStatus,
+    Handle,
+    Limits,
+    ProcessDriver,
+    ProcessSpec,
+)
 from flyd.errors import CorruptLog, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from flyd.fakes import FakeDriver, FakeHost, FakeScript
 
@@ -282,6 +290,67 @@ async def test_machine_sees_default_signal_dispositions(make_driver, workdir: Pa
     assert int(fields["SigCgt"], 16) == 0
 
 
+def spares(run_root: Path, prefix: str) -> tuple[int, list[int]]:
+    """How many spare run dirs there are, and spare cgroups per controller."""
+    dirs = len(list((run_root / ".spare").iterdir())) if (run_root / ".spare").is_dir() else 0
+    cgroups = [len(list((CGROUP_ROOT / c / prefix).glob(".spare-*"))) for c in CONTROLLERS]
+    return dirs, cgroups
+
+
+async def test_first_starts_take_run_dirs_and_cgroups_made_ahead(
+    make_driver, run_root: Path, prefix: str, workdir: Path
+) -> None:
+    exits = Exits()
+    driver = make_driver(exits)
+    await run_machine(driver, spec("m1", ["sleep", "1000"], workdir))  # none are ready yet
+    full = (SPARES, [SPARES] * len(CONTROLLERS))
+    await wait_until(lambda: spares(run_root, prefix) == full, "the spares to be made")
+
+    await run_machine(driver, spec("m2", sh("echo hi; sleep 1000"), workdir))
+    assert (run_root / "m2" / "status").is_dir()
+    await wait_until(lambda: driver.read_logs("m2", 1) == ["hi"], "m2 to run")
+    for controller in CONTROLLERS:
+        procs = (CGROUP_ROOT / controller / prefix / "m2" / "cgroup.procs").read_text().split()
+        assert procs  # the wrapper joined the cgroups it was given
+    await wait_until(lambda: spares(run_root, prefix) == full, "the spare taken to be replaced")
+
+    for mid in ("m1", "m2"):
+        await driver.stop(mid, signal.SIGKILL, timeout=1)
+    await driver.close()
+    assert spares(run_root, prefix) == (0, [0] * len(CONTROLLERS))
+
+
+async def test_a_new_driver_replaces_the_spares_a_dead_one_left(
+    make_driver, run_root: Path, prefix: str, workdir: Path
+) -> None:
+    exits = Exits()
+    first = make_driver(exits)
+    await run_machine(first, spec("m1", ["sleep", "1000"], workdir))
+    full = (SPARES, [SPARES] * len(CONTROLLERS))
+    await wait_until(lambda: spares(run_root, prefix) == full, "the spares to be made")
+    left = set((run_root / ".spare").iterdir())
+    await first.stop("m1", signal.SIGKILL, timeout=1)
+    # flyd dies (its driver never closes); the next one makes its own spares at its first start
+    second = make_driver(exits)
+    await run_machine(second, spec("m2", ["sleep", "1000"], workdir))
+    await wait_until(lambda: spares(run_root, prefix) == full, "the spares to be made again")
+    assert not left & set((run_root / ".spare").iterdir())
+    await second.stop("m2", signal.SIGKILL, timeout=1)
+
+
+async def test_a_discarded_start_never_runs_and_says_so(make_driver, workdir: Path) -> None:
+    exits = Exits()
+    driver = make_driver(exits)
+    marker = workdir / "ran"
+    await driver.start(spec("m1", sh(f"touch {marker}; sleep 1000"), workdir))
+    driver.discard("m1")  # flyd could not record the handle
+    status = await exits.wait("m1")
+    assert (status.released, status.describe()) == (False, "ended before it was released")
+    assert not marker.exists()
+    driver.release("m1")  # too late: a no-op
+    assert not driver.is_running("m1")
+
+
 async def test_start_holds_the_process_until_released(make_driver, workdir: Path) -> None:
     exits = Exits()
     first = make_driver(exits)
@@ -303,6 +372,8 @@ async def test_start_holds_the_process_until_released(make_driver, workdir: Path
     assert not marker.exists()
 
     second = make_driver(exits)
+    # Its exit file says it was never released, so a later flyd does not count it as run.
+    assert second.last_exit("m1") == ExitStatus(125, None, released=False)
     new = await second.start(machine)
     assert new != handle
     second.release("m1")

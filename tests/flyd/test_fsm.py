@@ -100,6 +100,10 @@ def exited(
     return Exited(handle, code, sig, oom, tail)
 
 
+# A held process whose flyd let go of it unreleased: it ran nothing.
+HELD_EXIT = Exited(H, 125, None, False, released=False)
+
+
 def step(r: fsm.Row, event: fsm.Event, now: float = NOW, policy: fsm.Policy = POLICY) -> Any:
     return fsm.step(r, event, now=now, policy=policy)
 
@@ -126,7 +130,7 @@ RETRY = Op("start", "spawn", attempts=1)
 # Rows in the middle of something.
 RUNNING = row(STARTED, None, H)
 SPAWNING = row(STARTING, START_SPAWN)
-HELD = row(STARTING, START_RELEASE, H)
+HELD = row(STARTED, START_RELEASE, H)  # declared started, its release pending
 IN_STOP = row(STOPPING, STOP_KILL, H)
 IN_RESTART = row(RESTARTING, RESTART_KILL, H)
 IN_SIGNAL = row(STARTED, SIGNAL_SEND, H)
@@ -162,15 +166,14 @@ UPDATE_RELEASE = Op("update", "release")
 IN_UPDATE = row(STOPPING, UPDATE_KILL, H)
 IN_UPDATE_STOPPED = row(STOPPING, UPDATE_KILL_STOPPED, H)
 UPDATE_SPAWNING = row(STARTING, UPDATE_SPAWN)
-UPDATE_HELD = row(STARTING, UPDATE_RELEASE, H2)
+UPDATE_HELD = row(STARTED, UPDATE_RELEASE, H2)
 
 ALLOWED = [
     # (id, before, event, new state, effects, op after, handle after)
     ("start created", row(CREATED), START, STARTING, [Spawn()], START_SPAWN, None),
     ("start stopped", row(STOPPED), START, STARTING, [Spawn()], START_SPAWN, None),
     ("start failed", row(FAILED), START, STARTING, [Spawn()], START_SPAWN, None),
-    ("spawned: release", SPAWNING, Spawned(H), STARTING, [Release()], START_RELEASE, H),
-    ("released: started", HELD, Released(), STARTED, [], None, H),
+    ("spawned: started, release", SPAWNING, Spawned(H), STARTED, [Release()], START_RELEASE, H),
     ("stop started", RUNNING, STOP, STOPPING, [KILL_TERM], STOP_KILL, H),
     ("stopping: exited", IN_STOP, exited(sig=TERM), STOPPED, [], None, None),
     ("stop a pending start", SPAWNING, STOP, STOPPED, [], None, None),
@@ -198,7 +201,10 @@ ALLOWED = [
     ("backoff elapsed", IN_BACKOFF, TimerFired(), RESTARTING, [Spawn()], BACKOFF_SPAWN, None),
     ("start in a backoff", IN_BACKOFF, START, RESTARTING, [Spawn()], BACKOFF_SPAWN, None),
     ("spawn failed: retry", SPAWNING, SpawnFailed("boom"), STARTING, [Spawn()], RETRY, None),
-    ("died held: retry", HELD, exited(code=125), STARTING, [Spawn()], RETRY, None),
+    ("died held: retry", HELD, HELD_EXIT, STARTING, [Spawn()], RETRY, None),
+    ("re-attached, but it was held: retry", RUNNING, HELD_EXIT, STARTING, [Spawn()], RETRY, None),
+    # Released and ran, but flyd restarted before it recorded the release: its policy (no).
+    ("released, exited: restart policy", HELD, exited(code=1), STOPPED, [], None, None),
     # update: stop the old process (with the given signal and timeout), then start the new one
     ("update started", RUNNING, UPDATE, STOPPING, [Kill(INT, 3.0)], UPDATE_KILL, H),
     (
@@ -212,8 +218,7 @@ ALLOWED = [
     ),
     ("update: exited", IN_UPDATE, exited(sig=INT), STARTING, [Spawn()], UPDATE_KILLED, None),
     ("update skip launch: exited", IN_UPDATE_STOPPED, exited(sig=INT), STOPPED, [], None, None),
-    ("update: spawned", UPDATE_SPAWNING, Spawned(H2), STARTING, [Release()], UPDATE_RELEASE, H2),
-    ("update: released", UPDATE_HELD, Released(), STARTED, [], None, H2),
+    ("update: spawned", UPDATE_SPAWNING, Spawned(H2), STARTED, [Release()], UPDATE_RELEASE, H2),
     (
         "update spawn failed: retry",
         UPDATE_SPAWNING,
@@ -593,8 +598,21 @@ def test_update_puts_the_new_config_in_the_row_at_once(
     assert fsm.encode_row(before) == kept  # the row given in is not touched
 
 
+@pytest.mark.parametrize("held", [HELD, UPDATE_HELD], ids=["start", "update"])
+def test_released_is_lazy_and_changes_only_the_pending_step(held: fsm.Row) -> None:
+    t = apply(held, Released(), now=NOW + 1)
+    assert (t.lazy, t.effects, t.reason) == (True, (), "released")
+    assert (t.to_state, t.from_state, t.row.op, t.row.handle) == (
+        STARTED,
+        STARTED,
+        None,
+        held.handle,
+    )
+    assert t.row.machine is held.machine  # the public machine is untouched: nothing to log
+
+
 def test_update_story_from_started_to_started() -> None:
-    """Kill the old process, spawn and release the new one: four steps, each committed."""
+    """Kill the old process, spawn and release the new one: four steps, the last one lazy."""
     r = RUNNING
     states = []
     events: list[fsm.Event] = [UPDATE, exited(sig=INT), Spawned(H2), Released()]
@@ -605,7 +623,7 @@ def test_update_story_from_started_to_started() -> None:
     assert states == [
         ("stopping", "kill"),
         ("starting", "spawn"),
-        ("starting", "release"),
+        ("started", "release"),
         ("started", None),
     ]
     assert (r.handle, r.machine.config, r.machine.instance_id) == (H2, NEW_CONFIG, "i2")
