@@ -89,6 +89,16 @@ async def test_create_and_wait_is_one_trace_across_client_flaps_and_flyd(
     assert on_worker.resource["cloud.region"] == "ams"
     assert served.attributes["rpc.service"] == "flaps.v1.MachinesService"
 
+    # flyd's create operation is a span under its RPC span, one event per committed step, and
+    # it ends at rest: the last step is the machine STARTED.
+    op = await child(otlp, on_worker, "flyd.create", SpanKind.SPAN_KIND_INTERNAL, "flyd")
+    assert op.attributes["nonomad.machine_id"] == answer["machine_id"]
+    assert (op.attributes["nonomad.app"], op.attributes["nonomad.worker"]) == ("web", worker)
+    steps = [e.attributes for e in op.events if e.name == "step"]
+    assert steps, op.events
+    assert steps[-1]["to_state"] == "started"
+    assert [s["seq"] for s in steps] == sorted(s["seq"] for s in steps)
+
     # The placement decision rides on flaps's server span.
     decision = served.event("placement.decision").attributes
     assert decision["region"] == "ams"
