@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Final
+from typing import Final, cast
 
 import httptools
 import structlog
@@ -68,6 +68,25 @@ class Limits:
     max_retries: int = 2
     # Request body buffered (per request) before a backend is ready, before reading pauses.
     buffer_bytes: int = 64 * 1024
+
+    def __post_init__(self) -> None:
+        for name in (
+            "header_timeout",
+            "idle_keepalive",
+            "body_timeout",
+            "read_timeout",
+            "upstream_connect_timeout",
+            "upstream_response_timeout",
+            "upstream_idle_timeout",
+        ):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("max_body_bytes", "pool_size_per_backend", "max_retries"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        for name in ("max_header_bytes", "max_connections", "buffer_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
 
 
 # -- wire constants ------------------------------------------------------------------------
@@ -138,6 +157,7 @@ _O_BAD_RESPONSE: Final = 6
 _O_CLIENT_ERROR: Final = 7  # the client broke the request (body too large) mid-stream
 _O_UPGRADED: Final = 8  # a tunnel ran and is over
 _O_CLIENT_GONE: Final = 9
+_O_MACHINE_LOST: Final = 10  # the router declared the machine lost (its worker is dead)
 
 
 def _error_response(
@@ -196,6 +216,7 @@ class _Request:
         "is_head",
         "keep_alive",
         "method",
+        "moved",
         "pinned",
         "replay",
         "retryable",
@@ -225,6 +246,7 @@ class _Request:
         self.fatal = False  # the connection cannot go on after this request
         self.retryable = False  # safe to send again to another machine
         self.replay = False  # being sent again after a pooled connection died under it
+        self.moved = False  # being sent again, elsewhere, after its machine was lost
         self.backend: Backend | None = None  # acquired already (for a replay)
 
 
@@ -358,8 +380,8 @@ class _Upstream(_Timed):
     # asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports are not asyncio.Transport subclasses, though they are one.
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         client = self.client
@@ -482,6 +504,16 @@ class _Upstream(_Timed):
         self.closed = True
         if self.transport is not None:
             self.transport.abort()
+
+    def lose(self) -> None:
+        """The machine is gone (its worker was declared dead): end the exchange now rather
+        than wait for a timeout; the client decides whether to send the request elsewhere."""
+        if self.phase == _U_TUNNEL:
+            self.abort()  # connection_lost closes the client side
+            return
+        self._flush_pending()
+        self._finish(_O_MACHINE_LOST)
+        self.abort()
 
     def _start_tunnel(self, rest: bytes) -> None:
         client = self.client
@@ -689,6 +721,12 @@ class _Pool:
             if not idle:
                 del self._idle[up.backend.machine_id]
 
+    def drop(self, machine_ids: frozenset[str]) -> None:
+        """Close the idle connections to these machines."""
+        for machine_id in machine_ids:
+            for up in self._idle.pop(machine_id, ()):
+                up.abort()
+
     def close(self) -> None:
         idle, self._idle = self._idle, {}
         for ups in idle.values():
@@ -793,8 +831,8 @@ class _Client(_Timed):
     # asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports are not asyncio.Transport subclasses, though they are one.
+        self.transport = transport = cast(asyncio.Transport, transport)
         proxy = self.proxy
         if proxy._closing or len(proxy._conns) >= self.limits.max_connections:
             self.closed = True
@@ -1309,6 +1347,23 @@ class _Client(_Timed):
             self.reqs.appendleft(req)
             self._wake()
             return
+        if (
+            outcome == _O_MACHINE_LOST
+            and not up.got_head
+            and req.retryable
+            and req.complete
+            and not req.moved
+            and not self.closed
+        ):
+            # A safe request whose machine was lost before it answered: send it once more,
+            # to whatever the router picks now (the lost machine's standby, once started).
+            up.abort()
+            self.backend = None
+            proxy.router.release(backend, ok=False)
+            req.moved = True
+            self.reqs.appendleft(req)
+            self._wake()
+            return
         self.backend = None
         if outcome == _O_DONE and not proxy._closing and not self.closed:
             proxy._pool.put(up, now)
@@ -1333,6 +1388,10 @@ class _Client(_Timed):
             )
         elif outcome == _O_CLIENT_ERROR and req.error is not None:
             keep = self._reply_error(req, req.error.status, str(req.error), now)
+        elif outcome == _O_MACHINE_LOST:
+            keep = self._reply_error(
+                req, 502, f"machine {backend.machine_id} was lost before it answered", now
+            )
         elif outcome == _O_BAD_RESPONSE:
             keep = self._reply_error(
                 req, 502, f"machine {backend.machine_id} sent an invalid response", now
@@ -1521,6 +1580,28 @@ class HttpProxy:
         self._pool.close()
         if self._server is not None:
             await self._server.wait_closed()
+
+    def machines_lost(self, machine_ids: frozenset[str], reason: str = "") -> int:
+        """End at once the exchanges in flight to these machines (their worker is dead):
+        a GET or HEAD that got no answer yet is sent again elsewhere, others get a 502, and
+        responses cut short end their client connection. Idle pooled connections to them
+        are closed. Returns how many exchanges were ended. Callable from any callback."""
+        self._pool.drop(machine_ids)
+        lost = [
+            conn.up
+            for conn in self._conns
+            if conn.up is not None and conn.up.backend.machine_id in machine_ids
+        ]
+        for up in lost:
+            up.lose()
+        if lost:
+            log.warning(
+                "proxy_requests_lost",
+                machines=sorted(machine_ids),
+                requests=len(lost),
+                reason=reason,
+            )
+        return len(lost)
 
     @property
     def connections(self) -> int:

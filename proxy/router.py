@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -292,6 +292,7 @@ class Router:
         self._workers: dict[str, WorkerState] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._stop_slots = asyncio.Semaphore(STOP_CONCURRENCY)
+        self._lost_listeners: list[Callable[[frozenset[str], str], object]] = []
         self._shutdown = asyncio.Event()
         self._running = False
         self._closed = False
@@ -640,6 +641,13 @@ class Router:
         view = self.registry.worker(worker_id)
         return view is not None and view.status == ALIVE and self._worker_usable(worker_id)
 
+    def on_machines_lost(self, listener: Callable[[frozenset[str], str], object]) -> None:
+        """Call `listener(machine_ids, reason)` when machines are lost with their worker (it
+        is declared dead): the data plane ends the requests in flight to them at once
+        instead of waiting out the upstream timeout. Called after the router stopped routing
+        to them and marked the standbys starting, so a request sent again waits for those."""
+        self._lost_listeners.append(listener)
+
     def declare_dead(self, worker_id: str, reason: str) -> None:
         """Stop routing to the worker's machines now and start standbys for them."""
         w = self._workers.setdefault(worker_id, WorkerState(worker_id))
@@ -647,10 +655,12 @@ class Router:
             return
         w.dead = True
         log.warning("worker_declared_dead", worker=worker_id, reason=reason)
+        lost = []
         for r in self._routes.values():
             if r.worker_id == worker_id:
                 self._stop_watching(r)
                 r.ready = False
+                lost.append(r.id)
         plan = self.watch.plan(worker_id)
         now = self.clock.now()
         for _, standbys in plan:
@@ -661,6 +671,14 @@ class Router:
         self._pulse_worker(worker_id)
         if plan:
             self._spawn(self.watch.failover(plan, self._shutdown), f"failover {worker_id}")
+        if lost:
+            machines = frozenset(lost)
+            why = f"its worker {worker_id} was declared dead ({reason})"
+            for listener in self._lost_listeners:
+                try:
+                    listener(machines, why)
+                except Exception:
+                    log.exception("machines_lost_listener_failed", worker=worker_id)
 
     def standby_failed(self, machine_id: str) -> None:
         """A standby could not be started: requests stop waiting for it."""

@@ -451,11 +451,13 @@ class ProxyFleet:
         skip_launch: bool = False,
         standby_for: Iterable[str] = (),
         service: pb.ServiceConfig | None = None,
+        entrypoint: Iterable[str] = (),
     ) -> pb.Machine:
         config = pb.MachineConfig(
             image="demo:v1",
             guest=pb.GuestConfig(cpu_millicores=100, memory_mib=64),
             services=[service or pb.ServiceConfig(internal_port=8080, autostart=True)],
+            entrypoint=list(entrypoint),
         )
         resp = await self.machines().CreateMachine(
             m.CreateMachineRequest(
@@ -544,17 +546,22 @@ class Reply:
 
 
 async def get(
-    address: str, app: str, path: str = "/", *, headers: dict[str, str] | None = None
+    address: str,
+    app: str,
+    path: str = "/",
+    *,
+    headers: dict[str, str] | None = None,
+    method: str = "GET",
 ) -> Reply:
-    """One HTTP/1.1 GET through the proxy at `address` for `<app>.<DOMAIN>`, on a new
-    connection (Connection: close), bounded by DEADLINE."""
+    """One HTTP/1.1 request (a GET unless told) through the proxy at `address` for
+    `<app>.<DOMAIN>`, on a new connection (Connection: close), bounded by DEADLINE."""
     host, _, port = address.rpartition(":")
     extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
     async with asyncio.timeout(DEADLINE):
         reader, writer = await asyncio.open_connection(host, int(port))
         try:
             writer.write(
-                f"GET {path} HTTP/1.1\r\nHost: {app}.{DOMAIN}\r\n{extra}"
+                f"{method} {path} HTTP/1.1\r\nHost: {app}.{DOMAIN}\r\n{extra}"
                 "Connection: close\r\n\r\n".encode()
             )
             await writer.drain()
