@@ -31,6 +31,10 @@ from typing import Final, cast
 
 import httptools
 import structlog
+from opentelemetry import context as otel_context
+from opentelemetry.context import Context
+from opentelemetry.trace import Span, SpanKind, StatusCode, Tracer, set_span_in_context
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from proxy.errors import BadRequest, BodyTooLarge, HeadersTooLarge, ProxyError, UnknownApp
 from proxy.routing import Backend, Router
@@ -124,7 +128,11 @@ _REQ_SPECIAL: Final = _HOP_BY_HOP | {
     b"x-forwarded-proto",
     b"x-forwarded-host",
 }
+# With tracing on, the incoming trace context is read and replaced by the proxy's own.
+_TRACE_HEADERS: Final = frozenset({b"traceparent", b"tracestate"})
+_REQ_SPECIAL_TRACED: Final = _REQ_SPECIAL | _TRACE_HEADERS
 _RESP_SPECIAL: Final = _HOP_BY_HOP | {b"content-length"}
+_W3C: Final = TraceContextTextMapPropagator()
 _CONNECTION_TOKENS: Final = frozenset({b"close", b"keep-alive", b"upgrade"})
 _IDEMPOTENT: Final = frozenset({b"GET", b"HEAD"})
 _QUEUE_MAX: Final = 16  # pipelined requests parsed ahead before reading pauses
@@ -222,6 +230,7 @@ class _Request:
         "retryable",
         "sink",
         "started",
+        "trace",
         "upgrade",
     )
 
@@ -248,6 +257,30 @@ class _Request:
         self.replay = False  # being sent again after a pooled connection died under it
         self.moved = False  # being sent again, elsewhere, after its machine was lost
         self.backend: Backend | None = None  # acquired already (for a replay)
+        self.trace: _Traced | None = None  # its span, when tracing is on
+
+
+class _Traced:
+    """A request's SERVER span and the context that makes it current."""
+
+    __slots__ = ("context", "span")
+
+    def __init__(self, span: Span, context: Context) -> None:
+        self.span = span
+        self.context = context
+
+    def end(self, status: int, machine_id: str | None) -> None:
+        span = self.span
+        span.set_attribute("http.response.status_code", status)
+        if machine_id is not None:
+            span.set_attribute("nonomad.machine_id", machine_id)
+        if status >= 500:
+            span.set_status(StatusCode.ERROR)
+        span.end()
+
+    def abandon(self) -> None:
+        self.span.set_status(StatusCode.ERROR, "the client went away before the answer")
+        self.span.end()
 
 
 # -- the lazily re-armed deadline -------------------------------------------------------------
@@ -755,6 +788,8 @@ class _Client(_Timed):
         "h_hosts",
         "h_ka",
         "h_parts",
+        "h_traceparent",
+        "h_tracestate",
         "h_upgrade",
         "h_xff",
         "head_exact",
@@ -769,6 +804,7 @@ class _Client(_Timed):
         "pin",
         "pin_name",
         "proxy",
+        "req_special",
         "reqs",
         "shutting_down",
         "task",
@@ -811,6 +847,9 @@ class _Client(_Timed):
         self.head_raw = 0
         self.head_exact = 0
         self.fed_other = 0
+        self.req_special = proxy._req_special
+        self.h_traceparent: bytes | None = None  # read only when tracing is on
+        self.h_tracestate: bytes | None = None
         self._reset_head()
 
     def _reset_head(self) -> None:
@@ -911,6 +950,9 @@ class _Client(_Timed):
             if req.backend is not None:
                 self.proxy.router.release(req.backend, ok=False)
                 req.backend = None
+            if req.trace is not None:
+                req.trace.abandon()
+                req.trace = None
         self.reqs.clear()
         task = self.task
         if task is not None and not task.done():
@@ -992,7 +1034,7 @@ class _Client(_Timed):
         if size > self.limits.max_header_bytes:
             raise _RequestError(HeadersTooLarge("request head too large"))
         lname = name.lower()
-        if lname in _REQ_SPECIAL:
+        if lname in self.req_special:
             if lname == b"host":
                 self.host = value
                 self.h_hosts += 1
@@ -1017,6 +1059,12 @@ class _Client(_Timed):
                 return
             elif lname == b"upgrade":
                 self.h_upgrade = value
+                return
+            elif lname == b"traceparent":  # (tracing on) the span's parent; ours replaces it
+                self.h_traceparent = value
+                return
+            elif lname == b"tracestate":
+                self.h_tracestate = value
                 return
             else:
                 return  # other hop-by-hop headers, and X-Forwarded-Proto/Host: ours replace them
@@ -1081,7 +1129,11 @@ class _Client(_Timed):
             parts.append(self.xff_line)
         else:
             parts += (b"X-Forwarded-For: ", xff, b", ", self.xff_line[17:])
-        parts += (host, _CRLF, framing, _CRLF)
+        tracer = proxy._tracer
+        if tracer is None:
+            parts += (host, _CRLF, framing, _CRLF)
+        else:
+            parts += (host, _CRLF, framing, self._trace(req, tracer), _CRLF)
         req.head = b"".join(parts)
         self._reset_head()
         if req.has_body and req.error is None:
@@ -1097,6 +1149,31 @@ class _Client(_Timed):
                 self.dead = True
                 self._pause(_PAUSE_DEAD)
         self._queue(req)
+
+    def _trace(self, req: _Request, tracer: Tracer) -> bytes:
+        """Start `req`'s SERVER span (a child of the client's `traceparent`, if any); the
+        header lines that carry it to the machine."""
+        carrier = {}
+        if self.h_traceparent is not None:
+            carrier["traceparent"] = self.h_traceparent.decode("latin-1")
+            self.h_traceparent = None
+        if self.h_tracestate is not None:
+            carrier["tracestate"] = self.h_tracestate.decode("latin-1")
+            self.h_tracestate = None
+        parent = _W3C.extract(carrier) if carrier else None
+        method = req.method.decode("latin-1")
+        path = self.url.split(b"?", 1)[0].decode("latin-1")
+        attributes = {"http.request.method": method, "url.path": path}
+        if req.app is not None:
+            attributes["nonomad.app"] = req.app
+        span = tracer.start_span(
+            f"HTTP {method}", context=parent, kind=SpanKind.SERVER, attributes=attributes
+        )
+        context = set_span_in_context(span, parent)
+        req.trace = _Traced(span, context)
+        out: dict[str, str] = {}
+        _W3C.inject(out, context=context)
+        return "".join(f"{k}: {v}\r\n" for k, v in out.items()).encode("latin-1")
 
     def on_body(self, data: bytes) -> None:
         req = self.cur
@@ -1167,10 +1244,16 @@ class _Client(_Timed):
             return False
         try_acquire = self.proxy._try_acquire
         assert try_acquire is not None
+        traced = req.trace
+        token = None if traced is None else otel_context.attach(traced.context)
         try:
+            # With the span current, a machine started for it (scale from zero) is its child.
             backend = try_acquire(req.app, pinned=req.pinned, exclude=frozenset())
         except Exception:  # the task's acquire says why, with the router's own error
             return False
+        finally:
+            if token is not None:
+                otel_context.detach(token)
         if backend is None:
             return False
         up = self.proxy._pool.take(backend)
@@ -1224,7 +1307,7 @@ class _Client(_Timed):
             self.transport.resume_reading()
         req = up.req
         if req is not None:
-            self.proxy.stats.record(101, self._loop.time() - req.started)
+            self._answered(req, 101, self._loop.time(), up.backend.machine_id)
 
     async def _serve(self) -> None:
         """Take requests in order and start each exchange; the exchange itself runs in
@@ -1278,6 +1361,8 @@ class _Client(_Timed):
         while True:
             backend = req.backend
             if backend is None:
+                traced = req.trace
+                token = None if traced is None else otel_context.attach(traced.context)
                 try:
                     backend = await router.acquire(app, pinned=req.pinned, exclude=exclude)
                 except ProxyError as err:
@@ -1287,6 +1372,9 @@ class _Client(_Timed):
                     log.warning("proxy_router_failed", app=app, exc_info=True)
                     self._after(self._reply_error(req, 502, "routing failed"))
                     return
+                finally:
+                    if token is not None:
+                        otel_context.detach(token)
             else:
                 req.backend = None  # a replay after a stale pooled connection: acquired already
             up: _Upstream | None = None
@@ -1318,7 +1406,12 @@ class _Client(_Timed):
                 exclude = exclude | {backend.machine_id}
                 continue
             self._after(
-                self._reply_error(req, 502, f"could not connect to machine {backend.machine_id}")
+                self._reply_error(
+                    req,
+                    502,
+                    f"could not connect to machine {backend.machine_id}",
+                    machine_id=backend.machine_id,
+                )
             )
             return
 
@@ -1372,36 +1465,40 @@ class _Client(_Timed):
         else:
             up.abort()
         proxy.router.release(backend, ok=up.got_head, connect_failed=False)
+        machine_id = backend.machine_id
         if self.closed:
+            if req.trace is not None:
+                req.trace.abandon()
             return
         if outcome in (_O_DONE, _O_DONE_CLOSE):
-            proxy.stats.record(up.status, now - req.started)
+            self._answered(req, up.status, now, machine_id)
             keep = up.keep_client
         elif outcome == _O_UPGRADED:
             keep = False
         elif up.got_head:  # the response is cut short: the client sees a truncated body
-            proxy.stats.record(up.status, now - req.started)
+            self._answered(req, up.status, now, machine_id)
             keep = False
         elif outcome == _O_TIMEOUT:
             keep = self._reply_error(
-                req, 504, f"machine {backend.machine_id} did not answer in time", now
+                req, 504, f"machine {machine_id} did not answer in time", now, machine_id
             )
         elif outcome == _O_CLIENT_ERROR and req.error is not None:
             keep = self._reply_error(req, req.error.status, str(req.error), now)
         elif outcome == _O_MACHINE_LOST:
             keep = self._reply_error(
-                req, 502, f"machine {backend.machine_id} was lost before it answered", now
+                req, 502, f"machine {machine_id} was lost before it answered", now, machine_id
             )
         elif outcome == _O_BAD_RESPONSE:
             keep = self._reply_error(
-                req, 502, f"machine {backend.machine_id} sent an invalid response", now
+                req, 502, f"machine {machine_id} sent an invalid response", now, machine_id
             )
         else:
             keep = self._reply_error(
                 req,
                 502,
-                f"machine {backend.machine_id} closed the connection without a response",
+                f"machine {machine_id} closed the connection without a response",
                 now,
+                machine_id,
             )
         self._after(keep, now)
 
@@ -1419,7 +1516,12 @@ class _Client(_Timed):
         return protocol
 
     def _reply_error(
-        self, req: _Request, status: int, reason: str, now: float | None = None
+        self,
+        req: _Request,
+        status: int,
+        reason: str,
+        now: float | None = None,
+        machine_id: str | None = None,
     ) -> bool:
         """Answer `req` with an error of ours; whether the connection can go on."""
         keep = (
@@ -1435,10 +1537,16 @@ class _Client(_Timed):
                 status, reason, keep_alive=keep, head_only=req.is_head, http10=req.http10
             )
         )
-        if now is None:
-            now = self._loop.time()
-        self.proxy.stats.record(status, now - req.started)
+        self._answered(req, status, self._loop.time() if now is None else now, machine_id)
         return keep
+
+    def _answered(self, req: _Request, status: int, now: float, machine_id: str | None) -> None:
+        """`req` got its answer (the head of it, at least): count it, end its span."""
+        self.proxy.stats.record(req.app, status, now - req.started)
+        traced = req.trace
+        if traced is not None:
+            req.trace = None
+            traced.end(status, machine_id)
 
     def _after(self, keep: bool, now: float | None = None) -> None:
         """An answer is written: close, go on with the next request, or wait for one."""
@@ -1524,6 +1632,7 @@ class HttpProxy:
         limits: Limits = Limits(),
         machine_header: str = "nonomad-machine-id",
         pin_header: str = "nonomad-force-instance-id",
+        tracer: Tracer | None = None,
     ) -> None:
         self.router = router
         # Optional fast path: `try_acquire(app, *, pinned, exclude) -> Backend | None`, the
@@ -1548,6 +1657,10 @@ class HttpProxy:
         self._server: asyncio.Server | None = None
         self._closing = False
         self._all_closed: asyncio.Event | None = None
+        # Tracing: a SERVER span per request when a tracer is given; without one, the only
+        # cost per request is a None check.
+        self._tracer = tracer
+        self._req_special = _REQ_SPECIAL if tracer is None else _REQ_SPECIAL_TRACED
 
     async def serve(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
         """Listen on host:port (0: any free port); returns the address bound."""

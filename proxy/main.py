@@ -11,11 +11,20 @@ import asyncio
 import sys
 
 import structlog
+from opentelemetry import trace
 
-from nonomad.runtime import Service, configure_logging, main_entry, settings_or_exit, setup_tracing
+from nonomad.runtime import (
+    Service,
+    configure_logging,
+    main_entry,
+    settings_or_exit,
+    setup_tracing,
+    tracing_enabled,
+)
 from nonomad.runtime.settings import parse_host_port
 from proxy.control import FlapsClient
 from proxy.http import HttpProxy
+from proxy.metrics import ProxyCollector
 from proxy.router import Router
 from proxy.service import ProxyServicer, map_error
 from proxy.settings import ProxySettings
@@ -39,7 +48,9 @@ def _format(host: str, port: int) -> str:
 async def build(argv: list[str]) -> Service:
     settings = settings_or_exit(ProxySettings, argv, "proxy")
     configure_logging("proxy", settings.log_level)
-    setup_tracing("proxy")
+    setup_tracing("proxy", **{"cloud.region": settings.region})
+    # Spans for every request and failover when tracing is on; none at all when it is off.
+    tracer = trace.get_tracer("nonomad.proxy") if tracing_enabled() else None
     replica = Replica(
         suspect_after=settings.suspect_after,
         dead_after=settings.dead_after,
@@ -54,7 +65,7 @@ async def build(argv: list[str]) -> Service:
     )
     if flaps is None:
         log.warning("no_flaps", consequence="no scale from zero, autostop or failover")
-    router = Router(replica, flaps, stats, config=settings.router_config())
+    router = Router(replica, flaps, stats, config=settings.router_config(), tracer=tracer)
     service = Service("proxy", settings)
     service.add(
         ProxyServicer(router, stats),
@@ -73,9 +84,16 @@ async def build(argv: list[str]) -> Service:
         replica.add_address(address)
 
     http = HttpProxy(
-        router, stats, domain=settings.domain, region=settings.region, limits=settings.limits()
+        router,
+        stats,
+        domain=settings.domain,
+        region=settings.region,
+        limits=settings.limits(),
+        tracer=tracer,
     )
     router.on_machines_lost(http.machines_lost)
+    if settings.metrics_listen is not None:
+        ProxyCollector(stats, router=router, replica=replica, http=http).register()
     host, port = parse_host_port(settings.http_listen)
     try:
         bound = await http.serve(host, port)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import structlog
+from opentelemetry.trace import Tracer
 
 from flyd.clock import Clock, SystemClock
 from flyd.v1 import machine_pb2 as pb
@@ -266,7 +267,7 @@ class Router:
 
     `flaps` starts and stops machines (None: no autostart, autostop or failover). `probes`
     looks at workers and machines directly (default: real sockets). `rng` makes the random
-    choices of tests repeatable.
+    choices of tests repeatable. `tracer` (tracing on) traces failovers.
     """
 
     def __init__(
@@ -279,6 +280,7 @@ class Router:
         probes: Probes | None = None,
         clock: Clock | None = None,
         rng: random.Random | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
         self.registry = registry
         self.flaps = flaps
@@ -312,6 +314,7 @@ class Router:
             probe_timeout=self.config.probe_timeout,
             probe_interval=self.config.probe_interval,
             attempts=self.config.failover_attempts,
+            tracer=tracer,
         )
 
     # -- the data plane's side (proxy.routing.Router) -----------------------------------------
@@ -625,6 +628,13 @@ class Router:
             self._pulse_worker(worker_id)
         return w.draining
 
+    def in_flight_by_app(self) -> dict[str, int]:
+        """Requests in flight now, by app (for metrics)."""
+        return {
+            app: sum(r.in_flight for r in state.routes.values())
+            for app, state in self._apps.items()
+        }
+
     def is_dead(self, worker_id: str) -> bool:
         w = self._workers.get(worker_id)
         return w is not None and w.dead
@@ -654,6 +664,7 @@ class Router:
         if w.dead or self._closed:
             return
         w.dead = True
+        self.stats.worker_dead()
         log.warning("worker_declared_dead", worker=worker_id, reason=reason)
         lost = []
         for r in self._routes.values():
@@ -669,8 +680,10 @@ class Router:
             if standby is not None and self.flaps is not None:
                 standby.start_requested = now
         self._pulse_worker(worker_id)
-        if plan:
-            self._spawn(self.watch.failover(plan, self._shutdown), f"failover {worker_id}")
+        if plan or self.watch.tracer is not None:  # (traced even when there is nothing to start)
+            self._spawn(
+                self.watch.failover(worker_id, plan, self._shutdown), f"failover {worker_id}"
+            )
         if lost:
             machines = frozenset(lost)
             why = f"its worker {worker_id} was declared dead ({reason})"

@@ -52,4 +52,4 @@ def test_a_bad_limit_is_refused_naming_the_setting(flag: str, value: str, settin
 )
 def test_limits_built_in_code_are_checked_too(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
-        Limits(**{field: value})
+        Limits(**{field: value})  # type: ignore[arg-type]
