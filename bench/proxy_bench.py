@@ -760,6 +760,8 @@ def throughput_section(results: Results, ctx: Context) -> None:
             "backend": "asyncio protocol in its own process, 29-byte body, keep-alive",
             "proxy_event_loop": ProxySettings.model_fields["event_loop"].default,
             "haproxy": "nbthread 1, http-reuse always, keep-alive both sides",
+            "moderate_load": "paced at 25% and at 50% of the proxy's own median max req/s "
+            f"(the same rate for every target), over {PACED_CONNECTIONS} keep-alive connections",
             "moderate_connections": PACED_CONNECTIONS,
             "max_connections": conns,
             "cpus": os.cpu_count(),

@@ -1328,7 +1328,13 @@ class _Client(_Timed):
                 req = reqs.popleft()
                 if self.paused & _PAUSE_QUEUE and len(reqs) < _QUEUE_MAX:
                     self._resume(_PAUSE_QUEUE)
-                await self._start(req)
+                try:
+                    await self._start(req)
+                except asyncio.CancelledError:
+                    if req.trace is not None:  # gone while waiting for a machine
+                        req.trace.abandon()
+                        req.trace = None
+                    raise
         except asyncio.CancelledError:
             self._abort()  # the client went away (or shutdown ran out of grace)
         except Exception:
@@ -1471,7 +1477,10 @@ class _Client(_Timed):
                 req.trace.abandon()
             return
         if outcome in (_O_DONE, _O_DONE_CLOSE):
-            self._answered(req, up.status, now, machine_id)
+            # (`_answered`, inlined on the path every request takes)
+            proxy.stats.record(req.app, up.status, now - req.started)
+            if req.trace is not None:
+                self._answered_traced(req, up.status, machine_id)
             keep = up.keep_client
         elif outcome == _O_UPGRADED:
             keep = False
@@ -1543,6 +1552,11 @@ class _Client(_Timed):
     def _answered(self, req: _Request, status: int, now: float, machine_id: str | None) -> None:
         """`req` got its answer (the head of it, at least): count it, end its span."""
         self.proxy.stats.record(req.app, status, now - req.started)
+        if req.trace is not None:
+            self._answered_traced(req, status, machine_id)
+
+    @staticmethod
+    def _answered_traced(req: _Request, status: int, machine_id: str | None) -> None:
         traced = req.trace
         if traced is not None:
             req.trace = None
