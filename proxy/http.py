@@ -437,7 +437,8 @@ class _Upstream(_Timed):
             self._finish(_O_BAD_RESPONSE)
             self.abort()
             return
-        self._flush_pending()
+        if self.pending is not None:
+            self._flush_pending()
         if self.req is None and self.no_body and client is not None:
             # A HEAD (or similar) response ended at its head; llhttp expected a body, so the
             # next exchange gets a fresh parser.
@@ -498,7 +499,7 @@ class _Upstream(_Timed):
         if not req.complete:
             req.sink = self
         self.phase = _U_WAIT_HEAD
-        self._set_deadline(self.proxy.limits.upstream_response_timeout)
+        self._set_deadline_at(self._loop.time() + self.proxy.limits.upstream_response_timeout)
 
     def send_body(self, framed: bytes) -> None:
         assert self.transport is not None
@@ -512,13 +513,14 @@ class _Upstream(_Timed):
         if req is None:
             return
         self.req = None
-        self._clear_deadline()
+        self._deadline = math.inf  # (_clear_deadline, inlined: every request comes here)
         if req.sink is self:
             req.sink = None
         client = self.client
         if client is not None and self.phase != _U_TUNNEL:
             client.up = None
-            client._resume(_PAUSE_UPSTREAM)
+            if client.paused & _PAUSE_UPSTREAM:
+                client._resume(_PAUSE_UPSTREAM)
             if not req.complete:
                 client.dead = True  # the rest of its body has nowhere to go
         if self.read_paused and self.transport is not None:
@@ -701,7 +703,7 @@ class _Upstream(_Timed):
             return  # after a 101, llhttp raises HttpParserUpgrade: the tunnel starts there
         if self.rechunk:
             self._send_to_client(_CHUNK_END)
-        else:
+        elif self.pending is not None:
             self._flush_pending()
         reusable = not self.eof_body and self.parser.should_keep_alive()
         self._finish(_O_DONE if reusable else _O_DONE_CLOSE)
@@ -1020,11 +1022,14 @@ class _Client(_Timed):
         self.head_exact = 0
         if self.phase != _C_HEAD:
             self.phase = _C_HEAD
-            self._set_deadline(self.limits.header_timeout)
+            self._set_deadline_at(self._loop.time() + self.limits.header_timeout)
 
     def on_url(self, url: bytes) -> None:
         self.url = self.url + url if self.url else url
-        self._count_head(len(url))
+        size = self.head_exact + len(url)
+        self.head_exact = size
+        if size > self.limits.max_header_bytes:
+            raise _RequestError(HeadersTooLarge("request head too large"))
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if not self.in_head:
@@ -1144,7 +1149,7 @@ class _Client(_Timed):
         else:
             req.complete = not req.has_body
             self.phase = _C_BUSY
-            self._clear_deadline()
+            self._deadline = math.inf  # (_clear_deadline, inlined)
             if req.fatal:
                 self.dead = True
                 self._pause(_PAUSE_DEAD)
@@ -1215,11 +1220,6 @@ class _Client(_Timed):
         req.sink = None
 
     # requests in, answers out
-
-    def _count_head(self, n: int) -> None:
-        self.head_exact += n
-        if self.head_exact > self.limits.max_header_bytes:
-            raise _RequestError(HeadersTooLarge("request head too large"))
 
     def _queue(self, req: _Request) -> None:
         reqs = self.reqs
