@@ -31,6 +31,7 @@ from tests.proxy.http_support import (
     TestBackend,
     backend_for,
     dead_port,
+    eventually,
 )
 from tests.proxy.support import STOPPED, FakeFlaps, FakeRegistry, machine, settle, world
 
@@ -185,9 +186,7 @@ async def test_a_cold_start_is_a_child_of_the_request_through_the_grpc_intercept
             try:
                 status, text = await send(port, "web", headers=[("traceparent", TRACEPARENT)])
                 # The machine may serve before flaps' answer is back: the start is counted then.
-                async with asyncio.timeout(5):
-                    while w.stats.cold_starts == 0:
-                        await asyncio.sleep(0.01)
+                await eventually(lambda: w.stats.cold_starts == 1, "the cold start counted")
             finally:
                 await proxy.close(grace=1.0)
     finally:
