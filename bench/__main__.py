@@ -31,7 +31,9 @@ def main(argv: list[str] | None = None) -> int:
         help="start flyd with this environment's bytecode settings as they are (by default the "
         "run caches flyd's bytecode in its temp dir, as an installed flyd would have it)",
     )
-    parser.add_argument("--only", choices=["flyd", "registry"], help="run one group of benchmarks")
+    parser.add_argument(
+        "--only", choices=["flyd", "registry", "proxy"], help="run one group of benchmarks"
+    )
     args = parser.parse_args(argv)
     codes = []
     if args.only in (None, "flyd"):

@@ -48,6 +48,7 @@ from typing import Any
 
 from bench import procs
 from bench.report import Results, percentile
+from proxy.settings import ProxySettings
 
 HOST = "bench.nonomad.test"
 DOMAIN = "nonomad.test"
@@ -236,16 +237,20 @@ class StaticRouter:
 
 
 def proxy_main() -> None:
-    """Child process: nonomad's proxy in front of the backend port in argv[1]."""
+    """Child process: nonomad's proxy in front of the backend port in argv[1], on the event
+    loop named in argv[2] (default: the proxy's default, as `nonomad-proxy` runs it)."""
     import logging
 
     import structlog
 
     from proxy.http import HttpProxy
+    from proxy.main import use_event_loop
     from proxy.stats import Stats
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     backend_port = int(sys.argv[1])
+    default_loop = ProxySettings.model_fields["event_loop"].default
+    use_event_loop(sys.argv[2] if len(sys.argv) > 2 else default_loop)
 
     async def start() -> int:
         proxy = HttpProxy(StaticRouter(backend_port), Stats(), domain=DOMAIN, region="ams")
@@ -753,7 +758,10 @@ def throughput_section(results: Results, ctx: Context) -> None:
         {
             "max_load_tool": "wrk -t1" if wrk is not None else "python closed-loop generator",
             "backend": "asyncio protocol in its own process, 29-byte body, keep-alive",
+            "proxy_event_loop": ProxySettings.model_fields["event_loop"].default,
             "haproxy": "nbthread 1, http-reuse always, keep-alive both sides",
+            "moderate_load": "paced at 25% and at 50% of the proxy's own median max req/s "
+            f"(the same rate for every target), over {PACED_CONNECTIONS} keep-alive connections",
             "moderate_connections": PACED_CONNECTIONS,
             "max_connections": conns,
             "cpus": os.cpu_count(),

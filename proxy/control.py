@@ -27,6 +27,7 @@ import grpc
 import grpc.aio
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.trace import SpanKind, Tracer
 
 from flaps.v1 import machines_pb2, machines_pb2_grpc
 from flyd.clock import Clock
@@ -223,6 +224,10 @@ class Counters(Protocol):
     def cold_start(self) -> None: ...
 
     def failover(self) -> None: ...
+
+    def standby_failed(self) -> None: ...
+
+    def worker_dead(self) -> None: ...
 
 
 # -- decisions ---------------------------------------------------------------------------------
@@ -456,8 +461,10 @@ class WorkerWatch:
         probe_timeout: float,
         probe_interval: float,
         attempts: int,
+        tracer: Tracer | None = None,
     ) -> None:
         self.router = router
+        self.tracer = tracer
         self.probes = probes
         self.flaps = flaps
         self.stats = stats
@@ -506,20 +513,43 @@ class WorkerWatch:
         return out
 
     async def failover(
-        self, plan: list[tuple[pb.Machine, list[str]]], shutdown: asyncio.Event
+        self, worker_id: str, plan: list[tuple[pb.Machine, list[str]]], shutdown: asyncio.Event
     ) -> None:
-        """Start one standby for each lost primary of `plan`."""
+        """Start one standby for each lost primary of `plan` (the machines of `worker_id`).
+
+        With tracing on, this is the INTERNAL span `proxy.failover`, and the flaps calls that
+        start the standbys are its children."""
+        if self.tracer is None:
+            await self._failover(plan, shutdown)
+            return
+        view = self.router.registry.worker(worker_id)
+        region = view.info.region if view is not None else plan[0][0].region if plan else ""
+        with self.tracer.start_as_current_span(
+            "proxy.failover",
+            kind=SpanKind.INTERNAL,
+            attributes={"nonomad.worker": worker_id, "nonomad.region": region},
+        ) as span:
+            started = await self._failover(plan, shutdown)
+            span.set_attribute("nonomad.standbys_started", started)
+
+    async def _failover(
+        self, plan: list[tuple[pb.Machine, list[str]]], shutdown: asyncio.Event
+    ) -> int:
+        started = 0
         for primary, stopped in plan:
             if shutdown.is_set() or not self.router.is_dead(primary.worker_id):
-                return  # stopping, or the worker came back meanwhile
-            await self._replace(primary, stopped, shutdown)
+                break  # stopping, or the worker came back meanwhile
+            if await self._replace(primary, stopped, shutdown):
+                started += 1
+        return started
 
     async def _replace(
         self, primary: pb.Machine, stopped: list[str], shutdown: asyncio.Event
-    ) -> None:
+    ) -> bool:
+        """Start one of `stopped` in place of `primary`; whether one started."""
         if self.flaps is None:
             log.warning("failover_without_flaps", primary=primary.id, standby=stopped[0])
-            return
+            return False
         tries = 0
         for standby in stopped:
             while tries < self.attempts:
@@ -527,6 +557,7 @@ class WorkerWatch:
                 try:
                     await self.flaps.start(standby)
                 except FlapsFailed as err:
+                    self.stats.standby_failed()
                     log.warning(
                         "standby_start_failed", primary=primary.id, standby=standby, error=str(err)
                     )
@@ -535,10 +566,11 @@ class WorkerWatch:
                     if not await sleep_until(
                         self.clock, self.clock.now() + FLAPS_RETRY * tries, shutdown
                     ):
-                        return
+                        return False
                     continue
                 self.stats.failover()
                 log.info("failover", primary=primary.id, worker=primary.worker_id, standby=standby)
-                return
+                return True
             self.router.standby_failed(standby)
         log.error("failover_failed", primary=primary.id, tried=tries)
+        return False

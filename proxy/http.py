@@ -27,10 +27,14 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Final
+from typing import Final, cast
 
 import httptools
 import structlog
+from opentelemetry import context as otel_context
+from opentelemetry.context import Context
+from opentelemetry.trace import Span, SpanKind, StatusCode, Tracer, set_span_in_context
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from proxy.errors import BadRequest, BodyTooLarge, HeadersTooLarge, ProxyError, UnknownApp
 from proxy.routing import Backend, Router
@@ -69,6 +73,25 @@ class Limits:
     # Request body buffered (per request) before a backend is ready, before reading pauses.
     buffer_bytes: int = 64 * 1024
 
+    def __post_init__(self) -> None:
+        for name in (
+            "header_timeout",
+            "idle_keepalive",
+            "body_timeout",
+            "read_timeout",
+            "upstream_connect_timeout",
+            "upstream_response_timeout",
+            "upstream_idle_timeout",
+        ):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("max_body_bytes", "pool_size_per_backend", "max_retries"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        for name in ("max_header_bytes", "max_connections", "buffer_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+
 
 # -- wire constants ------------------------------------------------------------------------
 
@@ -105,7 +128,11 @@ _REQ_SPECIAL: Final = _HOP_BY_HOP | {
     b"x-forwarded-proto",
     b"x-forwarded-host",
 }
+# With tracing on, the incoming trace context is read and replaced by the proxy's own.
+_TRACE_HEADERS: Final = frozenset({b"traceparent", b"tracestate"})
+_REQ_SPECIAL_TRACED: Final = _REQ_SPECIAL | _TRACE_HEADERS
 _RESP_SPECIAL: Final = _HOP_BY_HOP | {b"content-length"}
+_W3C: Final = TraceContextTextMapPropagator()
 _CONNECTION_TOKENS: Final = frozenset({b"close", b"keep-alive", b"upgrade"})
 _IDEMPOTENT: Final = frozenset({b"GET", b"HEAD"})
 _QUEUE_MAX: Final = 16  # pipelined requests parsed ahead before reading pauses
@@ -138,6 +165,7 @@ _O_BAD_RESPONSE: Final = 6
 _O_CLIENT_ERROR: Final = 7  # the client broke the request (body too large) mid-stream
 _O_UPGRADED: Final = 8  # a tunnel ran and is over
 _O_CLIENT_GONE: Final = 9
+_O_MACHINE_LOST: Final = 10  # the router declared the machine lost (its worker is dead)
 
 
 def _error_response(
@@ -196,11 +224,13 @@ class _Request:
         "is_head",
         "keep_alive",
         "method",
+        "moved",
         "pinned",
         "replay",
         "retryable",
         "sink",
         "started",
+        "trace",
         "upgrade",
     )
 
@@ -225,7 +255,32 @@ class _Request:
         self.fatal = False  # the connection cannot go on after this request
         self.retryable = False  # safe to send again to another machine
         self.replay = False  # being sent again after a pooled connection died under it
+        self.moved = False  # being sent again, elsewhere, after its machine was lost
         self.backend: Backend | None = None  # acquired already (for a replay)
+        self.trace: _Traced | None = None  # its span, when tracing is on
+
+
+class _Traced:
+    """A request's SERVER span and the context that makes it current."""
+
+    __slots__ = ("context", "span")
+
+    def __init__(self, span: Span, context: Context) -> None:
+        self.span = span
+        self.context = context
+
+    def end(self, status: int, machine_id: str | None) -> None:
+        span = self.span
+        span.set_attribute("http.response.status_code", status)
+        if machine_id is not None:
+            span.set_attribute("nonomad.machine_id", machine_id)
+        if status >= 500:
+            span.set_status(StatusCode.ERROR)
+        span.end()
+
+    def abandon(self) -> None:
+        self.span.set_status(StatusCode.ERROR, "the client went away before the answer")
+        self.span.end()
 
 
 # -- the lazily re-armed deadline -------------------------------------------------------------
@@ -358,8 +413,8 @@ class _Upstream(_Timed):
     # asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports are not asyncio.Transport subclasses, though they are one.
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         client = self.client
@@ -382,7 +437,8 @@ class _Upstream(_Timed):
             self._finish(_O_BAD_RESPONSE)
             self.abort()
             return
-        self._flush_pending()
+        if self.pending is not None:
+            self._flush_pending()
         if self.req is None and self.no_body and client is not None:
             # A HEAD (or similar) response ended at its head; llhttp expected a body, so the
             # next exchange gets a fresh parser.
@@ -443,7 +499,7 @@ class _Upstream(_Timed):
         if not req.complete:
             req.sink = self
         self.phase = _U_WAIT_HEAD
-        self._set_deadline(self.proxy.limits.upstream_response_timeout)
+        self._set_deadline_at(self._loop.time() + self.proxy.limits.upstream_response_timeout)
 
     def send_body(self, framed: bytes) -> None:
         assert self.transport is not None
@@ -457,13 +513,14 @@ class _Upstream(_Timed):
         if req is None:
             return
         self.req = None
-        self._clear_deadline()
+        self._deadline = math.inf  # (_clear_deadline, inlined: every request comes here)
         if req.sink is self:
             req.sink = None
         client = self.client
         if client is not None and self.phase != _U_TUNNEL:
             client.up = None
-            client._resume(_PAUSE_UPSTREAM)
+            if client.paused & _PAUSE_UPSTREAM:
+                client._resume(_PAUSE_UPSTREAM)
             if not req.complete:
                 client.dead = True  # the rest of its body has nowhere to go
         if self.read_paused and self.transport is not None:
@@ -482,6 +539,16 @@ class _Upstream(_Timed):
         self.closed = True
         if self.transport is not None:
             self.transport.abort()
+
+    def lose(self) -> None:
+        """The machine is gone (its worker was declared dead): end the exchange now rather
+        than wait for a timeout; the client decides whether to send the request elsewhere."""
+        if self.phase == _U_TUNNEL:
+            self.abort()  # connection_lost closes the client side
+            return
+        self._flush_pending()
+        self._finish(_O_MACHINE_LOST)
+        self.abort()
 
     def _start_tunnel(self, rest: bytes) -> None:
         client = self.client
@@ -636,7 +703,7 @@ class _Upstream(_Timed):
             return  # after a 101, llhttp raises HttpParserUpgrade: the tunnel starts there
         if self.rechunk:
             self._send_to_client(_CHUNK_END)
-        else:
+        elif self.pending is not None:
             self._flush_pending()
         reusable = not self.eof_body and self.parser.should_keep_alive()
         self._finish(_O_DONE if reusable else _O_DONE_CLOSE)
@@ -689,6 +756,12 @@ class _Pool:
             if not idle:
                 del self._idle[up.backend.machine_id]
 
+    def drop(self, machine_ids: frozenset[str]) -> None:
+        """Close the idle connections to these machines."""
+        for machine_id in machine_ids:
+            for up in self._idle.pop(machine_id, ()):
+                up.abort()
+
     def close(self) -> None:
         idle, self._idle = self._idle, {}
         for ups in idle.values():
@@ -717,6 +790,8 @@ class _Client(_Timed):
         "h_hosts",
         "h_ka",
         "h_parts",
+        "h_traceparent",
+        "h_tracestate",
         "h_upgrade",
         "h_xff",
         "head_exact",
@@ -731,6 +806,7 @@ class _Client(_Timed):
         "pin",
         "pin_name",
         "proxy",
+        "req_special",
         "reqs",
         "shutting_down",
         "task",
@@ -773,6 +849,9 @@ class _Client(_Timed):
         self.head_raw = 0
         self.head_exact = 0
         self.fed_other = 0
+        self.req_special = proxy._req_special
+        self.h_traceparent: bytes | None = None  # read only when tracing is on
+        self.h_tracestate: bytes | None = None
         self._reset_head()
 
     def _reset_head(self) -> None:
@@ -793,8 +872,8 @@ class _Client(_Timed):
     # asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports are not asyncio.Transport subclasses, though they are one.
+        self.transport = transport = cast(asyncio.Transport, transport)
         proxy = self.proxy
         if proxy._closing or len(proxy._conns) >= self.limits.max_connections:
             self.closed = True
@@ -873,6 +952,9 @@ class _Client(_Timed):
             if req.backend is not None:
                 self.proxy.router.release(req.backend, ok=False)
                 req.backend = None
+            if req.trace is not None:
+                req.trace.abandon()
+                req.trace = None
         self.reqs.clear()
         task = self.task
         if task is not None and not task.done():
@@ -940,11 +1022,14 @@ class _Client(_Timed):
         self.head_exact = 0
         if self.phase != _C_HEAD:
             self.phase = _C_HEAD
-            self._set_deadline(self.limits.header_timeout)
+            self._set_deadline_at(self._loop.time() + self.limits.header_timeout)
 
     def on_url(self, url: bytes) -> None:
         self.url = self.url + url if self.url else url
-        self._count_head(len(url))
+        size = self.head_exact + len(url)
+        self.head_exact = size
+        if size > self.limits.max_header_bytes:
+            raise _RequestError(HeadersTooLarge("request head too large"))
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if not self.in_head:
@@ -954,7 +1039,7 @@ class _Client(_Timed):
         if size > self.limits.max_header_bytes:
             raise _RequestError(HeadersTooLarge("request head too large"))
         lname = name.lower()
-        if lname in _REQ_SPECIAL:
+        if lname in self.req_special:
             if lname == b"host":
                 self.host = value
                 self.h_hosts += 1
@@ -979,6 +1064,12 @@ class _Client(_Timed):
                 return
             elif lname == b"upgrade":
                 self.h_upgrade = value
+                return
+            elif lname == b"traceparent":  # (tracing on) the span's parent; ours replaces it
+                self.h_traceparent = value
+                return
+            elif lname == b"tracestate":
+                self.h_tracestate = value
                 return
             else:
                 return  # other hop-by-hop headers, and X-Forwarded-Proto/Host: ours replace them
@@ -1043,7 +1134,11 @@ class _Client(_Timed):
             parts.append(self.xff_line)
         else:
             parts += (b"X-Forwarded-For: ", xff, b", ", self.xff_line[17:])
-        parts += (host, _CRLF, framing, _CRLF)
+        tracer = proxy._tracer
+        if tracer is None:
+            parts += (host, _CRLF, framing, _CRLF)
+        else:
+            parts += (host, _CRLF, framing, self._trace(req, tracer), _CRLF)
         req.head = b"".join(parts)
         self._reset_head()
         if req.has_body and req.error is None:
@@ -1054,11 +1149,36 @@ class _Client(_Timed):
         else:
             req.complete = not req.has_body
             self.phase = _C_BUSY
-            self._clear_deadline()
+            self._deadline = math.inf  # (_clear_deadline, inlined)
             if req.fatal:
                 self.dead = True
                 self._pause(_PAUSE_DEAD)
         self._queue(req)
+
+    def _trace(self, req: _Request, tracer: Tracer) -> bytes:
+        """Start `req`'s SERVER span (a child of the client's `traceparent`, if any); the
+        header lines that carry it to the machine."""
+        carrier = {}
+        if self.h_traceparent is not None:
+            carrier["traceparent"] = self.h_traceparent.decode("latin-1")
+            self.h_traceparent = None
+        if self.h_tracestate is not None:
+            carrier["tracestate"] = self.h_tracestate.decode("latin-1")
+            self.h_tracestate = None
+        parent = _W3C.extract(carrier) if carrier else None
+        method = req.method.decode("latin-1")
+        path = self.url.split(b"?", 1)[0].decode("latin-1")
+        attributes = {"http.request.method": method, "url.path": path}
+        if req.app is not None:
+            attributes["nonomad.app"] = req.app
+        span = tracer.start_span(
+            f"HTTP {method}", context=parent, kind=SpanKind.SERVER, attributes=attributes
+        )
+        context = set_span_in_context(span, parent)
+        req.trace = _Traced(span, context)
+        out: dict[str, str] = {}
+        _W3C.inject(out, context=context)
+        return "".join(f"{k}: {v}\r\n" for k, v in out.items()).encode("latin-1")
 
     def on_body(self, data: bytes) -> None:
         req = self.cur
@@ -1101,11 +1221,6 @@ class _Client(_Timed):
 
     # requests in, answers out
 
-    def _count_head(self, n: int) -> None:
-        self.head_exact += n
-        if self.head_exact > self.limits.max_header_bytes:
-            raise _RequestError(HeadersTooLarge("request head too large"))
-
     def _queue(self, req: _Request) -> None:
         reqs = self.reqs
         if (
@@ -1129,10 +1244,16 @@ class _Client(_Timed):
             return False
         try_acquire = self.proxy._try_acquire
         assert try_acquire is not None
+        traced = req.trace
+        token = None if traced is None else otel_context.attach(traced.context)
         try:
+            # With the span current, a machine started for it (scale from zero) is its child.
             backend = try_acquire(req.app, pinned=req.pinned, exclude=frozenset())
         except Exception:  # the task's acquire says why, with the router's own error
             return False
+        finally:
+            if token is not None:
+                otel_context.detach(token)
         if backend is None:
             return False
         up = self.proxy._pool.take(backend)
@@ -1186,7 +1307,7 @@ class _Client(_Timed):
             self.transport.resume_reading()
         req = up.req
         if req is not None:
-            self.proxy.stats.record(101, self._loop.time() - req.started)
+            self._answered(req, 101, self._loop.time(), up.backend.machine_id)
 
     async def _serve(self) -> None:
         """Take requests in order and start each exchange; the exchange itself runs in
@@ -1207,7 +1328,13 @@ class _Client(_Timed):
                 req = reqs.popleft()
                 if self.paused & _PAUSE_QUEUE and len(reqs) < _QUEUE_MAX:
                     self._resume(_PAUSE_QUEUE)
-                await self._start(req)
+                try:
+                    await self._start(req)
+                except asyncio.CancelledError:
+                    if req.trace is not None:  # gone while waiting for a machine
+                        req.trace.abandon()
+                        req.trace = None
+                    raise
         except asyncio.CancelledError:
             self._abort()  # the client went away (or shutdown ran out of grace)
         except Exception:
@@ -1240,6 +1367,8 @@ class _Client(_Timed):
         while True:
             backend = req.backend
             if backend is None:
+                traced = req.trace
+                token = None if traced is None else otel_context.attach(traced.context)
                 try:
                     backend = await router.acquire(app, pinned=req.pinned, exclude=exclude)
                 except ProxyError as err:
@@ -1249,6 +1378,9 @@ class _Client(_Timed):
                     log.warning("proxy_router_failed", app=app, exc_info=True)
                     self._after(self._reply_error(req, 502, "routing failed"))
                     return
+                finally:
+                    if token is not None:
+                        otel_context.detach(token)
             else:
                 req.backend = None  # a replay after a stale pooled connection: acquired already
             up: _Upstream | None = None
@@ -1280,7 +1412,12 @@ class _Client(_Timed):
                 exclude = exclude | {backend.machine_id}
                 continue
             self._after(
-                self._reply_error(req, 502, f"could not connect to machine {backend.machine_id}")
+                self._reply_error(
+                    req,
+                    502,
+                    f"could not connect to machine {backend.machine_id}",
+                    machine_id=backend.machine_id,
+                )
             )
             return
 
@@ -1309,6 +1446,23 @@ class _Client(_Timed):
             self.reqs.appendleft(req)
             self._wake()
             return
+        if (
+            outcome == _O_MACHINE_LOST
+            and not up.got_head
+            and req.retryable
+            and req.complete
+            and not req.moved
+            and not self.closed
+        ):
+            # A safe request whose machine was lost before it answered: send it once more,
+            # to whatever the router picks now (the lost machine's standby, once started).
+            up.abort()
+            self.backend = None
+            proxy.router.release(backend, ok=False)
+            req.moved = True
+            self.reqs.appendleft(req)
+            self._wake()
+            return
         self.backend = None
         if outcome == _O_DONE and not proxy._closing and not self.closed:
             proxy._pool.put(up, now)
@@ -1317,32 +1471,43 @@ class _Client(_Timed):
         else:
             up.abort()
         proxy.router.release(backend, ok=up.got_head, connect_failed=False)
+        machine_id = backend.machine_id
         if self.closed:
+            if req.trace is not None:
+                req.trace.abandon()
             return
         if outcome in (_O_DONE, _O_DONE_CLOSE):
-            proxy.stats.record(up.status, now - req.started)
+            # (`_answered`, inlined on the path every request takes)
+            proxy.stats.record(req.app, up.status, now - req.started)
+            if req.trace is not None:
+                self._answered_traced(req, up.status, machine_id)
             keep = up.keep_client
         elif outcome == _O_UPGRADED:
             keep = False
         elif up.got_head:  # the response is cut short: the client sees a truncated body
-            proxy.stats.record(up.status, now - req.started)
+            self._answered(req, up.status, now, machine_id)
             keep = False
         elif outcome == _O_TIMEOUT:
             keep = self._reply_error(
-                req, 504, f"machine {backend.machine_id} did not answer in time", now
+                req, 504, f"machine {machine_id} did not answer in time", now, machine_id
             )
         elif outcome == _O_CLIENT_ERROR and req.error is not None:
             keep = self._reply_error(req, req.error.status, str(req.error), now)
+        elif outcome == _O_MACHINE_LOST:
+            keep = self._reply_error(
+                req, 502, f"machine {machine_id} was lost before it answered", now, machine_id
+            )
         elif outcome == _O_BAD_RESPONSE:
             keep = self._reply_error(
-                req, 502, f"machine {backend.machine_id} sent an invalid response", now
+                req, 502, f"machine {machine_id} sent an invalid response", now, machine_id
             )
         else:
             keep = self._reply_error(
                 req,
                 502,
-                f"machine {backend.machine_id} closed the connection without a response",
+                f"machine {machine_id} closed the connection without a response",
                 now,
+                machine_id,
             )
         self._after(keep, now)
 
@@ -1360,7 +1525,12 @@ class _Client(_Timed):
         return protocol
 
     def _reply_error(
-        self, req: _Request, status: int, reason: str, now: float | None = None
+        self,
+        req: _Request,
+        status: int,
+        reason: str,
+        now: float | None = None,
+        machine_id: str | None = None,
     ) -> bool:
         """Answer `req` with an error of ours; whether the connection can go on."""
         keep = (
@@ -1376,10 +1546,21 @@ class _Client(_Timed):
                 status, reason, keep_alive=keep, head_only=req.is_head, http10=req.http10
             )
         )
-        if now is None:
-            now = self._loop.time()
-        self.proxy.stats.record(status, now - req.started)
+        self._answered(req, status, self._loop.time() if now is None else now, machine_id)
         return keep
+
+    def _answered(self, req: _Request, status: int, now: float, machine_id: str | None) -> None:
+        """`req` got its answer (the head of it, at least): count it, end its span."""
+        self.proxy.stats.record(req.app, status, now - req.started)
+        if req.trace is not None:
+            self._answered_traced(req, status, machine_id)
+
+    @staticmethod
+    def _answered_traced(req: _Request, status: int, machine_id: str | None) -> None:
+        traced = req.trace
+        if traced is not None:
+            req.trace = None
+            traced.end(status, machine_id)
 
     def _after(self, keep: bool, now: float | None = None) -> None:
         """An answer is written: close, go on with the next request, or wait for one."""
@@ -1465,6 +1646,7 @@ class HttpProxy:
         limits: Limits = Limits(),
         machine_header: str = "nonomad-machine-id",
         pin_header: str = "nonomad-force-instance-id",
+        tracer: Tracer | None = None,
     ) -> None:
         self.router = router
         # Optional fast path: `try_acquire(app, *, pinned, exclude) -> Backend | None`, the
@@ -1489,6 +1671,10 @@ class HttpProxy:
         self._server: asyncio.Server | None = None
         self._closing = False
         self._all_closed: asyncio.Event | None = None
+        # Tracing: a SERVER span per request when a tracer is given; without one, the only
+        # cost per request is a None check.
+        self._tracer = tracer
+        self._req_special = _REQ_SPECIAL if tracer is None else _REQ_SPECIAL_TRACED
 
     async def serve(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
         """Listen on host:port (0: any free port); returns the address bound."""
@@ -1521,6 +1707,28 @@ class HttpProxy:
         self._pool.close()
         if self._server is not None:
             await self._server.wait_closed()
+
+    def machines_lost(self, machine_ids: frozenset[str], reason: str = "") -> int:
+        """End at once the exchanges in flight to these machines (their worker is dead):
+        a GET or HEAD that got no answer yet is sent again elsewhere, others get a 502, and
+        responses cut short end their client connection. Idle pooled connections to them
+        are closed. Returns how many exchanges were ended. Callable from any callback."""
+        self._pool.drop(machine_ids)
+        lost = [
+            conn.up
+            for conn in self._conns
+            if conn.up is not None and conn.up.backend.machine_id in machine_ids
+        ]
+        for up in lost:
+            up.lose()
+        if lost:
+            log.warning(
+                "proxy_requests_lost",
+                machines=sorted(machine_ids),
+                requests=len(lost),
+                reason=reason,
+            )
+        return len(lost)
 
     @property
     def connections(self) -> int:

@@ -19,11 +19,12 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import structlog
+from opentelemetry.trace import Tracer
 
 from flyd.clock import Clock, SystemClock
 from flyd.v1 import machine_pb2 as pb
@@ -266,7 +267,7 @@ class Router:
 
     `flaps` starts and stops machines (None: no autostart, autostop or failover). `probes`
     looks at workers and machines directly (default: real sockets). `rng` makes the random
-    choices of tests repeatable.
+    choices of tests repeatable. `tracer` (tracing on) traces failovers.
     """
 
     def __init__(
@@ -279,6 +280,7 @@ class Router:
         probes: Probes | None = None,
         clock: Clock | None = None,
         rng: random.Random | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
         self.registry = registry
         self.flaps = flaps
@@ -292,6 +294,7 @@ class Router:
         self._workers: dict[str, WorkerState] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._stop_slots = asyncio.Semaphore(STOP_CONCURRENCY)
+        self._lost_listeners: list[Callable[[frozenset[str], str], object]] = []
         self._shutdown = asyncio.Event()
         self._running = False
         self._closed = False
@@ -311,6 +314,7 @@ class Router:
             probe_timeout=self.config.probe_timeout,
             probe_interval=self.config.probe_interval,
             attempts=self.config.failover_attempts,
+            tracer=tracer,
         )
 
     # -- the data plane's side (proxy.routing.Router) -----------------------------------------
@@ -624,6 +628,13 @@ class Router:
             self._pulse_worker(worker_id)
         return w.draining
 
+    def in_flight_by_app(self) -> dict[str, int]:
+        """Requests in flight now, by app (for metrics)."""
+        return {
+            app: sum(r.in_flight for r in state.routes.values())
+            for app, state in self._apps.items()
+        }
+
     def is_dead(self, worker_id: str) -> bool:
         w = self._workers.get(worker_id)
         return w is not None and w.dead
@@ -640,17 +651,27 @@ class Router:
         view = self.registry.worker(worker_id)
         return view is not None and view.status == ALIVE and self._worker_usable(worker_id)
 
+    def on_machines_lost(self, listener: Callable[[frozenset[str], str], object]) -> None:
+        """Call `listener(machine_ids, reason)` when machines are lost with their worker (it
+        is declared dead): the data plane ends the requests in flight to them at once
+        instead of waiting out the upstream timeout. Called after the router stopped routing
+        to them and marked the standbys starting, so a request sent again waits for those."""
+        self._lost_listeners.append(listener)
+
     def declare_dead(self, worker_id: str, reason: str) -> None:
         """Stop routing to the worker's machines now and start standbys for them."""
         w = self._workers.setdefault(worker_id, WorkerState(worker_id))
         if w.dead or self._closed:
             return
         w.dead = True
+        self.stats.worker_dead()
         log.warning("worker_declared_dead", worker=worker_id, reason=reason)
+        lost = []
         for r in self._routes.values():
             if r.worker_id == worker_id:
                 self._stop_watching(r)
                 r.ready = False
+                lost.append(r.id)
         plan = self.watch.plan(worker_id)
         now = self.clock.now()
         for _, standbys in plan:
@@ -659,8 +680,18 @@ class Router:
             if standby is not None and self.flaps is not None:
                 standby.start_requested = now
         self._pulse_worker(worker_id)
-        if plan:
-            self._spawn(self.watch.failover(plan, self._shutdown), f"failover {worker_id}")
+        if plan or self.watch.tracer is not None:  # (traced even when there is nothing to start)
+            self._spawn(
+                self.watch.failover(worker_id, plan, self._shutdown), f"failover {worker_id}"
+            )
+        if lost:
+            machines = frozenset(lost)
+            why = f"its worker {worker_id} was declared dead ({reason})"
+            for listener in self._lost_listeners:
+                try:
+                    listener(machines, why)
+                except Exception:
+                    log.exception("machines_lost_listener_failed", worker=worker_id)
 
     def standby_failed(self, machine_id: str) -> None:
         """A standby could not be started: requests stop waiting for it."""

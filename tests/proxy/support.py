@@ -20,9 +20,11 @@ import subprocess
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 from google.protobuf.duration_pb2 import Duration
+from opentelemetry.trace import Tracer
 
 from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
@@ -30,7 +32,7 @@ from flyd.clock import ManualClock
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
-from proxy.control import FlapsFailed
+from proxy.control import Flaps, FlapsFailed
 from proxy.router import Router, RouterConfig
 from proxy.stats import Stats
 from proxy.v1 import proxy_pb2, proxy_pb2_grpc
@@ -258,7 +260,7 @@ class World:
     """A Router over fakes on a ManualClock, running until the test ends."""
 
     registry: FakeRegistry
-    flaps: FakeFlaps
+    flaps: Any
     probes: FakeProbes
     stats: Stats
     clock: ManualClock
@@ -275,12 +277,14 @@ class World:
 @contextlib.asynccontextmanager
 async def world(
     registry: FakeRegistry | None = None,
-    flaps: FakeFlaps | None = None,
+    flaps: Flaps | None = None,
     *,
     seed: int = 7,
+    tracer: Tracer | None = None,
     **config: object,
 ) -> AsyncIterator[World]:
-    """Run a Router (region "ams") over fakes; `config` overrides RouterConfig fields."""
+    """Run a Router (region "ams") over fakes (or the `flaps` given); `config` overrides
+    RouterConfig fields."""
     import random
 
     registry = registry if registry is not None else FakeRegistry()
@@ -296,6 +300,7 @@ async def world(
         probes=probes,
         clock=clock,
         rng=random.Random(seed),
+        tracer=tracer,
     )
     shutdown = asyncio.Event()
     task = asyncio.create_task(router.run(shutdown))
@@ -382,7 +387,13 @@ class ProxyFleet:
         self.flaps = proc.start()
         return proc
 
-    def add_proxy(self, *extra: str, region: str = "ams", netns: str = "") -> ProxyProcess:
+    def add_proxy(
+        self,
+        *extra: str,
+        region: str = "ams",
+        netns: str = "",
+        env: dict[str, str] | None = None,
+    ) -> ProxyProcess:
         assert self.flaps is not None
         args = [
             "--listen",
@@ -402,7 +413,11 @@ class ProxyFleet:
         ]
         n = len(self.proxies)
         proc = ProxyProcess(
-            "proxy", args, self.tmp / f"proxy-{n}.log", env=clean_env(), netns=netns
+            "proxy",
+            args,
+            self.tmp / f"proxy-{n}.log",
+            env={**clean_env(), **(env or {})},
+            netns=netns,
         )
         proc.start()
         self.proxies.append(proc)
@@ -451,11 +466,13 @@ class ProxyFleet:
         skip_launch: bool = False,
         standby_for: Iterable[str] = (),
         service: pb.ServiceConfig | None = None,
+        entrypoint: Iterable[str] = (),
     ) -> pb.Machine:
         config = pb.MachineConfig(
             image="demo:v1",
             guest=pb.GuestConfig(cpu_millicores=100, memory_mib=64),
             services=[service or pb.ServiceConfig(internal_port=8080, autostart=True)],
+            entrypoint=list(entrypoint),
         )
         resp = await self.machines().CreateMachine(
             m.CreateMachineRequest(
@@ -544,17 +561,22 @@ class Reply:
 
 
 async def get(
-    address: str, app: str, path: str = "/", *, headers: dict[str, str] | None = None
+    address: str,
+    app: str,
+    path: str = "/",
+    *,
+    headers: dict[str, str] | None = None,
+    method: str = "GET",
 ) -> Reply:
-    """One HTTP/1.1 GET through the proxy at `address` for `<app>.<DOMAIN>`, on a new
-    connection (Connection: close), bounded by DEADLINE."""
+    """One HTTP/1.1 request (a GET unless told) through the proxy at `address` for
+    `<app>.<DOMAIN>`, on a new connection (Connection: close), bounded by DEADLINE."""
     host, _, port = address.rpartition(":")
     extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
     async with asyncio.timeout(DEADLINE):
         reader, writer = await asyncio.open_connection(host, int(port))
         try:
             writer.write(
-                f"GET {path} HTTP/1.1\r\nHost: {app}.{DOMAIN}\r\n{extra}"
+                f"{method} {path} HTTP/1.1\r\nHost: {app}.{DOMAIN}\r\n{extra}"
                 "Connection: close\r\n\r\n".encode()
             )
             await writer.drain()

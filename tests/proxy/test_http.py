@@ -673,7 +673,7 @@ async def test_release_once_per_acquire_and_stats_count_statuses(start: Start) -
 def test_stats_window_is_bounded_and_percentiles_are_right() -> None:
     stats = Stats(window=100)
     for ms in range(1, 1001):
-        stats.record(200, ms / 1000)
+        stats.record("web", 200, ms / 1000)
     snap = stats.snapshot()
     assert snap["requests"] == 1000
     assert snap["latency_window"] == 128  # rounded up to a power of two
@@ -813,3 +813,55 @@ async def test_many_concurrent_clients(start: Start) -> None:
         done = await asyncio.gather(*(one(i) for i in range(50)))
     assert sum(done) == 250
     assert web.connections <= 50
+
+
+# -- machines lost with their worker --------------------------------------------------------------
+
+
+async def test_requests_in_flight_to_a_lost_machine_end_at_once(start: Start) -> None:
+    never = asyncio.Event()
+
+    async def hang(ex: Exchange) -> None:
+        if ex.seen.target != "/hang":
+            await echo(ex)
+            return
+        await ex.read_body()
+        async with asyncio.timeout(WAIT * 2):  # outlasts every client wait: no answer comes
+            await never.wait()
+
+    async def cut_short(ex: Exchange) -> None:
+        ex.writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npart")
+        await hang(ex)
+
+    lost = await start("m-lost", hang)
+    half = await start("m-half", cut_short)
+    ok = await start("m-ok")
+    router = FakeRouter({"web": [lost.backend()], "half": [half.backend("half")]})
+    # No timeout of the proxy's own ends these: only the lost-machines hook can.
+    async with edge(router, Limits(upstream_response_timeout=600, read_timeout=600)) as e:
+        assert (await e.get("web")).status == 200  # leaves an idle pooled connection
+        assert e.proxy.idle_upstream_connections == 1
+        get, post, streaming = await e.client(), await e.client(), await e.client()
+        await get.send(build_request(f"web.{DOMAIN}", "/hang"))
+        await post.send(build_request(f"web.{DOMAIN}", "/hang", "POST", body=b"once"))
+        await streaming.send(build_request(f"half.{DOMAIN}", "/hang"))
+        await eventually(
+            lambda: len(lost.requests) == 3 and len(half.requests) == 1, "requests in flight"
+        )
+
+        # The worker of m-lost and m-half is declared dead: the router routes "web" elsewhere.
+        router.apps["web"] = [ok.backend()]
+        ended = e.proxy.machines_lost(frozenset({"m-lost", "m-half"}), "worker-1 is dead")
+        assert ended == 3
+        assert e.proxy.idle_upstream_connections == 0
+
+        moved = await get.response()  # a GET without an answer yet goes elsewhere
+        assert (moved.status, moved.header("nonomad-machine-id")) == (200, "m-ok")
+        assert moved.json()["target"] == "/hang"
+        refused = await post.response()  # a POST may have had effects: not sent again
+        assert refused.status == 502
+        assert "m-lost was lost" in refused.text
+        assert await streaming.closed()  # the response was cut short: so is the connection
+    assert [r.method for r in ok.requests] == ["GET"]
+    assert router.balanced
+    assert sorted(r.ok for r in router.released if r.machine_id == "m-lost") == [False, False, True]

@@ -165,6 +165,53 @@ async def test_a_lost_worker_fails_over_to_its_standby(
             assert (await get(proxy.http, "db")).headers["nonomad-machine-id"] == standby.id
 
 
+# The demo app, but a request for /hang (and any POST) never gets an answer.
+HANGING_APP = DEMO_APP.replace("import http.server, os, sys", "import http.server, os, sys, time")
+HANGING_APP = HANGING_APP.replace(
+    "    def do_GET(self):\n",
+    "    def do_POST(self):\n"
+    "        time.sleep(3600)\n\n"
+    "    def do_GET(self):\n"
+    "        if self.path == '/hang':\n"
+    "            time.sleep(3600)\n",
+)
+
+
+async def test_requests_in_flight_on_a_lost_worker_end_when_it_is_declared_dead(
+    tmp_path: Path, image_source: Path
+) -> None:
+    async with proxy_fleet(tmp_path, image_source) as fleet:
+        await fleet.add_workers("w1", "w2")
+        fleet.start_flaps()
+        await fleet.until_alive()
+        primary = await fleet.create("db", entrypoint=["python3", "-u", "-c", HANGING_APP])
+        standby = await fleet.create("db", standby_for=[primary.id])
+        assert standby.worker_id != primary.worker_id
+        # The proxy's own timeout would not end them within the test's deadline.
+        proxy = fleet.add_proxy("--upstream-response-timeout", "3600")
+        await fleet.until_routed("db", 2)
+        await serves(fleet, "db", primary.id)
+
+        hung_get = asyncio.create_task(get(proxy.http, "db", "/hang"))
+        hung_post = asyncio.create_task(get(proxy.http, "db", "/hang", method="POST"))
+
+        async def both_in_flight() -> bool:
+            routes = {r.machine_id: r for r in await fleet.routes("db")}
+            return routes[primary.id].in_flight == 2
+
+        await eventually(both_in_flight, "both requests in flight on the primary")
+        # Its worker stops answering (the machine, still hanging, cannot be reached through it).
+        fleet.freeze(primary.worker_id)
+
+        moved = await hung_get  # a GET that had no answer is sent to the standby
+        assert (moved.status, moved.headers["nonomad-machine-id"]) == (200, standby.id)
+        assert moved.body == f"hello from {standby.id}\n".encode()
+        refused = await hung_post  # a POST is not sent twice: 502 with the reason
+        assert refused.status == 502
+        assert f"machine {primary.id} was lost".encode() in refused.body
+        assert (await stats(fleet)).failovers == 1
+
+
 async def test_two_proxies_noticing_one_death_start_exactly_one_standby(
     tmp_path: Path, image_source: Path
 ) -> None:

@@ -320,6 +320,31 @@ async def test_a_dead_worker_is_routed_around_and_one_standby_is_started() -> No
         assert w.flaps.starts == ["sb-1"]
 
 
+async def test_the_data_plane_hears_of_the_machines_lost_with_a_dead_worker() -> None:
+    async with world(primary_and_standbys()) as w:
+        heard: list[tuple[frozenset[str], str, bool]] = []
+
+        def lost(machines: frozenset[str], reason: str) -> None:
+            # By now a request sent again must not be routed to the lost machines.
+            heard.append((machines, reason, w.router.try_acquire("web") is None))
+
+        w.router.on_machines_lost(lost)
+        w.flaps.gate.clear()  # the standby's start is under way, not done
+        w.probes.dead_workers.add("w1.test:7000")
+        w.registry.set_status("w1", SUSPECT)
+        await settle()
+        assert heard == [
+            (
+                frozenset({"p", "sb-0"}),
+                "its worker w1 was declared dead (heartbeats stopped and the probe failed)",
+                True,
+            )
+        ]
+        w.flaps.gate.set()
+        w.router.declare_dead("w1", "again")  # once per death
+        assert len(heard) == 1
+
+
 async def test_every_proxy_that_notices_picks_the_same_standby() -> None:
     registry = primary_and_standbys()
     async with world(registry, seed=1) as a, world(registry, a.flaps, seed=2) as b:
