@@ -343,6 +343,8 @@ class ProxyFleet:
     proxies: list[ProxyProcess] = field(default_factory=list)
     channels: list[grpc.aio.Channel] = field(default_factory=list)
     frozen: list[ServiceProcess] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    """Added to the environment of every process (e.g. OTEL_* to export spans)."""
 
     def _worker(self, worker_id: str, *extra: str, netns: str = "") -> ServiceProcess:
         block = 27000 + 50 * (next(_ports) % 100)
@@ -360,7 +362,7 @@ class ProxyFleet:
             *extra,
         )
         return ServiceProcess(
-            "flyd", args, self.tmp / f"{worker_id}.log", env=clean_env(), netns=netns
+            "flyd", args, self.tmp / f"{worker_id}.log", env=clean_env(**self.env), netns=netns
         )
 
     def add_worker(self, worker_id: str, *extra: str, netns: str = "") -> ServiceProcess:
@@ -383,7 +385,9 @@ class ProxyFleet:
 
     def start_flaps(self, netns: str = "") -> ServiceProcess:
         args = ["--listen", "127.0.0.1:0", "--grace-period", "2", *self._follow_args()]
-        proc = ServiceProcess("flaps", args, self.tmp / "flaps.log", env=clean_env(), netns=netns)
+        proc = ServiceProcess(
+            "flaps", args, self.tmp / "flaps.log", env=clean_env(**self.env), netns=netns
+        )
         self.flaps = proc.start()
         return proc
 
@@ -416,7 +420,7 @@ class ProxyFleet:
             "proxy",
             args,
             self.tmp / f"proxy-{n}.log",
-            env={**clean_env(), **(env or {})},
+            env={**clean_env(**self.env), **(env or {})},
             netns=netns,
         )
         proc.start()
@@ -543,10 +547,14 @@ async def eventually(check: Callable[[], object], what: str, deadline: float = D
 
 
 @contextlib.asynccontextmanager
-async def proxy_fleet(tmp: Path, image_source: Path) -> AsyncIterator[ProxyFleet]:
+async def proxy_fleet(
+    tmp: Path, image_source: Path, env: dict[str, str] | None = None
+) -> AsyncIterator[ProxyFleet]:
     import uuid
 
-    fleet = ProxyFleet(tmp, image_source, prefix=f"nonomad-test-{uuid.uuid4().hex[:8]}")
+    fleet = ProxyFleet(
+        tmp, image_source, prefix=f"nonomad-test-{uuid.uuid4().hex[:8]}", env=dict(env or {})
+    )
     try:
         yield fleet
     finally:
