@@ -37,6 +37,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -252,12 +253,61 @@ def proxy_main() -> None:
     default_loop = ProxySettings.model_fields["event_loop"].default
     use_event_loop(sys.argv[2] if len(sys.argv) > 2 else default_loop)
 
+    probe = os.environ.get(PROBE_ENV)
+    if probe:
+        _install_probe(Path(probe))
+
     async def start() -> int:
         proxy = HttpProxy(StaticRouter(backend_port), Stats(), domain=DOMAIN, region="ams")
         _, port = await proxy.serve("127.0.0.1", 0)
         return port
 
     asyncio.run(_serve_until_stdin_closes(start))
+
+
+PROBE_ENV = "NONOMAD_PROXY_BENCH_PROBE"
+
+
+def _install_probe(path: Path) -> None:
+    """(`--section latency --probe` only) Time the proxy's own callbacks with perf_counter: a
+    client's request bytes in, the machine's answer bytes in (and written on), so the latency
+    the load generator sees can be split into the proxy's work, the machine's, and the rest
+    (waiting to be scheduled, or behind other callbacks). SIGUSR1 writes what was recorded
+    since the last one to `path` (JSON) and starts afresh."""
+    import signal
+
+    from proxy import http
+
+    clock = time.perf_counter
+    started: dict[int, float] = {}
+    sent: dict[int, float] = {}
+    rows: list[tuple[float, float, float, float]] = []  # client cb start/end, upstream cb start/end
+    client_received = http._Client.data_received
+    upstream_received = http._Upstream.data_received
+
+    def on_client_data(self: Any, data: bytes) -> None:
+        t0 = clock()
+        client_received(self, data)
+        started[id(self)] = t0
+        sent[id(self)] = clock()
+
+    def on_upstream_data(self: Any, data: bytes) -> None:
+        client = self.client
+        t0 = clock()
+        upstream_received(self, data)
+        t1 = clock()
+        if client is not None and id(client) in started:
+            rows.append((started.pop(id(client)), sent.pop(id(client)), t0, t1))
+
+    def dump(signum: int, frame: Any) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(rows))
+        tmp.rename(path)
+        rows.clear()
+
+    http._Client.data_received = on_client_data  # type: ignore[method-assign]
+    http._Upstream.data_received = on_upstream_data  # type: ignore[method-assign]
+    signal.signal(signal.SIGUSR1, dump)
 
 
 @dataclass
@@ -283,12 +333,14 @@ class Child:
             self.proc.stdout.close()
 
 
-def _start_python_child(name: str, func: str, args: Sequence[str], log: Path) -> Child:
+def _start_python_child(
+    name: str, func: str, args: Sequence[str], log: Path, env: dict[str, str] | None = None
+) -> Child:
     with open(log, "wb") as err:
         proc = subprocess.Popen(
             [sys.executable, "-c", f"from bench.proxy_bench import {func}; {func}()", *args],
             cwd=procs.REPO_ROOT,
-            env=procs.clean_env(),
+            env={**procs.clean_env(), **(env or {})},
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=err,
@@ -397,6 +449,8 @@ class Load:
     latencies_ms: list[float] = field(default_factory=list)
     p50_ms: float | None = None
     p99_ms: float | None = None
+    sched: dict[str, float] = field(default_factory=dict)  # the generator's own, when known
+    phase_group: int = 0  # paced: connections that ended up sending together (diagnostic)
 
     @property
     def rps(self) -> float:
@@ -468,7 +522,32 @@ def loadgen_main() -> None:
         float(sys.argv[4]),
         float(sys.argv[5]),
     )
-    print(json.dumps(_loadgen(port, conns, total, seconds, rate)), flush=True)
+    before = _schedstat(os.getpid())
+    doc = _loadgen(port, conns, total, seconds, rate)
+    doc["schedstat"] = _sched_delta(before, _schedstat(os.getpid()))
+    print(json.dumps(doc), flush=True)
+
+
+def _schedstat(pid: int) -> tuple[int, int, int]:
+    """(ns on a CPU, ns runnable but waiting for one, timeslices) from /proc; zeros when the
+    kernel does not keep them."""
+    try:
+        on_cpu, waiting, slices = Path(f"/proc/{pid}/schedstat").read_text().split()[:3]
+    except (OSError, ValueError):
+        return (0, 0, 0)
+    return (int(on_cpu), int(waiting), int(slices))
+
+
+def _sched_delta(before: tuple[int, int, int], after: tuple[int, int, int]) -> dict[str, float]:
+    """What the scheduler did to a process between two `_schedstat` readings: CPU time, time
+    spent runnable but not running, and the mean wait per timeslice (µs)."""
+    on_cpu, waiting, slices = (a - b for a, b in zip(after, before, strict=True))
+    return {
+        "cpu_ms": on_cpu / 1e6,
+        "runqueue_wait_ms": waiting / 1e6,
+        "slices": slices,
+        "wait_per_slice_us": waiting / slices / 1e3 if slices else 0.0,
+    }
 
 
 def _loadgen(port: int, conns: int, total: int, seconds: float, rate: float) -> dict[str, Any]:
@@ -558,15 +637,40 @@ def _loadgen(port: int, conns: int, total: int, seconds: float, rate: float) -> 
         "errors": errors,
         "seconds": clock() - start,
         "latencies_ms": latencies,
+        "largest_phase_group": _largest_phase_group(next_at, interval),
     }
 
 
-def run_loadgen(port: int, conns: int, total: int, seconds: float, rate: float = 0.0) -> Load:
+def _largest_phase_group(next_at: Sequence[float], interval: float, window: float = 50e-6) -> int:
+    """How many connections ended up sending within `window` of each other each interval: 1
+    when the paced schedule stayed spread out; the connection count when a stall (an answer
+    later than two intervals) moved them all to the same phase, so they send in bursts."""
+    if interval <= 0 or not next_at:
+        return 0
+    phases = sorted(t % interval for t in next_at)
+    phases += [p + interval for p in phases]  # the circle, unrolled once
+    best = lo = 0
+    for hi in range(len(phases)):
+        while phases[hi] - phases[lo] > window:
+            lo += 1
+        best = max(best, hi - lo + 1)
+    return min(best, len(next_at))
+
+
+def run_loadgen(
+    port: int,
+    conns: int,
+    total: int,
+    seconds: float,
+    rate: float = 0.0,
+    cpus: frozenset[int] | None = None,
+) -> Load:
+    pin = f"import os; os.sched_setaffinity(0, {set(cpus)!r}); " if cpus else ""
     out = subprocess.run(
         [
             sys.executable,
             "-c",
-            "from bench.proxy_bench import loadgen_main; loadgen_main()",
+            pin + "from bench.proxy_bench import loadgen_main; loadgen_main()",
             str(port),
             str(conns),
             str(total),
@@ -582,7 +686,10 @@ def run_loadgen(port: int, conns: int, total: int, seconds: float, rate: float =
     if out.returncode != 0:
         raise RuntimeError(f"load generator failed: {out.stderr[-2000:]}")
     doc = json.loads(out.stdout.strip().splitlines()[-1])
-    return Load(doc["requests"], doc["errors"], doc["seconds"], doc["latencies_ms"])
+    load = Load(doc["requests"], doc["errors"], doc["seconds"], doc["latencies_ms"])
+    load.sched = doc.get("schedstat", {})
+    load.phase_group = int(doc.get("largest_phase_group", 0))
+    return load
 
 
 # -- 3. the run -----------------------------------------------------------------------------------
@@ -597,8 +704,8 @@ class Context:
     children: list[Child] = field(default_factory=list)
     data: dict[str, Any] = field(default_factory=dict)
 
-    def start(self, name: str, func: str, *args: str) -> Child:
-        child = _start_python_child(name, func, args, self.tmp / f"{name}.log")
+    def start(self, name: str, func: str, *args: str, env: dict[str, str] | None = None) -> Child:
+        child = _start_python_child(name, func, args, self.tmp / f"{name}.log", env)
         self.children.append(child)
         return child
 
@@ -824,6 +931,135 @@ def _latency_rows(
 DEFAULT_SECTIONS: tuple[Section, ...] = (throughput_section,)
 
 
+def _dist(values_ms: Sequence[float]) -> str:
+    if not values_ms:
+        return "-"
+    return " / ".join(f"{percentile(list(values_ms), p):.3f}" for p in (50, 99, 99.9))
+
+
+def _parse_pin(spec: str) -> dict[str, frozenset[int]]:
+    """`loadgen=0,proxy=1,backend=1` (a CPU set per process: `proxy=0+1`)."""
+    pins: dict[str, frozenset[int]] = {}
+    for part in filter(None, spec.split(",")):
+        name, _, cpus = part.partition("=")
+        if name not in ("loadgen", "proxy", "backend") or not cpus:
+            raise SystemExit(f"--pin: expected loadgen|proxy|backend=CPU[+CPU], got {part!r}")
+        pins[name] = frozenset(int(c) for c in cpus.split("+"))
+    return pins
+
+
+def latency_only(
+    rate: float,
+    rounds: int,
+    seconds: float,
+    pin: str = "",
+    probe: bool = False,
+    probe_out: Path | None = None,
+    haproxy: bool = False,
+) -> int:
+    """`--section latency`: only the paced-latency measurement at `rate` (direct and proxy,
+    interleaved rounds, latencies pooled, as in the full run), with where the time goes: the
+    scheduler's run-queue wait of each process (/proc/PID/schedstat) and, with `probe`, the
+    proxy's own callback timings."""
+    pins = _parse_pin(pin)
+    procs.raise_fd_limit()
+    with tempfile.TemporaryDirectory(prefix="proxy-bench-") as tmp:
+        ctx = Context(False, Path(tmp))
+        probe_file = Path(tmp) / "probe.json"
+        try:
+            backend = ctx.start("backend", "backend_main")
+            env = {PROBE_ENV: str(probe_file)} if probe else None
+            proxy = ctx.start("proxy", "proxy_main", str(backend.port), env=env)
+            for name, child in (("backend", backend), ("proxy", proxy)):
+                if name in pins:
+                    os.sched_setaffinity(child.proc.pid, pins[name])
+            targets = {"direct": backend, "proxy": proxy}
+            binary = ensure_tool("haproxy", "haproxy") if haproxy else None
+            if binary is not None:
+                targets["haproxy"] = ctx.adopt(start_haproxy(binary, backend.port, ctx.tmp))
+                if "proxy" in pins:
+                    os.sched_setaffinity(targets["haproxy"].proc.pid, pins["proxy"])
+            for child in targets.values():
+                run_loadgen(child.port, 4, 1000, 5.0)
+            pooled: dict[str, list[float]] = {name: [] for name in targets}
+            probe_rows: list[list[float]] = []
+            for r in range(rounds):
+                busy = wait_quiet()
+                line = [f"round {r + 1}/{rounds} at {rate:.0f} req/s (other work {busy:.0f}%):"]
+                for name, child in targets.items():
+                    if probe:
+                        proxy.proc.send_signal(signal.SIGUSR1)  # drop what warm-up recorded
+                        _wait_file(probe_file)
+                    watched = (("proxy", child), ("backend", backend))
+                    sched_before = {n: _schedstat(c.proc.pid) for n, c in watched}
+                    load = run_loadgen(
+                        child.port,
+                        PACED_CONNECTIONS,
+                        int(rate * seconds),
+                        seconds,
+                        rate,
+                        cpus=pins.get("loadgen"),
+                    )
+                    sched = {
+                        n: _sched_delta(sched_before[n], _schedstat(c.proc.pid)) for n, c in watched
+                    }
+                    sched["loadgen"] = load.sched
+                    if name == "proxy" and probe:
+                        proxy.proc.send_signal(signal.SIGUSR1)
+                        probe_rows += _wait_file(probe_file)
+                    pooled[name] += load.latencies_ms
+                    n_req = max(1, load.requests)
+                    waits = ", ".join(
+                        f"{n} {d.get('cpu_ms', 0) * 1e3 / n_req:.0f} µs CPU/req, "
+                        f"{d.get('slices', 0) / n_req:.2f} wakeups/req, "
+                        f"{d.get('runqueue_wait_ms', 0):.0f} ms waiting "
+                        f"({d.get('wait_per_slice_us', 0):.0f} µs a wakeup)"
+                        for n, d in sched.items()
+                        if d and (n != "proxy" or name != "direct")
+                    )
+                    line.append(
+                        f"  {name:7} p50/p99/p99.9 {_dist(load.latencies_ms)} ms, "
+                        f"{load.rps:.0f} req/s, errors {load.errors}, connections sending "
+                        f"together at the end: {load.phase_group} of {PACED_CONNECTIONS}"
+                        f"\n    scheduler: {waits}"
+                    )
+                procs.progress("\n".join(line))
+            direct = pooled["direct"]
+            print(f"pooled over {rounds} rounds at {rate:.0f} req/s, p50/p99/p99.9 (ms)")
+            for name, lat in pooled.items():
+                print(f"  {name:7} {_dist(lat)}")
+                if name != "direct":
+                    print(
+                        f"  {name:7} added p50 {percentile(lat, 50) - percentile(direct, 50):.3f}"
+                        f" ms, added p99 {percentile(lat, 99) - percentile(direct, 99):.3f} ms"
+                        f" (target for the proxy <= {TARGET_ADDED_P99_MS})"
+                    )
+            if probe_rows and probe_out is not None:
+                probe_out.write_text(json.dumps(probe_rows))
+            if probe_rows:
+                own = [(b - a + d - c) * 1e3 for a, b, c, d in probe_rows]
+                machine = [(c - b) * 1e3 for a, b, c, d in probe_rows]
+                inside = [(d - a) * 1e3 for a, b, c, d in probe_rows]
+                print("  proxy probe (its callbacks, perf_counter), p50/p99/p99.9 (ms):")
+                print(f"    proxy's own work per request     {_dist(own)}")
+                print(f"    request sent -> answer read      {_dist(machine)}")
+                print(f"    request read -> answer written   {_dist(inside)}")
+        finally:
+            ctx.stop_all()
+    return 0
+
+
+def _wait_file(path: Path, timeout: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the proxy wrote no probe data to {path}")
+        time.sleep(0.01)
+    doc = json.loads(path.read_text())
+    path.unlink()
+    return doc
+
+
 def run(
     quick: bool = False,
     out: Path | None = None,
@@ -869,7 +1105,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="shorter loops (a smoke test)")
     parser.add_argument("--out", type=Path, help="also write the results as JSON here")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    parser.add_argument(
+        "--section",
+        choices=["all", "latency"],
+        default="all",
+        help="latency: only the paced latency of direct and proxy at --rate (a quick loop for "
+        "looking into the tail)",
+    )
+    parser.add_argument("--rate", type=float, default=12_900.0, help="(latency) req/s")
+    parser.add_argument("--rounds", type=int, default=3, help="(latency) interleaved rounds")
+    parser.add_argument("--seconds", type=float, default=4.0, help="(latency) per run")
+    parser.add_argument(
+        "--pin", default="", help="(latency) CPU affinity, e.g. loadgen=0,proxy=1,backend=1"
+    )
+    parser.add_argument(
+        "--probe", action="store_true", help="(latency) time the proxy's own callbacks too"
+    )
+    parser.add_argument(
+        "--probe-out", type=Path, help="(latency, --probe) write the raw callback times here"
+    )
+    parser.add_argument(
+        "--haproxy", action="store_true", help="(latency) measure HAProxy too (same rate)"
+    )
     args = parser.parse_args(argv)
+    if args.section == "latency":
+        return latency_only(
+            args.rate,
+            args.rounds,
+            args.seconds,
+            args.pin,
+            args.probe,
+            args.probe_out,
+            args.haproxy,
+        )
     return run(quick=args.quick, out=args.out, strict=args.strict)
 
 
