@@ -67,7 +67,11 @@ async def test_placements_rejections_claims_and_fallbacks_are_counted(fleet: Fle
     for worker_id in ("ams-1", "ams-2"):
         fleet.add_worker(worker_id, "ams", "--capacity.memory-mib", "512", ports=one_port())
     fleet.add_worker("syd-1", "syd")
-    flaps = fleet.add_flaps("--metrics-listen", "127.0.0.1:0")
+    # Liveness must not flip under a loaded machine: a worker briefly suspect is rejected
+    # without a claim, and the counts below are of claims.
+    flaps = fleet.add_flaps(
+        "--metrics-listen", "127.0.0.1:0", "--suspect-after", "30", "--dead-after", "60"
+    )
     metrics = flaps.announced["NONOMAD_METRICS"]
     await fleet.until_alive()
     machines, platform = fleet.machines(), fleet.platform()
