@@ -95,7 +95,10 @@ async def test_placements_rejections_claims_and_fallbacks_are_counted(fleet: Fle
         sim = await platform.SimulatePlacement(
             p.SimulatePlacementRequest(app="web", region="ams", config=with_service()), timeout=T
         )
-        return [c.worker_id for c in sim.candidates] == [full, other]
+        ranked = [(c.worker_id, c.score) for c in sim.candidates]
+        # Strictly ahead: equal scores keep a random order, and so would the create's ranking
+        # (as they are while flaps' view has not yet seen the first machine).
+        return [w for w, _ in ranked] == [full, other] and ranked[0][1] > ranked[1][1]
 
     await eventually(full_ranks_first, 15, f"flaps to rank {full} (fuller) first")
     # 2. The fuller worker is claimed first and refuses (no port): flaps falls back.
@@ -134,18 +137,11 @@ async def test_placements_rejections_claims_and_fallbacks_are_counted(fleet: Fle
         for (name, labels), n in got.items()
         if name == "nonomad_flaps_rejections_total"
     }
-    # Steps 3 and 4 refuse twice each. Step 2 refuses once when the create ranks the fuller
-    # worker first, as SimulatePlacement did just before; in full-suite runs it has been seen
-    # to claim the emptier one at once (not yet explained), so the count is 4 or 5 and every
-    # other count must agree with it.
-    refused = rejections.get("refused")
-    assert refused in (4, 5), rejections
-    assert set(rejections) == {"refused", "insufficient_memory"}, rejections
-    assert rejections["insufficient_memory"] == 2
+    assert rejections == {"refused": 5, "insufficient_memory": 2}, rejections
     assert value(got, "nonomad_flaps_claims_total", outcome="accepted") == 3
-    assert value(got, "nonomad_flaps_claims_total", outcome="refused") == refused
+    assert value(got, "nonomad_flaps_claims_total", outcome="refused") == 5
     assert value(got, "nonomad_flaps_claims_total", outcome="unreachable") == 0
-    assert value(got, "nonomad_flaps_fallbacks_total", to="next_worker") == refused - 2
+    assert value(got, "nonomad_flaps_fallbacks_total", to="next_worker") == 3
     assert value(got, "nonomad_flaps_fallbacks_total", to="next_region") == 1
 
     # The embedded registry replica reports through the same endpoint.
