@@ -30,10 +30,7 @@ from proxy.service import ProxyServicer, map_error
 from proxy.settings import ProxySettings
 from proxy.stats import Stats
 from proxy.v1 import proxy_pb2, proxy_pb2_grpc
-from registry.replica import Replica
-from registry.service import RegistryServicer
-from registry.service import map_error as registry_map_error
-from registry.v1 import registry_pb2, registry_pb2_grpc
+from registry.service import serve_replica
 
 HTTP_PREFIX = "NONOMAD_HTTP"
 """First word of the stdout line with the bound HTTP address: `NONOMAD_HTTP proxy host:port`."""
@@ -51,12 +48,7 @@ async def build(argv: list[str]) -> Service:
     setup_tracing("proxy", **{"cloud.region": settings.region})
     # Spans for every request and failover when tracing is on; none at all when it is off.
     tracer = trace.get_tracer("nonomad.proxy") if tracing_enabled() else None
-    replica = Replica(
-        suspect_after=settings.suspect_after,
-        dead_after=settings.dead_after,
-        upstream=settings.upstream,
-        peers=settings.peers,
-    )
+    replica = settings.replica()
     stats = Stats()
     flaps = (
         FlapsClient(settings.flaps, timeout=settings.flaps_timeout)
@@ -74,14 +66,7 @@ async def build(argv: list[str]) -> Service:
         map_error,
     )
     # Workers can announce themselves to the proxy, and replicas share members with it.
-    service.add(
-        RegistryServicer(replica, draining=service.draining),
-        registry_pb2_grpc.add_RegistryServiceServicer_to_server,
-        registry_pb2.DESCRIPTOR.services_by_name["RegistryService"],
-        registry_map_error,
-    )
-    for address in settings.workers:
-        replica.add_address(address)
+    serve_replica(service, replica, settings.workers)
 
     http = HttpProxy(
         router,
@@ -118,7 +103,6 @@ async def build(argv: list[str]) -> Service:
         if flaps is not None:
             await flaps.close()
 
-    service.spawn("replica", replica.run)
     service.spawn("router", router.run)
     service.spawn("http", serve_http)
     service.on_shutdown(close_flaps)

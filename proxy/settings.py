@@ -10,16 +10,17 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from flyd.validate import NAME_RE
-from nonomad.runtime import ServiceSettings, parse_host_port
+from nonomad.runtime import parse_host_port
 from proxy.http import Limits
 from proxy.router import RouterConfig
+from registry.settings import ReplicaSettings
 
 
-class ProxySettings(ServiceSettings):
+class ProxySettings(ReplicaSettings):
     """Settings of one edge proxy (any number may run; they share nothing)."""
 
     model_config = SettingsConfigDict(env_prefix="PROXY_")
@@ -37,14 +38,9 @@ class ProxySettings(ServiceSettings):
         description="flaps address host:port to start and stop machines through "
         "(without it: no scale from zero, autostop or failover)",
     )
-    workers: list[str] = Field(default_factory=list, description="worker addresses to follow")
-    peers: list[str] = Field(default_factory=list, description="replicas to share members with")
-    upstream: str | None = Field(default=None, description="follow this registry instead")
+    # The replica's, with the edge's own default: a silent worker is probed sooner.
     suspect_after: float = Field(
         default=0.5, gt=0, description="s without heartbeat before a worker is probed"
-    )
-    dead_after: float = Field(
-        default=1.0, gt=0, description="s without heartbeat before the registry says dead"
     )
     probe_timeout: float = Field(
         default=0.3, gt=0, description="deadline of the direct probe of a silent worker, s"
@@ -115,18 +111,11 @@ class ProxySettings(ServiceSettings):
         parse_host_port(value)
         return value
 
-    @field_validator("flaps", "upstream")
+    @field_validator("flaps")
     @classmethod
     def _address(cls, value: str | None) -> str | None:
         if value is not None:
             parse_host_port(value)
-        return value
-
-    @field_validator("workers", "peers")
-    @classmethod
-    def _addresses(cls, value: list[str]) -> list[str]:
-        for address in value:
-            parse_host_port(address)
         return value
 
     @field_validator("domain")
@@ -143,14 +132,6 @@ class ProxySettings(ServiceSettings):
     def _region(cls, value: str) -> str:
         if not NAME_RE.match(value):
             raise ValueError("must be 1-63 lowercase letters, digits or dashes")
-        return value
-
-    @field_validator("dead_after")
-    @classmethod
-    def _dead_after(cls, value: float, info: ValidationInfo) -> float:
-        suspect = info.data.get("suspect_after")
-        if suspect is not None and value <= suspect:
-            raise ValueError(f"must be greater than suspect_after ({suspect:g}s)")
         return value
 
     def limits(self) -> Limits:

@@ -13,11 +13,12 @@ Any service that embeds a replica serves it::
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterable
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from nonomad.runtime import Service
 from registry.errors import InvalidArgument, RegistryError, Unavailable
 from registry.replica import FOLLOW_QUEUE, FOLLOW_RESYNC, Replica, SubscriptionClosed
 from registry.v1 import registry_pb2 as r
@@ -115,3 +116,18 @@ def _timestamp(seconds: float) -> Timestamp:
     ts = Timestamp()
     ts.FromNanoseconds(int(seconds * 1e9))
     return ts
+
+
+def serve_replica(service: Service, replica: Replica, workers: Iterable[str]) -> None:
+    """Serve `replica` as `registry.v1.RegistryService` from `service` (workers announce
+    themselves to it, replicas share members with it), follow the seed `workers`, and run it
+    while the service runs."""
+    service.add(
+        RegistryServicer(replica, draining=service.draining),
+        registry_pb2_grpc.add_RegistryServiceServicer_to_server,
+        r.DESCRIPTOR.services_by_name["RegistryService"],
+        map_error,
+    )
+    for address in workers:
+        replica.add_address(address)
+    service.spawn("replica", replica.run)

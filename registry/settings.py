@@ -1,4 +1,8 @@
-"""The standalone registry's settings: which workers to follow, which replicas to share with."""
+"""Settings of a registry replica: which workers to follow, which replicas to share with.
+
+`ReplicaSettings` is what every service that embeds a replica (flaps, the proxy) and the
+standalone registry have in common; `RegistrySettings` is the standalone registry's.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +10,11 @@ from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from nonomad.runtime import ServiceSettings, parse_host_port
+from registry.replica import Replica
 
 
-class RegistrySettings(ServiceSettings):
-    """Settings of one standalone registry replica (env prefix `REGISTRY_`)."""
-
-    model_config = SettingsConfigDict(env_prefix="REGISTRY_")
+class ReplicaSettings(ServiceSettings):
+    """The settings of an embedded or standalone registry replica."""
 
     workers: list[str] = Field(
         default_factory=list,
@@ -56,3 +59,19 @@ class RegistrySettings(ServiceSettings):
         if suspect is not None and value <= suspect:
             raise ValueError(f"must be greater than suspect_after ({suspect:g}s)")
         return value
+
+    def replica(self) -> Replica:
+        """A Replica with these settings; `registry.service.serve_replica` adds the workers."""
+        return Replica(
+            suspect_after=self.suspect_after,
+            dead_after=self.dead_after,
+            upstream=self.upstream,
+            peers=self.peers,
+            retry_max=self.retry_max,
+        )
+
+
+class RegistrySettings(ReplicaSettings):
+    """Settings of one standalone registry replica (env prefix `REGISTRY_`)."""
+
+    model_config = SettingsConfigDict(env_prefix="REGISTRY_")
