@@ -19,7 +19,6 @@ runs each, every wait has a deadline, the whole run is cut off after RUN_DEADLIN
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import os
@@ -37,7 +36,7 @@ from pathlib import Path
 
 import grpc
 
-from bench import procs
+from bench import procs, report
 from bench.procs import progress
 from bench.report import Results, percentile
 from flaps.v1 import machines_pb2 as m
@@ -426,25 +425,11 @@ def run(*, quick: bool = False, out: Path | None = None, strict: bool = False) -
         shutil.rmtree(root, ignore_errors=True)
     results.details["total_seconds"] = round(time.perf_counter() - t0, 1)
     results.details["quick"] = quick
-    print(results.table())
-    if out is not None:
-        results.write(out)
-    if results.errors or (strict and results.missed):
-        return 1
-    return 0
+    return report.finish(results, out, strict)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="proxy_control_bench", description=__doc__.split("\n\n")[0] if __doc__ else None
-    )
-    parser.add_argument("--quick", action="store_true", help="3 cold starts and 2 failovers")
-    parser.add_argument("--out", type=Path, help="also write the results as JSON here")
-    parser.add_argument(
-        "--strict", action="store_true", help="exit with status 1 when a target is missed"
-    )
-    args = parser.parse_args(argv)
-    return run(quick=args.quick, out=args.out, strict=args.strict)
+    return report.main(run, "proxy_control_bench", __doc__, "3 cold starts and 2 failovers", argv)
 
 
 if __name__ == "__main__":

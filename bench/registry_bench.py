@@ -23,7 +23,6 @@ Follow stream (upstream mode), as a proxy would follow a standalone registry.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -40,7 +39,7 @@ from pathlib import Path
 
 import grpc
 
-from bench import procs
+from bench import procs, report
 from bench.procs import FlydProcess, progress
 from bench.report import Results, percentile
 from flyd.images import build_image
@@ -385,25 +384,11 @@ def run(*, quick: bool = False, out: Path | None = None, strict: bool = False) -
         flyd.terminate()
         procs.remove_cgroups(prefix)
         shutil.rmtree(root, ignore_errors=True)
-    print(results.table())
-    if out is not None:
-        results.write(out)
-    if results.errors or (strict and results.missed):
-        return 1
-    return 0
+    return report.finish(results, out, strict)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="registry_bench", description=__doc__.split("\n\n")[0] if __doc__ else None
-    )
-    parser.add_argument("--quick", action="store_true", help="50 changes instead of 200")
-    parser.add_argument("--out", type=Path, help="also write the results as JSON here")
-    parser.add_argument(
-        "--strict", action="store_true", help="exit with status 1 when a target is missed"
-    )
-    args = parser.parse_args(argv)
-    return run(quick=args.quick, out=args.out, strict=args.strict)
+    return report.main(run, "registry_bench", __doc__, "50 changes instead of 200", argv)
 
 
 if __name__ == "__main__":

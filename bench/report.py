@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import operator
@@ -128,3 +129,27 @@ def percentile(values: Sequence[float], pct: float) -> float:
     ordered = sorted(values)
     rank = max(1, math.ceil(pct / 100 * len(ordered)))
     return ordered[rank - 1]
+
+
+def finish(results: Results, out: Path | None, strict: bool) -> int:
+    """Print the table, write the JSON to `out` when given, and return the exit status: 1 on
+    an error (or, with `strict`, a missed target), else 0."""
+    print(results.table())
+    if out is not None:
+        results.write(out)
+    return 1 if results.errors or (strict and results.missed) else 0
+
+
+def main(
+    run: Callable[..., int], prog: str, doc: str | None, quick_help: str, argv: list[str] | None
+) -> int:
+    """The command line of a benchmark module: `--quick`, `--out FILE`, `--strict`, then
+    `run(quick=, out=, strict=)`."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0] if doc else None)
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--out", type=Path, help="also write the results as JSON here")
+    parser.add_argument(
+        "--strict", action="store_true", help="exit with status 1 when a target is missed"
+    )
+    args = parser.parse_args(argv)
+    return run(quick=args.quick, out=args.out, strict=args.strict)
