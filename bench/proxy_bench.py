@@ -10,15 +10,19 @@
    same way: keep-alive on both sides, `http-reuse always`, one thread.
    - max requests/s: `wrk` (installed the same way) with keep-alive connections for a fixed
      time; the Python closed-loop generator below when wrk cannot be had.
-   - latency at moderate load: a paced generator in its own process (a bare epoll loop)
-     sends at 25% and at 50% of the proxy's max rate over keep-alive connections; "added"
-     latency is each target's percentile minus the direct one's.
+   - latency at moderate load: a constant-rate generator in its own process (wrk2's model:
+     every connection keeps its schedule, latency counts from when a request was due) sends
+     at 25% and at 50% of the proxy's max rate over keep-alive connections; "added" latency
+     is each target's percentile minus the direct one's. The proxy (or HAProxy) runs on a
+     CPU of its own and the generator and backend on the other, as on separate hosts; at 50%
+     the run is repeated with no pinning, for comparison.
    The targets are measured in interleaved rounds, each after waiting (bounded) for other
    work on the machine to stop; rounds that other work disturbed anyway are left out when
    enough calm ones remain. On a shared 2-CPU VM the per-round numbers still drift by
    +-30%: read the medians, and the per-round lists in the JSON.
 
-Targets: proxy rps >= 0.5 x HAProxy rps; proxy's added p99 <= 1 ms at 50% of its max.
+Targets: proxy rps >= 0.5 x HAProxy rps; proxy's added p99 <= 1 ms at 50% of its max (on
+its own CPU).
 
 `python -c "from bench.proxy_bench import main; main()" [--quick] [--strict] [--out FILE]`.
 Every load loop is bounded by a request count and a time limit; every child process is
@@ -42,7 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -450,11 +454,15 @@ class Load:
     p50_ms: float | None = None
     p99_ms: float | None = None
     sched: dict[str, float] = field(default_factory=dict)  # the generator's own, when known
-    phase_group: int = 0  # paced: connections that ended up sending together (diagnostic)
+    service_ms: list[float] = field(default_factory=list)  # paced: from the actual send
+    late_ms: list[float] = field(default_factory=list)  # paced: the generator's own lateness
 
     @property
     def rps(self) -> float:
         return self.requests / self.seconds if self.seconds > 0 else 0.0
+
+    def pct_late(self, p: float) -> float:
+        return percentile(self.late_ms, p) if self.late_ms else float("nan")
 
     def pct(self, p: float) -> float:
         if self.latencies_ms:
@@ -507,13 +515,23 @@ def _wrk_latency(out: str, label: str) -> float | None:
 def loadgen_main() -> None:
     """Child process: `PORT CONNECTIONS REQUESTS SECONDS RATE` (RATE 0: as fast as possible).
 
-    Sends GETs over keep-alive connections until REQUESTS are answered or SECONDS pass;
-    with a RATE, each connection sends on its own schedule (RATE/CONNECTIONS per second,
-    waiting for the previous answer first). Prints one JSON line with the latencies.
+    Sends GETs over keep-alive connections until REQUESTS are answered or SECONDS pass.
+    Prints one JSON line with the latencies.
 
-    It is a bare epoll loop over non-blocking sockets rather than asyncio: at ten thousand
+    With a RATE it is a constant-throughput generator in the manner of wrk2: connection i
+    sends its k-th request at `start + (k + i / CONNECTIONS) * CONNECTIONS / RATE`, one
+    request in flight per connection. A connection whose answer comes late sends its next
+    request at once, and keeps its schedule: a stall is caught up, then the connections are
+    spread out again (a generator that moves a late connection's schedule to "now" lines the
+    connections up after one stall, and they send in bursts from then on). A request's
+    latency counts from when it was due, not from when it went, so a stall is charged to every
+    request it held back (no coordinated omission); how late the generator itself sent is
+    reported too, to show it kept up.
+
+    It is a bare select loop over non-blocking sockets rather than asyncio: at ten thousand
     requests a second the generator's own cost would otherwise crowd the CPUs it shares with
-    what it measures.
+    what it measures. select, not epoll: epoll's timeout is whole milliseconds, which would
+    send a millisecond's requests at once.
     """
     port, conns, total, seconds, rate = (
         int(sys.argv[1]),
@@ -522,10 +540,21 @@ def loadgen_main() -> None:
         float(sys.argv[4]),
         float(sys.argv[5]),
     )
+    _precise_timers()
     before = _schedstat(os.getpid())
     doc = _loadgen(port, conns, total, seconds, rate)
     doc["schedstat"] = _sched_delta(before, _schedstat(os.getpid()))
     print(json.dumps(doc), flush=True)
+
+
+def _precise_timers() -> None:
+    """Wake this process when its timeout ends, not up to 50 µs later (the kernel's default
+    timer slack, which would make every paced request that much late)."""
+    import ctypes
+
+    pr_set_timerslack = 29
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_timerslack, 1, 0, 0, 0)
 
 
 def _schedstat(pid: int) -> tuple[int, int, int]:
@@ -551,6 +580,7 @@ def _sched_delta(before: tuple[int, int, int], after: tuple[int, int, int]) -> d
 
 
 def _loadgen(port: int, conns: int, total: int, seconds: float, rate: float) -> dict[str, Any]:
+    import heapq
     import select
     import socket
 
@@ -562,46 +592,47 @@ def _loadgen(port: int, conns: int, total: int, seconds: float, rate: float) -> 
         sock.setblocking(False)
         socks.append(sock)
     by_fd = {sock.fileno(): i for i, sock in enumerate(socks)}
-    alive = [True] * conns
-    poller = select.epoll()
-    for sock in socks:
-        poller.register(sock.fileno(), select.EPOLLIN)
+    watched = list(by_fd)
     clock = time.perf_counter
     start = clock()
     deadline = start + seconds
     interval = conns / rate if rate > 0 else 0.0
-    next_at = [start + interval * i / conns for i in range(conns)]
-    sent_at: list[float] = [0.0] * conns  # 0.0: nothing in flight
+    # (when its next request is due, connection) for every connection with nothing in flight
+    idle = [(start + interval * i / conns, i) for i in range(conns)]
+    due_at = [0.0] * conns  # of the request in flight
+    free_at = [start] * conns  # when its last answer was read
+    sent_at = [0.0] * conns  # 0.0: nothing in flight
     bufs = [b""] * conns
-    latencies: list[float] = []
+    latencies: list[float] = []  # from when each request was due
+    service: list[float] = []  # from when it was sent
+    late: list[float] = []  # how late the generator sent it
     errors = 0
     budget = total
     in_flight = 0
-    open_conns = conns
     try:
-        while open_conns and (budget > 0 or in_flight) and clock() < deadline:
+        while watched and (budget > 0 or in_flight):
             now = clock()
-            wait = 0.05
-            for i in range(conns):
-                if not sent_at[i] and budget > 0 and alive[i]:
-                    if next_at[i] <= now:
-                        socks[i].send(request)
-                        sent_at[i] = clock()
-                        in_flight += 1
-                        budget -= 1
-                        next_at[i] = max(next_at[i] + interval, now)
-                    else:
-                        wait = min(wait, next_at[i] - now)
-            for fd, _ in poller.poll(max(wait, 0.0)):
+            if now >= deadline:
+                break
+            while idle and budget > 0 and idle[0][0] <= now:
+                due, i = heapq.heappop(idle)
+                socks[i].send(request)
+                sent = clock()
+                due_at[i] = due if interval else sent
+                sent_at[i] = sent
+                late.append((sent - max(due, free_at[i])) * 1000)
+                in_flight += 1
+                budget -= 1
+            wait = min(idle[0][0] - now, 0.05) if idle and budget > 0 else 0.05
+            readable, _, _ = select.select(watched, (), (), max(wait, 0.0))
+            for fd in readable:
                 i = by_fd[fd]
                 try:
                     data = socks[i].recv(65536)
                 except BlockingIOError:
                     continue
                 if not data:
-                    poller.unregister(fd)
-                    alive[i] = False
-                    open_conns -= 1
+                    watched.remove(fd)
                     if sent_at[i]:
                         errors += 1
                         in_flight -= 1
@@ -623,38 +654,26 @@ def _loadgen(port: int, conns: int, total: int, seconds: float, rate: float) -> 
                     continue
                 bufs[i] = buf[end + 4 + length :]
                 if sent_at[i]:
-                    latencies.append((clock() - sent_at[i]) * 1000)
+                    done = clock()
+                    latencies.append((done - due_at[i]) * 1000)
+                    service.append((done - sent_at[i]) * 1000)
                     sent_at[i] = 0.0
+                    free_at[i] = done
                     in_flight -= 1
+                    heapq.heappush(idle, (due_at[i] + interval if interval else done, i))
                 if buf[9:12] != b"200":
                     errors += 1
     finally:
         for sock in socks:
             sock.close()
-        poller.close()
     return {
         "requests": len(latencies),
         "errors": errors,
         "seconds": clock() - start,
         "latencies_ms": latencies,
-        "largest_phase_group": _largest_phase_group(next_at, interval),
+        "service_ms": service,
+        "late_ms": late,
     }
-
-
-def _largest_phase_group(next_at: Sequence[float], interval: float, window: float = 50e-6) -> int:
-    """How many connections ended up sending within `window` of each other each interval: 1
-    when the paced schedule stayed spread out; the connection count when a stall (an answer
-    later than two intervals) moved them all to the same phase, so they send in bursts."""
-    if interval <= 0 or not next_at:
-        return 0
-    phases = sorted(t % interval for t in next_at)
-    phases += [p + interval for p in phases]  # the circle, unrolled once
-    best = lo = 0
-    for hi in range(len(phases)):
-        while phases[hi] - phases[lo] > window:
-            lo += 1
-        best = max(best, hi - lo + 1)
-    return min(best, len(next_at))
 
 
 def run_loadgen(
@@ -688,7 +707,8 @@ def run_loadgen(
     doc = json.loads(out.stdout.strip().splitlines()[-1])
     load = Load(doc["requests"], doc["errors"], doc["seconds"], doc["latencies_ms"])
     load.sched = doc.get("schedstat", {})
-    load.phase_group = int(doc.get("largest_phase_group", 0))
+    load.service_ms = doc.get("service_ms", [])
+    load.late_ms = doc.get("late_ms", [])
     return load
 
 
@@ -852,14 +872,28 @@ def throughput_section(results: Results, ctx: Context) -> None:
     results.details["other_work_busy_pct_by_round"] = [round(b, 1) for b in round_busy]
 
     proxy_max = _median([peak["nonomad proxy"][i].rps for i in calm])
+    own_cpu = _own_cpu_layout()
     for share in (0.25, 0.5):
         _latency_rows(
             results,
             targets,
+            backend,
             rate=max(100.0, round(proxy_max * share, -2)),
             ctx=ctx,
             share=share,
             target=share == 0.5,
+            pins=own_cpu,
+        )
+    if own_cpu:  # the same at 50%, the scheduler placing all three: for comparison
+        _latency_rows(
+            results,
+            targets,
+            backend,
+            rate=max(100.0, round(proxy_max * 0.5, -2)),
+            ctx=ctx,
+            share=0.5,
+            target=False,
+            pins={},
         )
     results.details.update(
         {
@@ -868,7 +902,10 @@ def throughput_section(results: Results, ctx: Context) -> None:
             "proxy_event_loop": ProxySettings.model_fields["event_loop"].default,
             "haproxy": "nbthread 1, http-reuse always, keep-alive both sides",
             "moderate_load": "paced at 25% and at 50% of the proxy's own median max req/s "
-            f"(the same rate for every target), over {PACED_CONNECTIONS} keep-alive connections",
+            f"(the same rate for every target), over {PACED_CONNECTIONS} keep-alive connections; "
+            "the proxy measured (or HAProxy) on a CPU of its own, the generator and the backend "
+            "on the other, as a proxy on its own host would be; at 50% also with no pinning",
+            "moderate_load_cpus": {k: sorted(v) for k, v in own_cpu.items()},
             "moderate_connections": PACED_CONNECTIONS,
             "max_connections": conns,
             "cpus": os.cpu_count(),
@@ -884,34 +921,80 @@ def throughput_section(results: Results, ctx: Context) -> None:
 PACED_CONNECTIONS = 16
 
 
+def run_paced(port: int, rate: float, seconds: float, cpus: frozenset[int] | None) -> Load:
+    """`rate` requests a second for `seconds` over the paced connections."""
+    return run_loadgen(port, PACED_CONNECTIONS, int(rate * seconds), seconds, rate, cpus=cpus)
+
+
+def _own_cpu_layout() -> dict[str, frozenset[int]]:
+    """Where each process runs while latency at moderate load is measured: the proxy under
+    test (or HAProxy) alone on one CPU, the load generator and the backend (its clients and
+    its machines: the rest of the world) on another. A 2-CPU VM shared by three busy processes
+    otherwise measures where the scheduler put them: a loopback send wakes its reader on the
+    sender's CPU, so the backend keeps landing on the proxy's CPU and each waits for the
+    other. Empty (no pinning) with fewer than two CPUs."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return {}
+    world = frozenset({cpus[0]})
+    return {"loadgen": world, "backend": world, "proxy": frozenset({cpus[1]})}
+
+
+@contextlib.contextmanager
+def _pinned(pid: int, cpus: frozenset[int] | None) -> Iterator[None]:
+    """Run `pid` on `cpus` (None: leave it be), then back where it was allowed before."""
+    if not cpus:
+        yield
+        return
+    before = os.sched_getaffinity(pid)
+    os.sched_setaffinity(pid, cpus)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(pid, before)
+
+
 def _latency_rows(
     results: Results,
     targets: dict[str, Child],
+    backend: Child,
     *,
     rate: float,
     ctx: Context,
     share: float,
     target: bool,
+    pins: dict[str, frozenset[int]],
 ) -> None:
     """Latency of every target at one paced rate (interleaved rounds, latencies pooled);
-    "added" is a target's percentile minus direct's."""
+    "added" is a target's percentile minus direct's. `pins`: CPUs for `loadgen`, `backend`
+    and `proxy` (whichever target is measured), as `_own_cpu_layout` gives; empty: none."""
     seconds = 2.0 if ctx.quick else 4.0
     rounds = 2 if ctx.quick else 3
     pooled: dict[str, Load] = {name: Load(0, 0, 0.0) for name in targets}
-    for r in range(rounds):
-        busy = wait_quiet()
-        procs.progress(
-            f"latency at {rate:.0f} req/s, round {r + 1}/{rounds} (other work: {busy:.0f}%)"
-        )
-        for name, child in targets.items():
-            load = run_loadgen(child.port, PACED_CONNECTIONS, int(rate * seconds), seconds, rate)
-            total = pooled[name]
-            total.requests += load.requests
-            total.errors += load.errors
-            total.seconds += load.seconds
-            total.latencies_ms += load.latencies_ms
+    where = "own CPU" if pins else "CPUs shared"
+    with _pinned(backend.proc.pid, pins.get("backend")):
+        for r in range(rounds):
+            busy = wait_quiet()
+            procs.progress(
+                f"latency at {rate:.0f} req/s ({where}), round {r + 1}/{rounds} "
+                f"(other work: {busy:.0f}%)"
+            )
+            for name, child in targets.items():
+                cpus = pins.get("proxy") if child is not backend else None
+                with _pinned(child.proc.pid, cpus):
+                    load = run_paced(child.port, rate, seconds, pins.get("loadgen"))
+                total = pooled[name]
+                total.requests += load.requests
+                total.errors += load.errors
+                total.seconds += load.seconds
+                total.latencies_ms += load.latencies_ms
+                total.late_ms += load.late_ms
     direct = pooled["direct"]
-    at = f"at {rate:.0f} req/s ({share:.0%} of proxy max)"
+    at = f"at {rate:.0f} req/s ({share:.0%} of proxy max, {where})"
+    results.details.setdefault("paced_generator_late_p99_ms", {})[at] = {
+        name: round(load.pct_late(99), 3) for name, load in pooled.items()
+    }
     for name, load in pooled.items():
         if load.errors:
             results.errors.append(f"{name}: {load.errors} errors {at}")
@@ -992,14 +1075,7 @@ def latency_only(
                         _wait_file(probe_file)
                     watched = (("proxy", child), ("backend", backend))
                     sched_before = {n: _schedstat(c.proc.pid) for n, c in watched}
-                    load = run_loadgen(
-                        child.port,
-                        PACED_CONNECTIONS,
-                        int(rate * seconds),
-                        seconds,
-                        rate,
-                        cpus=pins.get("loadgen"),
-                    )
+                    load = run_paced(child.port, rate, seconds, pins.get("loadgen"))
                     sched = {
                         n: _sched_delta(sched_before[n], _schedstat(c.proc.pid)) for n, c in watched
                     }
@@ -1018,9 +1094,10 @@ def latency_only(
                         if d and (n != "proxy" or name != "direct")
                     )
                     line.append(
-                        f"  {name:7} p50/p99/p99.9 {_dist(load.latencies_ms)} ms, "
-                        f"{load.rps:.0f} req/s, errors {load.errors}, connections sending "
-                        f"together at the end: {load.phase_group} of {PACED_CONNECTIONS}"
+                        f"  {name:7} p50/p99/p99.9 {_dist(load.latencies_ms)} ms "
+                        f"(from the send: {_dist(load.service_ms)}), "
+                        f"{load.rps:.0f} req/s, errors {load.errors}, "
+                        f"generator late p50/p99/p99.9 {_dist(load.late_ms)} ms"
                         f"\n    scheduler: {waits}"
                     )
                 procs.progress("\n".join(line))
