@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections import Counter
 
 import grpc
+from google.rpc.error_details_pb2 import ErrorInfo
 
 from flyd import errors as flyd_errors
+from nonomad.runtime import Mapped, error_info
 
 
 class FlapsError(Exception):
@@ -49,15 +51,19 @@ class NoCapacity(FlapsError):
 
 
 class Upstream(FlapsError):
-    """A worker's own answer, passed on as it is (its status is final)."""
+    """A worker's own answer, passed on as it is (its status is final), with the ErrorInfo
+    that names its reason, if it sent one."""
 
     def __init__(self, err: grpc.aio.AioRpcError) -> None:
         super().__init__(err.details() or str(err.code()))
         self.code = err.code()
+        self.info: ErrorInfo | None = error_info(err)
 
 
-def map_error(err: Exception) -> tuple[grpc.StatusCode, str] | None:
+def map_error(err: Exception) -> Mapped | None:
     """flaps' errors (and flyd's validation errors it reuses) as gRPC statuses."""
+    if isinstance(err, Upstream) and err.info is not None:
+        return err.code, str(err), err.info
     if isinstance(err, FlapsError):
         return err.code, str(err)
     if isinstance(err, flyd_errors.InvalidArgument):

@@ -19,8 +19,7 @@ import grpc
 import structlog
 from google.protobuf import json_format
 from google.protobuf.duration_pb2 import Duration
-from google.rpc import code_pb2, error_details_pb2, status_pb2
-from grpc_status import rpc_status
+from google.rpc import error_details_pb2
 from opentelemetry import trace
 
 from flaps import metrics, placement
@@ -31,7 +30,7 @@ from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
 from flyd.validate import check_config, check_name, duration_seconds
-from nonomad.runtime import aio_channel
+from nonomad.runtime import abort_with_details, aio_channel
 from registry.replica import Replica, WorkerView
 from registry.v1 import registry_pb2
 
@@ -282,34 +281,22 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
             return response
         error = NoCapacity(regions, counts)
         log.info("no_capacity", app=request.app, regions=regions, rejections=dict(counts))
-        status = rpc_status.to_status(
-            status_pb2.Status(
-                code=code_pb2.RESOURCE_EXHAUSTED,
-                message=str(error),
-                details=[
-                    _any(
-                        error_details_pb2.ErrorInfo(
-                            reason="NO_CAPACITY",
-                            domain="flaps.nonomad",
-                            metadata={reason: str(n) for reason, n in counts.items()},
-                        )
-                    ),
-                    _any(
-                        error_details_pb2.QuotaFailure(
-                            violations=[
-                                error_details_pb2.QuotaFailure.Violation(
-                                    subject=reason, description=f"{n}"
-                                )
-                                for reason, n in counts.most_common()
-                            ]
-                        )
-                    ),
-                ],
-            )
+        await abort_with_details(
+            context,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            str(error),
+            error_details_pb2.ErrorInfo(
+                reason="NO_CAPACITY",
+                domain="flaps.nonomad",
+                metadata={reason: str(n) for reason, n in counts.items()},
+            ),
+            error_details_pb2.QuotaFailure(
+                violations=[
+                    error_details_pb2.QuotaFailure.Violation(subject=reason, description=f"{n}")
+                    for reason, n in counts.most_common()
+                ]
+            ),
         )
-        # What abort_with_status does, but through `abort`: the tracing interceptor's context
-        # records the status code on the span only from abort (abort_with_status bypasses it).
-        await context.abort(status.code, status.details, status.trailing_metadata)
         raise AssertionError("abort returns only by raising")
 
     async def _claim_best(
@@ -511,14 +498,6 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
             raise Upstream(err) from None
         finally:
             call.cancel()
-
-
-def _any(message: object) -> object:
-    from google.protobuf.any_pb2 import Any
-
-    packed = Any()
-    packed.Pack(message)  # type: ignore[arg-type]
-    return packed
 
 
 class PlatformServicer(platform_pb2_grpc.PlatformServiceServicer):

@@ -2,14 +2,32 @@
 
 from __future__ import annotations
 
+DOMAIN = "flyd.nonomad"
+"""`google.rpc.ErrorInfo.domain` of the reasons flyd gives."""
+
+# FailedPrecondition's reasons (see there).
+BUSY = "MACHINE_BUSY"
+LEASED = "LEASE_HELD"
+DESTROYED = "MACHINE_DESTROYED"
+REPLACED = "INSTANCE_REPLACED"
+WRONG_STATE = "WRONG_STATE"
+
 
 class FlydError(Exception):
     """Base of every error flyd reports to a caller.
 
-    `retryable` says whether the same call may succeed later without changes.
+    `retryable` says whether the same call may succeed later without changes. `reason`, when
+    set, is sent as a `google.rpc.ErrorInfo` (domain `flyd.nonomad`) with the status, for
+    callers to act on without reading the message.
     """
 
     retryable = False
+    reason = ""
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """What the ErrorInfo carries besides the reason."""
+        return {}
 
 
 class InvalidArgument(FlydError):
@@ -29,7 +47,18 @@ class AlreadyExists(FlydError):
 
 
 class FailedPrecondition(FlydError):
-    """The operation is not allowed in the machine's current state."""
+    """The operation is not allowed in the machine's current state; `reason` says why:
+
+    - MACHINE_BUSY: an operation (start, stop, update, ...) is under way; retry when it settles.
+    - LEASE_HELD: someone else holds the machine's lease; pass its nonce, or wait it out.
+    - MACHINE_DESTROYED: the machine is destroyed or being destroyed; it never comes back.
+    - INSTANCE_REPLACED: the machine was updated to another instance than the one waited for.
+    - WRONG_STATE: the operation needs another state (a signal needs a started machine).
+    """
+
+    def __init__(self, message: str, reason: str = WRONG_STATE) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class ResourceExhausted(FlydError):
@@ -39,10 +68,15 @@ class ResourceExhausted(FlydError):
     """
 
     retryable = True
+    reason = "NO_ROOM"
 
     def __init__(self, resource: str, message: str) -> None:
         super().__init__(message)
         self.resource = resource
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        return {"resource": self.resource}
 
 
 class Unavailable(FlydError):

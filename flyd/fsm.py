@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from flyd.errors import CorruptLog, FailedPrecondition
+from flyd.errors import BUSY, DESTROYED, LEASED, WRONG_STATE, CorruptLog, FailedPrecondition
 from flyd.v1 import machine_pb2 as pb
 
 S = pb.MachineState
@@ -321,7 +321,8 @@ def step(row: Row, event: Event, *, now: float, policy: Policy) -> Transition | 
         case RestartRequested(signal=sig, timeout=timeout):
             if row.state != S.MACHINE_STATE_STARTED or row.op is not None:
                 raise FailedPrecondition(
-                    f"restart needs a started machine; it is {state_name(row.state)}"
+                    f"restart needs a started machine; it is {state_name(row.state)}",
+                    BUSY if row.op is not None else WRONG_STATE,
                 )
             op = Op("restart", "kill", signal=sig, timeout=timeout)
             b = _Builder(row, now, "restart", [Kill(sig, timeout)])
@@ -329,7 +330,8 @@ def step(row: Row, event: Event, *, now: float, policy: Policy) -> Transition | 
         case SignalRequested(signal=sig):
             if row.state != S.MACHINE_STATE_STARTED or row.handle is None:
                 raise FailedPrecondition(
-                    f"signal needs a started machine; it is {state_name(row.state)}"
+                    f"signal needs a started machine; it is {state_name(row.state)}",
+                    BUSY if row.op is not None else WRONG_STATE,
                 )
             b = _Builder(row, now, "signal", [SendSignal(sig)])
             return b.to(row.state, f"{signal_name(sig)} requested", op=Op("signal", "send", sig))
@@ -381,9 +383,9 @@ def step(row: Row, event: Event, *, now: float, policy: Policy) -> Transition | 
 def _start(row: Row, now: float) -> Transition | None:
     state = row.state
     if state in (S.MACHINE_STATE_DESTROYING, S.MACHINE_STATE_DESTROYED):
-        raise FailedPrecondition(f"cannot start a {state_name(state)} machine")
+        raise FailedPrecondition(f"cannot start a {state_name(state)} machine", DESTROYED)
     if state == S.MACHINE_STATE_STOPPING:
-        raise FailedPrecondition("machine is stopping; wait for stopped, then start")
+        raise FailedPrecondition("machine is stopping; wait for stopped, then start", BUSY)
     if row.op is not None and row.op.kind == "policy_restart" and row.op.step == "backoff":
         # A user start during a restart backoff starts now instead of later.
         b = _Builder(row, now, "start", [Spawn()])
@@ -400,7 +402,7 @@ def _start(row: Row, now: float) -> Transition | None:
 def _stop(row: Row, now: float, sig: int, timeout: float) -> Transition | None:
     state = row.state
     if state in (S.MACHINE_STATE_DESTROYING, S.MACHINE_STATE_DESTROYED):
-        raise FailedPrecondition(f"cannot stop a {state_name(state)} machine")
+        raise FailedPrecondition(f"cannot stop a {state_name(state)} machine", DESTROYED)
     if row.op is not None and row.op.kind in ("stop", "destroy"):
         return None  # already stopping
     if row.running:
@@ -436,9 +438,9 @@ def _destroy(row: Row, now: float, force: bool) -> Transition | None:
 
 def _update(row: Row, ev: UpdateRequested, now: float) -> Transition:
     if row.state in (S.MACHINE_STATE_DESTROYING, S.MACHINE_STATE_DESTROYED):
-        raise FailedPrecondition(f"cannot update a {state_name(row.state)} machine")
+        raise FailedPrecondition(f"cannot update a {state_name(row.state)} machine", DESTROYED)
     if row.op is not None and row.op.kind != "policy_restart":
-        raise FailedPrecondition(f"machine is busy ({row.op.kind}); retry when it settles")
+        raise FailedPrecondition(f"machine is busy ({row.op.kind}); retry when it settles", BUSY)
     machine = pb.Machine()
     machine.CopyFrom(row.machine)
     machine.config.CopyFrom(ev.config)
@@ -470,7 +472,8 @@ def check_lease(row: Row, nonce: str, now: float) -> None:
     if lease is not None and lease_held(row, now) and nonce != lease["nonce"]:
         raise FailedPrecondition(
             f"machine {row.machine.id} is leased by {lease['owner'] or 'someone'} for "
-            f"{float(lease['expires_at']) - now:.0f}s more; pass its lease_nonce"
+            f"{float(lease['expires_at']) - now:.0f}s more; pass its lease_nonce",
+            LEASED,
         )
 
 
@@ -498,12 +501,13 @@ def acquire_lease(
 ) -> Transition:
     """Take the lease, or refresh it when `nonce` is the current one (keeping the nonce)."""
     if row.state in (S.MACHINE_STATE_DESTROYING, S.MACHINE_STATE_DESTROYED):
-        raise FailedPrecondition(f"cannot lease a {state_name(row.state)} machine")
+        raise FailedPrecondition(f"cannot lease a {state_name(row.state)} machine", DESTROYED)
     current = row.lease
     if current is not None and lease_held(row, now):
         if nonce != current["nonce"]:
             raise FailedPrecondition(
-                f"machine {row.machine.id} is leased by {current['owner'] or 'someone'}"
+                f"machine {row.machine.id} is leased by {current['owner'] or 'someone'}",
+                LEASED,
             )
         new_nonce = current["nonce"]
     lease = {
@@ -520,7 +524,7 @@ def release_lease(row: Row, nonce: str, now: float) -> Transition | None:
     if row.lease is None:
         return None
     if lease_held(row, now) and nonce != row.lease["nonce"]:
-        raise FailedPrecondition("that is not the nonce of the lease held on the machine")
+        raise FailedPrecondition("that is not the nonce of the lease held on the machine", LEASED)
     return _with_lease(row, None, now, "lease released")
 
 

@@ -6,8 +6,10 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
+from google.rpc.error_details_pb2 import ErrorInfo
 
 from flyd.errors import (
+    DOMAIN,
     AlreadyExists,
     DeadlineExceeded,
     FailedPrecondition,
@@ -22,6 +24,7 @@ from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
 from flyd.validate import duration_seconds, parse_signal
 from flyd.worker import Worker
+from nonomad.runtime import Mapped
 
 # Checked in order: the first matching class decides (subclasses before their bases).
 _CODES: list[tuple[type[FlydError], grpc.StatusCode]] = [
@@ -35,20 +38,24 @@ _CODES: list[tuple[type[FlydError], grpc.StatusCode]] = [
     (UnsafeImage, grpc.StatusCode.FAILED_PRECONDITION),
 ]
 
+_OTHER = grpc.StatusCode.FAILED_PRECONDITION
+
 MAX_WAIT = 60.0
 DEFAULT_WAIT = 30.0
 MAX_TAIL = 10_000
 MAX_LEASE = 3600.0
 
 
-def map_error(err: Exception) -> tuple[grpc.StatusCode, str] | None:
-    """flyd's errors as gRPC statuses; None for anything else (reported as INTERNAL)."""
+def map_error(err: Exception) -> Mapped | None:
+    """flyd's errors as gRPC statuses, with an ErrorInfo when the error names a reason; None
+    for anything else (reported as INTERNAL)."""
     if not isinstance(err, FlydError):
         return None
-    for cls, code in _CODES:
-        if isinstance(err, cls):
-            return code, str(err)
-    return grpc.StatusCode.FAILED_PRECONDITION, str(err)  # other image errors, corrupt log
+    # other image errors, a corrupt log
+    code = next((code for cls, code in _CODES if isinstance(err, cls)), _OTHER)
+    if not err.reason:
+        return code, str(err)
+    return code, str(err), ErrorInfo(reason=err.reason, domain=DOMAIN, metadata=err.metadata)
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):

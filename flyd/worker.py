@@ -25,6 +25,8 @@ from flyd import fsm
 from flyd.clock import Clock
 from flyd.driver import Driver, ExitStatus, Handle, Limits, ProcessSpec
 from flyd.errors import (
+    DESTROYED,
+    REPLACED,
     AlreadyExists,
     DeadlineExceeded,
     FailedPrecondition,
@@ -769,7 +771,7 @@ class Worker:
         row = self.get(machine_id)
         fsm.check_lease(row, lease_nonce, self.clock.now())
         if row.state == S.MACHINE_STATE_DESTROYED:
-            raise FailedPrecondition(f"cannot update a destroyed machine {machine_id}")
+            raise FailedPrecondition(f"cannot update a destroyed machine {machine_id}", DESTROYED)
         self._check_room(config.guest, instead_of=row.machine.config.guest)  # fail fast
         image = await self.images.pull(config.image)
         self.images.use(image.digest)
@@ -880,11 +882,13 @@ class Worker:
             if instance_id and row.machine.instance_id != instance_id:
                 raise FailedPrecondition(
                     f"machine {machine_id} is now instance "
-                    f"{row.machine.instance_id}, not {instance_id}"
+                    f"{row.machine.instance_id}, not {instance_id}",
+                    REPLACED,
                 )
             if row.state == S.MACHINE_STATE_DESTROYED:
                 raise FailedPrecondition(
-                    f"machine {machine_id} is destroyed; it will never be {fsm.state_name(state)}"
+                    f"machine {machine_id} is destroyed; it will never be {fsm.state_name(state)}",
+                    DESTROYED,
                 )
             remaining = deadline - loop.time()
             if remaining <= 0:

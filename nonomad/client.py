@@ -26,12 +26,11 @@ from typing import Any, ClassVar
 import grpc
 import grpc.aio
 from google.protobuf.duration_pb2 import Duration
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
 from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
 from flyd.v1 import machine_pb2 as pb
+from nonomad.runtime.server import error_info
 from nonomad.runtime.tracing import ChannelTLS, aio_channel
 
 __all__ = [
@@ -89,6 +88,12 @@ class ApiError(Exception):
         self.code = code
         self.message = message
         self.method = method
+        self.reason = ""
+        """The server's machine-readable reason (google.rpc.ErrorInfo), when it gave one: from
+        flaps NO_CAPACITY; from a worker MACHINE_BUSY, LEASE_HELD, MACHINE_DESTROYED,
+        INSTANCE_REPLACED, WRONG_STATE or NO_ROOM."""
+        self.metadata: dict[str, str] = {}
+        """What came with the reason (NO_ROOM: the resource that ran out)."""
         self.rejections: dict[str, int] = {}
         """For RESOURCE_EXHAUSTED from placement: how many workers refused, by reason."""
 
@@ -101,10 +106,11 @@ class ApiError(Exception):
         """The ApiError subclass for the status of `err`, with its rich details decoded."""
         code = err.code()
         error = cls._by_code.get(code, ApiError)(code, err.details() or "", method)
-        status = rpc_status.from_call(err)
-        for detail in status.details if status is not None else ():
-            info = error_details_pb2.ErrorInfo()
-            if detail.Unpack(info):
+        info = error_info(err)
+        if info is not None:
+            error.reason = info.reason
+            error.metadata = dict(info.metadata)
+            if info.reason == "NO_CAPACITY":
                 error.rejections = {k: int(v) for k, v in info.metadata.items() if v.isdigit()}
         return error
 

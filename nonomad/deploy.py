@@ -430,9 +430,11 @@ class _Deployer:
                 description=f"deploy of {self.spec.app} ({self.spec.digest})",
             )
         except FailedPrecondition as err:
-            raise self.fail(
-                p, machine_id, f"{machine_id} is leased by someone else: {err.message}"
-            ) from None
+            if err.reason == "LEASE_HELD":
+                message = f"{machine_id} is leased by someone else: {err.message}"
+            else:  # destroyed meanwhile
+                message = err.message
+            raise self.fail(p, machine_id, message) from None
         try:
             yield lease.nonce
         finally:
@@ -489,9 +491,8 @@ class _Deployer:
                     timeout=UPDATE_TIMEOUT,
                 )
             except FailedPrecondition as err:
-                # flyd says "machine is busy (...); retry when it settles"; anything else
-                # (destroyed, leased by another) will not change by waiting.
-                if "busy" not in err.message or loop.time() > deadline:
+                # Anything but busy (destroyed, leased by another) will not change by waiting.
+                if err.reason != "MACHINE_BUSY" or loop.time() > deadline:
                     raise
                 await asyncio.sleep(0.2)
 

@@ -12,6 +12,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
+
+from nonomad.runtime import error_info as runtime_error_info
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 GRPCURL = VENV_BIN / "grpcurl"
@@ -148,3 +152,10 @@ def grpcurl(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[st
     return subprocess.run(
         [str(GRPCURL), *args], capture_output=True, text=True, timeout=timeout, check=False
     )
+
+
+def error_info(err: grpc.aio.AioRpcError) -> tuple[str, str, dict[str, str]] | None:
+    """The google.rpc.ErrorInfo a failed call's status carries, as (reason, domain, metadata);
+    None when it has none."""
+    info = runtime_error_info(err)
+    return None if info is None else (info.reason, info.domain, dict(info.metadata))

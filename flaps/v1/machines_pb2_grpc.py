@@ -31,7 +31,10 @@ class MachinesServiceStub:
     machines, each call going straight to the worker that owns the machine.
     Every call on a machine returns NOT_FOUND for an unknown id, UNAVAILABLE
     when its worker cannot be reached, and FAILED_PRECONDITION when a lease is
-    held and the call does not carry its nonce.
+    held and the call does not carry its nonce. A worker's refusal comes with
+    the worker's google.rpc.ErrorInfo (domain "flyd.nonomad": see
+    flyd.v1.WorkerService); CreateMachine's RESOURCE_EXHAUSTED has its own
+    (domain "flaps.nonomad", reason NO_CAPACITY).
     """
 
     def __init__(self, channel):
@@ -118,7 +121,10 @@ class MachinesServiceServicer:
     machines, each call going straight to the worker that owns the machine.
     Every call on a machine returns NOT_FOUND for an unknown id, UNAVAILABLE
     when its worker cannot be reached, and FAILED_PRECONDITION when a lease is
-    held and the call does not carry its nonce.
+    held and the call does not carry its nonce. A worker's refusal comes with
+    the worker's google.rpc.ErrorInfo (domain "flyd.nonomad": see
+    flyd.v1.WorkerService); CreateMachine's RESOURCE_EXHAUSTED has its own
+    (domain "flaps.nonomad", reason NO_CAPACITY).
     """
 
     def CreateMachine(self, request, context):
@@ -322,7 +328,10 @@ class MachinesService:
     machines, each call going straight to the worker that owns the machine.
     Every call on a machine returns NOT_FOUND for an unknown id, UNAVAILABLE
     when its worker cannot be reached, and FAILED_PRECONDITION when a lease is
-    held and the call does not carry its nonce.
+    held and the call does not carry its nonce. A worker's refusal comes with
+    the worker's google.rpc.ErrorInfo (domain "flyd.nonomad": see
+    flyd.v1.WorkerService); CreateMachine's RESOURCE_EXHAUSTED has its own
+    (domain "flaps.nonomad", reason NO_CAPACITY).
     """
 
     @staticmethod

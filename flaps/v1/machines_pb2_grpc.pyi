@@ -32,7 +32,10 @@ class MachinesServiceStub:
     machines, each call going straight to the worker that owns the machine.
     Every call on a machine returns NOT_FOUND for an unknown id, UNAVAILABLE
     when its worker cannot be reached, and FAILED_PRECONDITION when a lease is
-    held and the call does not carry its nonce.
+    held and the call does not carry its nonce. A worker's refusal comes with
+    the worker's google.rpc.ErrorInfo (domain "flyd.nonomad": see
+    flyd.v1.WorkerService); CreateMachine's RESOURCE_EXHAUSTED has its own
+    (domain "flaps.nonomad", reason NO_CAPACITY).
     """
 
     @_typing.overload
@@ -100,7 +103,10 @@ class MachinesServiceAsyncStub(MachinesServiceStub):
     machines, each call going straight to the worker that owns the machine.
     Every call on a machine returns NOT_FOUND for an unknown id, UNAVAILABLE
     when its worker cannot be reached, and FAILED_PRECONDITION when a lease is
-    held and the call does not carry its nonce.
+    held and the call does not carry its nonce. A worker's refusal comes with
+    the worker's google.rpc.ErrorInfo (domain "flyd.nonomad": see
+    flyd.v1.WorkerService); CreateMachine's RESOURCE_EXHAUSTED has its own
+    (domain "flaps.nonomad", reason NO_CAPACITY).
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -164,7 +170,10 @@ class MachinesServiceServicer(metaclass=_abc_1.ABCMeta):
     machines, each call going straight to the worker that owns the machine.
     Every call on a machine returns NOT_FOUND for an unknown id, UNAVAILABLE
     when its worker cannot be reached, and FAILED_PRECONDITION when a lease is
-    held and the call does not carry its nonce.
+    held and the call does not carry its nonce. A worker's refusal comes with
+    the worker's google.rpc.ErrorInfo (domain "flyd.nonomad": see
+    flyd.v1.WorkerService); CreateMachine's RESOURCE_EXHAUSTED has its own
+    (domain "flaps.nonomad", reason NO_CAPACITY).
     """
 
     @_abc_1.abstractmethod

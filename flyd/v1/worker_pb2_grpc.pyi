@@ -31,6 +31,10 @@ class WorkerServiceStub:
     host. Every change is a durable state machine step in the worker's log.
     Unless an RPC says otherwise, a machine id that does not exist on this
     worker returns NOT_FOUND and a malformed field INVALID_ARGUMENT naming it.
+    FAILED_PRECONDITION and RESOURCE_EXHAUSTED carry a google.rpc.ErrorInfo
+    (domain "flyd.nonomad") whose reason a caller can act on: MACHINE_BUSY (an
+    operation is under way: retry when it settles), LEASE_HELD, MACHINE_DESTROYED,
+    INSTANCE_REPLACED, WRONG_STATE; NO_ROOM with metadata "resource".
     """
 
     @_typing.overload
@@ -130,6 +134,10 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     host. Every change is a durable state machine step in the worker's log.
     Unless an RPC says otherwise, a machine id that does not exist on this
     worker returns NOT_FOUND and a malformed field INVALID_ARGUMENT naming it.
+    FAILED_PRECONDITION and RESOURCE_EXHAUSTED carry a google.rpc.ErrorInfo
+    (domain "flyd.nonomad") whose reason a caller can act on: MACHINE_BUSY (an
+    operation is under way: retry when it settles), LEASE_HELD, MACHINE_DESTROYED,
+    INSTANCE_REPLACED, WRONG_STATE; NO_ROOM with metadata "resource".
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -225,6 +233,10 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
     host. Every change is a durable state machine step in the worker's log.
     Unless an RPC says otherwise, a machine id that does not exist on this
     worker returns NOT_FOUND and a malformed field INVALID_ARGUMENT naming it.
+    FAILED_PRECONDITION and RESOURCE_EXHAUSTED carry a google.rpc.ErrorInfo
+    (domain "flyd.nonomad") whose reason a caller can act on: MACHINE_BUSY (an
+    operation is under way: retry when it settles), LEASE_HELD, MACHINE_DESTROYED,
+    INSTANCE_REPLACED, WRONG_STATE; NO_ROOM with metadata "resource".
     """
 
     @_abc_1.abstractmethod

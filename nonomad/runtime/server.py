@@ -25,9 +25,13 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 import grpc.aio
 import structlog
+from google.protobuf import any_pb2
 from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.message import Message
+from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from grpc_status import rpc_status
 
 from nonomad.runtime import tracing
 from nonomad.runtime.endpoints import METRICS_PREFIX, MetricsEndpoint, TokenAuth
@@ -36,7 +40,10 @@ from nonomad.runtime.settings import ServiceSettings, SettingsError, parse_host_
 __all__ = [
     "READY_PREFIX",
     "ErrorMapper",
+    "Mapped",
     "Service",
+    "abort_with_details",
+    "error_info",
     "main_entry",
     "server_options",
     "wrap_servicer",
@@ -44,8 +51,12 @@ __all__ = [
 
 _log = structlog.get_logger(__name__)
 
-ErrorMapper = Callable[[Exception], tuple[grpc.StatusCode, str] | None]
-"""Maps a domain exception to (status code, message); None means "not ours": INTERNAL."""
+Mapped = tuple[grpc.StatusCode, str] | tuple[grpc.StatusCode, str, error_details_pb2.ErrorInfo]
+"""A status code and message, and maybe an ErrorInfo: a reason a caller can act on."""
+
+ErrorMapper = Callable[[Exception], Mapped | None]
+"""Maps a domain exception to (status code, message[, ErrorInfo]); None means "not ours":
+INTERNAL."""
 
 READY_PREFIX = "NONOMAD_READY"
 """First word of the stdout line a service prints once it serves: `NONOMAD_READY name addr`."""
@@ -67,11 +78,43 @@ async def _abort_with_mapped(
         mapped = None
     if mapped is None:
         _log.error("rpc_failed", method=method, exc_info=exc)
-        code, message = grpc.StatusCode.INTERNAL, _INTERNAL_MESSAGE
-    else:
+        await context.abort(grpc.StatusCode.INTERNAL, _INTERNAL_MESSAGE)
+    elif len(mapped) == 2:
         code, message = mapped
         _log.debug("rpc_error", method=method, code=code.name, message=message)
-    await context.abort(code, message)
+        await context.abort(code, message)
+    else:
+        code, message, info = mapped
+        _log.debug("rpc_error", method=method, code=code.name, message=message, reason=info.reason)
+        await abort_with_details(context, code, message, info)
+    raise AssertionError("context.abort returned")  # pragma: no cover - abort always raises
+
+
+def error_info(err: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo | None:
+    """The google.rpc.ErrorInfo a failed call's status carries (the reason), or None."""
+    status = rpc_status.from_call(err)
+    for detail in status.details if status is not None else ():
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            return info
+    return None
+
+
+async def abort_with_details(
+    context: Any, code: grpc.StatusCode, message: str, *details: Message
+) -> NoReturn:
+    """End the call with `code` and `message`, and `details` (google.rpc messages such as
+    ErrorInfo) in the standard `grpc-status-details-bin` trailer. Through `context.abort`, not
+    `abort_with_status`: interceptors (tracing) see the code only from `abort`."""
+    packed = []
+    for detail in details:
+        any_detail = any_pb2.Any()
+        any_detail.Pack(detail)
+        packed.append(any_detail)
+    status = rpc_status.to_status(
+        status_pb2.Status(code=code.value[0], message=message, details=packed)
+    )
+    await context.abort(status.code, status.details, status.trailing_metadata)
     raise AssertionError("context.abort returned")  # pragma: no cover - abort always raises
 
 

@@ -76,8 +76,9 @@ async def test_a_machine_lifecycle_through_the_sdk(fleet: Fleet) -> None:
         events = await flaps.list_machine_events(machine.id)
         assert {"create", "stop", "start", "restart", "signal"} <= {e.type for e in events}
 
-        with pytest.raises(FailedPrecondition):
+        with pytest.raises(FailedPrecondition) as running:
             await flaps.destroy_machine(machine.id)
+        assert running.value.reason == "WRONG_STATE"
         await flaps.destroy_machine(machine.id, force=True)
         await flaps.wait_machine(machine.id, "destroyed", wait=20)
 
@@ -102,6 +103,7 @@ async def test_leases_standbys_and_platform_calls(fleet: Fleet) -> None:
         with pytest.raises(FailedPrecondition) as info:
             await flaps.start_machine(primary.id)
         assert "lease" in info.value.message
+        assert info.value.reason == "LEASE_HELD"
         await flaps.start_machine(primary.id, lease_nonce=lease.nonce)
         await flaps.release_lease(primary.id, lease.nonce)
         refreshed = await flaps.acquire_lease(primary.id, 30, owner="test")
@@ -128,6 +130,10 @@ async def test_errors_are_typed_and_carry_the_status(fleet: Fleet) -> None:
         with pytest.raises(ResourceExhausted) as full:
             await flaps.create_machine("web", config(memory_mib=4096), region="ams")
         assert full.value.rejections == {"insufficient_memory": 2}
+        assert (full.value.reason, full.value.metadata) == (
+            "NO_CAPACITY",
+            {"insufficient_memory": "2"},
+        )
         assert isinstance(full.value, ApiError)
 
         with pytest.raises(ValueError, match="wait must be in"):

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import cast
 
+import grpc
 import pytest
 
 from flyd.v1 import machine_pb2 as pb
-from nonomad.client import Client, Machine
-from nonomad.deploy import make_plan, probe
+from nonomad.client import Client, FailedPrecondition, Machine
+from nonomad.deploy import _Deployer, make_plan, probe
 from nonomad.spec import AppSpec, Check
 from tests.deploy.support import make_spec, run_cli, spec_data, write_spec
 
@@ -170,3 +172,40 @@ async def test_a_bad_spec_exits_2_naming_the_field(
     assert err == (
         f"nonomad deploy: {path}: services[0].internal_port: Input should be less than 65536\n"
     )
+
+
+# -- retrying an update while the worker says the machine is busy ------------------------------
+
+
+class _Updates:
+    """A client whose UpdateMachine first fails with the given FAILED_PRECONDITION reasons."""
+
+    def __init__(self, *reasons: str) -> None:
+        self.reasons = list(reasons)
+        self.calls = 0
+
+    async def update_machine(self, machine_id: str, config: object, **kw: object) -> Machine:
+        self.calls += 1
+        if self.reasons:
+            err = FailedPrecondition(
+                grpc.StatusCode.FAILED_PRECONDITION, "refused", "UpdateMachine"
+            )
+            err.reason = self.reasons.pop(0)
+            raise err
+        return Machine(id=machine_id)
+
+
+async def test_an_update_is_retried_while_the_machine_is_busy_and_only_then() -> None:
+    spec = make_spec()
+    config = spec.machine_config("ams", "web-1")
+    busy = _Updates("MACHINE_BUSY", "MACHINE_BUSY")
+    deployer = _Deployer(cast(Client, busy), spec, None, wait_timeout=30)
+    updated = await deployer.update("m1", config, launch=True, nonce="")
+    assert (updated.id, busy.calls) == ("m1", 3)
+
+    for reason in ("MACHINE_DESTROYED", "LEASE_HELD", ""):
+        final = _Updates(reason)
+        deployer = _Deployer(cast(Client, final), spec, None, wait_timeout=30)
+        with pytest.raises(FailedPrecondition):
+            await deployer.update("m1", config, launch=True, nonce="")
+        assert final.calls == 1, reason

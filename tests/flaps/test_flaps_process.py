@@ -16,6 +16,7 @@ from flaps.v1 import platform_pb2 as p
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from tests.flaps.conftest import Fleet, eventually
+from tests.harness import error_info
 
 S = pb.MachineState
 C = grpc.StatusCode
@@ -210,6 +211,8 @@ async def test_leases_and_updates_go_to_the_owning_worker(fleet: Fleet) -> None:
         await machines.StopMachine(m.StopMachineRequest(machine_id=machine.id), timeout=T)
     assert err.value.code() == C.FAILED_PRECONDITION
     assert "lease" in (err.value.details() or "")
+    # The worker's reason comes through flaps as the worker gave it.
+    assert error_info(err.value) == ("LEASE_HELD", "flyd.nonomad", {})
 
     bigger = config(memory_mib=128)
     updated = (

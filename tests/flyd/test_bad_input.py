@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
 from tests.conftest import one_flyd
+from tests.harness import error_info, grpcurl
 
 C = grpc.StatusCode
 S = pb.MachineState
@@ -448,6 +450,7 @@ async def test_invalid_transitions_are_refused_and_change_nothing(
             await call(stub, rpc, request)
         assert err.value.code() == C.FAILED_PRECONDITION
         assert "created" in (err.value.details() or "")
+        assert error_info(err.value) == ("WRONG_STATE", "flyd.nonomad", {})
     # The same id with another config is not the same machine.
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.CreateMachine(
@@ -460,11 +463,13 @@ async def test_invalid_transitions_are_refused_and_change_nothing(
         await stub.StartMachine(w.StartMachineRequest(machine_id=machine.id), timeout=10)
     assert err.value.code() == C.FAILED_PRECONDITION
     assert "destroyed" in (err.value.details() or "")
+    assert error_info(err.value) == ("MACHINE_DESTROYED", "flyd.nonomad", {})
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.WaitMachine(
             w.WaitMachineRequest(machine_id=machine.id, state=S.MACHINE_STATE_STARTED), timeout=10
         )
     assert err.value.code() == C.FAILED_PRECONDITION
+    assert error_info(err.value) == ("MACHINE_DESTROYED", "flyd.nonomad", {})
     # Nor can a destroyed machine be updated or leased.
     for rpc, request in [
         ("UpdateMachine", w.UpdateMachineRequest(machine_id=machine.id, config=cfg())),
@@ -474,6 +479,7 @@ async def test_invalid_transitions_are_refused_and_change_nothing(
             await call(stub, rpc, request)
         assert err.value.code() == C.FAILED_PRECONDITION
         assert "destroyed" in (err.value.details() or "")
+        assert error_info(err.value) == ("MACHINE_DESTROYED", "flyd.nonomad", {})
 
     history = (await stub.GetMachine(w.GetMachineRequest(machine_id=machine.id))).machine.events
     assert [e.to_state for e in history] == [
@@ -490,3 +496,14 @@ async def test_refused_calls_leave_no_trace(stub: worker_pb2_grpc.WorkerServiceS
     assert len(machines) <= 1
     assert all(m.app == "demo" for m in machines)
     assert first.snapshot.seq == (3 if machines else 0)
+
+
+async def test_grpcurl_shows_the_reason(flyd: str, stub: worker_pb2_grpc.WorkerServiceStub) -> None:
+    machine = (await stub.CreateMachine(create(skip_launch=True), timeout=10)).machine
+    request = json.dumps({"machine_id": machine.id, "signal": "SIGHUP"})
+    out = grpcurl("-plaintext", "-d", request, flyd, "flyd.v1.WorkerService/SignalMachine")
+
+    assert out.returncode != 0
+    assert "Code: FailedPrecondition" in out.stdout + out.stderr
+    assert '"reason":"WRONG_STATE"' in (out.stdout + out.stderr).replace(" ", "")
+    await stub.DestroyMachine(w.DestroyMachineRequest(machine_id=machine.id), timeout=10)

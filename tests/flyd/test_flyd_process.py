@@ -15,7 +15,7 @@ from google.protobuf.duration_pb2 import Duration
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
-from tests.harness import ServiceProcess
+from tests.harness import ServiceProcess, error_info
 
 S = pb.MachineState
 Stub = worker_pb2_grpc.WorkerServiceStub
@@ -296,6 +296,7 @@ async def test_a_full_worker_refuses_at_once_naming_the_resource(
         )
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "memory" in (err.value.details() or "")
+    assert error_info(err.value) == ("NO_ROOM", "flyd.nonomad", {"resource": "memory"})
     listed = (await stub.ListMachines(w.ListMachinesRequest())).machines
     assert len(listed) == 1
 

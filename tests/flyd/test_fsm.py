@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from flyd import fsm
-from flyd.errors import CorruptLog, FailedPrecondition
+from flyd.errors import BUSY, WRONG_STATE, CorruptLog, FailedPrecondition
+from flyd.errors import DESTROYED as GONE
 from flyd.fsm import (
     CleanedUp,
     Cleanup,
@@ -325,38 +326,57 @@ def test_nothing_changes(before: fsm.Row, event: fsm.Event) -> None:
 # --- refused ---------------------------------------------------------------------------------
 
 REFUSED = [
-    ("start a destroyed machine", row(DESTROYED), START, "destroyed"),
-    ("start a destroying machine", IN_CLEANUP, START, "destroying"),
-    ("start a stopping machine", IN_STOP, START, "stopping"),
-    ("stop a destroyed machine", row(DESTROYED), StopRequested(TERM, 1.0), "destroyed"),
-    ("stop a destroying machine", IN_DESTROY, StopRequested(TERM, 1.0), "destroying"),
-    ("destroy started without force", RUNNING, DESTROY, "force"),
-    ("destroy starting without force", HELD, DESTROY, "force"),
-    ("destroy restarting without force", IN_RESTART, DESTROY, "force"),
-    ("restart a stopped machine", row(STOPPED), RestartRequested(TERM, 1.0), "stopped"),
-    ("restart a created machine", row(CREATED), RestartRequested(TERM, 1.0), "created"),
-    ("restart during a signal", IN_SIGNAL, RestartRequested(TERM, 1.0), "started"),
-    ("signal a stopped machine", row(STOPPED), SIGNAL, "stopped"),
-    ("signal a starting machine", SPAWNING, SIGNAL, "starting"),
-    ("update a destroyed machine", row(DESTROYED), UPDATE, "destroyed"),
-    ("update a destroying machine", IN_CLEANUP, UPDATE, "destroying"),
-    ("update a machine being destroyed", IN_DESTROY, UPDATE_STOPPED, "destroying"),
-    ("update during a stop", IN_STOP, UPDATE, r"busy \(stop\)"),
-    ("update during a start", SPAWNING, UPDATE, r"busy \(start\)"),
-    ("update during a restart", IN_RESTART, UPDATE, r"busy \(restart\)"),
-    ("update during a signal", IN_SIGNAL, UPDATE, r"busy \(signal\)"),
-    ("update during an update", IN_UPDATE, UPDATE, r"busy \(update\)"),
-    ("start during an update's stop", IN_UPDATE, START, "stopping"),
-    ("restart during an update", IN_UPDATE, RESTART, "stopping"),
+    ("start a destroyed machine", row(DESTROYED), START, "destroyed", GONE),
+    ("start a destroying machine", IN_CLEANUP, START, "destroying", GONE),
+    ("start a stopping machine", IN_STOP, START, "stopping", BUSY),
+    (
+        "stop a destroyed machine",
+        row(DESTROYED),
+        StopRequested(TERM, 1.0),
+        "destroyed",
+        GONE,
+    ),
+    ("stop a destroying machine", IN_DESTROY, StopRequested(TERM, 1.0), "destroying", GONE),
+    ("destroy started without force", RUNNING, DESTROY, "force", WRONG_STATE),
+    ("destroy starting without force", HELD, DESTROY, "force", WRONG_STATE),
+    ("destroy restarting without force", IN_RESTART, DESTROY, "force", WRONG_STATE),
+    (
+        "restart a stopped machine",
+        row(STOPPED),
+        RestartRequested(TERM, 1.0),
+        "stopped",
+        WRONG_STATE,
+    ),
+    (
+        "restart a created machine",
+        row(CREATED),
+        RestartRequested(TERM, 1.0),
+        "created",
+        WRONG_STATE,
+    ),
+    ("restart during a signal", IN_SIGNAL, RestartRequested(TERM, 1.0), "started", BUSY),
+    ("signal a stopped machine", row(STOPPED), SIGNAL, "stopped", WRONG_STATE),
+    ("signal a starting machine", SPAWNING, SIGNAL, "starting", BUSY),
+    ("update a destroyed machine", row(DESTROYED), UPDATE, "destroyed", GONE),
+    ("update a destroying machine", IN_CLEANUP, UPDATE, "destroying", GONE),
+    ("update a machine being destroyed", IN_DESTROY, UPDATE_STOPPED, "destroying", GONE),
+    ("update during a stop", IN_STOP, UPDATE, r"busy \(stop\)", BUSY),
+    ("update during a start", SPAWNING, UPDATE, r"busy \(start\)", BUSY),
+    ("update during a restart", IN_RESTART, UPDATE, r"busy \(restart\)", BUSY),
+    ("update during a signal", IN_SIGNAL, UPDATE, r"busy \(signal\)", BUSY),
+    ("update during an update", IN_UPDATE, UPDATE, r"busy \(update\)", BUSY),
+    ("start during an update's stop", IN_UPDATE, START, "stopping", BUSY),
+    ("restart during an update", IN_UPDATE, RESTART, "stopping", BUSY),
 ]
 
 
 @pytest.mark.parametrize(
-    ("before", "event", "says"), [c[1:] for c in REFUSED], ids=[c[0] for c in REFUSED]
+    ("before", "event", "says", "reason"), [c[1:] for c in REFUSED], ids=[c[0] for c in REFUSED]
 )
-def test_refused(before: fsm.Row, event: fsm.Event, says: str) -> None:
-    with pytest.raises(FailedPrecondition, match=says):
+def test_refused(before: fsm.Row, event: fsm.Event, says: str, reason: str) -> None:
+    with pytest.raises(FailedPrecondition, match=says) as refused:
         step(before, event)
+    assert refused.value.reason == reason
 
 
 # --- the restart policy -------------------------------------------------------------------

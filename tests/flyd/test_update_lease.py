@@ -49,7 +49,7 @@ from tests.flyd.test_worker import (  # the worker tests' fixtures: both stores,
     start_flyd,
     store,
 )
-from tests.harness import ServiceProcess
+from tests.harness import ServiceProcess, error_info
 
 __all__ = ["clock", "flyd", "host", "images", "start_flyd", "store"]  # fixtures, used by name
 
@@ -266,9 +266,13 @@ async def test_a_refused_update_changes_nothing_and_takes_no_image_reference(
     monkeypatch.setattr(flyd.driver, "stop", stuck_stop)
     await w.update("m1", config(), skip_launch=False)  # stuck stopping the old process
     row, seq = w.get("m1"), flyd.store.last_seq()
-    for machine_id, says in [("m1", r"busy \(update\)"), ("m2", "destroyed")]:
-        with pytest.raises(FailedPrecondition, match=says):
+    for machine_id, says, reason in [
+        ("m1", r"busy \(update\)", "MACHINE_BUSY"),
+        ("m2", "destroyed", "MACHINE_DESTROYED"),
+    ]:
+        with pytest.raises(FailedPrecondition, match=says) as refused:
             await w.update(machine_id, v2, skip_launch=False)
+        assert refused.value.reason == reason
     assert (w.get("m1"), flyd.store.last_seq()) == (row, seq)
     assert refs(w.images).get("app:v2", 0) == 0
     assert refs(w.images)["app:v1"] == 1
@@ -379,8 +383,9 @@ async def test_a_lease_refuses_changes_without_its_nonce(flyd: Flyd, name: str) 
     nonce = await leased(w, g)
     row, seq, starts = w.get("m1"), flyd.store.last_seq(), len(flyd.driver.starts)
     for wrong in ["", "0" * 32]:
-        with pytest.raises(FailedPrecondition, match="leased by deployer for 60s more"):
+        with pytest.raises(FailedPrecondition, match="leased by deployer for 60s more") as err:
             await g.act(w, wrong)
+        assert err.value.reason == "LEASE_HELD"
     assert w.get("m1") is row
     assert (flyd.store.last_seq(), len(flyd.driver.starts), flyd.driver.signals) == (
         seq,
@@ -587,6 +592,7 @@ async def test_update_and_lease_over_grpc(
         await stub.StopMachine(wpb.StopMachineRequest(machine_id=created.id), timeout=10)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "leased by me" in (err.value.details() or "")
+    assert error_info(err.value) == ("LEASE_HELD", "flyd.nonomad", {})
     assert (await stub.GetMachine(wpb.GetMachineRequest(machine_id=created.id))).machine.state == (
         S.MACHINE_STATE_STARTED
     )

@@ -14,6 +14,9 @@ import grpc
 import grpc.aio
 from google.protobuf import descriptor_pb2, descriptor_pool, wrappers_pb2
 from google.protobuf.descriptor import ServiceDescriptor
+from google.rpc.error_details_pb2 import ErrorInfo
+
+from nonomad.runtime import Mapped
 
 SERVICE_NAME = "nonomad.test.v1.EchoService"
 _STRING = ".google.protobuf.StringValue"
@@ -42,12 +45,23 @@ DESCRIPTOR: ServiceDescriptor = _register()
 
 
 class EchoRefused(Exception):
-    """The domain error of the echo service: mapped to FAILED_PRECONDITION."""
+    """The domain error of the echo service: mapped to FAILED_PRECONDITION, with an ErrorInfo
+    when it has a `reason`."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
-def map_error(exc: Exception) -> tuple[grpc.StatusCode, str] | None:
+REASON_DOMAIN = "echo.test"
+
+
+def map_error(exc: Exception) -> Mapped | None:
     """The echo service's one place where domain errors become statuses."""
     if isinstance(exc, EchoRefused):
+        if exc.reason:
+            info = ErrorInfo(reason=exc.reason, domain=REASON_DOMAIN, metadata={"word": "rude"})
+            return grpc.StatusCode.FAILED_PRECONDITION, str(exc), info
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     return None
 
@@ -65,6 +79,8 @@ class EchoServicer:
         match request.value:
             case "refuse":
                 raise EchoRefused("echo refuses to say that")
+            case "rude":
+                raise EchoRefused("echo will not be rude", reason="TOO_RUDE")
             case "crash":
                 raise RuntimeError("secret internal detail")
             case "abort":

@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from nonomad.runtime import ChannelTLS, Service, ServiceSettings, aio_channel, wrap_servicer
+from tests.harness import error_info
 from tests.runtime import _echo
 from tests.runtime._support import running
 from tests.runtime.conftest import Certs
@@ -112,6 +113,18 @@ async def test_unary_errors_are_mapped(
 ) -> None:
     _, client = echo
     assert await outcome(client.say(word)) == (code, details)
+
+
+async def test_a_mapped_reason_travels_as_error_info(
+    echo: tuple[Service, _echo.EchoClient],
+) -> None:
+    _, client = echo
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await client.say("rude")
+
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert caught.value.details() == "echo will not be rude"
+    assert error_info(caught.value) == ("TOO_RUDE", _echo.REASON_DOMAIN, {"word": "rude"})
 
 
 @pytest.mark.parametrize(
