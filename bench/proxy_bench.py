@@ -616,6 +616,8 @@ def _loadgen(port: int, conns: int, total: int, seconds: float, rate: float) -> 
                 break
             while idle and budget > 0 and idle[0][0] <= now:
                 due, i = heapq.heappop(idle)
+                if socks[i].fileno() not in watched:
+                    continue  # the server closed it
                 socks[i].send(request)
                 sent = clock()
                 due_at[i] = due if interval else sent
