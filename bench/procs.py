@@ -11,7 +11,6 @@ import errno
 import json
 import os
 import resource
-import select
 import signal
 import subprocess
 import sys
@@ -19,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+
+from nonomad.runtime import READY_PREFIX, read_announcements
 
 VENV_BIN = Path(sys.executable).parent
 FLYD_BIN = VENV_BIN / "flyd"
@@ -351,28 +352,12 @@ class FlydProcess:
     def wait_ready(self, timeout: float = 60.0) -> str:
         """Block until the NONOMAD_READY line; returns host:port (and notes the time)."""
         assert self.proc is not None
-        assert self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
-        deadline = time.monotonic() + timeout
-        buf = b""
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([fd], [], [], 0.05)
-            if ready:
-                chunk = os.read(fd, 4096)
-                if not chunk:
-                    break
-                buf += chunk
-                for line in buf.decode(errors="replace").splitlines():
-                    if line.startswith("NONOMAD_READY "):
-                        self.ready_mono = time.perf_counter()
-                        self.address = line.split()[2]
-                        return self.address
-            elif self.proc.poll() is not None:
-                break
-        raise RuntimeError(
-            f"flyd did not become ready (exit {self.proc.poll()}); stdout {buf!r}; "
-            f"log tail:\n{self.log_tail()}"
-        )
+        try:
+            self.address = read_announcements(self.proc, timeout)[READY_PREFIX]
+        except RuntimeError as err:
+            raise RuntimeError(f"flyd {err}; log tail:\n{self.log_tail()}") from None
+        self.ready_mono = time.perf_counter()
+        return self.address
 
     def log_events(self) -> list[dict[str, object]]:
         events = []

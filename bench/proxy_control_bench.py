@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import secrets
-import select
 import shutil
 import subprocess
 import sys
@@ -44,6 +42,7 @@ from flaps.v1 import machines_pb2_grpc
 from flyd.driver import kill_all
 from flyd.images import build_image
 from flyd.v1 import machine_pb2 as pb
+from nonomad.runtime import READY_PREFIX, read_announcements
 from proxy.v1 import proxy_pb2, proxy_pb2_grpc
 
 S = pb.MachineState
@@ -96,27 +95,14 @@ class Service:
                 stdout=subprocess.PIPE,
                 stderr=err,
             )
-        assert self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
-        buf = b""
-        end = time.monotonic() + 30
-        while time.monotonic() < end:
-            ready, _, _ = select.select([fd], [], [], 0.1)
-            if ready:
-                chunk = os.read(fd, 4096)
-                if not chunk:
-                    break
-                buf += chunk
-                for line in buf.decode(errors="replace").splitlines():
-                    if line.startswith("NONOMAD_HTTP "):
-                        self.http = line.split()[2]
-                    if line.startswith("NONOMAD_READY "):
-                        self.address = line.split()[2]
-                        return self
-            elif self.proc.poll() is not None:
-                break
-        self.kill()
-        raise RuntimeError(f"{self.module} did not become ready; see {self.log}")
+        try:
+            announced = read_announcements(self.proc, 30)
+        except RuntimeError:
+            self.kill()
+            raise RuntimeError(f"{self.module} did not become ready; see {self.log}") from None
+        self.address = announced[READY_PREFIX]
+        self.http = announced.get("NONOMAD_HTTP", "")
+        return self
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -40,6 +40,7 @@ from nonomad.cli_common import (
     table,
 )
 from nonomad.client import ApiError, Client
+from nonomad.runtime import READY_PREFIX, read_announcements
 
 DEMO_SOURCE = Path(__file__).parent / "demo"
 READY_TIMEOUT = 30.0
@@ -81,18 +82,13 @@ def _read_ready(
     proc: subprocess.Popen[bytes], worker_id: str, seen: dict[str, str] | None = None
 ) -> str:
     """The gRPC address a service announces; other NONOMAD_* lines go into `seen`."""
-    assert proc.stdout is not None
-    deadline = time.monotonic() + READY_TIMEOUT
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline().decode()
-        if line.startswith("NONOMAD_READY "):
-            return line.split()[2]
-        if line.startswith("NONOMAD_") and seen is not None:
-            kind, _, address = line.split()
-            seen[kind] = address
-        if not line and proc.poll() is not None:
-            break
-    raise CliError(f"{worker_id} did not start (exit {proc.poll()}); see its log")
+    try:
+        announced = read_announcements(proc, READY_TIMEOUT)
+    except RuntimeError:
+        raise CliError(f"{worker_id} did not start (exit {proc.poll()}); see its log") from None
+    if seen is not None:
+        seen.update(announced)
+    return announced[READY_PREFIX]
 
 
 async def _until_alive(flaps: str, count: int, timeout: float = READY_TIMEOUT) -> None:

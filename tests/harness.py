@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import select
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
+from nonomad.runtime import READY_PREFIX, read_announcements
 from nonomad.runtime import error_info as runtime_error_info
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -69,30 +68,16 @@ class ServiceProcess:
 
     def _read_ready(self) -> str:
         assert self.proc is not None
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + READY_DEADLINE
-        buf = b""
-        fd = self.proc.stdout.fileno()
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([fd], [], [], 0.1)
-            if ready:
-                chunk = os.read(fd, 4096)
-                if not chunk:
-                    break
-                buf += chunk
-                for line in buf.decode(errors="replace").splitlines():
-                    if line.startswith("NONOMAD_READY "):
-                        return line.split()[2]
-                    if line.startswith("NONOMAD_") and len(line.split()) == 3:
-                        kind, _, address = line.split()
-                        self.announced[kind] = address
-            elif self.proc.poll() is not None:
-                break
-        self.kill()
-        raise RuntimeError(
-            f"{self.name} did not become ready: exit {self.proc.poll()}; stdout {buf!r}; "
-            f"stderr tail:\n{self.stderr_tail()}"
-        )
+        try:
+            announced = read_announcements(self.proc, READY_DEADLINE)
+        except RuntimeError as err:
+            self.kill()
+            raise RuntimeError(
+                f"{self.name} did not become ready: {err}; stderr tail:\n{self.stderr_tail()}"
+            ) from None
+        address = announced.pop(READY_PREFIX)
+        self.announced.update(announced)  # the others: the proxy's NONOMAD_HTTP
+        return address
 
     def stderr_tail(self, lines: int = 30) -> str:
         with contextlib.suppress(FileNotFoundError):

@@ -15,6 +15,7 @@ from nonomad.runtime.server import (
     abort_with_details,
     error_info,
     main_entry,
+    read_announcements,
     server_options,
     wrap_servicer,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "load_settings",
     "main_entry",
     "parse_host_port",
+    "read_announcements",
     "server_interceptors",
     "server_options",
     "settings_or_exit",

@@ -15,8 +15,11 @@ import functools
 import inspect
 import json
 import os
+import select
 import signal
+import subprocess
 import sys
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +48,7 @@ __all__ = [
     "abort_with_details",
     "error_info",
     "main_entry",
+    "read_announcements",
     "server_options",
     "wrap_servicer",
 ]
@@ -60,6 +64,40 @@ INTERNAL."""
 
 READY_PREFIX = "NONOMAD_READY"
 """First word of the stdout line a service prints once it serves: `NONOMAD_READY name addr`."""
+
+
+def read_announcements(proc: subprocess.Popen[bytes], timeout: float) -> dict[str, str]:
+    """What a service started with stdout on a pipe announces, up to its `NONOMAD_READY` line:
+    each `NONOMAD_<KIND> name address` line's address by kind (`NONOMAD_READY` is the gRPC
+    address; the proxy also says `NONOMAD_HTTP`). RuntimeError, naming the exit code and what
+    it printed, when the process exits or `timeout` passes first."""
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    deadline = time.monotonic() + timeout
+    buf = b""
+    announced: dict[str, str] = {}
+    while time.monotonic() < deadline:
+        if select.select([fd], [], [], 0.05)[0]:
+            chunk = os.read(fd, 4096)
+            if not chunk:  # stdout closed: it is exiting; give it a moment, for its code
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(1)
+                break
+            buf += chunk
+            *lines, rest = buf.split(b"\n")
+            buf = rest
+            for raw in lines:
+                words = raw.decode(errors="replace").split()
+                if len(words) == 3 and words[0].startswith("NONOMAD_"):
+                    announced[words[0]] = words[2]
+                    if words[0] == READY_PREFIX:
+                        return announced
+        elif proc.poll() is not None:
+            break
+    raise RuntimeError(
+        f"not ready (exit {proc.poll()}); it announced {announced}, then printed {buf!r}"
+    )
+
 
 _WRAPPED_MARK = "__nonomad_wrapped__"
 _INTERNAL_MESSAGE = "internal error"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any
@@ -14,7 +16,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from nonomad.runtime import ChannelTLS, Service, ServiceSettings, aio_channel, wrap_servicer
+from nonomad.runtime import (
+    ChannelTLS,
+    Service,
+    ServiceSettings,
+    aio_channel,
+    read_announcements,
+    wrap_servicer,
+)
 from tests.harness import error_info
 from tests.runtime import _echo
 from tests.runtime._support import running
@@ -417,3 +426,34 @@ async def test_server_name_override(certs: Certs) -> None:
 def test_channel_tls_needs_cert_and_key_together(certs: Certs) -> None:
     with pytest.raises(ValueError, match="both or neither"):
         ChannelTLS(ca=certs.ca, cert=certs.client_cert)
+
+
+def _printer(script: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL
+    )
+
+
+def test_read_announcements_collects_lines_up_to_ready() -> None:
+    # A line split across writes, an unrelated line, then the ready line.
+    proc = _printer(
+        "import sys, time\n"
+        "w = sys.stdout.write\n"
+        "w('hello\\nNONOMAD_HTTP proxy 127.0'); sys.stdout.flush(); time.sleep(0.05)\n"
+        "w('.0.1:8080\\nNONOMAD_READY proxy 127.0.0.1:4280\\n'); sys.stdout.flush()\n"
+        "time.sleep(30)\n"
+    )
+    with proc:
+        try:
+            assert read_announcements(proc, timeout=30) == {
+                "NONOMAD_HTTP": "127.0.0.1:8080",
+                "NONOMAD_READY": "127.0.0.1:4280",
+            }
+        finally:
+            proc.kill()
+
+
+def test_read_announcements_fails_when_the_process_exits_first() -> None:
+    proc = _printer("print('NONOMAD_HTTP proxy 127.0.0.1:8080'); print('boom')")
+    with proc, pytest.raises(RuntimeError, match=r"not ready \(exit .*NONOMAD_HTTP"):
+        read_announcements(proc, timeout=30)
