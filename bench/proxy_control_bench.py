@@ -42,6 +42,7 @@ from flaps.v1 import machines_pb2_grpc
 from flyd.driver import kill_all
 from flyd.images import build_image
 from flyd.v1 import machine_pb2 as pb
+from nonomad.cli_local import DEMO_SOURCE
 from nonomad.runtime import READY_PREFIX, read_announcements
 from proxy.v1 import proxy_pb2, proxy_pb2_grpc
 
@@ -53,23 +54,6 @@ WAIT = 20.0  # any single wait
 RPC_TIMEOUT = 15.0
 COLD_TARGET_MS = 50.0
 FAILOVER_TARGET_S = 1.5
-
-APP = """\
-import http.server, os
-
-class Handler(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        body = f"hello from {os.environ['MACHINE_ID']}\\n".encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, fmt, *args):
-        pass
-
-http.server.ThreadingHTTPServer(("127.0.0.1", int(os.environ["PORT"])), Handler).serve_forever()
-"""
 
 
 @dataclass
@@ -400,10 +384,9 @@ def run(*, quick: bool = False, out: Path | None = None, strict: bool = False) -
             await fleet.close()
 
     try:
-        src = root / "src"
-        src.mkdir()
-        (src / "app.py").write_text(APP)
-        build_image(src, root / "images", name="demo", tag="v1", entrypoint=["python3", "app.py"])
+        build_image(
+            DEMO_SOURCE, root / "images", name="demo", tag="v1", entrypoint=["python3", "app.py"]
+        )
         asyncio.run(bounded())
     except Exception as err:
         results.errors.append(f"{type(err).__name__}: {err}")
