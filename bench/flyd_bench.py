@@ -56,7 +56,6 @@ from bench import procs
 from bench.procs import FlydProcess, progress
 from bench.report import Results, percentile
 from flyd import fsm
-from flyd.clock import SystemClock
 from flyd.driver import ProcessDriver
 from flyd.images import ImageCache, ImageSource, build_image
 from flyd.settings import CapacitySettings
@@ -65,7 +64,8 @@ from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
 from flyd.worker import Identity, Worker
-from nonomad.runtime import configure_logging
+from runtime import configure_logging
+from runtime.clock import SystemClock
 
 S = pb.MachineState
 STARTED = S.MACHINE_STATE_STARTED

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from nonomad.runtime import READY_PREFIX, read_announcements
+from runtime import READY_PREFIX, read_announcements
 
 VENV_BIN = Path(sys.executable).parent
 FLYD_BIN = VENV_BIN / "flyd"

@@ -43,8 +43,8 @@ from flyd.driver import kill_all
 from flyd.images import build_image
 from flyd.v1 import machine_pb2 as pb
 from nonomad.cli_local import DEMO_SOURCE
-from nonomad.runtime import READY_PREFIX, read_announcements
 from proxy.v1 import proxy_pb2, proxy_pb2_grpc
+from runtime import READY_PREFIX, read_announcements
 
 S = pb.MachineState
 STARTED = S.MACHINE_STATE_STARTED

@@ -46,11 +46,11 @@ from flyd.images import build_image
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
-from nonomad.runtime import configure_logging
 from registry.replica import Replica, ReplicaEvent, Subscription
 from registry.service import RegistryServicer
 from registry.v1 import registry_pb2_grpc
 from registry.view import ALIVE
+from runtime import configure_logging
 
 S = pb.MachineState
 WORKERS = 100  # in all: WORKERS - 1 fakes and one real flyd

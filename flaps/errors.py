@@ -7,8 +7,8 @@ from collections import Counter
 import grpc
 from google.rpc.error_details_pb2 import ErrorInfo
 
-from flyd import errors as flyd_errors
-from nonomad.runtime import Mapped, error_info
+from runtime import Mapped, error_info
+from runtime import errors as runtime_errors
 
 
 class FlapsError(Exception):
@@ -18,12 +18,11 @@ class FlapsError(Exception):
     retryable = False
 
 
-class InvalidArgument(FlapsError):
+class InvalidArgument(FlapsError, runtime_errors.InvalidArgument):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
     def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
+        runtime_errors.InvalidArgument.__init__(self, field, message)
 
 
 class NotFound(FlapsError):
@@ -66,6 +65,6 @@ def map_error(err: Exception) -> Mapped | None:
         return err.code, str(err), err.info
     if isinstance(err, FlapsError):
         return err.code, str(err)
-    if isinstance(err, flyd_errors.InvalidArgument):
+    if isinstance(err, runtime_errors.InvalidArgument):
         return grpc.StatusCode.INVALID_ARGUMENT, str(err)
     return None

@@ -7,8 +7,8 @@ from flaps.errors import map_error
 from flaps.service import Exchange, MachinesServicer, PlatformServicer, Workers
 from flaps.settings import FlapsSettings
 from flaps.v1 import machines_pb2, machines_pb2_grpc, platform_pb2, platform_pb2_grpc
-from nonomad.runtime import Service, configure_logging, main_entry, settings_or_exit, setup_tracing
 from registry.service import serve_replica
+from runtime import Service, configure_logging, main_entry, settings_or_exit, setup_tracing
 
 
 async def build(argv: list[str]) -> Service:

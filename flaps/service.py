@@ -29,10 +29,11 @@ from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
-from flyd.validate import check_config, check_name, duration_seconds
-from nonomad.runtime import abort_with_details, aio_channel
+from flyd.validate import check_config
 from registry.replica import Replica, WorkerView
 from registry.v1 import registry_pb2
+from runtime import abort_with_details, aio_channel
+from runtime.validate import check_name, duration_seconds
 
 log = structlog.get_logger("flaps")
 S = pb.MachineState

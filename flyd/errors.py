@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from runtime import errors as runtime_errors
+
 DOMAIN = "flyd.nonomad"
 """`google.rpc.ErrorInfo.domain` of the reasons flyd gives."""
 
@@ -30,12 +32,11 @@ class FlydError(Exception):
         return {}
 
 
-class InvalidArgument(FlydError):
+class InvalidArgument(FlydError, runtime_errors.InvalidArgument):
     """A request field is malformed; `field` names it."""
 
     def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
+        runtime_errors.InvalidArgument.__init__(self, field, message)
 
 
 class NotFound(FlydError):

@@ -2,7 +2,7 @@
 
 No processes: a `FakeHost` holds the fake machines and their exit statuses, so they outlive a
 `FakeDriver` the way real machines outlive a killed flyd; a new `FakeDriver` on the same host
-re-attaches. Time is the host's injected `flyd.clock.Clock` (a `ManualClock` by default): a
+re-attaches. Time is the host's injected `runtime.clock.Clock` (a `ManualClock` by default): a
 machine's `run_for` ends when the test advances that clock; nothing sleeps.
 
 Behaviour comes from a `FakeScript` per machine id, or from argv markers, so a test can script a
@@ -24,9 +24,9 @@ import signal
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
-from flyd.clock import Clock, ManualClock
 from flyd.driver import Driver, ExitStatus, Handle, ProcessSpec
 from flyd.errors import FailedPrecondition, FlydError, InvalidArgument, NotFound, Unavailable
+from runtime.clock import Clock, ManualClock
 
 __all__ = ["FakeDriver", "FakeHost", "FakeScript"]
 

@@ -12,7 +12,6 @@ import structlog
 from opentelemetry import trace
 
 from flyd import fsm
-from flyd.clock import SystemClock
 from flyd.driver import ProcessDriver
 from flyd.images import ImageCache, ImageSource
 from flyd.metrics import register_worker
@@ -23,7 +22,8 @@ from flyd.traces import OpTracer
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2, worker_pb2_grpc
 from flyd.worker import Identity, Worker
-from nonomad.runtime import (
+from registry.v1 import registry_pb2, registry_pb2_grpc
+from runtime import (
     Service,
     aio_channel,
     configure_logging,
@@ -32,7 +32,7 @@ from nonomad.runtime import (
     setup_tracing,
     tracing_enabled,
 )
-from registry.v1 import registry_pb2, registry_pb2_grpc
+from runtime.clock import SystemClock
 
 log = structlog.get_logger("flyd")
 ANNOUNCE_TIMEOUT = 2.0

@@ -22,9 +22,9 @@ from flyd.errors import (
 )
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
-from flyd.validate import duration_seconds, parse_signal
 from flyd.worker import Worker
-from nonomad.runtime import Mapped
+from runtime import Mapped
+from runtime.validate import check_name, duration_seconds, parse_signal
 
 # Checked in order: the first matching class decides (subclasses before their bases).
 _CODES: list[tuple[type[FlydError], grpc.StatusCode]] = [
@@ -144,8 +144,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self, request: w.ListMachinesRequest, context: grpc.aio.ServicerContext
     ) -> w.ListMachinesResponse:
         if request.app:
-            from flyd.validate import check_name
-
             check_name("app", request.app)
         return w.ListMachinesResponse(
             machines=self.worker.list_machines(

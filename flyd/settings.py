@@ -8,7 +8,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from nonomad.runtime import ServiceSettings
+from runtime import ServiceSettings
 
 
 class CapacitySettings(BaseModel):
@@ -72,9 +72,9 @@ class FlydSettings(ServiceSettings):
     @field_validator("worker_id", "region")
     @classmethod
     def _name(cls, value: str) -> str:
-        from flyd.validate import NAME_RE
+        from runtime.validate import is_name
 
-        if not NAME_RE.match(value):
+        if not is_name(value):
             raise ValueError("must be 1-63 lowercase letters, digits or dashes")
         return value
 

@@ -1,18 +1,13 @@
-"""Request validation shared by flyd and flaps: each failure names the field."""
+"""Checks of a machine config that need no worker: shared by flyd and flaps (and the deploy
+spec). The generic field checks (names, signals, durations) live in `runtime.validate`."""
 
 from __future__ import annotations
-
-import re
-import signal as signals
-
-from google.protobuf.duration_pb2 import Duration
 
 from flyd.errors import InvalidArgument
 from flyd.images import parse_reference
 from flyd.v1 import machine_pb2 as pb
+from runtime.validate import check_name, duration_seconds, is_env_key, parse_signal, quote
 
-NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
-ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_STOP_TIMEOUT = 300.0
 MAX_ENV = 256
 MAX_METADATA = 64
@@ -20,48 +15,6 @@ MAX_VALUE_BYTES = 4096
 # Limits of a single guest; a worker's own capacity is checked separately.
 MAX_CPU_MILLICORES = 64_000
 MAX_MEMORY_MIB = 256 * 1024
-
-
-def check_name(field: str, value: str, *, required: bool = True) -> None:
-    if not value:
-        if required:
-            raise InvalidArgument(field, "is required")
-        return
-    if not NAME_RE.match(value):
-        raise InvalidArgument(
-            field,
-            f"{value!r} must be 1-63 lowercase letters, digits or dashes, "
-            "starting and ending with a letter or digit",
-        )
-
-
-def parse_signal(field: str, name: str, default: int = int(signals.SIGTERM)) -> int:
-    """A signal name ("SIGTERM", "TERM") or number as a signal number."""
-    if not name:
-        return default
-    text = name.strip().upper()
-    if text.isdigit():
-        number = int(text)
-        if number in {int(s) for s in signals.Signals}:
-            return number
-    else:
-        full = text if text.startswith("SIG") else "SIG" + text
-        if full in signals.Signals.__members__:
-            return int(signals.Signals[full])
-    raise InvalidArgument(field, f"unknown signal {name!r}")
-
-
-def duration_seconds(
-    field: str, value: Duration, *, default: float, maximum: float, present: bool
-) -> float:
-    if not present:
-        return default
-    seconds = value.seconds + value.nanos / 1e9
-    if seconds < 0:
-        raise InvalidArgument(field, "must not be negative")
-    if seconds > maximum:
-        raise InvalidArgument(field, f"must be at most {maximum:g}s")
-    return seconds
 
 
 def check_config(config: pb.MachineConfig, field: str = "config") -> None:
@@ -89,8 +42,8 @@ def check_config(config: pb.MachineConfig, field: str = "config") -> None:
     if len(config.env) > MAX_ENV:
         raise InvalidArgument(f"{field}.env", f"at most {MAX_ENV} variables")
     for key, value in config.env.items():
-        if not ENV_KEY_RE.match(key):
-            raise InvalidArgument(f"{field}.env", f"invalid variable name {key!r}")
+        if not is_env_key(key):
+            raise InvalidArgument(f"{field}.env", f"invalid variable name {quote(key)}")
         if "\x00" in value or len(value) > MAX_VALUE_BYTES:
             raise InvalidArgument(f"{field}.env[{key}]", "must be under 4 KiB without NUL")
     ports: set[int] = set()

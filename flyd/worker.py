@@ -22,7 +22,6 @@ from pathlib import Path
 import structlog
 
 from flyd import fsm
-from flyd.clock import Clock
 from flyd.driver import Driver, ExitStatus, Handle, Limits, ProcessSpec
 from flyd.errors import (
     DESTROYED,
@@ -42,7 +41,9 @@ from flyd.store import Compacted, MachineLog, NewRecord, RecordType
 from flyd.traces import OpSpan, OpTracer
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
-from flyd.validate import check_config, check_name
+from flyd.validate import check_config
+from runtime.clock import Clock
+from runtime.validate import check_name
 
 log = structlog.get_logger("flyd.worker")
 S = pb.MachineState
@@ -853,7 +854,7 @@ class Worker:
 
     @staticmethod
     def _stop_params(row: fsm.Row, sig: int | None, timeout: float | None) -> tuple[int, float]:
-        from flyd.validate import duration_seconds, parse_signal
+        from runtime.validate import duration_seconds, parse_signal
 
         stop = row.machine.config.stop
         if sig is None:

@@ -161,7 +161,7 @@ def flaps_address(args: argparse.Namespace) -> str:
                 f"local cluster with `nonomad up` (none runs from {state_dir(args)})"
             )
         return cluster.flaps
-    # Checked here rather than with nonomad.runtime.settings, whose pydantic import would cost
+    # Checked here rather than with runtime.settings, whose pydantic import would cost
     # every command more start-up time than the whole check is worth.
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:

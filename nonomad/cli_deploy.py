@@ -21,8 +21,8 @@ from nonomad.deploy import (
     deploy,
     plan,
 )
-from nonomad.runtime.logs import configure_logging
 from nonomad.spec import AppSpec, SpecError, load_spec
+from runtime.logs import configure_logging
 
 __all__ = ["cmd_deploy", "run"]
 

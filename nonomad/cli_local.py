@@ -40,7 +40,7 @@ from nonomad.cli_common import (
     table,
 )
 from nonomad.client import ApiError, Client
-from nonomad.runtime import READY_PREFIX, read_announcements
+from runtime import READY_PREFIX, read_announcements
 
 DEMO_SOURCE = Path(__file__).parent / "demo"
 READY_TIMEOUT = 30.0

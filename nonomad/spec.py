@@ -55,7 +55,8 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from flyd.errors import InvalidArgument
 from flyd.images import parse_reference
 from flyd.v1 import machine_pb2 as pb
-from flyd.validate import ENV_KEY_RE, MAX_ENV, MAX_VALUE_BYTES, NAME_RE, check_config
+from flyd.validate import MAX_ENV, MAX_VALUE_BYTES, check_config
+from runtime.validate import is_env_key, is_name
 
 __all__ = [
     "AppSpec",
@@ -103,7 +104,7 @@ def _seconds(value: object) -> object:
 
 def _name(what: str) -> AfterValidator:
     def check(value: str) -> str:
-        if not NAME_RE.match(value):
+        if not is_name(value):
             raise ValueError(
                 f"{what} {value!r} must be 1-63 lowercase letters, digits or dashes, "
                 "starting and ending with a letter or digit"
@@ -122,7 +123,7 @@ def _image(value: str) -> str:
 
 
 def _env_key(value: str) -> str:
-    if not ENV_KEY_RE.match(value):
+    if not is_env_key(value):
         raise ValueError(
             f"{value!r} is not a variable name (letters, digits, _; not a digit first)"
         )

@@ -30,10 +30,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.trace import SpanKind, Tracer
 
 from flaps.v1 import machines_pb2, machines_pb2_grpc
-from flyd.clock import Clock
 from flyd.v1 import machine_pb2 as pb
-from nonomad.runtime import aio_channel
 from proxy.errors import ProxyError
+from runtime import aio_channel
+from runtime.clock import Clock
 
 if TYPE_CHECKING:
     from proxy.router import Route, Router

@@ -13,15 +13,6 @@ import sys
 import structlog
 from opentelemetry import trace
 
-from nonomad.runtime import (
-    Service,
-    configure_logging,
-    main_entry,
-    settings_or_exit,
-    setup_tracing,
-    tracing_enabled,
-)
-from nonomad.runtime.settings import parse_host_port
 from proxy.control import FlapsClient
 from proxy.http import HttpProxy
 from proxy.metrics import ProxyCollector
@@ -31,6 +22,15 @@ from proxy.settings import ProxySettings
 from proxy.stats import Stats
 from proxy.v1 import proxy_pb2, proxy_pb2_grpc
 from registry.service import serve_replica
+from runtime import (
+    Service,
+    configure_logging,
+    main_entry,
+    settings_or_exit,
+    setup_tracing,
+    tracing_enabled,
+)
+from runtime.settings import parse_host_port
 
 HTTP_PREFIX = "NONOMAD_HTTP"
 """First word of the stdout line with the bound HTTP address: `NONOMAD_HTTP proxy host:port`."""

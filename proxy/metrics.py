@@ -25,9 +25,9 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import REGISTRY, CollectorRegistry
 
-from flyd.clock import Clock
 from proxy.stats import Stats
 from registry.replica import WorkerView
+from runtime.clock import Clock
 
 log = structlog.get_logger("proxy.metrics")
 

@@ -26,7 +26,6 @@ from typing import Any, Literal, Protocol
 import structlog
 from opentelemetry.trace import Tracer
 
-from flyd.clock import Clock, SystemClock
 from flyd.v1 import machine_pb2 as pb
 from proxy.control import (
     Counters,
@@ -43,6 +42,7 @@ from proxy.errors import NoBackend, ProxyError, UnknownApp
 from proxy.routing import Backend
 from registry.replica import RESYNC, ReplicaEvent, Subscription, WorkerView
 from registry.view import ALIVE, DEAD, SUSPECT, Status
+from runtime.clock import Clock, SystemClock
 
 log = structlog.get_logger("proxy.router")
 S = pb.MachineState

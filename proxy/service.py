@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import grpc
 
-from flyd import errors as flyd_errors
-from flyd.validate import check_name
 from proxy.errors import ProxyError, UnknownApp
 from proxy.router import Router, UnknownWorker
 from proxy.stats import Stats
 from proxy.v1 import proxy_pb2 as p
 from proxy.v1 import proxy_pb2_grpc
+from runtime.errors import InvalidArgument
+from runtime.validate import check_name
 
 # Checked in order: the first matching class decides.
 _CODES: list[tuple[type[Exception], grpc.StatusCode]] = [
-    (flyd_errors.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
     (UnknownWorker, grpc.StatusCode.NOT_FOUND),
     (UnknownApp, grpc.StatusCode.NOT_FOUND),
     (ProxyError, grpc.StatusCode.UNAVAILABLE),

@@ -13,11 +13,11 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from flyd.validate import NAME_RE
-from nonomad.runtime import parse_host_port
 from proxy.http import Limits
 from proxy.router import RouterConfig
 from registry.settings import ReplicaSettings
+from runtime import parse_host_port
+from runtime.validate import is_name
 
 
 class ProxySettings(ReplicaSettings):
@@ -123,14 +123,14 @@ class ProxySettings(ReplicaSettings):
     def _domain(cls, value: str) -> str:
         value = value.strip(".").lower()
         labels = value.split(".")
-        if not value or len(value) > 253 or not all(NAME_RE.match(label) for label in labels):
+        if not value or len(value) > 253 or not all(is_name(label) for label in labels):
             raise ValueError(f"{value!r} is not a domain name")
         return value
 
     @field_validator("region")
     @classmethod
     def _region(cls, value: str) -> str:
-        if not NAME_RE.match(value):
+        if not is_name(value):
             raise ValueError("must be 1-63 lowercase letters, digits or dashes")
         return value
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from runtime import errors as runtime_errors
+
 
 class RegistryError(Exception):
     """Base of every error the registry reports.
@@ -12,12 +14,11 @@ class RegistryError(Exception):
     retryable = False
 
 
-class InvalidArgument(RegistryError):
+class InvalidArgument(RegistryError, runtime_errors.InvalidArgument):
     """A field is missing or malformed; `field` names it (as in the request: `worker.address`)."""
 
     def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
+        runtime_errors.InvalidArgument.__init__(self, field, message)
 
 
 class Unavailable(RegistryError):

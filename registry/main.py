@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from nonomad.runtime import Service, configure_logging, main_entry, settings_or_exit, setup_tracing
 from registry.service import serve_replica
 from registry.settings import RegistrySettings
+from runtime import Service, configure_logging, main_entry, settings_or_exit, setup_tracing
 
 
 def build(argv: list[str]) -> Service:

@@ -22,10 +22,8 @@ import grpc
 import grpc.aio
 import structlog
 
-from flyd.clock import Clock, SystemClock
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2, worker_pb2_grpc
-from nonomad.runtime import aio_channel, parse_host_port
 from registry import metrics
 from registry.errors import InvalidArgument, RegistryError, Unavailable
 from registry.v1 import registry_pb2, registry_pb2_grpc
@@ -39,6 +37,8 @@ from registry.view import (
     check_worker_info,
     status_name,
 )
+from runtime import aio_channel, parse_host_port
+from runtime.clock import Clock, SystemClock
 
 __all__ = [
     "FOLLOW_RESYNC",

@@ -18,11 +18,11 @@ from collections.abc import AsyncGenerator, Iterable
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from nonomad.runtime import Service
 from registry.errors import InvalidArgument, RegistryError, Unavailable
 from registry.replica import FOLLOW_QUEUE, FOLLOW_RESYNC, Replica, SubscriptionClosed
 from registry.v1 import registry_pb2 as r
 from registry.v1 import registry_pb2_grpc
+from runtime import Service
 
 # Checked in order: the first matching class decides (subclasses before their bases).
 _CODES: list[tuple[type[RegistryError], grpc.StatusCode]] = [

@@ -9,8 +9,8 @@ from __future__ import annotations
 from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from nonomad.runtime import ServiceSettings, parse_host_port
 from registry.replica import Replica
+from runtime import ServiceSettings, parse_host_port
 
 
 class ReplicaSettings(ServiceSettings):

@@ -21,10 +21,10 @@ import structlog
 
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
-from flyd.validate import NAME_RE
-from nonomad.runtime import parse_host_port
 from registry.errors import InvalidArgument, SequenceGap, WrongWorker
 from registry.v1 import registry_pb2
+from runtime import parse_host_port
+from runtime.validate import is_name
 
 log = structlog.get_logger("registry.view")
 
@@ -103,13 +103,13 @@ def check_worker_info(info: pb.WorkerInfo, field_prefix: str = "worker") -> None
     """Raise InvalidArgument naming the first bad field of a WorkerInfo."""
     if not info.id:
         raise InvalidArgument(f"{field_prefix}.id", "is required")
-    if not NAME_RE.match(info.id):
+    if not is_name(info.id):
         raise InvalidArgument(
             f"{field_prefix}.id", f"{info.id!r} must be 1-63 lowercase letters, digits or dashes"
         )
     if not info.region:
         raise InvalidArgument(f"{field_prefix}.region", "is required")
-    if not NAME_RE.match(info.region):
+    if not is_name(info.region):
         raise InvalidArgument(
             f"{field_prefix}.region",
             f"{info.region!r} must be 1-63 lowercase letters, digits or dashes",

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import grpc
 
-from nonomad.runtime import READY_PREFIX, read_announcements
-from nonomad.runtime import error_info as runtime_error_info
+from runtime import READY_PREFIX, read_announcements
+from runtime import error_info as runtime_error_info
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent

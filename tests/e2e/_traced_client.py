@@ -20,7 +20,7 @@ from opentelemetry import trace
 from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc
 from flyd.v1 import machine_pb2 as pb
-from nonomad.runtime import aio_channel, configure_logging, setup_tracing, shutdown_tracing
+from runtime import aio_channel, configure_logging, setup_tracing, shutdown_tracing
 
 RPC_TIMEOUT = 30.0
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flyd import fsm
-from flyd.clock import ManualClock
 from flyd.driver import ExitStatus, Handle
 from flyd.fakes import FakeDriver, FakeHost, FakeScript, _FakeProcess
 from flyd.images import ImageCache, ImageSource, build_image
@@ -24,6 +23,7 @@ from flyd.traces import OpTracer
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
 from flyd.worker import Identity, Worker
+from runtime.clock import ManualClock
 
 S = pb.MachineState
 IMAGE = "app:v1"

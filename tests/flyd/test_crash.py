@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 
 from flyd import fsm
-from flyd.clock import ManualClock
 from flyd.driver import ExitStatus
 from flyd.images import ImageSource
 from flyd.store import LmdbMachineLog
 from flyd.v1 import machine_pb2 as pb
+from runtime.clock import ManualClock
 from tests.flyd.support import (
     DEADLINE,
     Crash,

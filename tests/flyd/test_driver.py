@@ -25,7 +25,6 @@ from pathlib import Path
 import pytest
 import structlog
 
-from flyd.clock import ManualClock
 from flyd.driver import (
     SPARES,
     Driver,
@@ -37,6 +36,7 @@ from flyd.driver import (
 )
 from flyd.errors import CorruptLog, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from flyd.fakes import FakeDriver, FakeHost, FakeScript
+from runtime.clock import ManualClock
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CONTROLLERS = ("memory", "cpu", "pids")

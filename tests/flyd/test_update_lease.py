@@ -15,7 +15,6 @@ import grpc
 import pytest
 from google.protobuf.duration_pb2 import Duration
 
-from flyd.clock import ManualClock
 from flyd.driver import ProcessSpec
 from flyd.errors import FailedPrecondition, NotFound, ResourceExhausted
 from flyd.fakes import FakeDriver
@@ -25,6 +24,7 @@ from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as wpb
 from flyd.v1 import worker_pb2_grpc
 from flyd.worker import Worker
+from runtime.clock import ManualClock
 from tests.flyd.support import (
     DEADLINE,
     PORTS,

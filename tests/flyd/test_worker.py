@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 
 from flyd import worker as worker_module
-from flyd.clock import ManualClock
 from flyd.errors import (
     AlreadyExists,
     DeadlineExceeded,
@@ -30,6 +29,7 @@ from flyd.store import LmdbMachineLog, MachineLog, MemoryMachineLog
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
 from flyd.worker import Worker
+from runtime.clock import ManualClock
 from tests.flyd.support import (
     DEADLINE,
     PORTS,

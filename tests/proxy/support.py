@@ -28,7 +28,6 @@ from opentelemetry.trace import Tracer
 
 from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
-from flyd.clock import ManualClock
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
@@ -38,6 +37,7 @@ from proxy.stats import Stats
 from proxy.v1 import proxy_pb2, proxy_pb2_grpc
 from registry.replica import RESYNC, ReplicaEvent, Subscription, WorkerView
 from registry.view import ALIVE, Status
+from runtime.clock import ManualClock
 from tests.conftest import _kill_machines, remove_cgroups
 from tests.harness import ServiceProcess, clean_env, flyd_args
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from nonomad.runtime import SettingsError, load_settings
 from proxy.http import Limits
 from proxy.settings import ProxySettings
+from runtime import SettingsError, load_settings
 
 
 def test_the_default_limits_are_the_data_planes_defaults() -> None:

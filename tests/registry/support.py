@@ -6,12 +6,12 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 
-from nonomad.runtime import Service, ServiceSettings
 from registry.fakes import FakeWorker
 from registry.replica import Replica, ReplicaEvent, Subscription
 from registry.service import RegistryServicer, map_error
 from registry.v1 import registry_pb2, registry_pb2_grpc
 from registry.view import Status, View, WorkerView
+from runtime import Service, ServiceSettings
 
 # How long any test waits for a condition before it fails (never reached when things work).
 DEADLINE = 10.0

@@ -11,11 +11,11 @@ from collections.abc import AsyncIterator
 import pytest
 from prometheus_client import REGISTRY
 
-from flyd.clock import ManualClock
 from flyd.v1 import machine_pb2 as pb
 from registry.fakes import FakeWorker
 from registry.replica import Replica
 from registry.view import ALIVE, DEAD
+from runtime.clock import ManualClock
 from tests.registry.support import eventually, on_fake, running, served, status_is
 
 S = pb.MachineState

@@ -11,11 +11,11 @@ from typing import Any
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
-from nonomad.runtime import aio_channel
 from registry.replica import Replica
 from registry.v1 import registry_pb2 as r
 from registry.v1 import registry_pb2_grpc
 from registry.view import ALIVE, DEAD, SUSPECT
+from runtime import aio_channel
 from tests.harness import ServiceProcess, clean_env, grpcurl
 from tests.registry.support import (
     DEADLINE,

@@ -8,9 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from flyd.clock import ManualClock, SystemClock
 from flyd.v1 import machine_pb2 as pb
-from nonomad.runtime import aio_channel
 from registry.errors import InvalidArgument
 from registry.fakes import FakeWorker
 from registry.replica import FOLLOW_RESYNC, RESYNC, Replica, Subscription
@@ -18,6 +16,8 @@ from registry.service import RegistryServicer
 from registry.v1 import registry_pb2 as r
 from registry.v1 import registry_pb2_grpc
 from registry.view import ALIVE, DEAD, SUSPECT, UNKNOWN
+from runtime import aio_channel
+from runtime.clock import ManualClock, SystemClock
 from tests.registry.support import (
     DEADLINE,
     connected,

@@ -7,9 +7,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from flyd.clock import ManualClock
 from flyd.v1 import machine_pb2 as pb
-from nonomad.runtime import SettingsError, aio_channel, load_settings
 from registry.errors import InvalidArgument, RegistryError, SequenceGap, Unavailable
 from registry.fakes import FakeWorker
 from registry.replica import Replica
@@ -18,6 +16,8 @@ from registry.settings import RegistrySettings
 from registry.v1 import registry_pb2 as r
 from registry.v1 import registry_pb2_grpc
 from registry.view import ALIVE, DEAD
+from runtime import SettingsError, aio_channel, load_settings
+from runtime.clock import ManualClock
 from tests.registry.support import eventually, running, served, status_is
 
 Stub = registry_pb2_grpc.RegistryServiceStub

@@ -1,4 +1,4 @@
-"""A minimal service built on nonomad.runtime, run as a real process by test_process.py.
+"""A minimal service built on runtime, run as a real process by test_process.py.
 
 python -m tests.runtime._demo_service --listen 127.0.0.1:0
 """
@@ -10,7 +10,7 @@ import asyncio
 import structlog
 from pydantic_settings import SettingsConfigDict
 
-from nonomad.runtime import (
+from runtime import (
     Service,
     ServiceSettings,
     configure_logging,

@@ -16,7 +16,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, wrappers_pb2
 from google.protobuf.descriptor import ServiceDescriptor
 from google.rpc.error_details_pb2 import ErrorInfo
 
-from nonomad.runtime import Mapped
+from runtime import Mapped
 
 SERVICE_NAME = "nonomad.test.v1.EchoService"
 _STRING = ".google.protobuf.StringValue"

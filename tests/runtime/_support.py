@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-from nonomad.runtime import Service
+from runtime import Service
 
 START_TIMEOUT = 5.0
 STOP_TIMEOUT = 10.0

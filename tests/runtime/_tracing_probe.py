@@ -17,7 +17,7 @@ import grpc
 import grpc.aio
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from nonomad.runtime import (
+from runtime import (
     Service,
     ServiceSettings,
     aio_channel,

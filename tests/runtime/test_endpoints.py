@@ -14,7 +14,7 @@ from google.protobuf import wrappers_pb2
 from grpc_health.v1 import health_pb2
 from prometheus_client import Counter
 
-from nonomad.runtime import ServiceSettings, SettingsError, aio_channel, load_settings
+from runtime import ServiceSettings, SettingsError, aio_channel, load_settings
 from tests.runtime import _echo
 from tests.runtime._support import running
 from tests.runtime.test_server import SERVING, echo_service, health_status

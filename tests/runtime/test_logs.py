@@ -13,7 +13,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import NoOpTracerProvider
 
-from nonomad.runtime import configure_logging
+from runtime import configure_logging
 
 pytestmark = pytest.mark.usefixtures("restore_logging")
 

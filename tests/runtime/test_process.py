@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from nonomad.runtime import READY_PREFIX, aio_channel
+from runtime import READY_PREFIX, aio_channel
 from tests.runtime._processes import start_module
 
 DEMO = "tests.runtime._demo_service"

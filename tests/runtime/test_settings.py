@@ -8,7 +8,7 @@ import pytest
 from pydantic import BaseModel, Field
 from pydantic_settings import SettingsConfigDict
 
-from nonomad.runtime import (
+from runtime import (
     ServiceSettings,
     SettingsError,
     load_settings,

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from nonomad.runtime import (
+from runtime import (
     client_interceptors,
     server_interceptors,
     setup_tracing,

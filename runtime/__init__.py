@@ -5,9 +5,9 @@ A service's entry point loads its `ServiceSettings` subclass with `settings_or_e
 Clients open channels with `aio_channel` so trace context crosses every hop.
 """
 
-from nonomad.runtime.endpoints import METRICS_PREFIX, MetricsEndpoint, TokenAuth
-from nonomad.runtime.logs import configure_logging
-from nonomad.runtime.server import (
+from runtime.endpoints import METRICS_PREFIX, MetricsEndpoint, TokenAuth
+from runtime.logs import configure_logging
+from runtime.server import (
     READY_PREFIX,
     ErrorMapper,
     Mapped,
@@ -19,14 +19,14 @@ from nonomad.runtime.server import (
     server_options,
     wrap_servicer,
 )
-from nonomad.runtime.settings import (
+from runtime.settings import (
     ServiceSettings,
     SettingsError,
     load_settings,
     parse_host_port,
     settings_or_exit,
 )
-from nonomad.runtime.tracing import (
+from runtime.tracing import (
     DEFAULT_CHANNEL_OPTIONS,
     ChannelOption,
     ChannelTLS,

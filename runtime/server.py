@@ -36,9 +36,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
-from nonomad.runtime import tracing
-from nonomad.runtime.endpoints import METRICS_PREFIX, MetricsEndpoint, TokenAuth
-from nonomad.runtime.settings import ServiceSettings, SettingsError, parse_host_port
+from runtime import tracing
+from runtime.endpoints import METRICS_PREFIX, MetricsEndpoint, TokenAuth
+from runtime.errors import InvalidArgument
+from runtime.settings import ServiceSettings, SettingsError, parse_host_port
 
 __all__ = [
     "READY_PREFIX",
@@ -114,6 +115,8 @@ async def _abort_with_mapped(
         # A broken mapper must not hide the original error from the log.
         _log.exception("error_mapper_failed", method=method, error=repr(exc))
         mapped = None
+    if mapped is None and isinstance(exc, InvalidArgument):
+        mapped = (grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     if mapped is None:
         _log.error("rpc_failed", method=method, exc_info=exc)
         await context.abort(grpc.StatusCode.INTERNAL, _INTERNAL_MESSAGE)

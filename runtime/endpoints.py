@@ -76,7 +76,7 @@ class MetricsEndpoint:
     """Prometheus text format at `http://<address>/metrics`, served from a daemon thread."""
 
     def __init__(self, listen: str) -> None:
-        from nonomad.runtime.settings import parse_host_port
+        from runtime.settings import parse_host_port
 
         host, port = parse_host_port(listen)
         self._server, self._thread = start_http_server(port, addr=host)
