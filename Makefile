@@ -17,7 +17,8 @@ help:
 	@echo "make bench  run the benchmarks and print tables"
 
 # The environment comes from the project's own files: uv.lock for Python,
-# package-lock.json for buf (npm ci trips over buf's per-platform optional packages; install honours the lock).
+# package-lock.json for buf (it lists every platform's optional buf binary, so `npm ci` installs
+# exactly the lock and never rewrites it).
 env: $(VENV)/.synced $(BUF)
 
 $(VENV)/.synced: pyproject.toml uv.lock
@@ -26,7 +27,7 @@ $(VENV)/.synced: pyproject.toml uv.lock
 	@touch $@
 
 $(BUF): package.json package-lock.json
-	npm install --no-fund --no-audit --loglevel=error
+	npm ci --no-fund --no-audit --loglevel=error
 	@touch $@
 
 gen: env
@@ -48,11 +49,9 @@ check-gen: env
 lint: env
 	$(BUF) lint
 	$(BUF) format --exit-code --diff
-	@if git rev-parse --verify -q origin/main >/dev/null && git ls-tree -r --name-only origin/main protos | grep -q proto; then \
-	  $(BUF) breaking --against '.git#branch=origin/main'; \
-	elif git rev-parse --verify -q main >/dev/null && git ls-tree -r --name-only main protos | grep -q proto; then \
-	  $(BUF) breaking --against '.git#branch=main'; \
-	else echo "buf breaking: main has no protos yet"; fi
+	@against=$$(.ci/breaking-against) && if [ -n "$$against" ]; then \
+	  echo "buf breaking against $$against"; $(BUF) breaking --against ".git#ref=$$against"; \
+	else echo "buf breaking: nothing to compare with (no earlier commit with protos)"; fi
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
