@@ -34,7 +34,7 @@ from flyd.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from flyd.images import Image, ImageCache
+from flyd.images.cache import Image, ImageCache
 from flyd.metrics import CREATE_SECONDS, count_transition
 from flyd.settings import CapacitySettings
 from flyd.store import Compacted, MachineLog, NewRecord, RecordType

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from flyd.driver import kill_all
-from flyd.images import build_image
+from flyd.images.build import build_image
 from flyd.v1 import worker_pb2_grpc
 from tests.harness import ServiceProcess, clean_env, flyd_args
 
