@@ -949,22 +949,6 @@ class ProcessDriver:
                 return fd
             await self._sleep(0.002)
 
-    def _attach_if_alive(
-        self, loop: asyncio.AbstractEventLoop, machine_id: str, handle: Handle
-    ) -> bool:
-        """Watch the handle's process if it still runs; report nothing if it does not."""
-        pidfd = self._open_pidfd(handle)
-        if pidfd is None:
-            return False
-        if _readable(pidfd):
-            with contextlib.suppress(ChildProcessError):  # reap it if it is our child
-                os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
-            os.close(pidfd)
-            return False
-        self._watch(loop, machine_id, handle, pidfd, popen=None)
-        log.info("machine_process_attached", machine_id=machine_id, pid=handle.pid)
-        return True
-
     def _open_pidfd(self, handle: Handle) -> int | None:
         """A pidfd for the handle's process if it is still that process, else None."""
         if handle.boot_id != self._boot_id:
