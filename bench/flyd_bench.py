@@ -56,7 +56,7 @@ from bench import procs
 from bench.procs import FlydProcess, progress
 from bench.report import Results, percentile
 from flyd import fsm
-from flyd.driver import ProcessDriver
+from flyd.drivers.process import ProcessDriver
 from flyd.images.build import build_image
 from flyd.images.cache import ImageCache
 from flyd.images.source import ImageSource

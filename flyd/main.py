@@ -12,7 +12,7 @@ import structlog
 from opentelemetry import trace
 
 from flyd import fsm
-from flyd.driver import ProcessDriver
+from flyd.drivers.process import ProcessDriver
 from flyd.images.cache import ImageCache
 from flyd.images.source import ImageSource
 from flyd.metrics import register_worker

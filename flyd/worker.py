@@ -22,7 +22,7 @@ from pathlib import Path
 import structlog
 
 from flyd import fsm
-from flyd.driver import Driver, ExitStatus, Handle, Limits, ProcessSpec
+from flyd.drivers.base import Driver, ExitStatus, Handle, Limits, ProcessSpec
 from flyd.errors import (
     DESTROYED,
     REPLACED,

@@ -24,7 +24,7 @@ from pathlib import Path
 import grpc
 
 from flaps.v1 import platform_pb2
-from flyd.driver import kill_all
+from flyd.drivers.rundir import kill_all
 from flyd.images.build import build_image
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w

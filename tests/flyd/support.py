@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flyd import fsm
-from flyd.driver import ExitStatus, Handle
+from flyd.drivers.base import ExitStatus, Handle
 from flyd.fakes import FakeDriver, FakeHost, FakeScript, _FakeProcess
 from flyd.images.build import build_image
 from flyd.images.cache import ImageCache

@@ -15,7 +15,7 @@ import grpc
 import pytest
 from google.protobuf.duration_pb2 import Duration
 
-from flyd.driver import ProcessSpec
+from flyd.drivers.base import ProcessSpec
 from flyd.errors import FailedPrecondition, NotFound, ResourceExhausted
 from flyd.fakes import FakeDriver
 from flyd.images.build import build_image
