@@ -56,8 +56,10 @@ from bench import procs
 from bench.procs import FlydProcess, progress
 from bench.report import Results, percentile
 from flyd import fsm
-from flyd.driver import ProcessDriver
-from flyd.images import ImageCache, ImageSource, build_image
+from flyd.drivers.process import ProcessDriver
+from flyd.images.build import build_image
+from flyd.images.cache import ImageCache
+from flyd.images.source import ImageSource
 from flyd.settings import CapacitySettings
 from flyd.store import LmdbMachineLog
 from flyd.v1 import machine_pb2 as pb

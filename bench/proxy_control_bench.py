@@ -39,8 +39,8 @@ from bench.procs import progress
 from bench.report import Results, percentile
 from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc
-from flyd.driver import kill_all
-from flyd.images import build_image
+from flyd.drivers.rundir import kill_all
+from flyd.images.build import build_image
 from flyd.v1 import machine_pb2 as pb
 from nonomad.cli_local import DEMO_SOURCE
 from proxy.v1 import proxy_pb2, proxy_pb2_grpc

@@ -42,7 +42,7 @@ import grpc
 from bench import procs, report
 from bench.procs import FlydProcess, progress
 from bench.report import Results, percentile
-from flyd.images import build_image
+from flyd.images.build import build_image
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc

@@ -24,7 +24,7 @@ import signal
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
-from flyd.driver import Driver, ExitStatus, Handle, ProcessSpec
+from flyd.drivers.base import Driver, ExitStatus, Handle, ProcessSpec
 from flyd.errors import FailedPrecondition, FlydError, InvalidArgument, NotFound, Unavailable
 from runtime.clock import Clock, ManualClock
 

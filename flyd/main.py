@@ -12,8 +12,9 @@ import structlog
 from opentelemetry import trace
 
 from flyd import fsm
-from flyd.driver import ProcessDriver
-from flyd.images import ImageCache, ImageSource
+from flyd.drivers.process import ProcessDriver
+from flyd.images.cache import ImageCache
+from flyd.images.source import ImageSource
 from flyd.metrics import register_worker
 from flyd.service import WorkerServicer, map_error
 from flyd.settings import FlydSettings

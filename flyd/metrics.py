@@ -3,26 +3,34 @@
 The runtime serves that registry at `/metrics` when flyd runs with `--metrics-listen`. What
 changes on every step is a counter bumped in the commit path (a cached child per label pair,
 so a step costs one increment); what describes the worker as a whole (machines by state,
-reservations, capacity) is read from the Worker's running totals when Prometheus scrapes, so
+reservations, capacity) is read from the worker's running totals when Prometheus scrapes, so
 the create path pays nothing for it.
+
+Metrics observe; they are not called back. The worker imports this module to count its
+transitions and time its creates; this module sees the worker only as `WorkerTotals`, the few
+totals the gauges read, and never imports flyd.worker.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from flyd import fsm
+from flyd.settings import CapacitySettings
 from flyd.v1 import machine_pb2 as pb
 
-if TYPE_CHECKING:
-    from flyd.worker import Worker
-
-__all__ = ["CREATE_SECONDS", "WorkerCollector", "count_transition", "register_worker"]
+__all__ = [
+    "CREATE_SECONDS",
+    "WorkerCollector",
+    "WorkerTotals",
+    "count_transition",
+    "register_worker",
+]
 
 TRANSITIONS = Counter(
     "nonomad_flyd_state_transitions",
@@ -53,10 +61,32 @@ _STATES = [value for value in pb.MachineState.values() if value != pb.MACHINE_ST
 _RESOURCES = ("cpu_millicores", "memory_mib", "disk_mib", "machines")
 
 
+class WorkerTotals(Protocol):
+    """What the worker gauges read: the running totals a worker keeps (`flyd.worker.Worker`)."""
+
+    @property
+    def total(self) -> CapacitySettings:
+        """What the worker offers in all."""
+        ...
+
+    @property
+    def cordoned(self) -> bool:
+        """Whether the worker refuses new machines."""
+        ...
+
+    def machines_by_state(self) -> dict[int, int]:
+        """How many machines are in each state."""
+        ...
+
+    def reserved(self) -> pb.Resources:
+        """What the worker's machines (and creates under way) reserve."""
+        ...
+
+
 class WorkerCollector(Collector):
     """Gauges computed at scrape time from the worker's running totals."""
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: WorkerTotals) -> None:
         self._worker = worker
 
     def collect(self) -> Iterator[Metric]:
@@ -91,7 +121,7 @@ class WorkerCollector(Collector):
         )
 
 
-def register_worker(worker: Worker) -> WorkerCollector:
+def register_worker(worker: WorkerTotals) -> WorkerCollector:
     """Report `worker`'s gauges from the default registry (one worker per process)."""
     collector = WorkerCollector(worker)
     REGISTRY.register(collector)

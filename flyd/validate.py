@@ -4,7 +4,7 @@ spec). The generic field checks (names, signals, durations) live in `runtime.val
 from __future__ import annotations
 
 from flyd.errors import InvalidArgument
-from flyd.images import parse_reference
+from flyd.images.reference import parse_reference
 from flyd.v1 import machine_pb2 as pb
 from runtime.validate import check_name, duration_seconds, is_env_key, parse_signal, quote
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import structlog
 
 from flyd import fsm
-from flyd.driver import Driver, ExitStatus, Handle, Limits, ProcessSpec
+from flyd.drivers.base import Driver, ExitStatus, Handle, Limits, ProcessSpec
 from flyd.errors import (
     DESTROYED,
     REPLACED,
@@ -34,7 +34,7 @@ from flyd.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from flyd.images import Image, ImageCache
+from flyd.images.cache import Image, ImageCache
 from flyd.metrics import CREATE_SECONDS, count_transition
 from flyd.settings import CapacitySettings
 from flyd.store import Compacted, MachineLog, NewRecord, RecordType

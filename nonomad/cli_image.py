@@ -12,7 +12,8 @@ from pathlib import Path
 
 from flyd.errors import FlydError, ImageError
 from flyd.errors import InvalidArgument as FlydInvalidArgument
-from flyd.images import build_image, parse_reference
+from flyd.images.build import build_image
+from flyd.images.reference import parse_reference
 from nonomad.cli_common import CliError, UsageError, emit, local_cluster, state_dir
 
 

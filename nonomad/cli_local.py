@@ -24,8 +24,8 @@ from pathlib import Path
 import grpc
 
 from flaps.v1 import platform_pb2
-from flyd.driver import kill_all
-from flyd.images import build_image
+from flyd.drivers.rundir import kill_all
+from flyd.images.build import build_image
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc

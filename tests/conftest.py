@@ -11,8 +11,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from flyd.driver import kill_all
-from flyd.images import build_image
+from flyd.drivers.rundir import kill_all
+from flyd.images.build import build_image
 from flyd.v1 import worker_pb2_grpc
 from tests.harness import ServiceProcess, clean_env, flyd_args
 

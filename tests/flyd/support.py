@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flyd import fsm
-from flyd.driver import ExitStatus, Handle
+from flyd.drivers.base import ExitStatus, Handle
 from flyd.fakes import FakeDriver, FakeHost, FakeScript, _FakeProcess
-from flyd.images import ImageCache, ImageSource, build_image
+from flyd.images.build import build_image
+from flyd.images.cache import ImageCache
+from flyd.images.source import ImageSource
 from flyd.settings import CapacitySettings
 from flyd.store import MachineLog, NewRecord, Record, Snapshot
 from flyd.traces import OpTracer

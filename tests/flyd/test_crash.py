@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from flyd import fsm
-from flyd.driver import ExitStatus
-from flyd.images import ImageSource
+from flyd.drivers.base import ExitStatus
+from flyd.images.source import ImageSource
 from flyd.store import LmdbMachineLog
 from flyd.v1 import machine_pb2 as pb
 from runtime.clock import ManualClock

@@ -25,15 +25,9 @@ from pathlib import Path
 import pytest
 import structlog
 
-from flyd.driver import (
-    SPARES,
-    Driver,
-    ExitStatus,
-    Handle,
-    Limits,
-    ProcessDriver,
-    ProcessSpec,
-)
+from flyd.drivers.base import Driver, ExitStatus, Handle, Limits, ProcessSpec
+from flyd.drivers.process import ProcessDriver
+from flyd.drivers.spares import SPARES
 from flyd.errors import CorruptLog, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from flyd.fakes import FakeDriver, FakeHost, FakeScript
 from runtime.clock import ManualClock
@@ -512,7 +506,7 @@ async def test_exit_while_flyd_is_down_is_reported_on_attach(make_driver, workdi
     fd = await asyncio.wait_for(open_writer(fifo), DEADLINE)
     os.write(fd, b"7\n")
     os.close(fd)
-    exit_file = old._run_root / "m1" / "status" / "exit"
+    exit_file = old._run_dirs.root / "m1" / "status" / "exit"
     await wait_until(exit_file.exists, "the machine to exit")
 
     exits = Exits()
@@ -600,7 +594,7 @@ async def test_cpu_and_memory_limits_are_written(make_driver, workdir: Path, pre
 
     await driver.cleanup("m1")
     assert not any(path.exists() for path in cg.values())
-    assert not (driver._run_root / "m1").exists()
+    assert not (driver._run_dirs.root / "m1").exists()
 
 
 async def test_without_cgroups_machines_run_with_one_warning(run_root, workdir, tmp_path) -> None:
@@ -646,7 +640,7 @@ async def test_run_as_unprivileged_user(prefix: str) -> None:
 async def test_log_rotation_keeps_files_bounded(make_driver, workdir: Path) -> None:
     exits = Exits()
     driver = make_driver(exits, max_log_bytes=1000, log_backups=2)
-    log = driver._run_root / "m1" / "machine.log"
+    log = driver._run_dirs.root / "m1" / "machine.log"
     for run in range(4):
         # Each run prints 30 numbered lines of 99 bytes.
         script = (
@@ -678,7 +672,7 @@ async def test_follow_logs_yields_new_lines_across_rotation(make_driver, workdir
     await run_machine(driver, spec("m1", ["cat", str(fifo)], workdir))
     shutdown = asyncio.Event()
     lines = driver.follow_logs("m1", shutdown=shutdown, poll_interval=0.005)
-    log = driver._run_root / "m1" / "machine.log"
+    log = driver._run_dirs.root / "m1" / "machine.log"
 
     fd = await asyncio.wait_for(open_writer(fifo), DEADLINE)
     try:

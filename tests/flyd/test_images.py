@@ -32,18 +32,17 @@ from flyd.errors import (
     InvalidImageReference,
     UnsafeImage,
 )
-from flyd.images import (
+from flyd.images.build import build_image
+from flyd.images.cache import ImageCache
+from flyd.images.oci import (
     MEDIA_TYPE_CONFIG,
     MEDIA_TYPE_INDEX,
     MEDIA_TYPE_LAYER_GZIP,
     MEDIA_TYPE_MANIFEST,
     REF_NAME_ANNOTATION,
-    ImageCache,
-    ImageRef,
-    ImageSource,
-    build_image,
-    parse_reference,
 )
+from flyd.images.reference import ImageRef, parse_reference
+from flyd.images.source import ImageSource
 
 HEX = "0123456789abcdef" * 4
 DIGEST = f"sha256:{HEX}"

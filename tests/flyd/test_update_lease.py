@@ -15,10 +15,11 @@ import grpc
 import pytest
 from google.protobuf.duration_pb2 import Duration
 
-from flyd.driver import ProcessSpec
+from flyd.drivers.base import ProcessSpec
 from flyd.errors import FailedPrecondition, NotFound, ResourceExhausted
 from flyd.fakes import FakeDriver
-from flyd.images import ImageCache, build_image
+from flyd.images.build import build_image
+from flyd.images.cache import ImageCache
 from flyd.store import LmdbMachineLog
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as wpb

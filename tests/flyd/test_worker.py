@@ -23,7 +23,7 @@ from flyd.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from flyd.images import ImageCache
+from flyd.images.cache import ImageCache
 from flyd.settings import CapacitySettings
 from flyd.store import LmdbMachineLog, MachineLog, MemoryMachineLog
 from flyd.v1 import machine_pb2 as pb

@@ -1,0 +1,128 @@
+"""The contract between flyd and a driver: what a machine's process is asked to be (a spec
+with its limits), how flyd names it across restarts (a handle), how it ended (an exit status),
+and the `Driver` protocol the worker is written against.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from flyd.errors import CorruptLog
+
+__all__ = ["Driver", "ExitStatus", "Handle", "Limits", "ProcessSpec"]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Resources reserved for a machine: enforced with cgroups when `limits_enforced`."""
+
+    cpu_millicores: int
+    memory_mib: int
+    pids: int = 1024
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """What to run for a machine.
+
+    `argv` is already resolved (entrypoint + cmd, or the override). `cwd` is an absolute host
+    path (the image rootfs plus its workdir): the process driver does not chroot.
+    """
+
+    machine_id: str
+    argv: list[str]
+    cwd: Path
+    env: dict[str, str]
+    limits: Limits
+
+
+@dataclass(frozen=True)
+class Handle:
+    """Identifies a machine's wrapper process across flyd restarts; flyd stores it in its log.
+
+    A pid alone is not an identity: pids are recycled. The start time (in clock ticks since
+    boot, field 22 of /proc/<pid>/stat) and the boot id pin down one process.
+    """
+
+    pid: int
+    start_time: int
+    boot_id: str
+
+    def to_dict(self) -> dict[str, int | str]:
+        """The JSON-ready form `from_dict` reads back."""
+        return {"pid": self.pid, "start_time": self.start_time, "boot_id": self.boot_id}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> Handle:
+        """Reads `to_dict`'s form; anything else is a `CorruptLog`, never a guess."""
+        pid, start_time, boot_id = data.get("pid"), data.get("start_time"), data.get("boot_id")
+        if (
+            not isinstance(pid, int)
+            or not isinstance(start_time, int)
+            or not isinstance(boot_id, str)
+            or pid <= 0
+        ):
+            raise CorruptLog(f"not a process handle: {data!r}")
+        return cls(pid=pid, start_time=start_time, boot_id=boot_id)
+
+
+@dataclass(frozen=True)
+class ExitStatus:
+    """How a machine's process ended: exactly one of `exit_code` and `signal` is set."""
+
+    exit_code: int | None
+    signal: int | None
+    oom_killed: bool = False
+    # False: the process was held and never released, so it ran nothing of the machine's.
+    released: bool = True
+
+    def __post_init__(self) -> None:
+        if (self.exit_code is None) == (self.signal is None):
+            raise ValueError("exactly one of exit_code and signal must be set")
+
+    def describe(self) -> str:
+        """A phrase for humans: "exited with code 3", "killed by SIGKILL (out of memory)"."""
+        if not self.released:
+            return "ended before it was released"
+        if self.exit_code is not None:
+            text = f"exited with code {self.exit_code}"
+        else:
+            assert self.signal is not None
+            try:
+                name = signal.Signals(self.signal).name
+            except ValueError:
+                name = f"signal {self.signal}"
+            text = f"killed by {name}"
+        return text + " (out of memory)" if self.oom_killed else text
+
+
+class Driver(Protocol):
+    """What flyd needs from a driver: `process.ProcessDriver`, or `flyd.fakes.FakeDriver`."""
+
+    limits_enforced: bool
+
+    async def start(self, spec: ProcessSpec) -> Handle: ...
+    def release(self, machine_id: str) -> None: ...
+    def discard(self, machine_id: str) -> None: ...
+    def attach(self, machine_id: str, handle: Handle) -> bool: ...
+    def is_running(self, machine_id: str) -> bool: ...
+    async def signal(self, machine_id: str, sig: int) -> None: ...
+    async def stop(self, machine_id: str, sig: int, timeout: float) -> ExitStatus: ...
+    def last_exit(self, machine_id: str) -> ExitStatus | None: ...
+    async def cleanup(self, machine_id: str) -> None: ...
+    def rotate_logs(self) -> None: ...
+    def read_logs(self, machine_id: str, tail_lines: int) -> list[str]: ...
+    def follow_logs(
+        self,
+        machine_id: str,
+        *,
+        shutdown: asyncio.Event,
+        poll_interval: float = 0.1,
+        from_offset: int | None = None,
+    ) -> AsyncIterator[str]: ...
+    async def close(self) -> None: ...

@@ -1,0 +1,228 @@
+"""cgroup v1 limits for the process driver's machines: one memory, one cpu and one pids cgroup
+per machine, under `<cgroup root>/<controller>/<prefix>/<machine id>`.
+
+This module probes whether the controllers are usable, sets a machine's cgroups up with its
+limits, kills what runs in them, removes them, and tells from the memory cgroup's counters
+whether a run was killed for want of memory. It knows nothing of run dirs: the driver keeps the
+counters a run started with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from flyd.drivers.base import ExitStatus, Limits
+from flyd.errors import Unavailable
+
+__all__ = ["CONTROLLERS", "Cgroups", "OomCounters", "probe"]
+
+log = structlog.get_logger(__name__)
+
+CONTROLLERS = ("memory", "cpu", "pids")
+_CPU_PERIOD_US = 100_000
+_CPU_MIN_QUOTA_US = 1_000  # the kernel refuses smaller quotas
+_RMDIR_TIMEOUT_S = 2.0
+
+
+def probe(cgroup_root: Path, prefix: str) -> str | None:
+    """None if the v1 memory, cpu and pids controllers are usable, else why not.
+
+    Creates `<controller>/<prefix>` under `cgroup_root` where it is missing.
+    """
+    needs = {
+        "memory": ("memory.limit_in_bytes", "memory.oom_control", "memory.failcnt"),
+        "cpu": ("cpu.cfs_period_us", "cpu.cfs_quota_us"),
+        "pids": ("pids.max",),
+    }
+    for controller, files in needs.items():
+        mount = cgroup_root / controller
+        if not (mount / "cgroup.procs").is_file():
+            return f"no cgroup v1 {controller} controller mounted at {mount}"
+        parent = mount / prefix
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            return f"cannot create {parent}: {e.strerror}"
+        missing = [name for name in files if not (parent / name).is_file()]
+        if missing:
+            return f"{parent} has no {', '.join(missing)}"
+        if not os.access(parent, os.W_OK) or not os.access(parent / files[0], os.W_OK):
+            return f"{parent} is not writable"
+    return None
+
+
+@dataclass(frozen=True)
+class OomCounters:
+    """A memory cgroup's OOM kills and limit hits (memory.failcnt).
+
+    They outlive a run, so an exit is judged against their values when the run started.
+    """
+
+    oom_kill: int
+    failcnt: int
+
+
+class Cgroups:
+    """The machines' cgroups under `cgroup_root`; make one only where `probe` found no problem.
+
+    `owner_uid`: the user machines run as, who must be able to join their cgroups (None: the
+    driver's own).
+    """
+
+    def __init__(
+        self,
+        cgroup_root: Path,
+        prefix: str,
+        *,
+        owner_uid: int | None,
+        sleep: Callable[[float], Awaitable[None]],
+    ) -> None:
+        self._root = cgroup_root
+        self._prefix = prefix
+        self._owner_uid = owner_uid
+        self._sleep = sleep
+        self.parents = [cgroup_root / c / prefix for c in CONTROLLERS]
+        """The directories the machines' cgroups live in, one per controller."""
+        # Whether the kernel accounts swap (memory.memsw.*): then memory+swap is limited too.
+        self._memsw = (cgroup_root / "memory" / prefix / "memory.memsw.limit_in_bytes").is_file()
+
+    def dirs(self, machine_id: str) -> list[Path]:
+        """The machine's cgroup directories, in `CONTROLLERS` order."""
+        return [self._root / c / self._prefix / machine_id for c in CONTROLLERS]
+
+    def setup(
+        self, machine_id: str, limits: Limits, new: list[bool] | None
+    ) -> tuple[list[Path], OomCounters | None]:
+        """Create (or reuse) the machine's cgroups with `limits`.
+
+        `new`: which of them were just put in place from spares (None: none were). Returns
+        their cgroup.procs files and, when the memory cgroup already existed, its counters now
+        (None: a new one, which counts from zero).
+        """
+        memory, cpu, pids = self.dirs(machine_id)
+        created = [
+            (new is not None and new[i]) or _mkdir_new(cg, 0o755)
+            for i, cg in enumerate((memory, cpu, pids))
+        ]
+        if not all(created):
+            self.kill(machine_id)  # leftovers of a previous run, if flyd missed its end
+        _set_memory_limit(memory, limits.memory_mib << 20, memsw=self._memsw)
+        if not created[1]:  # a new cgroup has the kernel's default period, which is ours
+            _write(cpu / "cpu.cfs_period_us", _CPU_PERIOD_US)
+        _write(cpu / "cpu.cfs_quota_us", max(_CPU_MIN_QUOTA_US, limits.cpu_millicores * 100))
+        _write(pids / "pids.max", limits.pids)
+        counters = None
+        if not created[0]:
+            oom_kill = _read_oom_kill(memory) or 0
+            failcnt = int((memory / "memory.failcnt").read_text())
+            counters = OomCounters(oom_kill, failcnt)
+        procs = [cg / "cgroup.procs" for cg in (memory, cpu, pids)]
+        if self._owner_uid is not None:
+            for p in procs:  # the wrapper joins as the machine's user
+                os.chown(p, self._owner_uid, -1)
+        return procs, counters
+
+    def kill(self, machine_id: str) -> None:
+        """SIGKILL every process in the machine's cgroups (a few rounds, to catch forks)."""
+        for _ in range(5):
+            pids: set[int] = set()
+            for cg in self.dirs(machine_id):
+                with contextlib.suppress(OSError, ValueError):
+                    pids.update(int(p) for p in (cg / "cgroup.procs").read_text().split())
+            if not pids:
+                return
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+    def oom_killed(
+        self, machine_id: str, base: OomCounters, status: ExitStatus, killed_by_us: bool
+    ) -> bool:
+        """Whether the run that started with counters `base` and ended with `status` was
+        killed for want of memory. False when the counters cannot be read.
+        """
+        memory = self.dirs(machine_id)[0]
+        try:
+            oom_kill = _read_oom_kill(memory)
+            if oom_kill is not None:
+                return oom_kill > base.oom_kill
+            # Older kernels do not count OOM kills: hitting the limit plus a SIGKILL we did not
+            # send is the best evidence left.
+            failcnt = int((memory / "memory.failcnt").read_text())
+        except (OSError, ValueError):
+            return False
+        return failcnt > base.failcnt and status.signal == signal.SIGKILL and not killed_by_us
+
+    async def remove(self, machine_id: str) -> None:
+        """Kill what runs in the machine's cgroups and remove them. Idempotent.
+
+        Raises `Unavailable` if one cannot be removed: still busy after a short wait, or any
+        other error.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _RMDIR_TIMEOUT_S
+        for cg in self.dirs(machine_id):
+            while True:
+                self.kill(machine_id)
+                try:
+                    cg.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as e:
+                    # EBUSY until the killed processes are fully gone.
+                    if e.errno != errno.EBUSY or loop.time() > deadline:
+                        raise Unavailable(f"cannot remove cgroup {cg}: {e}") from e
+                await self._sleep(0.01)
+
+
+def _read_oom_kill(memory_cgroup: Path) -> int | None:
+    for line in (memory_cgroup / "memory.oom_control").read_text().splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill":
+            return int(value)
+    return None
+
+
+def _set_memory_limit(memory_cgroup: Path, limit: int, *, memsw: bool) -> None:
+    """Set the memory limit, and memory+swap to the same where the kernel accounts swap."""
+    memsw_path = memory_cgroup / "memory.memsw.limit_in_bytes"
+    try:
+        _write(memory_cgroup / "memory.limit_in_bytes", limit)
+    except OSError as e:
+        # The memory limit may not exceed memory+swap: raise that one first.
+        if e.errno != errno.EINVAL or not memsw:
+            raise
+        _write(memsw_path, limit)
+        _write(memory_cgroup / "memory.limit_in_bytes", limit)
+    if memsw:
+        try:  # no swap beyond the limit either, where the kernel accounts for swap
+            _write(memsw_path, limit)
+        except OSError as e:
+            log.debug("memsw_limit_not_set", cgroup=str(memory_cgroup), error=str(e))
+
+
+def _write(path: Path, value: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, b"%d\n" % value)
+    finally:
+        os.close(fd)
+
+
+def _mkdir_new(path: Path, mode: int) -> bool:
+    """Create the directory; False if it already existed."""
+    try:
+        os.mkdir(path, mode)
+    except FileExistsError:
+        return False
+    return True

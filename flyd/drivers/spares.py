@@ -1,0 +1,134 @@
+"""The process driver's spares: run dirs and cgroups made ahead of need (see `Spares`)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import hashlib
+import os
+import secrets
+import shutil
+from pathlib import Path
+
+import structlog
+
+__all__ = ["SPARES", "Spares"]
+
+log = structlog.get_logger(__name__)
+
+# Spare run dirs (under the run root) and cgroups (beside the machines'), made ahead of need.
+_SPARE_DIR = ".spare"
+_SPARE_CGROUP = ".spare-"
+SPARES = 8
+
+
+class Spares:
+    """Run dirs and cgroups made ahead of need, so a machine's first start renames a set into
+    place instead of making five directories while its caller waits (each a journalled or
+    cgroup-locked operation that takes long on a busy host).
+
+    A worker thread makes them, up to `SPARES` at a time. Their names say which run root they
+    belong to, so a driver on the same run root removes what a dead one left (in that thread,
+    before it makes any: not while flyd starts); `close` removes the rest. Taking one is a
+    rename, which fails harmlessly onto anything that exists.
+    """
+
+    def __init__(
+        self,
+        run_root: Path,
+        cgroup_parents: list[Path],
+        user: tuple[int, int, list[int]] | None,
+    ) -> None:
+        self._root = run_root / _SPARE_DIR
+        self._cgroup_parents = cgroup_parents  # one per controller, in CONTROLLERS order
+        self._user = user
+        self._tag = hashlib.blake2s(str(run_root).encode(), digest_size=4).hexdigest()
+        self._ready: collections.deque[str] = collections.deque()
+        self._making: asyncio.Future[None] | None = None
+        # Set here, cleared by the thread as it ends: back-to-back starts that never yield to
+        # the event loop (which would run the future's callbacks) must still see it is done.
+        self._busy = False
+        self._closed = False
+        self._swept = False  # what a driver on this run root left when it died is gone
+
+    def take(self, run_dir: Path, cgroups: list[Path]) -> list[bool] | None:
+        """Move a spare set to `run_dir` and `cgroups`; None if none was ready (or `run_dir`
+        exists). Else, per cgroup, whether it is a new one (False: it existed, left as it was).
+        """
+        self._refill()
+        if not self._ready:
+            return None
+        token = self._ready.popleft()
+        try:
+            os.rename(self._root / token, run_dir)
+        except OSError:
+            self._ready.appendleft(token)  # the machine has a run dir: not a first start
+            return None
+        fresh = []
+        for parent, cg in zip(self._cgroup_parents, cgroups, strict=True):
+            spare = parent / f"{_SPARE_CGROUP}{self._tag}-{token}"
+            try:
+                os.rename(spare, cg)
+                fresh.append(True)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    spare.rmdir()
+                fresh.append(False)
+        self._refill()
+        return fresh
+
+    def _refill(self) -> None:
+        if self._closed or self._busy or len(self._ready) >= SPARES:
+            return
+        self._busy = True
+        loop = asyncio.get_running_loop()
+        self._making = loop.run_in_executor(None, self._make, SPARES - len(self._ready))
+        self._making.add_done_callback(self._made)
+
+    def _made(self, future: asyncio.Future[None]) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            log.warning("spare_run_dirs_failed", error=str(future.exception()))
+            return  # the next start tries again
+        self._refill()  # some were taken meanwhile
+
+    def _make(self, count: int) -> None:
+        """In a worker thread: make `count` spare sets."""
+        try:
+            if not self._swept:
+                self._remove_all()
+                self._swept = True
+            self._root.mkdir(mode=0o755, exist_ok=True)
+            for _ in range(count):
+                if self._closed:
+                    return
+                token = secrets.token_hex(6)
+                run_dir = self._root / token
+                os.mkdir(run_dir, 0o755)
+                os.mkdir(run_dir / "status", 0o700)
+                if self._user is not None:
+                    os.chown(run_dir / "status", self._user[0], self._user[1])
+                for parent in self._cgroup_parents:
+                    os.mkdir(parent / f"{_SPARE_CGROUP}{self._tag}-{token}", 0o755)
+                self._ready.append(token)
+        finally:
+            self._busy = False
+
+    async def close(self) -> None:
+        """Stop making spares and remove the ones not taken."""
+        self._closed = True
+        if self._making is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._making)
+        self._remove_all()
+
+    def _remove_all(self) -> None:
+        self._ready.clear()
+        shutil.rmtree(self._root, ignore_errors=True)
+        ours = f"{_SPARE_CGROUP}{self._tag}-"
+        for parent in self._cgroup_parents:
+            with contextlib.suppress(OSError), os.scandir(parent) as entries:
+                for entry in entries:
+                    if entry.name.startswith(ours):
+                        with contextlib.suppress(OSError):
+                            os.rmdir(entry.path)
