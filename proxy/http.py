@@ -25,73 +25,55 @@ import contextlib
 import math
 from collections import deque
 from collections.abc import Callable
-from http import HTTPStatus
 from typing import Final, cast
 
 import httptools
 import structlog
 from opentelemetry import context as otel_context
-from opentelemetry.context import Context
-from opentelemetry.trace import Span, SpanKind, StatusCode, Tracer, set_span_in_context
+from opentelemetry.trace import SpanKind, Tracer, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from proxy.deadline import Timed
 from proxy.errors import BadRequest, BodyTooLarge, HeadersTooLarge, ProxyError, UnknownApp
+from proxy.exchange import (
+    O_BAD_RESPONSE,
+    O_CLIENT_ERROR,
+    O_CLIENT_GONE,
+    O_DONE,
+    O_DONE_CLOSE,
+    O_LOST,
+    O_MACHINE_LOST,
+    O_TIMEOUT,
+    O_UPGRADED,
+    PAUSE_BUFFER,
+    PAUSE_DEAD,
+    PAUSE_QUEUE,
+    PAUSE_UPSTREAM,
+    Request,
+    Traced,
+)
 from proxy.limits import Limits
 from proxy.routing import Backend, Router
 from proxy.stats import Stats
+from proxy.wire import (
+    CHUNK_END,
+    CRLF,
+    OVERLOADED,
+    REQ_SPECIAL,
+    REQ_SPECIAL_TRACED,
+    RESP_SPECIAL,
+    STATUS_LINES,
+    error_response,
+)
 
 log = structlog.get_logger("proxy.http")
 
 
-# -- wire constants ------------------------------------------------------------------------
-
-
-def _status_line(code: int) -> bytes:
-    try:
-        phrase = HTTPStatus(code).phrase
-    except ValueError:
-        phrase = "Unknown"
-    return f"HTTP/1.1 {code} {phrase}\r\n".encode("latin-1")
-
-
-_STATUS_LINES: Final = {code: _status_line(code) for code in range(100, 600)}
-_CRLF: Final = b"\r\n"
-_CHUNK_END: Final = b"0\r\n\r\n"
-_HOP_BY_HOP: Final = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-connection",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-        b"te",
-        b"trailer",
-        b"transfer-encoding",
-        b"upgrade",
-    }
-)
-# Request headers the proxy reads or replaces (besides hop-by-hop ones).
-_REQ_SPECIAL: Final = _HOP_BY_HOP | {
-    b"host",
-    b"content-length",
-    b"x-forwarded-for",
-    b"x-forwarded-proto",
-    b"x-forwarded-host",
-}
-# With tracing on, the incoming trace context is read and replaced by the proxy's own.
-_TRACE_HEADERS: Final = frozenset({b"traceparent", b"tracestate"})
-_REQ_SPECIAL_TRACED: Final = _REQ_SPECIAL | _TRACE_HEADERS
-_RESP_SPECIAL: Final = _HOP_BY_HOP | {b"content-length"}
 _W3C: Final = TraceContextTextMapPropagator()
 _CONNECTION_TOKENS: Final = frozenset({b"close", b"keep-alive", b"upgrade"})
 _IDEMPOTENT: Final = frozenset({b"GET", b"HEAD"})
 _QUEUE_MAX: Final = 16  # pipelined requests parsed ahead before reading pauses
 
-# Why a client connection's reading is paused (a bit mask: it resumes when all are gone).
-_PAUSE_BUFFER: Final = 1  # a request body is buffered while no backend is ready
-_PAUSE_UPSTREAM: Final = 2  # the machine is not reading the request body fast enough
-_PAUSE_QUEUE: Final = 4  # too many pipelined requests ahead
-_PAUSE_DEAD: Final = 8  # the parser has failed: read nothing more
 
 # Client connection phases (what its deadline is for).
 _C_BUSY: Final = 0  # a request is complete and being answered: no read deadline
@@ -105,45 +87,6 @@ _U_WAIT_HEAD: Final = 1
 _U_BODY: Final = 2
 _U_TUNNEL: Final = 3
 
-# How an exchange with a machine ended.
-_O_DONE: Final = 1  # response complete, connection reusable
-_O_DONE_CLOSE: Final = 2  # response complete, connection not reusable
-_O_CONNECT_FAILED: Final = 3
-_O_LOST: Final = 4  # the machine closed the connection (or it broke) mid-exchange
-_O_TIMEOUT: Final = 5
-_O_BAD_RESPONSE: Final = 6
-_O_CLIENT_ERROR: Final = 7  # the client broke the request (body too large) mid-stream
-_O_UPGRADED: Final = 8  # a tunnel ran and is over
-_O_CLIENT_GONE: Final = 9
-_O_MACHINE_LOST: Final = 10  # the router declared the machine lost (its worker is dead)
-
-
-def _error_response(
-    status: int, reason: str, *, keep_alive: bool, head_only: bool = False, http10: bool = False
-) -> bytes:
-    """A plain-text error response whose body says why."""
-    body = f"{status} {_phrase(status)}: {reason}\n".encode()
-    conn = (b"keep-alive" if http10 else b"") if keep_alive else b"close"
-    return b"".join(
-        (
-            _STATUS_LINES.get(status, b"HTTP/1.1 %d Error\r\n" % status),
-            b"content-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n" % len(body),
-            b"connection: " + conn + _CRLF if conn else b"",
-            _CRLF,
-            b"" if head_only else body,
-        )
-    )
-
-
-def _phrase(status: int) -> str:
-    try:
-        return HTTPStatus(status).phrase
-    except ValueError:
-        return "Error"
-
-
-_OVERLOADED: Final = _error_response(503, "too many connections", keep_alive=False)
-
 
 class _RequestError(Exception):
     """Raised from a parser callback to stop parsing; the error is in `error`."""
@@ -153,148 +96,10 @@ class _RequestError(Exception):
         self.error = error
 
 
-# -- a parsed request ------------------------------------------------------------------------
-
-
-class _Request:
-    """One request, from the end of its head until it is answered."""
-
-    __slots__ = (
-        "app",
-        "backend",
-        "body_buf",
-        "body_size",
-        "chunked",
-        "complete",
-        "error",
-        "fatal",
-        "has_body",
-        "head",
-        "http10",
-        "is_head",
-        "keep_alive",
-        "method",
-        "moved",
-        "pinned",
-        "replay",
-        "retryable",
-        "sink",
-        "started",
-        "trace",
-        "upgrade",
-    )
-
-    def __init__(self, started: float) -> None:
-        self.started = started
-        self.method = b""
-        self.head = b""
-        self.app: str | None = None
-        self.pinned: str | None = None
-        self.keep_alive = False
-        self.http10 = False
-        self.is_head = False
-        self.chunked = False
-        self.has_body = False
-        self.upgrade = False
-        self.complete = False
-        # Framed body bytes received before a machine is attached; None once attached.
-        self.body_buf: list[bytes] | None = None
-        self.body_size = 0
-        self.sink: _Upstream | None = None
-        self.error: ProxyError | None = None
-        self.fatal = False  # the connection cannot go on after this request
-        self.retryable = False  # safe to send again to another machine
-        self.replay = False  # being sent again after a pooled connection died under it
-        self.moved = False  # being sent again, elsewhere, after its machine was lost
-        self.backend: Backend | None = None  # acquired already (for a replay)
-        self.trace: _Traced | None = None  # its span, when tracing is on
-
-
-class _Traced:
-    """A request's SERVER span and the context that makes it current."""
-
-    __slots__ = ("context", "span")
-
-    def __init__(self, span: Span, context: Context) -> None:
-        self.span = span
-        self.context = context
-
-    def end(self, status: int, machine_id: str | None) -> None:
-        span = self.span
-        span.set_attribute("http.response.status_code", status)
-        if machine_id is not None:
-            span.set_attribute("nonomad.machine_id", machine_id)
-        if status >= 500:
-            span.set_status(StatusCode.ERROR)
-        span.end()
-
-    def abandon(self) -> None:
-        self.span.set_status(StatusCode.ERROR, "the client went away before the answer")
-        self.span.end()
-
-
-# -- the lazily re-armed deadline -------------------------------------------------------------
-
-
-class _Timed(asyncio.Protocol):
-    __slots__ = ("_deadline", "_loop", "_timer", "_timer_at")
-
-    _loop: asyncio.AbstractEventLoop
-    _deadline: float
-    _timer: asyncio.TimerHandle | None
-    _timer_at: float
-
-    def _init_timer(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._deadline = math.inf
-        self._timer = None
-        self._timer_at = math.inf
-
-    def _set_deadline(self, delay: float) -> None:
-        self._set_deadline_at(self._loop.time() + delay)
-
-    def _set_deadline_at(self, deadline: float, slack: float = 0.0) -> None:
-        """Expire at `deadline`, or up to `slack` seconds after it when that spares moving
-        the timer already armed (an idle pooled connection may well linger a little)."""
-        self._deadline = deadline
-        timer = self._timer
-        if timer is None:
-            self._timer = self._loop.call_at(deadline, self._on_timer)
-            self._timer_at = deadline
-        elif deadline + slack < self._timer_at:
-            timer.cancel()
-            self._timer = self._loop.call_at(deadline, self._on_timer)
-            self._timer_at = deadline
-
-    def _clear_deadline(self) -> None:
-        self._deadline = math.inf
-
-    def _stop_timer(self) -> None:
-        self._deadline = math.inf
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        deadline = self._deadline
-        if deadline == math.inf:
-            return
-        if self._loop.time() < deadline:
-            self._timer = self._loop.call_at(deadline, self._on_timer)
-            self._timer_at = deadline
-            return
-        self._deadline = math.inf
-        self._expired()
-
-    def _expired(self) -> None:
-        raise NotImplementedError
-
-
 # -- upstream: one connection to a machine ------------------------------------------------------
 
 
-class _Upstream(_Timed):
+class _Upstream(Timed):
     """A connection to one machine: idle in the pool, or carrying one exchange at a time."""
 
     __slots__ = (
@@ -338,7 +143,7 @@ class _Upstream(_Timed):
         self.parser_dirty = False
         self.closed = False
         self.client: _Client | None = None
-        self.req: _Request | None = None
+        self.req: Request | None = None
         self.phase = _U_POOLED
         self.read_paused = False
         self.reused = False
@@ -384,7 +189,7 @@ class _Upstream(_Timed):
             return
         except httptools.HttpParserError:
             self._flush_pending()
-            self._finish(_O_BAD_RESPONSE)
+            self._finish(O_BAD_RESPONSE)
             self.abort()
             return
         if self.pending is not None:
@@ -405,30 +210,30 @@ class _Upstream(_Timed):
         if self.phase == _U_TUNNEL:
             if client is not None and client.transport is not None:
                 client.transport.close()
-            self._finish(_O_UPGRADED)
+            self._finish(O_UPGRADED)
             return
         if self.req is not None:
             if self.got_head and self.eof_body and exc is None:
                 # A body delimited by the connection closing has ended.
-                self._send_to_client(_CHUNK_END if self.rechunk else b"")
-                self._finish(_O_DONE_CLOSE)
+                self._send_to_client(CHUNK_END if self.rechunk else b"")
+                self._finish(O_DONE_CLOSE)
             else:
                 self._flush_pending()
-                self._finish(_O_LOST)
+                self._finish(O_LOST)
 
     def pause_writing(self) -> None:
         client = self.client
         if client is not None:
-            client._pause(_PAUSE_UPSTREAM)
+            client._pause(PAUSE_UPSTREAM)
 
     def resume_writing(self) -> None:
         client = self.client
         if client is not None:
-            client._resume(_PAUSE_UPSTREAM)
+            client._resume(PAUSE_UPSTREAM)
 
     # the exchange
 
-    def begin(self, client: _Client, req: _Request) -> None:
+    def begin(self, client: _Client, req: Request) -> None:
         """Send `req` (and what of its body has arrived); the client hears of the outcome
         through `_Client.exchange_done`."""
         assert self.transport is not None
@@ -443,7 +248,7 @@ class _Upstream(_Timed):
         req.body_buf = None
         if buf:
             self.transport.write(b"".join((req.head, *buf)))
-            client._resume(_PAUSE_BUFFER)
+            client._resume(PAUSE_BUFFER)
         else:
             self.transport.write(req.head)
         if not req.complete:
@@ -469,8 +274,8 @@ class _Upstream(_Timed):
         client = self.client
         if client is not None and self.phase != _U_TUNNEL:
             client.up = None
-            if client.paused & _PAUSE_UPSTREAM:
-                client._resume(_PAUSE_UPSTREAM)
+            if client.paused & PAUSE_UPSTREAM:
+                client._resume(PAUSE_UPSTREAM)
             if not req.complete:
                 client.dead = True  # the rest of its body has nowhere to go
         if self.read_paused and self.transport is not None:
@@ -497,7 +302,7 @@ class _Upstream(_Timed):
             self.abort()  # connection_lost closes the client side
             return
         self._flush_pending()
-        self._finish(_O_MACHINE_LOST)
+        self._finish(O_MACHINE_LOST)
         self.abort()
 
     def _start_tunnel(self, rest: bytes) -> None:
@@ -505,7 +310,7 @@ class _Upstream(_Timed):
         req = self.req
         if self.status != 101 or client is None or req is None or not req.upgrade:
             self._flush_pending()
-            self._finish(_O_BAD_RESPONSE)
+            self._finish(O_BAD_RESPONSE)
             self.abort()
             return
         self._flush_pending()
@@ -542,7 +347,7 @@ class _Upstream(_Timed):
             self._set_deadline(self.proxy.limits.read_timeout)
         elif phase in (_U_WAIT_HEAD, _U_BODY):
             self._flush_pending()
-            self._finish(_O_TIMEOUT)
+            self._finish(O_TIMEOUT)
             self.abort()
 
     # httptools callbacks
@@ -554,7 +359,7 @@ class _Upstream(_Timed):
         if not self.in_head:
             return  # trailers: dropped
         lname = name.lower()
-        if lname in _RESP_SPECIAL:
+        if lname in RESP_SPECIAL:
             if lname == b"content-length":
                 self.resp_cl = True
             elif lname == b"transfer-encoding":
@@ -571,7 +376,7 @@ class _Upstream(_Timed):
                 return
             else:
                 return
-        self.hparts += (name, b": ", value, _CRLF)
+        self.hparts += (name, b": ", value, CRLF)
 
     def on_headers_complete(self) -> None:
         self.in_head = False
@@ -585,8 +390,8 @@ class _Upstream(_Timed):
             self.interim = True
             parts = self.hparts
             if not req.http10:
-                parts[0] = _STATUS_LINES.get(status, b"")
-                parts.append(_CRLF)
+                parts[0] = STATUS_LINES.get(status, b"")
+                parts.append(CRLF)
                 self._send_to_client(b"".join(parts))
             self.hparts = [b""]
             self.resp_cl = self.resp_te = self.resp_close = False
@@ -607,7 +412,7 @@ class _Upstream(_Timed):
         if status == 101:
             if not req.upgrade:
                 keep = False
-            framing = b"connection: upgrade\r\nupgrade: " + self.resp_upgrade + _CRLF
+            framing = b"connection: upgrade\r\nupgrade: " + self.resp_upgrade + CRLF
         elif req.is_head or status == 204 or status == 304:
             self.no_body = True
         elif self.resp_te or not self.resp_cl:
@@ -625,15 +430,15 @@ class _Upstream(_Timed):
         elif req.http10:
             framing += b"connection: keep-alive\r\n"
         parts = self.hparts
-        parts[0] = _STATUS_LINES.get(status) or b"HTTP/1.1 %d Unknown\r\n" % status
-        parts += (self.machine_line, framing, _CRLF)
+        parts[0] = STATUS_LINES.get(status) or b"HTTP/1.1 %d Unknown\r\n" % status
+        parts += (self.machine_line, framing, CRLF)
         self.pending = b"".join(parts)
         if self.no_body:
             self._flush_pending()
             reusable = not self.resp_close and self.parser.get_http_version() == "1.1"
             if not self.resp_cl and not self.resp_te and status != 204 and status != 304:
                 reusable = False  # llhttp would read a body up to EOF: give up on it
-            self._finish(_O_DONE if reusable else _O_DONE_CLOSE)
+            self._finish(O_DONE if reusable else O_DONE_CLOSE)
 
     def on_body(self, data: bytes) -> None:
         if self.req is None:  # body bytes after a HEAD response: the connection is suspect
@@ -652,11 +457,11 @@ class _Upstream(_Timed):
         if self.req is None or self.status == 101:
             return  # after a 101, llhttp raises HttpParserUpgrade: the tunnel starts there
         if self.rechunk:
-            self._send_to_client(_CHUNK_END)
+            self._send_to_client(CHUNK_END)
         elif self.pending is not None:
             self._flush_pending()
         reusable = not self.eof_body and self.parser.should_keep_alive()
-        self._finish(_O_DONE if reusable else _O_DONE_CLOSE)
+        self._finish(O_DONE if reusable else O_DONE_CLOSE)
 
 
 class _Pool:
@@ -725,7 +530,7 @@ class _Pool:
 # -- client: one connection from outside ------------------------------------------------------
 
 
-class _Client(_Timed):
+class _Client(Timed):
     """A client connection: parses its requests and answers them in order."""
 
     __slots__ = (
@@ -780,8 +585,8 @@ class _Client(_Timed):
         self.parser = httptools.HttpRequestParser(self)
         self.peer = b"unknown"
         self.xff_line = _forwarded_line(self.peer)
-        self.reqs: deque[_Request] = deque()
-        self.cur: _Request | None = None  # being parsed: head done, body in progress
+        self.reqs: deque[Request] = deque()
+        self.cur: Request | None = None  # being parsed: head done, body in progress
         self.task: asyncio.Task[None] | None = None
         self.waiter: asyncio.Future[None] | None = None
         self.up: _Upstream | None = None  # the machine connection answering now
@@ -827,7 +632,7 @@ class _Client(_Timed):
         proxy = self.proxy
         if proxy._closing or len(proxy._conns) >= self.limits.max_connections:
             self.closed = True
-            transport.write(_OVERLOADED)
+            transport.write(OVERLOADED)
             transport.close()
             return
         proxy._conns.add(self)
@@ -847,7 +652,7 @@ class _Client(_Timed):
         if self.upgraded:
             self.tunnel_buf += data
             if len(self.tunnel_buf) > self.limits.buffer_bytes:
-                self._pause(_PAUSE_BUFFER)
+                self._pause(PAUSE_BUFFER)
             return
         if self.dead:
             return
@@ -897,7 +702,7 @@ class _Client(_Timed):
             if tunnel.transport is not None:
                 tunnel.transport.close()  # its connection_lost ends the exchange
         elif up is not None:
-            up._finish(_O_CLIENT_GONE)
+            up._finish(O_CLIENT_GONE)
         for req in self.reqs:  # machines acquired for requests nobody will send now
             if req.backend is not None:
                 self.proxy.router.release(req.backend, ok=False)
@@ -956,12 +761,12 @@ class _Client(_Timed):
         elif phase == _C_HEAD:
             if self.up is None and not self.reqs and self.in_head:
                 self._write(
-                    _error_response(408, "request head not received in time", keep_alive=False)
+                    error_response(408, "request head not received in time", keep_alive=False)
                 )
             self._close()
         elif phase == _C_BODY:
             if self.up is None or not self.up.got_head:
-                self._write(_error_response(408, "request body stalled", keep_alive=False))
+                self._write(error_response(408, "request body stalled", keep_alive=False))
             self._abort()
 
     # httptools callbacks
@@ -1025,14 +830,14 @@ class _Client(_Timed):
                 return  # other hop-by-hop headers, and X-Forwarded-Proto/Host: ours replace them
         elif lname == self.pin_name:
             self.pin = value
-        self.h_parts += (name, b": ", value, _CRLF)
+        self.h_parts += (name, b": ", value, CRLF)
 
     def on_headers_complete(self) -> None:
         self.in_head = False
         self.fed_other += self.head_exact + 64  # what the head took, with its line ends
         parser = self.parser
         proxy = self.proxy
-        req = _Request(self._loop.time())
+        req = Request(self._loop.time())
         method = parser.get_method()
         req.method = method
         req.is_head = method == b"HEAD"
@@ -1069,7 +874,7 @@ class _Client(_Timed):
             req.fatal = isinstance(req.error, BadRequest) or req.has_body or req.upgrade
             req.keep_alive = req.keep_alive and not req.fatal
         if req.upgrade and req.error is None:
-            framing = b"connection: upgrade\r\nupgrade: " + self.h_upgrade + _CRLF
+            framing = b"connection: upgrade\r\nupgrade: " + self.h_upgrade + CRLF
         elif req.chunked:
             framing = b"transfer-encoding: chunked\r\n"
         else:
@@ -1086,9 +891,9 @@ class _Client(_Timed):
             parts += (b"X-Forwarded-For: ", xff, b", ", self.xff_line[17:])
         tracer = proxy._tracer
         if tracer is None:
-            parts += (host, _CRLF, framing, _CRLF)
+            parts += (host, CRLF, framing, CRLF)
         else:
-            parts += (host, _CRLF, framing, self._trace(req, tracer), _CRLF)
+            parts += (host, CRLF, framing, self._trace(req, tracer), CRLF)
         req.head = b"".join(parts)
         self._reset_head()
         if req.has_body and req.error is None:
@@ -1102,10 +907,10 @@ class _Client(_Timed):
             self._deadline = math.inf  # (_clear_deadline, inlined)
             if req.fatal:
                 self.dead = True
-                self._pause(_PAUSE_DEAD)
+                self._pause(PAUSE_DEAD)
         self._queue(req)
 
-    def _trace(self, req: _Request, tracer: Tracer) -> bytes:
+    def _trace(self, req: Request, tracer: Tracer) -> bytes:
         """Start `req`'s SERVER span (a child of the client's `traceparent`, if any); the
         header lines that carry it to the machine."""
         carrier = {}
@@ -1125,7 +930,7 @@ class _Client(_Timed):
             f"HTTP {method}", context=parent, kind=SpanKind.SERVER, attributes=attributes
         )
         context = set_span_in_context(span, parent)
-        req.trace = _Traced(span, context)
+        req.trace = Traced(span, context)
         out: dict[str, str] = {}
         _W3C.inject(out, context=context)
         return "".join(f"{k}: {v}\r\n" for k, v in out.items()).encode("latin-1")
@@ -1150,7 +955,7 @@ class _Client(_Timed):
         if buf is not None:
             buf.append(framed)
             if size > self.limits.buffer_bytes:
-                self._pause(_PAUSE_BUFFER)
+                self._pause(PAUSE_BUFFER)
 
     def on_message_complete(self) -> None:
         req = self.cur
@@ -1164,14 +969,14 @@ class _Client(_Timed):
         if req.chunked:
             sink = req.sink
             if sink is not None:
-                sink.send_body(_CHUNK_END)
+                sink.send_body(CHUNK_END)
             elif req.body_buf is not None:
-                req.body_buf.append(_CHUNK_END)
+                req.body_buf.append(CHUNK_END)
         req.sink = None
 
     # requests in, answers out
 
-    def _queue(self, req: _Request) -> None:
+    def _queue(self, req: Request) -> None:
         reqs = self.reqs
         if (
             self.waiter is not None  # the task is idle, so nothing is ahead of `req`
@@ -1182,11 +987,11 @@ class _Client(_Timed):
             return
         reqs.append(req)
         if len(reqs) > _QUEUE_MAX:
-            self._pause(_PAUSE_QUEUE)
+            self._pause(PAUSE_QUEUE)
         if self.up is None:  # else exchange_done wakes the task when the answer is out
             self._wake()
 
-    def _start_now(self, req: _Request) -> bool:
+    def _start_now(self, req: Request) -> bool:
         """The fast path: when the router can name a machine at once and a pooled connection
         to it is idle, send `req` from this callback, without waking the task (a task switch
         is an event-loop turn: at moderate load, a good part of a request's cost)."""
@@ -1218,7 +1023,7 @@ class _Client(_Timed):
         """The request stream is broken: answer `error` after what is queued, then close."""
         self.dead = True
         self.in_head = False
-        self._pause(_PAUSE_DEAD)
+        self._pause(PAUSE_DEAD)
         cur = self.cur
         if cur is not None:
             # Mid-body (chunked over the limit, or a bad chunk): it may be on its way.
@@ -1227,10 +1032,10 @@ class _Client(_Timed):
             cur.fatal = True
             sink = cur.sink
             if sink is not None:
-                sink._finish(_O_CLIENT_ERROR)
+                sink._finish(O_CLIENT_ERROR)
                 sink.abort()
             return
-        req = _Request(self._loop.time())
+        req = Request(self._loop.time())
         req.error = error
         req.fatal = True
         self.phase = _C_BUSY
@@ -1276,8 +1081,8 @@ class _Client(_Timed):
                         self.waiter = None
                     continue
                 req = reqs.popleft()
-                if self.paused & _PAUSE_QUEUE and len(reqs) < _QUEUE_MAX:
-                    self._resume(_PAUSE_QUEUE)
+                if self.paused & PAUSE_QUEUE and len(reqs) < _QUEUE_MAX:
+                    self._resume(PAUSE_QUEUE)
                 try:
                     await self._start(req)
                 except asyncio.CancelledError:
@@ -1296,7 +1101,7 @@ class _Client(_Timed):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def _start(self, req: _Request) -> None:
+    async def _start(self, req: Request) -> None:
         """Find a machine for `req` and hand the request to a connection to it (or answer
         with the error)."""
         if req.error is not None or (req.upgrade and not self.upgraded):
@@ -1371,7 +1176,7 @@ class _Client(_Timed):
             )
             return
 
-    def exchange_done(self, up: _Upstream, req: _Request, outcome: int) -> None:
+    def exchange_done(self, up: _Upstream, req: Request, outcome: int) -> None:
         """The exchange on `up` is over: release the machine, pool or drop the connection,
         answer with an error if the machine gave no answer, and go on (or close)."""
         proxy = self.proxy
@@ -1381,7 +1186,7 @@ class _Client(_Timed):
             self.up = None
         now = self._loop.time()
         if (
-            outcome == _O_LOST
+            outcome == O_LOST
             and up.reused
             and not up.got_head
             and req.retryable
@@ -1397,7 +1202,7 @@ class _Client(_Timed):
             self._wake()
             return
         if (
-            outcome == _O_MACHINE_LOST
+            outcome == O_MACHINE_LOST
             and not up.got_head
             and req.retryable
             and req.complete
@@ -1414,9 +1219,9 @@ class _Client(_Timed):
             self._wake()
             return
         self.backend = None
-        if outcome == _O_DONE and not proxy._closing and not self.closed:
+        if outcome == O_DONE and not proxy._closing and not self.closed:
             proxy._pool.put(up, now)
-        elif outcome in (_O_DONE, _O_DONE_CLOSE):
+        elif outcome in (O_DONE, O_DONE_CLOSE):
             up.close()  # the exchange went well: a graceful close
         else:
             up.abort()
@@ -1426,28 +1231,28 @@ class _Client(_Timed):
             if req.trace is not None:
                 req.trace.abandon()
             return
-        if outcome in (_O_DONE, _O_DONE_CLOSE):
+        if outcome in (O_DONE, O_DONE_CLOSE):
             # (`_answered`, inlined on the path every request takes)
             proxy.stats.record(req.app, up.status, now - req.started)
             if req.trace is not None:
                 self._answered_traced(req, up.status, machine_id)
             keep = up.keep_client
-        elif outcome == _O_UPGRADED:
+        elif outcome == O_UPGRADED:
             keep = False
         elif up.got_head:  # the response is cut short: the client sees a truncated body
             self._answered(req, up.status, now, machine_id)
             keep = False
-        elif outcome == _O_TIMEOUT:
+        elif outcome == O_TIMEOUT:
             keep = self._reply_error(
                 req, 504, f"machine {machine_id} did not answer in time", now, machine_id
             )
-        elif outcome == _O_CLIENT_ERROR and req.error is not None:
+        elif outcome == O_CLIENT_ERROR and req.error is not None:
             keep = self._reply_error(req, req.error.status, str(req.error), now)
-        elif outcome == _O_MACHINE_LOST:
+        elif outcome == O_MACHINE_LOST:
             keep = self._reply_error(
                 req, 502, f"machine {machine_id} was lost before it answered", now, machine_id
             )
-        elif outcome == _O_BAD_RESPONSE:
+        elif outcome == O_BAD_RESPONSE:
             keep = self._reply_error(
                 req, 502, f"machine {machine_id} sent an invalid response", now, machine_id
             )
@@ -1476,7 +1281,7 @@ class _Client(_Timed):
 
     def _reply_error(
         self,
-        req: _Request,
+        req: Request,
         status: int,
         reason: str,
         now: float | None = None,
@@ -1492,21 +1297,21 @@ class _Client(_Timed):
             and not self.proxy._closing
         )
         self._write(
-            _error_response(
+            error_response(
                 status, reason, keep_alive=keep, head_only=req.is_head, http10=req.http10
             )
         )
         self._answered(req, status, self._loop.time() if now is None else now, machine_id)
         return keep
 
-    def _answered(self, req: _Request, status: int, now: float, machine_id: str | None) -> None:
+    def _answered(self, req: Request, status: int, now: float, machine_id: str | None) -> None:
         """`req` got its answer (the head of it, at least): count it, end its span."""
         self.proxy.stats.record(req.app, status, now - req.started)
         if req.trace is not None:
             self._answered_traced(req, status, machine_id)
 
     @staticmethod
-    def _answered_traced(req: _Request, status: int, machine_id: str | None) -> None:
+    def _answered_traced(req: Request, status: int, machine_id: str | None) -> None:
         traced = req.trace
         if traced is not None:
             req.trace = None
@@ -1557,10 +1362,10 @@ def _drop_headers(buf: bytes, names: list[bytes]) -> bytes:
     """`buf` without the header lines whose (lowercased) names are in `names`."""
     drop = set(names)
     out = bytearray()
-    for line in buf.split(_CRLF):
+    for line in buf.split(CRLF):
         if line and line.split(b":", 1)[0].strip().lower() not in drop:
             out += line
-            out += _CRLF
+            out += CRLF
     return bytes(out)
 
 
@@ -1624,7 +1429,7 @@ class HttpProxy:
         # Tracing: a SERVER span per request when a tracer is given; without one, the only
         # cost per request is a None check.
         self._tracer = tracer
-        self._req_special = _REQ_SPECIAL if tracer is None else _REQ_SPECIAL_TRACED
+        self._req_special = REQ_SPECIAL if tracer is None else REQ_SPECIAL_TRACED
 
     async def serve(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
         """Listen on host:port (0: any free port); returns the address bound."""
@@ -1727,7 +1532,7 @@ class HttpProxy:
             return self._machine_lines[backend.machine_id]
         except KeyError:
             pass
-        line = self._machine_header + b": " + backend.machine_id.encode("latin-1") + _CRLF
+        line = self._machine_header + b": " + backend.machine_id.encode("latin-1") + CRLF
         if len(self._machine_lines) >= 4096:
             self._machine_lines.clear()
         self._machine_lines[backend.machine_id] = line
