@@ -2,8 +2,8 @@
 (`Traced`), where its body goes (`BodySink`), how an exchange with a machine ends (the `O_*`
 outcomes) and why a client connection stops reading (the `PAUSE_*` reasons).
 
-A client connection fills a `Request` in; the connection to the machine sends it, streams the
-rest of its body and reports how the exchange ended.
+The client side (proxy.client, proxy.forward) fills a `Request` in; the machine side
+(proxy.upstream) sends it, streams the rest of its body and reports how the exchange ended.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ O_MACHINE_LOST: Final = 10  # the router declared the machine lost (its worker i
 
 
 class BodySink(Protocol):
-    """Where the rest of a request's body goes once a machine connection carries the
-    request."""
+    """Where the rest of a request's body goes once a machine connection carries the request
+    (proxy.upstream.Upstream)."""
 
     def send_body(self, framed: bytes) -> None: ...
 

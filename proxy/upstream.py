@@ -53,8 +53,8 @@ class Owner(Protocol):
 
 
 class Downstream(Protocol):
-    """The client connection an exchange answers (proxy.http's), as its upstream connection
-    sees it."""
+    """The client connection an exchange answers (proxy.forward.Client), as its upstream
+    connection sees it."""
 
     transport: asyncio.Transport | None
     up: Upstream | None
