@@ -49,7 +49,7 @@ C_IDLE: Final = 3
 
 
 class Edge(Owner, Protocol):
-    """What a client connection reads of its proxy (proxy.http.HttpProxy)."""
+    """What a client connection uses of its proxy (proxy.http.HttpProxy)."""
 
     router: Router
     domain: str

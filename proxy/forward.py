@@ -51,7 +51,7 @@ _QUEUE_MAX: Final = 16  # pipelined requests parsed ahead before reading pauses
 
 
 class Proxy(Edge, Protocol):
-    """What the answering side reads of its proxy (proxy.http.HttpProxy), besides `Edge`."""
+    """What the answering side uses of its proxy (proxy.http.HttpProxy), besides `Edge`."""
 
     stats: Stats
     _try_acquire: Callable[..., Backend | None] | None
