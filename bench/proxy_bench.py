@@ -280,14 +280,15 @@ def _install_probe(path: Path) -> None:
     since the last one to `path` (JSON) and starts afresh."""
     import signal
 
-    from proxy import http
+    from proxy.forward import Client
+    from proxy.upstream import Upstream
 
     clock = time.perf_counter
     started: dict[int, float] = {}
     sent: dict[int, float] = {}
     rows: list[tuple[float, float, float, float]] = []  # client cb start/end, upstream cb start/end
-    client_received = http._Client.data_received
-    upstream_received = http._Upstream.data_received
+    client_received = Client.data_received
+    upstream_received = Upstream.data_received
 
     def on_client_data(self: Any, data: bytes) -> None:
         t0 = clock()
@@ -309,8 +310,8 @@ def _install_probe(path: Path) -> None:
         tmp.rename(path)
         rows.clear()
 
-    http._Client.data_received = on_client_data  # type: ignore[method-assign]
-    http._Upstream.data_received = on_upstream_data  # type: ignore[method-assign]
+    Client.data_received = on_client_data  # type: ignore[method-assign]
+    Upstream.data_received = on_upstream_data  # type: ignore[method-assign]
     signal.signal(signal.SIGUSR1, dump)
 
 

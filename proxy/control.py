@@ -1,6 +1,7 @@
 """What the proxy's control plane does to machines, and the I/O it needs to do it.
 
-`proxy.router.Router` owns the route table; this module holds the parts around it:
+`proxy.router.Router` owns the route table and decides; this module feeds it, and knows the
+router only as the Protocols `RouteTable` and `MachineRoute` (it never imports proxy.router):
 
 - the narrow edges to the outside, each a Protocol with one real implementation here and a
   fake in the tests: `Flaps` (start and stop machines, `FlapsClient` over gRPC) and `Probes`
@@ -21,7 +22,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Generic, Protocol, TypeVar
 
 import grpc
 import grpc.aio
@@ -32,11 +33,10 @@ from opentelemetry.trace import SpanKind, Tracer
 from flaps.v1 import machines_pb2, machines_pb2_grpc
 from flyd.v1 import machine_pb2 as pb
 from proxy.errors import ProxyError
+from registry.replica import WorkerView
+from registry.view import Status
 from runtime import aio_channel
 from runtime.clock import Clock
-
-if TYPE_CHECKING:
-    from proxy.router import Route, Router
 
 log = structlog.get_logger("proxy.control")
 S = pb.MachineState
@@ -230,6 +230,84 @@ class Counters(Protocol):
     def worker_dead(self) -> None: ...
 
 
+# -- what the control loops know of the router -------------------------------------------------
+
+
+class MachineRoute(Protocol):
+    """One row of the route table as the checks and autostop read it (proxy.router.Route)."""
+
+    @property
+    def machine(self) -> pb.Machine: ...
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def app(self) -> str: ...
+
+    @property
+    def worker_id(self) -> str: ...
+
+    @property
+    def state(self) -> pb.MachineState.ValueType: ...
+
+    @property
+    def host(self) -> str: ...
+
+    @property
+    def port(self) -> int: ...
+
+    @property
+    def in_flight(self) -> int: ...
+
+    @property
+    def last_active(self) -> float: ...
+
+    @property
+    def stopping(self) -> bool: ...
+
+    @property
+    def autostop(self) -> bool: ...
+
+    @property
+    def min_running(self) -> int: ...
+
+
+R = TypeVar("R", bound=MachineRoute)
+
+
+class RegistryReads(Protocol):
+    """The registry reads `WorkerWatch` does (registry.replica.Replica)."""
+
+    def worker(self, worker_id: str) -> WorkerView | None: ...
+
+    def machines(self, *, worker_id: str | None = None) -> list[pb.Machine]: ...
+
+
+class RouteTable(Protocol):
+    """What `WorkerWatch` needs of the router (proxy.router.Router): the registry the table is
+    built from, the router's view of workers, and the two things the watch tells it."""
+
+    @property
+    def registry(self) -> RegistryReads: ...
+
+    def silent(self, status: Status) -> bool:
+        """Whether the registry's status says the worker stopped sending heartbeats."""
+        ...
+
+    def standby_usable(self, worker_id: str) -> bool: ...
+
+    def is_dead(self, worker_id: str) -> bool: ...
+
+    def declare_dead(self, worker_id: str, reason: str) -> None:
+        """Stop routing to the worker's machines and start standbys for them."""
+        ...
+
+    def standby_failed(self, machine_id: str) -> None:
+        """This standby could not be started: requests stop waiting for it."""
+        ...
+
+
 # -- decisions ---------------------------------------------------------------------------------
 
 
@@ -277,12 +355,12 @@ def checks_of(machine: pb.Machine, host: str) -> list[CheckSpec]:
 
 
 def autostop_victims(
-    routes: Iterable[Route], *, now: float, idle_timeout: float, usable: Callable[[str], bool]
-) -> list[Route]:
+    routes: Iterable[R], *, now: float, idle_timeout: float, usable: Callable[[str], bool]
+) -> list[R]:
     """Machines to stop now: autostop, nothing in flight, idle for `idle_timeout`, and only as
     many per app as keep its started machines at or above min_machines_running (the highest
     any of its machines asks for). The longest idle go first."""
-    by_app: dict[str, list[Route]] = {}
+    by_app: dict[str, list[R]] = {}
     for r in routes:
         by_app.setdefault(r.app, []).append(r)
     victims = []
@@ -351,7 +429,7 @@ async def sleep_until(clock: Clock, when: float, shutdown: asyncio.Event) -> boo
     return not shutdown.is_set()
 
 
-class HealthChecks:
+class HealthChecks(Generic[R]):
     """Runs each started machine's checks and reports the verdict to `report(route, ok)`.
 
     A machine starts unverified: its checks (or, without checks, a TCP connect to its service
@@ -364,7 +442,7 @@ class HealthChecks:
         self,
         probes: Probes,
         clock: Clock,
-        report: Callable[[Route, bool], None],
+        report: Callable[[R, bool], None],
         *,
         concurrency: int,
         warm_for: float,
@@ -389,7 +467,7 @@ class HealthChecks:
         results = await asyncio.gather(*(self._run(c) for c in checks))
         return all(results)
 
-    async def watch(self, route: Route, shutdown: asyncio.Event) -> None:
+    async def watch(self, route: R, shutdown: asyncio.Event) -> None:
         """Check `route` until cancelled (it left STARTED) or shutdown."""
         configured = checks_of(route.machine, route.host)
         checks = configured or [
@@ -452,7 +530,7 @@ class WorkerWatch:
 
     def __init__(
         self,
-        router: Router,
+        router: RouteTable,
         probes: Probes,
         flaps: Flaps | None,
         stats: Counters,

@@ -639,7 +639,7 @@ class Router:
         w = self._workers.get(worker_id)
         return w is not None and w.dead
 
-    # -- for the control loops (proxy.control) -------------------------------------------------
+    # -- for the control loops (proxy.control.RouteTable) ---------------------------------------
 
     @staticmethod
     def silent(status: Status) -> bool:

@@ -1,4 +1,5 @@
-"""The contract between the proxy's data plane (proxy.http) and its control plane (proxy.router).
+"""The contract between the proxy's data plane (proxy.http, whose client connections in
+proxy.client and proxy.forward call the router) and its control plane (proxy.router).
 
 The data plane parses HTTP and moves bytes; for every request it asks the router for a
 backend and tells it how the request went. The router owns everything about machines: the

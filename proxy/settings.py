@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from proxy.http import Limits
+from proxy.limits import Limits
 from proxy.router import RouterConfig
 from registry.settings import ReplicaSettings
 from runtime import parse_host_port
@@ -65,7 +65,7 @@ class ProxySettings(ReplicaSettings):
     )
     check_concurrency: int = Field(default=64, ge=1, description="health checks at once")
     flaps_timeout: float = Field(default=10.0, gt=0, description="deadline of a flaps call, s")
-    # The data plane's bounds (proxy.http.Limits): what one client or machine can make the
+    # The data plane's bounds (proxy.limits.Limits): what one client or machine can make the
     # proxy hold or wait for.
     max_header_bytes: int = Field(default=16 * 1024, ge=256, description="request head bytes")
     max_body_bytes: int = Field(default=10 * 1024 * 1024, ge=0, description="request body bytes")

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.errors import NoBackend, UnknownApp
-from proxy.http import HttpProxy, Limits
+from proxy.http import HttpProxy
+from proxy.limits import Limits
 from proxy.routing import Backend
 from proxy.stats import Stats
 

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from proxy.http import Limits
+from proxy.limits import Limits
 from proxy.stats import Stats
 from tests.proxy.http_support import (
     DOMAIN,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.http import Limits
+from proxy.limits import Limits
 from proxy.settings import ProxySettings
 from runtime import SettingsError, load_settings
 
