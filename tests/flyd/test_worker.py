@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from flyd import worker as worker_module
+from flyd import stream as stream_module
 from flyd.errors import (
     AlreadyExists,
     DeadlineExceeded,
@@ -512,7 +512,7 @@ async def test_watch_after_compaction_resyncs_from_a_snapshot(
 async def test_a_slow_subscriber_catches_up_from_the_log_without_gaps(
     flyd: Flyd, streams: list[Stream], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(worker_module, "SUBSCRIBER_QUEUE", 2)
+    monkeypatch.setattr(stream_module, "SUBSCRIBER_QUEUE", 2)
     w = flyd.worker
     streams.append(stream := Stream(w, 0))
     assert [await stream.next_kind() for _ in range(2)] == ["snapshot", "heartbeat"]
