@@ -32,7 +32,8 @@ from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
 from proxy.control import Flaps, FlapsFailed
-from proxy.router import Router, RouterConfig
+from proxy.router import Router
+from proxy.routes import RouterConfig
 from proxy.stats import Stats
 from proxy.v1 import proxy_pb2, proxy_pb2_grpc
 from registry.replica import RESYNC, ReplicaEvent, Subscription, WorkerView
@@ -101,7 +102,7 @@ def http_check(
 
 
 class FakeRegistry:
-    """`proxy.router.RegistryView` over rows and worker statuses a test sets directly."""
+    """`proxy.routes.RegistryView` over rows and worker statuses a test sets directly."""
 
     def __init__(self) -> None:
         self._workers: dict[str, WorkerView] = {}

@@ -12,7 +12,7 @@ import pytest
 from flyd.v1 import machine_pb2 as pb
 from proxy.control import FlapsFailed, NetProbes, autostop_victims, standby_candidates
 from proxy.errors import NoBackend, UnknownApp
-from proxy.router import Route, UnknownWorker
+from proxy.routes import Route, UnknownWorker
 from proxy.settings import ProxySettings
 from registry.replica import LIVENESS_TICK
 from registry.view import ALIVE, DEAD, SUSPECT
