@@ -78,11 +78,7 @@ from bench.report import Results, percentile
 from proxy.settings import ProxySettings
 
 TARGET_RATIO = 0.5
-
-
 TARGET_ADDED_P99_MS = 1.0
-
-
 RUN_DEADLINE = 300.0
 
 

@@ -26,14 +26,9 @@ from bench import procs
 from proxy.settings import ProxySettings
 
 DOMAIN = "nonomad.test"
-
-
 START_WAIT = 15.0
 
-
 _BACKEND_BODY = b"hello from the bench backend\n"
-
-
 _BACKEND_RESPONSE = (
     b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n\r\n%b"
     % (len(_BACKEND_BODY), _BACKEND_BODY)

@@ -336,8 +336,6 @@ def machine_busy(seconds: float = 1.0) -> float:
 
 
 QUIET_BUSY = 10.0  # % of the CPUs other work may use while a round runs
-
-
 QUIET_WAIT = 30.0  # longest wait for it to drop that low before a round
 
 
