@@ -57,6 +57,13 @@ async def refused(
     return err
 
 
+def answer(stub: Any, rpc: str, request: Any) -> Awaitable[object]:
+    """Call `rpc` on `stub`: what to await for its answer, the response of a unary RPC or the
+    first message of a streaming one (where a streaming RPC's refusal shows)."""
+    call = getattr(stub, rpc)(request, timeout=T)
+    return call.read() if isinstance(call, grpc.aio.UnaryStreamCall) else call
+
+
 def info_of(err: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo:
     """The google.rpc.ErrorInfo a failed call carries (it must carry one)."""
     info = error_info(err)
