@@ -26,6 +26,9 @@ from runtime import ErrorMapper, Service, error_info, wrap_servicer
 DEADLINE = 10.0
 # The gRPC deadline of every call a test makes.
 T = 5.0
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+NOT_FOUND = grpc.StatusCode.NOT_FOUND
+PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 
 
 def registered(

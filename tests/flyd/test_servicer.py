@@ -25,18 +25,31 @@ from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
 from runtime.clock import ManualClock
-from tests.flyd.support import CAPACITY, IMAGE, Flyd, boot, config, image_cache, image_source
-from tests.servicers import T, answer, info_of, refused, registered
+from tests.flyd.support import (
+    CAPACITY,
+    CREATED,
+    DESTROYED,
+    IMAGE,
+    STARTED,
+    STOPPED,
+    Flyd,
+    boot,
+    config,
+    image_cache,
+    image_source,
+)
+from tests.servicers import (
+    INVALID,
+    NOT_FOUND,
+    PRECONDITION,
+    T,
+    answer,
+    info_of,
+    refused,
+    registered,
+)
 
 Stub = worker_pb2_grpc.WorkerServiceStub
-S = pb.MachineState
-CREATED = S.MACHINE_STATE_CREATED
-STARTED = S.MACHINE_STATE_STARTED
-STOPPED = S.MACHINE_STATE_STOPPED
-DESTROYED = S.MACHINE_STATE_DESTROYED
-INVALID = grpc.StatusCode.INVALID_ARGUMENT
-NOT_FOUND = grpc.StatusCode.NOT_FOUND
-PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 
 
 def seconds(s: float) -> Duration:
