@@ -13,13 +13,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
+from types import ModuleType
 from typing import Any
 
 import grpc
 import pytest
 from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.duration_pb2 import Duration
 from google.rpc import error_details_pb2
 
+from flyd.v1 import machine_pb2 as pb
 from runtime import ErrorMapper, Service, error_info, wrap_servicer
 
 # How long a test waits for a server or a condition (never reached when things work).
@@ -87,3 +90,30 @@ async def serving(service: Service) -> AsyncIterator[str]:
         service.request_shutdown()
         async with asyncio.timeout(DEADLINE):
             await task
+
+
+def seconds(s: float) -> Duration:
+    """`s` seconds as a Duration field."""
+    return Duration(seconds=int(s), nanos=round(s % 1 * 1e9))
+
+
+async def bring(stub: Any, api: ModuleType, machine_id: str, state: str) -> None:
+    """Bring a started machine to `state` through `stub`: a flyd WorkerService or a flaps
+    MachinesService stub, `api` its messages module (worker_pb2 or machines_pb2: their requests
+    share a layout). `state` is started (left as it is), stopped, destroyed, or leased (a 60 s
+    lease held by someone else)."""
+    wait = api.WaitMachineRequest(machine_id=machine_id, timeout=seconds(5))
+    if state == "stopped":
+        await stub.StopMachine(api.StopMachineRequest(machine_id=machine_id), timeout=T)
+        wait.state = pb.MACHINE_STATE_STOPPED
+        await stub.WaitMachine(wait, timeout=T)
+    elif state == "destroyed":
+        destroy = api.DestroyMachineRequest(machine_id=machine_id, force=True)
+        await stub.DestroyMachine(destroy, timeout=T)
+        wait.state = pb.MACHINE_STATE_DESTROYED
+        await stub.WaitMachine(wait, timeout=T)
+    elif state == "leased":
+        lease = api.AcquireLeaseRequest(machine_id=machine_id, ttl=seconds(60), owner="other")
+        await stub.AcquireLease(lease, timeout=T)
+    else:
+        assert state == "started", state

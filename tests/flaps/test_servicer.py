@@ -33,9 +33,11 @@ from tests.servicers import (
     PRECONDITION,
     T,
     answer,
+    bring,
     info_of,
     refused,
     registered,
+    seconds,
 )
 
 REGIONS = {"w1": "ams", "w2": "ams", "s1": "syd"}
@@ -75,10 +77,6 @@ BAD_BIDS: list[tuple[dict[str, Any], str]] = [
 
 def bid(**fields: Any) -> dict[str, Any]:
     return {"app": "web", "region": "ams", "config": config(), **fields}
-
-
-def seconds(s: int) -> Duration:
-    return Duration(seconds=s)
 
 
 class TestMachinesService:
@@ -285,9 +283,9 @@ class TestMachinesService:
         follow = m.GetMachineLogsRequest(machine_id=placed.id, tail_lines=1, follow=True)
         call = servicer_stub.GetMachineLogs(follow, timeout=T)
         try:
-            assert (await call.read()).line == "line 2"  # type: ignore[union-attr]
+            assert (await call.read()).line == "line 2"
             driver.write_log(placed.id, "line 3")  # the machine prints while the client follows
-            assert (await call.read()).line == "line 3"  # type: ignore[union-attr]
+            assert (await call.read()).line == "line 3"
         finally:
             call.cancel()
 
@@ -440,7 +438,7 @@ class TestMachinesService:
         make: Callable[[str], Any],
         reason: str,
     ) -> None:
-        await bring(servicer_stub, placed.id, state)
+        await bring(servicer_stub, m, placed.id, state)
         owner = fleet.owner_of(placed.id).worker
         before = owner.rows[placed.id].machine
         err = await refused(answer(servicer_stub, rpc, make(placed.id)), PRECONDITION)
@@ -453,24 +451,6 @@ class TestMachinesService:
         await fleet.cut(placed.worker_id)  # the worker stops answering
         request = m.GetMachineRequest(machine_id=placed.id)
         await refused(servicer_stub.GetMachine(request, timeout=T), grpc.StatusCode.UNAVAILABLE)
-
-
-async def bring(stub: Machines, machine_id: str, state: str) -> None:
-    """Bring a started machine through flaps to `state`: started (as it is), stopped,
-    destroyed, or leased (a lease held by someone else)."""
-    wait = m.WaitMachineRequest(machine_id=machine_id, timeout=seconds(5))
-    if state == "stopped":
-        await stub.StopMachine(m.StopMachineRequest(machine_id=machine_id), timeout=T)
-        wait.state = STOPPED
-        await stub.WaitMachine(wait, timeout=T)
-    elif state == "destroyed":
-        destroy = m.DestroyMachineRequest(machine_id=machine_id, force=True)
-        await stub.DestroyMachine(destroy, timeout=T)
-        wait.state = DESTROYED
-        await stub.WaitMachine(wait, timeout=T)
-    elif state == "leased":
-        lease = m.AcquireLeaseRequest(machine_id=machine_id, ttl=seconds(60), owner="other")
-        await stub.AcquireLease(lease, timeout=T)
 
 
 class TestPlatformService:

@@ -44,16 +44,14 @@ from tests.servicers import (
     PRECONDITION,
     T,
     answer,
+    bring,
     info_of,
     refused,
     registered,
+    seconds,
 )
 
 Stub = worker_pb2_grpc.WorkerServiceStub
-
-
-def seconds(s: float) -> Duration:
-    return Duration(seconds=int(s), nanos=round(s % 1 * 1e9))
 
 
 @pytest.fixture
@@ -122,18 +120,11 @@ async def wait(stub: Stub, state: int, machine_id: str = "m1") -> pb.Machine:
 
 
 async def machine_in(stub: Stub, state: str) -> str:
-    """Machine m1 of app web, brought through the API to `state`: created, started, stopped,
-    destroyed, or leased (started, with a lease held by someone else). Its id."""
+    """Machine m1 of app web, brought through the API to `state`: created, or one of
+    `bring`'s (started, stopped, destroyed, leased). Its id."""
     await create(stub, skip_launch=state == "created")
-    if state == "stopped":
-        await stub.StopMachine(w.StopMachineRequest(machine_id="m1"), timeout=T)
-        await wait(stub, STOPPED)
-    elif state == "destroyed":
-        await stub.DestroyMachine(w.DestroyMachineRequest(machine_id="m1", force=True), timeout=T)
-        await wait(stub, DESTROYED)
-    elif state == "leased":
-        lease = w.AcquireLeaseRequest(machine_id="m1", ttl=seconds(60), owner="deploy")
-        await stub.AcquireLease(lease, timeout=T)
+    if state != "created":
+        await bring(stub, w, "m1", state)
     return "m1"
 
 
@@ -268,10 +259,10 @@ async def test_watch_events_ends_when_flyd_drains(
     servicer_stub: Stub, draining: asyncio.Event
 ) -> None:
     call = servicer_stub.WatchEvents(w.WatchEventsRequest(from_seq=0), timeout=T)
-    assert (await call.read()).HasField("snapshot")  # type: ignore[union-attr]
+    assert (await call.read()).HasField("snapshot")
     draining.set()  # the stream sees it at its next heartbeat tick, and ends
     while (item := await call.read()) is not grpc.aio.EOF:
-        assert item.HasField("heartbeat")  # type: ignore[union-attr]
+        assert item.HasField("heartbeat")
     assert await call.code() == grpc.StatusCode.OK
 
 
@@ -285,9 +276,9 @@ async def test_machine_logs_tail_then_follow(servicer_stub: Stub, flyd: Flyd) ->
     follow = w.GetMachineLogsRequest(machine_id="m1", tail_lines=1, follow=True)
     call = servicer_stub.GetMachineLogs(follow, timeout=T)
     try:
-        assert (await call.read()).line == "line 4"  # type: ignore[union-attr]
+        assert (await call.read()).line == "line 4"
         flyd.driver.write_log("m1", "line 5")  # the machine prints while the client follows
-        assert (await call.read()).line == "line 5"  # type: ignore[union-attr]
+        assert (await call.read()).line == "line 5"
     finally:
         call.cancel()
 

@@ -22,7 +22,7 @@ from registry.v1 import registry_pb2_grpc
 from registry.view import ALIVE, DEAD
 from runtime.clock import ManualClock
 from tests.registry.support import DEADLINE, MALFORMED_WORKERS, eventually, running, status_is
-from tests.servicers import T, refused, registered
+from tests.servicers import INVALID, T, refused, registered
 
 Stub = registry_pb2_grpc.RegistryServiceStub
 S = pb.MachineState
@@ -81,7 +81,7 @@ async def test_announce_refuses_bad_input_naming_the_field(
     servicer_stub: Stub, replica: Replica, worker: pb.WorkerInfo | None, field: str
 ) -> None:
     call = servicer_stub.Announce(r.AnnounceRequest(worker=worker), timeout=T)
-    await refused(call, grpc.StatusCode.INVALID_ARGUMENT, field)
+    await refused(call, INVALID, field)
     assert replica.workers() == []  # nothing changed
 
 
