@@ -184,6 +184,16 @@ class FakeRegistry:
         return sub
 
 
+def fleet(*rows: pb.Machine, workers: dict[str, str] | None = None) -> FakeRegistry:
+    """A fake registry with workers w1, w2 (ams) and s1 (syd) unless given, and `rows`."""
+    registry = FakeRegistry()
+    for worker_id, region in (workers or {"w1": "ams", "w2": "ams", "s1": "syd"}).items():
+        registry.add_worker(worker_id, region)
+    for row in rows:
+        registry.put(row)
+    return registry
+
+
 class FakeFlaps:
     """`proxy.control.Flaps` that changes the fake registry's rows, like a real worker would.
 
