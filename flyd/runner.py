@@ -23,7 +23,7 @@ from flyd.errors import NotFound
 from flyd.images.cache import ImageCache
 from flyd.metrics import count_transition
 from flyd.reservations import Reservations
-from flyd.spec import process_spec
+from flyd.spec import process_spec, published
 from flyd.store import MachineLog, NewRecord, RecordType
 from flyd.stream import EventStream
 from flyd.traces import OpSpan, OpTracer
@@ -92,6 +92,13 @@ class Runner:
             if row.op is not None and (alive or row.handle is None):
                 self.spawn_task(self.drive(machine_id, fsm.Resume(alive=alive)))
                 resumed += 1
+        # The driver holds the published ports again (and lets go of what nothing owns).
+        services = {
+            mid: published(row.machine)
+            for mid, row in self.rows.items()
+            if row.state != S.MACHINE_STATE_DESTROYED
+        }
+        self.spawn_task(self.driver.reconcile(services))
         log.info("recovered", machines=len(self.rows), resumed=resumed, seq=self.store.last_seq())
         return resumed
 

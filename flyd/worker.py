@@ -34,10 +34,10 @@ from flyd.errors import (
 )
 from flyd.images.cache import ImageCache
 from flyd.metrics import CREATE_SECONDS
-from flyd.reservations import Reservations, port_free
+from flyd.reservations import Reservations
 from flyd.runner import Runner
 from flyd.settings import CapacitySettings
-from flyd.spec import argv
+from flyd.spec import argv, published
 from flyd.store import MachineLog
 from flyd.stream import EventStream
 from flyd.traces import OpSpan, OpTracer
@@ -77,7 +77,6 @@ class Worker:
         policy: fsm.Policy,
         log_keep: int = 10_000,
         state_dir: Path | None = None,
-        port_free: Callable[[str, int], bool] = port_free,
         op_tracer: OpTracer | None = None,
     ) -> None:
         """`op_tracer`: spans of machine operations; None (tracing off) costs nothing."""
@@ -97,7 +96,7 @@ class Worker:
             rows=self.rows,
             ports=ports,
             machine_host=machine_host,
-            port_free=port_free,
+            hold_ports=driver.hold_ports,
         )
         self.stream = EventStream(store, self.heartbeat)
         self.runner = Runner(
@@ -241,28 +240,28 @@ class Worker:
                 # The check and the reservation are atomic: the machine is reserved (as
                 # pending) before the first await, and its first commit makes that its row's.
                 self.reservations.check_room(config.guest)
-                ports = self.reservations.allocate_ports(len(config.services))
-                machine = pb.Machine(
-                    id=machine_id,
-                    name=name or machine_id,
-                    app=app,
-                    region=self.identity.region,
-                    worker_id=self.identity.worker_id,
-                    config=config,
-                    instance_id=secrets.token_hex(8),
-                )
-                for svc, port in zip(config.services, ports, strict=True):
-                    machine.ports.add(
-                        internal_port=svc.internal_port, host=self.machine_host, host_port=port
-                    )
-                first = fsm.create(
-                    machine,
-                    image_digest=image.digest,
-                    skip_launch=skip_launch,
-                    now=self.clock.now(),
-                )
-                self.reservations.pending[machine_id] = machine
+                ports = self.reservations.allocate_ports(machine_id, len(config.services))
                 try:
+                    machine = pb.Machine(
+                        id=machine_id,
+                        name=name or machine_id,
+                        app=app,
+                        region=self.identity.region,
+                        worker_id=self.identity.worker_id,
+                        config=config,
+                        instance_id=secrets.token_hex(8),
+                    )
+                    for svc, port in zip(config.services, ports, strict=True):
+                        machine.ports.add(
+                            internal_port=svc.internal_port, host=self.machine_host, host_port=port
+                        )
+                    first = fsm.create(
+                        machine,
+                        image_digest=image.digest,
+                        skip_launch=skip_launch,
+                        now=self.clock.now(),
+                    )
+                    self.reservations.pending[machine_id] = machine
                     # The pending start goes on in the same operation: its spawn comes before
                     # the first commit, which records the creation, the start and the process.
                     await self.runner.drive_locked(
@@ -270,11 +269,24 @@ class Worker:
                     )
                 finally:
                     self.reservations.pending.pop(machine_id, None)
+                    # Its ports stay held if the create was committed, else they go.
+                    await self._publish(machine_id)
         except BaseException:
             if machine_id not in self.rows:
                 self.images.release(image.digest)
             raise
         return self.rows[machine_id].machine
+
+    async def _publish(self, machine_id: str) -> None:
+        """Have the driver hold exactly the host ports the machine's row has (none without a
+        row): after a create or an update, committed or not.
+        """
+        row = self.rows.get(machine_id)
+        ports = published(row.machine) if row is not None else ()
+        try:
+            await self.driver.publish(machine_id, ports)
+        except Exception as e:  # the operation's own outcome is what the caller hears of
+            log.error("machine_ports_not_published", machine_id=machine_id, error=str(e))
 
     def _existing(self, machine_id: str, app: str, config: pb.MachineConfig) -> pb.Machine | None:
         row = self.rows.get(machine_id)
@@ -371,7 +383,10 @@ class Worker:
                     stop_signal=sig,
                     stop_timeout=timeout,
                 )
-                await self.runner.drive_locked(machine_id, event, op_span=op_span)
+                try:
+                    await self.runner.drive_locked(machine_id, event, op_span=op_span)
+                finally:
+                    await self._publish(machine_id)  # the ports the row has now
         except BaseException:
             # Cancelled after the commit, the row already holds the new image: drop the old.
             now = self.rows.get(machine_id)

@@ -149,12 +149,16 @@ class RunDirs:
 
 
 def kill_all(run_root: Path) -> int:
-    """SIGKILL every machine process tree recorded under a driver's run root.
+    """SIGKILL every machine recorded under a driver's run root, and its netd (OCI).
 
     For tearing down a whole worker (a local cluster, a test) when flyd can no longer be asked
-    to. Handles are checked against /proc, so a recycled pid is left alone. Returns how many
-    machines were killed.
+    to. Handles are checked against /proc, so a recycled pid is left alone: each wrapper's
+    process group, each container's init (its pid namespace dies with it), then netd (the
+    worker's network and held ports go with it). Returns how many machines were killed.
     """
+    from flyd.drivers.crun import CRUN_ROOT, delete_container
+    from flyd.drivers.netclient import kill_netd
+
     killed = 0
     boot_id = read_boot_id()
     for handle_file in run_root.glob("*/handle.json"):
@@ -168,6 +172,11 @@ def kill_all(run_root: Path) -> int:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(handle.pid, signal.SIGKILL)
             killed += 1
+    crun_root = run_root / CRUN_ROOT
+    if crun_root.is_dir():
+        for state in crun_root.iterdir():
+            delete_container(crun_root, state.name)
+    kill_netd(run_root)
     return killed
 
 

@@ -21,6 +21,7 @@ from typing import IO, cast
 
 from flyd.errors import ImageError, InvalidArgument
 from flyd.images.oci import (
+    HOST_RUNTIME_LABEL,
     MEDIA_TYPE_CONFIG,
     MEDIA_TYPE_INDEX,
     MEDIA_TYPE_LAYER_GZIP,
@@ -110,6 +111,8 @@ def build_image(
             # Sorted so that equal mappings give equal digests whatever their insertion order.
             "Env": [f"{k}={v}" for k, v in sorted(env.items())],
             "WorkingDir": workdir,
+            # No base: a sandboxing driver lends it the host's runtime directories.
+            "Labels": {HOST_RUNTIME_LABEL: "true"},
         },
         "rootfs": {"type": "layers", "diff_ids": [diff_id]},
     }
