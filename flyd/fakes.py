@@ -207,6 +207,10 @@ class FakeDriver:
         held = {mid: {p.host_port for p in ports} for mid, ports in machines.items()}
         self.host.held_ports = held
 
+    def leftovers(self) -> list[str]:
+        """The machines the host keeps anything for (logs, an exit, a process)."""
+        return sorted(self.host.logs.keys() | self.host.exits.keys() | self.host.processes.keys())
+
     def release(self, machine_id: str) -> None:
         """Let the held fake process run (until then it has run nothing)."""
         process = self.host.processes.get(machine_id)

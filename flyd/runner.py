@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 from collections.abc import Awaitable, Sequence
 
 import structlog
 
 from flyd import fsm
 from flyd.drivers.base import Driver, ExitStatus, Handle
-from flyd.errors import NotFound
+from flyd.errors import FailedPrecondition, NotFound
 from flyd.images.cache import ImageCache
 from flyd.metrics import count_transition
 from flyd.reservations import Reservations
@@ -99,8 +100,23 @@ class Runner:
             if row.state != S.MACHINE_STATE_DESTROYED
         }
         self.spawn_task(self.driver.reconcile(services))
+        # What a create left on the host when flyd died before its first commit.
+        for machine_id in self.driver.leftovers():
+            kept = self.rows.get(machine_id)
+            if kept is None or kept.state == S.MACHINE_STATE_DESTROYED:
+                self.spawn_task(self._clean_leftover(machine_id))
         log.info("recovered", machines=len(self.rows), resumed=resumed, seq=self.store.last_seq())
         return resumed
+
+    async def _clean_leftover(self, machine_id: str) -> None:
+        async with self.lock(machine_id):
+            row = self.rows.get(machine_id)
+            if row is not None and row.state != S.MACHINE_STATE_DESTROYED:
+                return  # created again meanwhile: it is a machine now
+            with contextlib.suppress(FailedPrecondition):  # still running: it stays
+                await self.driver.stop(machine_id, signal.SIGKILL, 0)
+            await self.driver.cleanup(machine_id)
+            log.info("leftover_removed", machine_id=machine_id)
 
     async def close(self) -> None:
         """Stop background work; machines keep running."""

@@ -67,6 +67,17 @@ class RunDirs:
             raise NotFound(f"machine {machine_id} has no process state on this worker")
         return run_dir
 
+    def machines(self) -> list[str]:
+        """The machines that have a run dir."""
+        try:
+            return sorted(
+                entry.name
+                for entry in os.scandir(self.root)
+                if entry.is_dir(follow_symlinks=False) and not entry.name.startswith(".")
+            )
+        except FileNotFoundError:
+            return []
+
     def status_dir(self, machine_id: str) -> Path:
         """Where the machine's wrapper records its exit."""
         return self.path(machine_id) / "status"

@@ -345,6 +345,12 @@ class WrappedDriver:
             return
         self._hold_published(machine_id)
 
+    def leftovers(self) -> list[str]:
+        """The machines this driver keeps anything for (a run dir): after a crash, flyd
+        cleans up those it has no row for (a create that died before its first commit).
+        """
+        return self._run_dirs.machines()
+
     async def reconcile(self, machines: Mapping[str, Sequence[PortMapping]]) -> None:
         """After flyd's recovery: these are the machines there are, with their services.
         Their ports are held again; ports held for anything else are let go of.
