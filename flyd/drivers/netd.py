@@ -10,9 +10,12 @@ the worker's *hub*, and for each machine it:
   address (a /32 of the worker's prefix) routed to it in the hub. The hub forwards nothing:
   machines cannot reach each other, the host, or anything beyond; the hub's routes are where
   a later cross-host network plugs in. Nothing is ever added to the host's own namespace;
-- holds the listening sockets of the machine's published host ports (flyd binds them on
-  127.0.0.1 and hands them over), for the machine's whole life, running or not: a published
-  port is never free for someone else to take;
+- holds the sockets of the machine's published host ports (flyd binds them on 127.0.0.1 and
+  hands them over), for the machine's whole life, running or not: a published port is never
+  free for someone else to take. A port listens exactly while the machine's service does
+  (netd asks the machine's namespace through sock_diag, connecting to nothing): otherwise it
+  refuses connections, as a host port nobody listens on does, so a TCP check or the proxy
+  sees the service as it is;
 - forwards each connection accepted on such a port to the service's port on the loopback of
   the machine's namespace (an app listening on 127.0.0.1 or 0.0.0.0 alike), through a socket
   it opens inside that namespace. From the host namespace, traffic only ever goes to
@@ -51,7 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flyd.drivers import namespaces
-from flyd.drivers.netlink import Rtnl
+from flyd.drivers.netlink import Rtnl, SockDiag
 
 __all__ = ["PROTOCOL", "main"]
 
@@ -78,8 +81,8 @@ def _sysctl(path: str, value: str) -> None:
 class _Port:
     host_port: int
     internal_port: int
-    sock: socket.socket
-    server: asyncio.AbstractServer | None = None
+    sock: socket.socket  # bound to the host port; listening only while it serves
+    server: asyncio.AbstractServer | None = None  # while it serves
 
 
 @dataclass(eq=False)
@@ -90,6 +93,8 @@ class _Machine:
     userns: int | None = None
     veth: str | None = None
     address: str | None = None
+    diag: SockDiag | None = None  # asks its namespace which ports listen
+    watch: asyncio.Task[None] | None = None  # until each published port serves
 
 
 class _Splice(asyncio.Protocol):
@@ -159,8 +164,9 @@ class _Splice(asyncio.Protocol):
 class Netd:
     """The daemon's state; see the module docstring."""
 
-    def __init__(self, hub_netns: int, hub_rtnl: Rtnl) -> None:
-        self.hub_netns = hub_netns
+    def __init__(self, host_netns: int, hub_netns: int, hub_rtnl: Rtnl) -> None:
+        self.host_netns = host_netns  # where published ports are: a socket lives in the
+        self.hub_netns = hub_netns  # namespace its maker was in when it made it
         self.rtnl = hub_rtnl
         self.machines: dict[str, _Machine] = {}
         self.connections: set[_Splice] = set()
@@ -221,13 +227,11 @@ class Netd:
         fds.clear()
         for host in [h for h in m.ports if h not in wanted]:
             await self._close_port(m.ports.pop(host))
-        loop = asyncio.get_running_loop()
         for port in m.ports.values():
-            port.internal_port = wanted[port.host_port]
-            if port.server is None:
-                port.server = await loop.create_server(
-                    functools.partial(self._accepted, m, port), sock=port.sock
-                )
+            if port.internal_port != wanted[port.host_port]:
+                port.internal_port = wanted[port.host_port]
+                self._unserve(port)
+        self._watch(m)
 
     def _up(self, machine_id: str, request: dict[str, Any]) -> dict[str, Any]:
         address = ipaddress.IPv4Address(str(request["address"]))
@@ -254,6 +258,8 @@ class Netd:
                 os.close(userns)
             raise
         m.netns, m.userns, m.veth, m.address = netns, userns, veth, str(address)
+        m.diag = self._in(netns, SockDiag)
+        self._watch(m)
         return {
             "netns": f"/proc/{self.pid}/fd/{netns}",
             "userns": f"/proc/{self.pid}/fd/{userns}" if userns is not None else None,
@@ -294,6 +300,14 @@ class Netd:
             machine_rtnl.close()
 
     def _down(self, m: _Machine) -> None:
+        if m.watch is not None:
+            m.watch.cancel()
+            m.watch = None
+        for port in m.ports.values():
+            self._unserve(port)
+        if m.diag is not None:
+            m.diag.close()
+            m.diag = None
         if m.veth is not None:
             with contextlib.suppress(OSError):
                 self.rtnl.delete_link(m.veth)
@@ -310,6 +324,58 @@ class Netd:
         else:
             port.sock.close()
 
+    # -- serving: a published port listens exactly while the machine's service does ----------
+
+    def _watch(self, m: _Machine) -> None:
+        """Make sure something waits for the machine's services to listen, if any does not."""
+        if m.netns is None or m.diag is None or (m.watch is not None and not m.watch.done()):
+            return
+        if all(port.server is not None for port in m.ports.values()):
+            return
+        m.watch = asyncio.ensure_future(self._until_serving(m))
+        m.watch.add_done_callback(_retrieve)
+
+    async def _until_serving(self, m: _Machine) -> None:
+        """Poll the machine's namespace (sock_diag, nothing connects) until every published
+        port's service listens, serving each as it does: every 10 ms for the first 5 s (an
+        app booting), then less often for a service that does not come.
+        """
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        while m.diag is not None:
+            waiting = [port for port in m.ports.values() if port.server is None]
+            if not waiting:
+                return
+            listening = m.diag.listening()
+            for port in waiting:
+                if port.internal_port in listening:
+                    await self._serve(m, port)
+            age = loop.time() - started
+            await asyncio.sleep(0.01 if age < 5 else 0.1 if age < 60 else 1.0)
+
+    async def _serve(self, m: _Machine, port: _Port) -> None:
+        if port.server is None:
+            # listen() checks the port again, TIME_WAITs of earlier connections included:
+            # SO_REUSEADDR lets it; once it listens, no other socket can bind the port anyway.
+            port.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            port.server = await asyncio.get_running_loop().create_server(
+                functools.partial(self._accepted, m, port), sock=port.sock, backlog=1024
+            )
+
+    def _unserve(self, port: _Port) -> None:
+        """Stop listening, keeping the port: connections are refused, as by a host whose
+        service is down, and nobody else can bind it.
+        """
+        if port.server is None:
+            return
+        address = port.sock.getsockname()
+        port.server.close()
+        port.server = None
+        try:
+            port.sock = self._in(self.host_netns, lambda: _bind_held(address))
+        except OSError as e:
+            _log("port_lost", port=port.host_port, error=str(e))
+
     # -- forwarding ---------------------------------------------------------------------------
 
     def _accepted(self, m: _Machine, port: _Port) -> _Splice:
@@ -318,25 +384,32 @@ class Netd:
             return _Splice(self, refuse=True)
         client = _Splice(self)
         self.connections.add(client)
-        task = asyncio.ensure_future(self._connect(client, m.netns, port.internal_port))
+        task = asyncio.ensure_future(self._connect(client, m, port))
         task.add_done_callback(_retrieve)
         return client
 
-    async def _connect(self, client: _Splice, netns: int, internal_port: int) -> None:
+    async def _connect(self, client: _Splice, m: _Machine, port: _Port) -> None:
         loop = asyncio.get_running_loop()
+        if m.netns is None:
+            if client.transport is not None:
+                client.transport.abort()
+            return
+        netns = m.netns
         sock = self._in(netns, lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM))
         try:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             async with asyncio.timeout(_CONNECT_TIMEOUT_S):
-                await loop.sock_connect(sock, ("127.0.0.1", internal_port))
+                await loop.sock_connect(sock, ("127.0.0.1", port.internal_port))
             upstream = _Splice(self)
             self.connections.add(upstream)
             await loop.create_connection(lambda: upstream, sock=sock)
         except (OSError, TimeoutError):
             sock.close()
             if client.transport is not None:
-                client.transport.abort()  # a reset: the service is not there
+                client.transport.abort()  # a reset: the service is not there (any more)
+            self._unserve(port)
+            self._watch(m)
             return
         if client.transport is None or client.transport.is_closing():
             assert upstream.transport is not None
@@ -347,7 +420,22 @@ class Netd:
         client.join(upstream)
 
 
-def _retrieve(task: asyncio.Future[None]) -> None:
+def _bind_held(address: tuple[str, int]) -> socket.socket:
+    """A socket bound to `address`, not listening: it refuses connections and, without
+    SO_REUSEADDR once bound, keeps anyone else from binding the port.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # over TIME_WAITs
+        sock.bind(address)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
     if not task.cancelled() and task.exception() is not None:
         _log("forward_failed", error=repr(task.exception()))
 
@@ -433,15 +521,18 @@ def _write_handle(path: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _hub() -> tuple[int, Rtnl]:
-    """Enter a new network namespace, the hub, and make it ready."""
+def _hub() -> tuple[int, int, Rtnl]:
+    """Enter a new network namespace, the hub, and make it ready; descriptors of the host's
+    namespace and the hub's, and a netlink socket in the hub.
+    """
+    host = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
     namespaces.unshare(namespaces.CLONE_NEWNET)
     fd = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
     rtnl = Rtnl()
     rtnl.set_up("lo")
     _sysctl("net/ipv6/conf/default/disable_ipv6", "1")
     _sysctl("net/ipv4/ip_forward", "0")  # the default; said out loud: machines reach no one
-    return fd, rtnl
+    return host, fd, rtnl
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -451,8 +542,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--handle", help="write netd's process handle (JSON) here first")
     args = parser.parse_args(argv)
     os.umask(0o077)
-    hub_netns, rtnl = _hub()
-    netd = Netd(hub_netns, rtnl)
+    host_netns, hub_netns, rtnl = _hub()
+    netd = Netd(host_netns, hub_netns, rtnl)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(args.socket)
     control = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)

@@ -17,7 +17,7 @@ import os
 import socket
 import struct
 
-__all__ = ["Rtnl"]
+__all__ = ["Rtnl", "SockDiag"]
 
 _NETLINK_ROUTE = 0
 _NLMSG_ERROR = 2
@@ -165,3 +165,67 @@ class Rtnl:
                 if error:
                     raise OSError(-error, f"netlink: {os.strerror(-error)}")
                 return payload
+
+
+_NETLINK_SOCK_DIAG = 4
+_SOCK_DIAG_BY_FAMILY = 20
+_NLM_F_DUMP = 0x300
+_NLMSG_DONE = 3
+_TCP_LISTEN = 10
+_INET_DIAG_REQ = struct.Struct("=BBBxI48x")
+
+
+class SockDiag:
+    """A sock_diag netlink socket, in the namespace it was opened in: which TCP ports listen
+    there, asked of the kernel without connecting to anything.
+    """
+
+    def __init__(self) -> None:
+        self._sock = socket.socket(
+            socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, _NETLINK_SOCK_DIAG
+        )
+        self._sock.bind((0, 0))
+        self._seq = 0
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def listening(self) -> set[int]:
+        """The TCP ports something listens on (any address, IPv4 or IPv6)."""
+        ports: set[int] = set()
+        for family in (socket.AF_INET, socket.AF_INET6):
+            self._seq += 1
+            body = _INET_DIAG_REQ.pack(family, socket.IPPROTO_TCP, 0, 1 << _TCP_LISTEN)
+            header = _NLMSGHDR.pack(
+                _NLMSGHDR.size + len(body),
+                _SOCK_DIAG_BY_FAMILY,
+                _NLM_F_REQUEST | _NLM_F_DUMP,
+                self._seq,
+                0,
+            )
+            self._sock.send(header + body)
+            ports |= self._dump(self._seq)
+        return ports
+
+    def _dump(self, seq: int) -> set[int]:
+        ports: set[int] = set()
+        while True:
+            data = self._sock.recv(65536)
+            offset = 0
+            while offset + _NLMSGHDR.size <= len(data):
+                length, msg_type, _flags, msg_seq, _pid = _NLMSGHDR.unpack_from(data, offset)
+                if length < _NLMSGHDR.size:
+                    raise OSError(0, "sock_diag: malformed answer")
+                start = offset + _NLMSGHDR.size
+                offset += (length + 3) & ~3
+                if msg_seq != seq:
+                    continue
+                if msg_type == _NLMSG_DONE:
+                    return ports
+                if msg_type == _NLMSG_ERROR:
+                    (error,) = struct.unpack_from("=i", data, start)
+                    raise OSError(-error, f"sock_diag: {os.strerror(-error)}")
+                # inet_diag_msg: family, state, timer, retrans, then the socket id (sport first,
+                # in network order).
+                (port,) = struct.unpack_from("!H", data, start + 4)
+                ports.add(port)

@@ -142,6 +142,8 @@ class OciDriver(WrappedDriver):
         except OSError as e:
             raise Unavailable(f"cannot make {_VIEW}: {e}") from e
         self._slots = self._read_slots()
+        self._runs: dict[str, int] = {}  # starts per machine, so a late down never undoes one
+        self._downs: dict[str, asyncio.Future[None]] = {}  # netd downs under way
         self._net = Netd(self._run_dirs.root)
         hello = self._net.connect()
         # What netd holds, as it said: machine -> its host ports and whether it is up.
@@ -175,6 +177,7 @@ class OciDriver(WrappedDriver):
         hold_r, hold_w = os.pipe2(os.O_CLOEXEC)
         ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
         os.set_blocking(ready_r, False)
+        self._runs[mid] = self._runs.get(mid, 0) + 1  # a down for an earlier run is moot now
         try:
             namespaces = await self._call(
                 "up",
@@ -365,8 +368,20 @@ class OciDriver(WrappedDriver):
     def _ended(self, machine_id: str) -> None:
         super()._ended(machine_id)
         if self._netd.get(machine_id, {}).get("up"):
-            task = asyncio.ensure_future(self._down(machine_id))
+            task = asyncio.ensure_future(self._down(machine_id, run=self._runs.get(machine_id)))
             task.add_done_callback(_log_failure)
+            self._downs[machine_id] = task
+
+    async def stop(self, machine_id: str, sig: int, timeout: float) -> ExitStatus:
+        """`WrappedDriver.stop`; it returns once netd has let go of the machine's namespace
+        too, so its published ports refuse connections from then on.
+        """
+        status = await super().stop(machine_id, sig, timeout)
+        down = self._downs.pop(machine_id, None)
+        if down is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(down)
+        return status
 
     async def _forget(self, machine_id: str) -> None:
         if machine_id in self._netd:
@@ -374,6 +389,8 @@ class OciDriver(WrappedDriver):
             self._netd.pop(machine_id, None)
         delete_container(self._crun_root, machine_id)
         self._slots.pop(machine_id, None)
+        self._downs.pop(machine_id, None)
+        self._runs.pop(machine_id, None)
 
     async def close(self) -> None:
         """Stop watching; the machines and netd keep running (see `WrappedDriver.close`)."""
@@ -452,7 +469,13 @@ class OciDriver(WrappedDriver):
             os.close(pidfd)
         self._netd[machine_id]["up"] = True
 
-    async def _down(self, machine_id: str) -> None:
+    async def _down(self, machine_id: str, run: int | None = None) -> None:
+        """Have netd drop the machine's namespaces (it stopped). With `run`: only if no start
+        came since that run ended, which would have made new ones. The check and the request
+        joining netd's queue happen with no await between them, so they cannot be reordered.
+        """
+        if run is not None and self._runs.get(machine_id) != run:
+            return
         if machine_id in self._netd and not self._closed:
             await self._call("down", machine=machine_id)
             self._netd[machine_id]["up"] = False

@@ -20,16 +20,16 @@ __all__ = ["HeldPorts", "bind_port"]
 
 
 def bind_port(host: str, port: int) -> socket.socket | None:
-    """A socket listening on host:port, or None when the port is taken.
+    """A socket bound to host:port, not listening, or None when the port is taken.
 
-    SO_REUSEADDR only lets it bind over connections of an earlier holder still in TIME_WAIT;
-    while it listens, no other socket can bind the port.
+    SO_REUSEADDR is set only for the bind, over connections of an earlier holder still in
+    TIME_WAIT; cleared, it keeps any other socket from binding the port.
     """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        sock.listen(128)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
     except OSError:
         sock.close()
         return None

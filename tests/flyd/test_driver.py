@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import uuid
 from pathlib import Path
 
@@ -336,7 +337,9 @@ async def test_exit_while_flyd_is_down_is_reported_on_attach(make_driver, image)
     await old.close()
 
     # The machine exits with 7 while no driver watches it.
-    (main,) = [pid for pid in pids_running(token) if comm(pid) == "sh" and pid != handle.pid]
+    shells = {pid for pid in pids_running(token) if comm(pid) == "sh" and pid != handle.pid}
+    # Not a child of another (a fork of it that has not exec'd `sleep` yet).
+    (main,) = [pid for pid in shells if ppid(pid) not in shells]
     os.kill(main, signal.SIGUSR1)
     await wait_until(lambda: gone(handle.pid), "the machine to exit")
 
@@ -436,6 +439,11 @@ def comm(pid: int) -> str:
     return Path(f"/proc/{pid}/comm").read_text().strip()
 
 
+def ppid(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
+
+
 def file_sizes(log: Path) -> list[int | None]:
     """Sizes of machine.log, .1, .2, .3 (None: absent)."""
     paths = [log, *(Path(f"{log}.{k}") for k in (1, 2, 3))]
@@ -500,3 +508,74 @@ async def test_follow_logs_yields_new_lines_across_rotation(make_driver, image: 
     shutdown.set()
     with pytest.raises(StopAsyncIteration):
         await asyncio.wait_for(anext(lines), DEADLINE)
+
+
+# -- published ports ---------------------------------------------------------------------------
+
+SERVE = """\
+import os, socket
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", int(os.environ["PORT"])))
+s.listen()
+print("serving", flush=True)
+while True:
+    conn, _ = s.accept()
+    conn.sendall(b"hello")
+    conn.close()
+"""
+
+
+def taken(port: int) -> bool:
+    """Whether binding the port on the host fails (SO_REUSEADDR or not)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def refused(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+async def hello(port: int) -> bytes:
+    """What the machine's service says once it serves (it may still be starting)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + DEADLINE
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+                data = conn.recv(16)
+                if data:
+                    return data
+        except OSError:
+            pass
+        assert loop.time() < deadline, f"port {port} never served"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_published_port_is_held_for_its_machine_and_serves_only_it(
+    make_driver, image: Path
+) -> None:
+    driver = make_driver(Exits())
+    (port,) = driver.hold_ports("m1", range(23000, 23100), 1)
+    published = (PortMapping(port, 8080),)
+    await driver.publish("m1", published)
+    # Not running, as a stopped standby: nobody else can have its port; nothing answers.
+    assert taken(port)
+    assert refused(port)
+    for _ in range(2):  # a second run serves as the first did
+        await run_machine(driver, spec("m1", ["python3", "-c", SERVE], image, ports=published))
+        assert await hello(port) == b"hello"
+        await driver.stop("m1", signal.SIGTERM, timeout=DEADLINE)
+        assert taken(port)  # still its machine's
+        assert refused(port)
+    await driver.cleanup("m1")
+    assert not taken(port)  # destroyed: let go

@@ -135,16 +135,20 @@ async def wait_log(stub: Stub, machine_id: str, line: str) -> None:
 
 def signal_machine(token: str, sig: int) -> int:
     """Send `sig` to the machine's shell (its command line holds `token`) from outside flyd."""
+    shells: dict[int, int] = {}  # pid -> parent
     for entry in Path("/proc").iterdir():
         try:
             cmdline = (entry / "cmdline").read_bytes()
             comm = (entry / "comm").read_text().strip()
+            stat = (entry / "stat").read_text()
         except OSError:
             continue
         if token.encode() in cmdline and comm == "sh" and b"nonomad-wrapper" not in cmdline:
-            os.kill(int(entry.name), sig)
-            return int(entry.name)
-    raise AssertionError(f"no machine process with {token!r}")
+            shells[int(entry.name)] = int(stat[stat.rindex(")") + 2 :].split()[1])
+    # The shell itself, not a fork of it that has not exec'd its child yet.
+    (main,) = [pid for pid, parent in shells.items() if parent not in shells]
+    os.kill(main, sig)
+    return main
 
 
 async def gone_soon(pid: int) -> None:

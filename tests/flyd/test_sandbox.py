@@ -14,6 +14,7 @@ import json
 import os
 import socket
 import stat
+import tarfile
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
@@ -86,7 +87,9 @@ listener.accept()  # holds the port until stopped
 
 @pytest.fixture(scope="module")
 def image_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`probe:v1` (the probe above) and `demo:v1`, both with no base (the host's runtime)."""
+    """`probe:v1` (the probe above) and `demo:v1`, both with no base (the host's runtime),
+    and `based:v1`, a script on a base of its own: a shell and its libc, nothing else.
+    """
     root = tmp_path_factory.mktemp("sandbox-images")
     src = tmp_path_factory.mktemp("probe-src")
     (src / "probe.py").write_text(PROBE)
@@ -95,6 +98,16 @@ def image_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (src / "data" / "config.txt").write_text("the image's own file\n")
     build_image(src, root, name="probe", tag="v1", entrypoint=["python3", "-u", "probe.py"])
     build_image(src, root, name="demo", tag="v1", entrypoint=["python3", "-u", "app.py"])
+    base = tmp_path_factory.mktemp("base") / "shell.tar"
+    with tarfile.open(base, "w") as tf:
+        tf.add("/bin/dash", "bin/sh")
+        for lib in ("/lib/x86_64-linux-gnu/libc.so.6", "/lib64/ld-linux-x86-64.so.2"):
+            tf.add(os.path.realpath(lib), lib.lstrip("/"))
+    script = tmp_path_factory.mktemp("script")
+    (script / "hello.sh").write_text("echo own rootfs: /*\n")
+    build_image(
+        script, root, name="based", tag="v1", entrypoint=["/bin/sh", "/hello.sh"], base=base
+    )
     return root
 
 
@@ -285,6 +298,35 @@ async def test_the_image_cache_is_byte_identical_after_a_machine_wrote_everywher
     assert not (flyd_dir(tmp_path) / "machines" / first.id).exists()  # upper layer and all
 
 
+@pytest.mark.skipif(
+    not Path("/lib64/ld-linux-x86-64.so.2").exists(), reason="the test base is x86_64 Debian's"
+)
+async def test_an_image_with_a_base_runs_on_its_own_rootfs_alone(
+    flyd_factory: Callable[..., ServiceProcess], stub_for: Callable[[str], Stub]
+) -> None:
+    flyd = flyd_factory("--driver", "oci")
+    stub = stub_for(flyd.address)
+    cfg = pb.MachineConfig(
+        image="based:v1", guest=guest(), restart=pb.RestartPolicy(mode=pb.RESTART_MODE_NO)
+    )
+    machine = (await stub.CreateMachine(w.CreateMachineRequest(app="b", config=cfg))).machine
+    stopped = await wait_state(stub, machine.id, S.MACHINE_STATE_STOPPED)
+    assert stopped.last_exit.exit_code == 0
+    top = (await log_line(stub, machine.id, "own rootfs: ")).split()
+    # Its base's directories and the ones every machine gets: no /usr, nothing of the host.
+    assert set(top) == {
+        "/bin",
+        "/dev",
+        "/etc",
+        "/hello.sh",
+        "/lib",
+        "/lib64",
+        "/proc",
+        "/sys",
+        "/tmp",
+    }
+
+
 async def test_a_fork_bomb_stops_at_the_pids_limit_and_the_worker_stays_healthy(
     flyd_factory: Callable[..., ServiceProcess], stub_for: Callable[[str], Stub], tmp_path: Path
 ) -> None:
@@ -389,10 +431,12 @@ def http_get(port: int) -> str:
 
 
 def netd_namespaces(machines: Path) -> int:
-    """How many network namespaces netd holds (its hub is one)."""
+    """How many machines' network namespaces netd holds (not its hub's nor the host's)."""
     pid = json.loads((machines / ".netd.json").read_text())["pid"]
+    own = {os.readlink(f"/proc/{pid}/ns/net"), os.readlink("/proc/self/ns/net")}
     fds = Path(f"/proc/{pid}/fd")
-    return sum(1 for fd in fds.iterdir() if os.readlink(fd).startswith("net:"))
+    links = {os.readlink(fd) for fd in fds.iterdir()}
+    return sum(1 for link in links if link.startswith("net:") and link not in own)
 
 
 def machine_processes(run_dir: Path) -> list[int]:
@@ -420,7 +464,7 @@ async def nothing_left(machines: Path, machine_id: str, prefix: str) -> None:
                 (Path("/sys/fs/cgroup") / c / prefix / machine_id).exists()
                 for c in ("memory", "cpu", "pids")
             ),
-            "netns": netd_namespaces(machines) > 1,
+            "netns": netd_namespaces(machines) > 0,
         }
         if not any(left.values()):
             return
@@ -509,7 +553,7 @@ async def test_flyd_killed_mid_stop_leaves_nothing_behind(
     assert not machine_processes(machines / machine.id)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + DEADLINE
-    while netd_namespaces(machines) > 1:  # its network namespace goes as it stops
+    while netd_namespaces(machines) > 0:  # its network namespace goes as it stops
         assert loop.time() < deadline, "netd still holds the stopped machine's namespace"
         await asyncio.sleep(0.02)
     await stub.DestroyMachine(w.DestroyMachineRequest(machine_id=machine.id, force=True))
