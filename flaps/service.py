@@ -26,14 +26,16 @@ from flaps import metrics, placement
 from flaps.errors import InvalidArgument, NoCapacity, NotFound, Unavailable, Upstream
 from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
+from flyd.pages import page
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
-from flyd.validate import check_config
+from flyd.validate import CONFIG_LIMITS, check_config
 from registry.replica import Replica, WorkerView
 from registry.v1 import registry_pb2
 from runtime import abort_with_details, aio_channel
-from runtime.validate import check_name, duration_seconds
+from runtime.limits import DEFAULT_LIMITS, Limits
+from runtime.validate import check_name, duration_seconds, quote
 
 log = structlog.get_logger("flaps")
 S = pb.MachineState
@@ -47,6 +49,26 @@ CLAIM_TIMEOUT = 10.0
 RPC_TIMEOUT = 10.0
 MAX_WAIT = 60.0
 MAX_LEASE = 3600.0
+LIMITS = DEFAULT_LIMITS.merged(
+    CONFIG_LIMITS,
+    Limits(
+        texts={
+            "flaps.v1.AcquireLeaseRequest.owner": 256,
+            "flaps.v1.CreateMachineRequest.name": 63,
+            "flaps.v1.CreateMachineRequest.idempotency_key": 256,
+            "flaps.v1.StopMachineRequest.signal": 16,
+            "flaps.v1.RestartMachineRequest.signal": 16,
+            "flaps.v1.SignalMachineRequest.signal": 16,
+        },
+        counts={
+            "flaps.v1.CreateMachineRequest.regions": 16,
+            "flaps.v1.CreateMachineRequest.standby_for": 16,
+            "flaps.v1.SimulatePlacementRequest.regions": 16,
+            "flaps.v1.SimulatePlacementRequest.standby_for": 16,
+        },
+    ),
+)
+"""The bounds of MachinesService and PlatformService requests (`runtime.limits`)."""
 # Worker answers that mean "not here, try another": nothing was created.
 REFUSALS: dict[grpc.StatusCode, metrics.Claim] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: "refused",
@@ -88,6 +110,7 @@ class Workers:
         machine = self.replica.machine(machine_id)
         if machine is not None:
             return machine.worker_id
+        check_name("machine_id", machine_id)
         raise NotFound(f"machine {machine_id} not found")
 
     async def close(self) -> None:
@@ -164,7 +187,7 @@ class Exchange:
             check_name(where, name)
             if name not in self.replica.regions():
                 known = ", ".join(sorted(self.replica.regions())) or "none"
-                raise InvalidArgument(where, f"unknown region {name!r} (known: {known})")
+                raise InvalidArgument(where, f"unknown region {quote(name)} (known: {known})")
             if name not in wanted:
                 wanted.append(name)
         if not wanted:
@@ -408,7 +431,8 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
                 or mm.state != S.MACHINE_STATE_DESTROYED
             )
         ]
-        return m.ListMachinesResponse(machines=sorted(machines, key=lambda mm: mm.id))
+        listed, next_token = page(machines, request.page_size, request.page_token)
+        return m.ListMachinesResponse(machines=listed, next_page_token=next_token)
 
     async def UpdateMachine(
         self, request: m.UpdateMachineRequest, context: grpc.aio.ServicerContext

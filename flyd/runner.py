@@ -21,7 +21,7 @@ from flyd import fsm
 from flyd.drivers.base import Driver, ExitStatus, Handle
 from flyd.errors import NotFound
 from flyd.images.cache import ImageCache
-from flyd.metrics import count_transition
+from flyd.metrics import CLEANUP_FAILURES, count_transition
 from flyd.reservations import Reservations
 from flyd.spec import process_spec
 from flyd.store import MachineLog, NewRecord, RecordType
@@ -254,8 +254,20 @@ class Runner:
                         await self.driver.signal(machine_id, sig)
                     next_event = fsm.Signalled()
                 case fsm.Cleanup():
-                    await self.driver.cleanup(machine_id)
-                    next_event = fsm.CleanedUp()
+                    try:
+                        await self.driver.cleanup(machine_id)
+                    except Exception as err:  # retried with a backoff (fsm.CleanupFailed)
+                        log.warning(
+                            "cleanup failed",
+                            machine_id=machine_id,
+                            state=fsm.state_name(row.state),
+                            error=str(err)[:200],
+                            attempt=(row.op.attempts + 1) if row.op else 1,
+                        )
+                        CLEANUP_FAILURES.inc()
+                        next_event = fsm.CleanupFailed(str(err)[:200])
+                    else:
+                        next_event = fsm.CleanedUp()
                 case fsm.StartTimer(at=when):
                     self.spawn_task(self._timer(machine_id, when))
         return next_event

@@ -20,10 +20,13 @@ from flyd.errors import (
     Unavailable,
     UnsafeImage,
 )
+from flyd.pages import page
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
+from flyd.validate import CONFIG_LIMITS
 from flyd.worker import Worker
 from runtime import Mapped
+from runtime.limits import DEFAULT_LIMITS, Limits
 from runtime.validate import check_name, duration_seconds, parse_signal
 
 # Checked in order: the first matching class decides (subclasses before their bases).
@@ -44,6 +47,20 @@ MAX_WAIT = 60.0
 DEFAULT_WAIT = 30.0
 MAX_TAIL = 10_000
 MAX_LEASE = 3600.0
+
+LIMITS = DEFAULT_LIMITS.merged(
+    CONFIG_LIMITS,
+    Limits(
+        texts={
+            "flyd.v1.AcquireLeaseRequest.owner": 256,
+            "flyd.v1.CreateMachineRequest.name": 63,
+            "flyd.v1.StopMachineRequest.signal": 16,
+            "flyd.v1.RestartMachineRequest.signal": 16,
+            "flyd.v1.SignalMachineRequest.signal": 16,
+        }
+    ),
+)
+"""The bounds of WorkerService requests, checked as each is decoded (`runtime.limits`)."""
 
 
 def map_error(err: Exception) -> Mapped | None:
@@ -145,11 +162,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     ) -> w.ListMachinesResponse:
         if request.app:
             check_name("app", request.app)
-        return w.ListMachinesResponse(
-            machines=self.worker.list_machines(
+        machines, next_token = page(
+            self.worker.list_machines(
                 app=request.app, state=request.state, include_destroyed=request.include_destroyed
-            )
+            ),
+            request.page_size,
+            request.page_token,
         )
+        return w.ListMachinesResponse(machines=machines, next_page_token=next_token)
 
     async def WaitMachine(
         self, request: w.WaitMachineRequest, context: grpc.aio.ServicerContext

@@ -140,10 +140,13 @@ class Worker:
     # --- operations ---------------------------------------------------------
 
     def get(self, machine_id: str) -> fsm.Row:
+        """The machine's row. Any id a row has is found, even one the name check refuses now
+        (a row from before it was strict): what this worker accepted, it can also destroy."""
         if not machine_id:
             raise InvalidArgument("machine_id", "is required")
         row = self.rows.get(machine_id)
         if row is None:
+            check_name("machine_id", machine_id)
             raise NotFound(f"machine {machine_id} not found on worker {self.identity.worker_id}")
         return row
 
@@ -280,7 +283,12 @@ class Worker:
         row = self.rows.get(machine_id)
         if row is None:
             return None
-        if row.machine.app != app or row.machine.config != config:
+        kept = row.machine.config
+        if row.state == S.MACHINE_STATE_DESTROYED:  # its row keeps only the image and size
+            same = kept.image == config.image and kept.guest == config.guest
+        else:
+            same = kept == config
+        if row.machine.app != app or not same:
             raise AlreadyExists(f"machine {machine_id} exists with another app or config")
         return row.machine
 

@@ -16,6 +16,7 @@ from runtime.server import (
     error_info,
     main_entry,
     read_announcements,
+    register,
     server_options,
     wrap_servicer,
 )
@@ -61,6 +62,7 @@ __all__ = [
     "main_entry",
     "parse_host_port",
     "read_announcements",
+    "register",
     "server_interceptors",
     "server_options",
     "settings_or_exit",
