@@ -9,6 +9,8 @@ other call goes straight to the worker that owns the machine, found from the mac
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import hashlib
 import secrets
 from collections import Counter
@@ -33,7 +35,7 @@ from flyd.v1 import worker_pb2_grpc
 from flyd.validate import CONFIG_LIMITS, check_config
 from registry.replica import Replica, WorkerView
 from registry.v1 import registry_pb2
-from runtime import abort_with_details, aio_channel
+from runtime import abort_with_details, aio_channel, time_left
 from runtime.limits import DEFAULT_LIMITS, Limits
 from runtime.validate import check_name, duration_seconds, quote
 
@@ -218,6 +220,7 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
 
     def __init__(self, exchange: Exchange) -> None:
         self.x = exchange
+        self._rollbacks: set[asyncio.Task[None]] = set()
 
     async def _call(
         self, machine_id: str, rpc: str, request: object, timeout: float = RPC_TIMEOUT
@@ -225,7 +228,8 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
         worker_id = self.x.workers.owner(machine_id)
         stub = self.x.workers.stub(worker_id)
         try:
-            return await getattr(stub, rpc)(request, timeout=timeout)
+            # The worker gets no more time than our caller has left.
+            return await getattr(stub, rpc)(request, timeout=time_left(timeout))
         except grpc.aio.AioRpcError as err:
             raise Upstream(err) from None
 
@@ -292,16 +296,23 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
                 state="created",
             )
             response = m.CreateMachineResponse(machine=machine)
-            if lease_ttl:
-                lease = await self._call(
-                    machine.id,
-                    "AcquireLease",
-                    w.AcquireLeaseRequest(
-                        machine_id=machine.id, ttl=request.lease_ttl, owner="flaps create"
-                    ),
-                )
-                assert isinstance(lease, w.AcquireLeaseResponse)
-                response.lease.CopyFrom(lease.lease)
+            try:
+                if lease_ttl:
+                    lease = await self._call(
+                        machine.id,
+                        "AcquireLease",
+                        w.AcquireLeaseRequest(
+                            machine_id=machine.id, ttl=request.lease_ttl, owner="flaps create"
+                        ),
+                    )
+                    assert isinstance(lease, w.AcquireLeaseResponse)
+                    response.lease.CopyFrom(lease.lease)
+            except BaseException:
+                # The caller will not learn of the machine (its deadline passed, it left, or
+                # the lease failed): without a key no retry can find it, so it goes.
+                if not request.idempotency_key:
+                    self._roll_back(machine.id)
+                raise
             return response
         error = NoCapacity(regions, counts)
         log.info("no_capacity", app=request.app, regions=regions, rejections=dict(counts))
@@ -322,6 +333,25 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
             ),
         )
         raise AssertionError("abort returns only by raising")
+
+    def _roll_back(self, machine_id: str) -> None:
+        """Destroy a machine just created for a caller who will never hear of it, in the
+        background (in a context of its own: not bound by the caller's deadline)."""
+
+        async def destroy() -> None:
+            try:
+                await self._call(
+                    machine_id,
+                    "DestroyMachine",
+                    w.DestroyMachineRequest(machine_id=machine_id, force=True),
+                )
+                log.info("create_rolled_back", machine_id=machine_id, state="destroying")
+            except Exception as err:  # reported; the machine stays, as an orphan would
+                log.warning("create_roll_back_failed", machine_id=machine_id, error=str(err))
+
+        task = asyncio.create_task(destroy(), context=contextvars.Context())
+        self._rollbacks.add(task)
+        task.add_done_callback(self._rollbacks.discard)
 
     async def _claim_best(
         self,
@@ -361,7 +391,9 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
                     config=config,
                     skip_launch=skip_launch,
                 ),
-                timeout=CLAIM_TIMEOUT,
+                # No more than our caller has left: the worker does not commit a machine
+                # it could not answer for in time.
+                timeout=time_left(CLAIM_TIMEOUT),
             )
         except grpc.aio.AioRpcError as err:
             reason = REFUSALS.get(err.code())

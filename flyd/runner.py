@@ -19,7 +19,7 @@ import structlog
 
 from flyd import fsm
 from flyd.drivers.base import Driver, ExitStatus, Handle
-from flyd.errors import NotFound
+from flyd.errors import DeadlineExceeded, NotFound
 from flyd.images.cache import ImageCache
 from flyd.metrics import CLEANUP_FAILURES, count_transition
 from flyd.reservations import Reservations
@@ -160,6 +160,7 @@ class Runner:
         staged: list[fsm.Transition] | None = None,
         *,
         op_span: tuple[str, OpSpan] | None = None,
+        commit_by: float | None = None,
     ) -> None:
         """Step the machine until it rests, committing each step before its effects run.
 
@@ -169,7 +170,8 @@ class Runner:
         A crash before that commit leaves a held process that dies with flyd, and the last
         committed step is resumed as before. `staged` are steps computed but not committed
         yet (a create's first ones). `op_span` (op, span) receives the steps from the first
-        commit on, in place of any open one.
+        commit on, in place of any open one. `commit_by` (loop time): the first commit must
+        come before it, else DeadlineExceeded and nothing is committed (the caller is gone).
         """
         staged = staged if staged is not None else []
         row = staged[-1].row if staged else self.rows[machine_id]
@@ -192,18 +194,29 @@ class Runner:
                 if op_span is not None:
                     self._take_span(machine_id, op_span)
                     op_span = None
+                self._check_in_time(machine_id, commit_by)
+                commit_by = None
                 self.commit(machine_id, staged)
                 staged = []
                 event = await self._perform(machine_id, transition)
             if staged:
                 if op_span is not None:
                     self._take_span(machine_id, op_span)
+                self._check_in_time(machine_id, commit_by)
                 self.commit(machine_id, staged)
                 staged = []
         finally:
             if staged and staged[-1].row.handle is not None:
                 # Spawned but never committed: the held process must not run.
                 self.driver.discard(machine_id)
+
+    @staticmethod
+    def _check_in_time(machine_id: str, commit_by: float | None) -> None:
+        if commit_by is not None and asyncio.get_running_loop().time() > commit_by:
+            raise DeadlineExceeded(
+                f"machine {machine_id}: the caller's deadline passed before its first commit; "
+                "nothing was created"
+            )
 
     def _apply_lazy(self, machine_id: str, t: fsm.Transition) -> None:
         """A change of flyd's internals that may become durable later (see fsm.Transition).
@@ -376,18 +389,23 @@ class Runner:
             return self._op_tracer.committed(machine_id, t, seq)
         return None
 
+    def drop(self, machine_ids: list[str]) -> None:
+        """Forget destroyed machines: their rows leave the store (one transaction) and memory."""
+        if not machine_ids:
+            return
+        self.store.commit([], dict.fromkeys(machine_ids))
+        for mid in machine_ids:
+            self.reservations.account(self.rows.pop(mid), None)
+            self._locks.pop(mid, None)
+
     def _compact(self) -> None:
         destroyed = [
             (row.machine.updated_at.ToNanoseconds(), mid)
             for mid, row in self.rows.items()
             if row.state == S.MACHINE_STATE_DESTROYED
         ]
-        drop = {mid for _, mid in sorted(destroyed)[: max(0, len(destroyed) - KEEP_DESTROYED)]}
-        if drop:
-            self.store.commit([], dict.fromkeys(drop))
-            for mid in drop:
-                self.reservations.account(self.rows.pop(mid), None)
-                self._locks.pop(mid, None)
+        drop = [mid for _, mid in sorted(destroyed)[: max(0, len(destroyed) - KEEP_DESTROYED)]]
+        self.drop(drop)
         dropped = self.store.compact(self.log_keep)
         log.info(
             "log compacted",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import AsyncIterator
 
 import grpc
@@ -47,6 +48,13 @@ MAX_WAIT = 60.0
 DEFAULT_WAIT = 30.0
 MAX_TAIL = 10_000
 MAX_LEASE = 3600.0
+# How long before its caller's deadline a create must commit, for its answer to reach them.
+COMMIT_MARGIN = 0.005
+# Signals whose default action stops a process: a frozen machine would still show as started,
+# hold its reservation and have the edge send it requests it never answers.
+FREEZING_SIGNALS = frozenset(
+    int(s) for s in (signal.SIGSTOP, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU)
+)
 
 LIMITS = DEFAULT_LIMITS.merged(
     CONFIG_LIMITS,
@@ -88,12 +96,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def CreateMachine(
         self, request: w.CreateMachineRequest, context: grpc.aio.ServicerContext
     ) -> w.CreateMachineResponse:
+        remaining = context.time_remaining()
         machine = await self.worker.create(
             machine_id=request.machine_id,
             name=request.name,
             app=request.app,
             config=request.config,
             skip_launch=request.skip_launch,
+            # The answer must be able to reach the caller: commit no later than this.
+            commit_by=None
+            if remaining is None
+            else asyncio.get_running_loop().time() + remaining - COMMIT_MARGIN,
         )
         return w.CreateMachineResponse(machine=machine)
 
@@ -140,6 +153,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if not request.signal:
             raise InvalidArgument("signal", "is required")
         sig = parse_signal("signal", request.signal)
+        if sig in FREEZING_SIGNALS:
+            raise InvalidArgument(
+                "signal",
+                f"{signal.Signals(sig).name} would freeze the machine while it shows as "
+                "started; stop it with StopMachine",
+            )
         machine = await self.worker.signal(request.machine_id, sig, lease_nonce=request.lease_nonce)
         return w.SignalMachineResponse(machine=machine)
 

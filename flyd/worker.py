@@ -173,8 +173,15 @@ class Worker:
         app: str,
         config: pb.MachineConfig,
         skip_launch: bool,
+        commit_by: float | None = None,
     ) -> pb.Machine:
-        """Create a machine and, unless skip_launch, start it; returns it at rest (STARTED)."""
+        """Create a machine and, unless skip_launch, start it; returns it at rest (STARTED).
+
+        `commit_by` (loop time): the caller's deadline, less the time an answer takes. Past
+        it nothing is committed (DeadlineExceeded: no machine); a create whose caller goes
+        away after its commit is rolled back (`roll_back`), so a caller that gave up never
+        leaves a machine behind.
+        """
         t0 = time.perf_counter()
         check_name("machine_id", machine_id, required=False)
         mid = machine_id or secrets.token_hex(7)
@@ -182,7 +189,7 @@ class Worker:
             "create",
             mid,
             app,
-            lambda op_span: self._create(mid, name, app, config, skip_launch, op_span),
+            lambda op_span: self._create(mid, name, app, config, skip_launch, op_span, commit_by),
         )
         CREATE_SECONDS.observe(time.perf_counter() - t0)
         return machine
@@ -219,6 +226,7 @@ class Worker:
         config: pb.MachineConfig,
         skip_launch: bool,
         op_span: tuple[str, OpSpan] | None,
+        commit_by: float | None = None,
     ) -> pb.Machine:
         check_name("app", app)
         if len(name) > 63:
@@ -234,6 +242,7 @@ class Worker:
         self.reservations.check_room(config.guest)  # fail fast, before pulling anything
         image = await self.images.pull(config.image)
         self.images.use(image.digest)  # at once, so the pulled image cannot be evicted
+        mine = secrets.token_hex(8)  # the instance this call creates
         try:
             if not argv(config, image):
                 raise InvalidArgument("config.cmd", "the image has no entrypoint or cmd; set one")
@@ -252,7 +261,7 @@ class Worker:
                     region=self.identity.region,
                     worker_id=self.identity.worker_id,
                     config=config,
-                    instance_id=secrets.token_hex(8),
+                    instance_id=mine,
                 )
                 for svc, port in zip(config.services, ports, strict=True):
                     machine.ports.add(
@@ -269,15 +278,40 @@ class Worker:
                     # The pending start goes on in the same operation: its spawn comes before
                     # the first commit, which records the creation, the start and the process.
                     await self.runner.drive_locked(
-                        machine_id, fsm.Resume(alive=False), [first], op_span=op_span
+                        machine_id,
+                        fsm.Resume(alive=False),
+                        [first],
+                        op_span=op_span,
+                        commit_by=commit_by,
                     )
                 finally:
                     self.reservations.pending.pop(machine_id, None)
-        except BaseException:
-            if machine_id not in self.rows:
+        except BaseException as err:
+            row = self.rows.get(machine_id)
+            if row is None:
                 self.images.release(image.digest)
+            elif isinstance(err, asyncio.CancelledError) and row.machine.instance_id == mine:
+                # Committed by this call, but its caller is gone (deadline, cancel): it never
+                # hears of the machine.
+                self.runner.spawn_task(self.roll_back(machine_id))
             raise
         return self.rows[machine_id].machine
+
+    async def roll_back(self, machine_id: str, timeout: float = 60.0) -> None:
+        """Undo a create whose caller is gone: destroy the machine, then drop its row, so that
+        the id is free again (a retry with it creates the machine anew)."""
+        log.warning("create rolled back", machine_id=machine_id, reason="its caller is gone")
+        await self.runner.drive(machine_id, fsm.DestroyRequested(force=True))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while (row := self.rows.get(machine_id)) is not None:
+            if row.state == S.MACHINE_STATE_DESTROYED:
+                self.runner.drop([machine_id])
+                return
+            if loop.time() >= deadline:
+                log.error("roll back unfinished", machine_id=machine_id, state=row.state)
+                return
+            await self.stream.changed(deadline - loop.time())
 
     def _existing(self, machine_id: str, app: str, config: pb.MachineConfig) -> pb.Machine | None:
         row = self.rows.get(machine_id)

@@ -18,6 +18,7 @@ from runtime.server import (
     read_announcements,
     register,
     server_options,
+    time_left,
     wrap_servicer,
 )
 from runtime.settings import (
@@ -68,6 +69,7 @@ __all__ = [
     "settings_or_exit",
     "setup_tracing",
     "shutdown_tracing",
+    "time_left",
     "tracing_enabled",
     "tracing_requested",
     "wrap_servicer",

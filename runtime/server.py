@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import inspect
 import json
@@ -55,6 +56,7 @@ __all__ = [
     "read_announcements",
     "register",
     "server_options",
+    "time_left",
     "wrap_servicer",
 ]
 
@@ -247,6 +249,26 @@ async def abort_with_details(
     raise AssertionError("context.abort returned")  # pragma: no cover - abort always raises
 
 
+_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "nonomad_rpc_deadline", default=None
+)
+
+
+def time_left(cap: float) -> float:
+    """The seconds the RPC being handled has left before its caller's deadline, at most `cap`
+    (`cap` outside a handler, or when the caller set no deadline): the timeout of a call made
+    on the caller's behalf, so that nobody works on for a caller who has given up."""
+    deadline = _deadline.get()
+    if deadline is None:
+        return cap
+    return max(0.0, min(cap, deadline - time.monotonic()))
+
+
+def _caller_deadline(context: Any) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
 def _wrap_unary(
     handler: Callable[[Any, Any], Awaitable[Any]], method: str, mapper: ErrorMapper
 ) -> Callable[[Any, Any], Awaitable[Any]]:
@@ -254,6 +276,7 @@ def _wrap_unary(
     async def wrapper(request: Any, context: Any) -> Any:
         if type(request) is _Refused:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        _deadline.set(_caller_deadline(context))  # this task's own context: nothing to reset
         try:
             return await handler(request, context)
         except grpc.aio.AbortError:
@@ -273,6 +296,7 @@ def _wrap_stream(
     async def wrapper(request: Any, context: Any) -> AsyncIterator[Any]:
         if type(request) is _Refused:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        _deadline.set(_caller_deadline(context))
         try:
             # aclosing: when the client goes away, the handler's own finally blocks run now,
             # not whenever the abandoned generator is collected.

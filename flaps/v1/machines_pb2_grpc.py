@@ -189,7 +189,8 @@ class MachinesServiceServicer:
 
     def SignalMachine(self, request, context):
         """Sends a signal to the machine's main process. FAILED_PRECONDITION unless
-        started; INVALID_ARGUMENT for an unknown signal name.
+        started; INVALID_ARGUMENT for an unknown signal name, and for a signal
+        that would freeze it (SIGSTOP, SIGTSTP, SIGTTIN, SIGTTOU).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -73,7 +73,8 @@ class MachinesServiceStub:
     """Stops and starts a started machine. FAILED_PRECONDITION otherwise."""
     SignalMachine: _grpc.UnaryUnaryMultiCallable[_machines_pb2.SignalMachineRequest, _machines_pb2.SignalMachineResponse]
     """Sends a signal to the machine's main process. FAILED_PRECONDITION unless
-    started; INVALID_ARGUMENT for an unknown signal name.
+    started; INVALID_ARGUMENT for an unknown signal name, and for a signal
+    that would freeze it (SIGSTOP, SIGTSTP, SIGTTIN, SIGTTOU).
     """
     DestroyMachine: _grpc.UnaryUnaryMultiCallable[_machines_pb2.DestroyMachineRequest, _machines_pb2.DestroyMachineResponse]
     """Destroys the machine and releases its reservation. Idempotent.
@@ -143,7 +144,8 @@ class MachinesServiceAsyncStub(MachinesServiceStub):
     """Stops and starts a started machine. FAILED_PRECONDITION otherwise."""
     SignalMachine: _aio.UnaryUnaryMultiCallable[_machines_pb2.SignalMachineRequest, _machines_pb2.SignalMachineResponse]  # type: ignore[assignment]
     """Sends a signal to the machine's main process. FAILED_PRECONDITION unless
-    started; INVALID_ARGUMENT for an unknown signal name.
+    started; INVALID_ARGUMENT for an unknown signal name, and for a signal
+    that would freeze it (SIGSTOP, SIGTSTP, SIGTTIN, SIGTTOU).
     """
     DestroyMachine: _aio.UnaryUnaryMultiCallable[_machines_pb2.DestroyMachineRequest, _machines_pb2.DestroyMachineResponse]  # type: ignore[assignment]
     """Destroys the machine and releases its reservation. Idempotent.
@@ -258,7 +260,8 @@ class MachinesServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_machines_pb2.SignalMachineResponse, _abc.Awaitable[_machines_pb2.SignalMachineResponse]]:
         """Sends a signal to the machine's main process. FAILED_PRECONDITION unless
-        started; INVALID_ARGUMENT for an unknown signal name.
+        started; INVALID_ARGUMENT for an unknown signal name, and for a signal
+        that would freeze it (SIGSTOP, SIGTSTP, SIGTTIN, SIGTTOU).
         """
 
     @_abc_1.abstractmethod

@@ -66,7 +66,8 @@ class WorkerServiceStub:
     """Stops then starts the machine. FAILED_PRECONDITION unless started."""
     SignalMachine: _grpc.UnaryUnaryMultiCallable[_worker_pb2.SignalMachineRequest, _worker_pb2.SignalMachineResponse]
     """Sends a signal to the machine's main process. FAILED_PRECONDITION
-    unless started; INVALID_ARGUMENT for an unknown signal name.
+    unless started; INVALID_ARGUMENT for an unknown signal name, and for a
+    signal that would freeze it (SIGSTOP, SIGTSTP, SIGTTIN, SIGTTOU).
     """
     DestroyMachine: _grpc.UnaryUnaryMultiCallable[_worker_pb2.DestroyMachineRequest, _worker_pb2.DestroyMachineResponse]
     """Stops (force: kills at once) and destroys the machine, releasing its
@@ -169,7 +170,8 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     """Stops then starts the machine. FAILED_PRECONDITION unless started."""
     SignalMachine: _aio.UnaryUnaryMultiCallable[_worker_pb2.SignalMachineRequest, _worker_pb2.SignalMachineResponse]  # type: ignore[assignment]
     """Sends a signal to the machine's main process. FAILED_PRECONDITION
-    unless started; INVALID_ARGUMENT for an unknown signal name.
+    unless started; INVALID_ARGUMENT for an unknown signal name, and for a
+    signal that would freeze it (SIGSTOP, SIGTSTP, SIGTTIN, SIGTTOU).
     """
     DestroyMachine: _aio.UnaryUnaryMultiCallable[_worker_pb2.DestroyMachineRequest, _worker_pb2.DestroyMachineResponse]  # type: ignore[assignment]
     """Stops (force: kills at once) and destroys the machine, releasing its
@@ -299,7 +301,8 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_worker_pb2.SignalMachineResponse, _abc.Awaitable[_worker_pb2.SignalMachineResponse]]:
         """Sends a signal to the machine's main process. FAILED_PRECONDITION
-        unless started; INVALID_ARGUMENT for an unknown signal name.
+        unless started; INVALID_ARGUMENT for an unknown signal name, and for a
+        signal that would freeze it (SIGSTOP, SIGTSTP, SIGTTIN, SIGTTOU).
         """
 
     @_abc_1.abstractmethod
