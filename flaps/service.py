@@ -25,7 +25,14 @@ from google.rpc import error_details_pb2
 from opentelemetry import trace
 
 from flaps import metrics, placement
-from flaps.errors import InvalidArgument, NoCapacity, NotFound, Unavailable, Upstream
+from flaps.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    NoCapacity,
+    NotFound,
+    Unavailable,
+    Upstream,
+)
 from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
 from flyd.pages import page
@@ -307,6 +314,8 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
                     )
                     assert isinstance(lease, w.AcquireLeaseResponse)
                     response.lease.CopyFrom(lease.lease)
+                if time_left(1.0) <= 0:
+                    raise DeadlineExceeded(f"machine {machine.id} was placed too late")
             except BaseException:
                 # The caller will not learn of the machine (its deadline passed, it left, or
                 # the lease failed): without a key no retry can find it, so it goes.

@@ -48,8 +48,6 @@ MAX_WAIT = 60.0
 DEFAULT_WAIT = 30.0
 MAX_TAIL = 10_000
 MAX_LEASE = 3600.0
-# How long before its caller's deadline a create must commit, for its answer to reach them.
-COMMIT_MARGIN = 0.005
 # Signals whose default action stops a process: a frozen machine would still show as started,
 # hold its reservation and have the edge send it requests it never answers.
 FREEZING_SIGNALS = frozenset(
@@ -103,10 +101,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             app=request.app,
             config=request.config,
             skip_launch=request.skip_launch,
-            # The answer must be able to reach the caller: commit no later than this.
-            commit_by=None
-            if remaining is None
-            else asyncio.get_running_loop().time() + remaining - COMMIT_MARGIN,
+            deadline=None if remaining is None else asyncio.get_running_loop().time() + remaining,
         )
         return w.CreateMachineResponse(machine=machine)
 

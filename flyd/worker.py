@@ -48,6 +48,8 @@ from runtime.clock import Clock
 from runtime.validate import check_name
 
 log = structlog.get_logger("flyd.worker")
+# How long before its caller's deadline a create must commit, for its answer to reach them.
+COMMIT_MARGIN = 0.005
 S = pb.MachineState
 
 
@@ -173,14 +175,14 @@ class Worker:
         app: str,
         config: pb.MachineConfig,
         skip_launch: bool,
-        commit_by: float | None = None,
+        deadline: float | None = None,
     ) -> pb.Machine:
         """Create a machine and, unless skip_launch, start it; returns it at rest (STARTED).
 
-        `commit_by` (loop time): the caller's deadline, less the time an answer takes. Past
-        it nothing is committed (DeadlineExceeded: no machine); a create whose caller goes
-        away after its commit is rolled back (`roll_back`), so a caller that gave up never
-        leaves a machine behind.
+        `deadline` (loop time): the caller's. Nothing is committed later than `COMMIT_MARGIN`
+        before it (DeadlineExceeded: no machine), and a create committed for a caller who
+        went away or whose deadline passed before the answer is rolled back (`roll_back`):
+        DEADLINE_EXCEEDED means no machine.
         """
         t0 = time.perf_counter()
         check_name("machine_id", machine_id, required=False)
@@ -189,7 +191,7 @@ class Worker:
             "create",
             mid,
             app,
-            lambda op_span: self._create(mid, name, app, config, skip_launch, op_span, commit_by),
+            lambda op_span: self._create(mid, name, app, config, skip_launch, op_span, deadline),
         )
         CREATE_SECONDS.observe(time.perf_counter() - t0)
         return machine
@@ -226,7 +228,7 @@ class Worker:
         config: pb.MachineConfig,
         skip_launch: bool,
         op_span: tuple[str, OpSpan] | None,
-        commit_by: float | None = None,
+        deadline: float | None = None,
     ) -> pb.Machine:
         check_name("app", app)
         if len(name) > 63:
@@ -282,7 +284,7 @@ class Worker:
                         fsm.Resume(alive=False),
                         [first],
                         op_span=op_span,
-                        commit_by=commit_by,
+                        commit_by=None if deadline is None else deadline - COMMIT_MARGIN,
                     )
                 finally:
                     self.reservations.pending.pop(machine_id, None)
@@ -295,6 +297,11 @@ class Worker:
                 # hears of the machine.
                 self.runner.spawn_task(self.roll_back(machine_id))
             raise
+        if deadline is not None and asyncio.get_running_loop().time() >= deadline:
+            self.runner.spawn_task(self.roll_back(machine_id))
+            raise DeadlineExceeded(
+                f"machine {machine_id} was ready after its caller's deadline; rolled back"
+            )
         return self.rows[machine_id].machine
 
     async def roll_back(self, machine_id: str, timeout: float = 60.0) -> None:

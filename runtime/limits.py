@@ -57,14 +57,6 @@ DEFAULT_LIMITS = Limits()
 
 def check(message: Message, limits: Limits, path: str = "") -> None:
     """Raise InvalidArgument naming the first field of `message` over its bound."""
-    size_limit = limits.sizes.get(message.DESCRIPTOR.full_name)
-    if size_limit is not None:
-        size = message.ByteSize()
-        if size > size_limit:
-            raise InvalidArgument(
-                path or message.DESCRIPTOR.name,
-                f"at most {size_limit} bytes encoded, got {size}",
-            )
     for fd, value in message.ListFields():
         where = f"{path}.{fd.name}" if path else fd.name
         if fd.is_repeated:
@@ -84,6 +76,15 @@ def check(message: Message, limits: Limits, path: str = "") -> None:
             check(value, limits, where)
         elif fd.type in _TEXT:
             _check_text(value, limits.texts.get(fd.full_name, limits.text), where)
+    # After its fields, so that one field over its own bound is named as such.
+    size_limit = limits.sizes.get(message.DESCRIPTOR.full_name)
+    if size_limit is not None:
+        size = message.ByteSize()
+        if size > size_limit:
+            raise InvalidArgument(
+                path or message.DESCRIPTOR.name,
+                f"at most {size_limit} bytes encoded, got {size}",
+            )
 
 
 def _check_map(
