@@ -36,6 +36,8 @@ log = structlog.get_logger("flyd.worker")
 S = pb.MachineState
 # How many destroyed machines stay readable (GetMachine, waits) before their rows go.
 KEEP_DESTROYED = 1000
+# Characters of each of the last log lines a failed machine's row keeps.
+LOG_TAIL_CHARS = 1024
 _SPAWN_ONLY = (fsm.Spawn(),)
 
 
@@ -108,7 +110,8 @@ class Runner:
             return
         tail: tuple[str, ...] = ()
         with contextlib.suppress(Exception):
-            tail = tuple(self.driver.read_logs(machine_id, 20))
+            # Cut, each line: the row (and every snapshot) must not grow with what it printed.
+            tail = tuple(line[:LOG_TAIL_CHARS] for line in self.driver.read_logs(machine_id, 20))
         event = fsm.Exited(
             handle.to_dict(),
             status.exit_code,

@@ -47,6 +47,7 @@ _OTHER = grpc.StatusCode.FAILED_PRECONDITION
 MAX_WAIT = 60.0
 DEFAULT_WAIT = 30.0
 MAX_TAIL = 10_000
+MAX_LINE = 64 * 1024
 MAX_LEASE = 3600.0
 # Signals whose default action stops a process: a frozen machine would still show as started,
 # hold its reservation and have the edge send it requests it never answers.
@@ -220,14 +221,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             raise InvalidArgument("tail_lines", f"must be between 0 and {MAX_TAIL}")
         self.worker.get(request.machine_id)
         tail = request.tail_lines or 100
+        # A line is cut to fit a message, whatever the machine printed without a newline.
         for line in self.worker.driver.read_logs(request.machine_id, tail):
-            yield w.GetMachineLogsResponse(line=line)
+            yield w.GetMachineLogsResponse(line=line[:MAX_LINE])
         if not request.follow:
             return
         async for line in self.worker.driver.follow_logs(
             request.machine_id, shutdown=self.draining
         ):
-            yield w.GetMachineLogsResponse(line=line)
+            yield w.GetMachineLogsResponse(line=line[:MAX_LINE])
 
     async def CordonWorker(
         self, request: w.CordonWorkerRequest, context: grpc.aio.ServicerContext
