@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +56,7 @@ from runtime import register
 from runtime.clock import ManualClock
 from tests.flaps.support import FakeFleet, fake_fleet
 from tests.flyd.support import Flyd, boot, image_cache, image_source
+from tests.harness import ServiceProcess
 from tests.properties import requests
 from tests.proxy.support import fleet, machine, world
 from tests.registry.support import running
@@ -297,3 +298,70 @@ def test_no_service_crashes_on_bytes_that_are_not_its_request(
     )
     services.run(_call(services.channel, method, payload))
     services.run(_destroy_all(services.channel, services.flyd))
+
+
+# -- a real process ----------------------------------------------------------------------------
+
+
+async def test_a_real_flyd_stays_whole_under_the_hostile_run(
+    flyd_factory: Callable[..., ServiceProcess],
+    stub_for: Callable[[str], worker_pb2_grpc.WorkerServiceStub],
+) -> None:
+    """The hostile run's worst requests against a real flyd (real LMDB, real processes),
+    read back by a client with gRPC's default 4 MiB receive limit."""
+    flyd = flyd_factory()
+    stub = stub_for(flyd.address)
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+
+    def demo(**fields: Any) -> pb.MachineConfig:
+        guest = pb.GuestConfig(cpu_millicores=10, memory_mib=16)
+        return pb.MachineConfig(image="demo:v1", guest=guest, **fields)
+
+    async with grpc.aio.insecure_channel(flyd.address) as channel:
+        raw = channel.unary_unary("/flyd.v1.WorkerService/CreateMachine")
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await raw(b"\x22\x05ab", timeout=CALL_TIMEOUT)  # a truncated config
+        assert caught.value.code() == invalid
+    for request in [
+        worker_pb2.CreateMachineRequest(app="demo", config=demo(cmd=["a" * 2**20])),
+        worker_pb2.CreateMachineRequest(machine_id="fzmid\n", app="demo", config=demo()),
+        worker_pb2.CreateMachineRequest(app="d" * 2**20, config=demo()),
+    ]:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.CreateMachine(request, timeout=CALL_TIMEOUT)
+        assert caught.value.code() == invalid
+        assert len(caught.value.details() or "") < 200
+
+    # Machines as large as the bounds allow, created and destroyed, as in the issue.
+    heavy = demo(cmd=["a" * 4000] * 15)
+    for i in range(8):
+        request = worker_pb2.CreateMachineRequest(
+            machine_id=f"big-{i}", app="demo", config=heavy, skip_launch=True
+        )
+        await stub.CreateMachine(request, timeout=30)
+        if i % 2:
+            destroy = worker_pb2.DestroyMachineRequest(machine_id=f"big-{i}")
+            await stub.DestroyMachine(destroy, timeout=30)
+    listed = await stub.ListMachines(
+        worker_pb2.ListMachinesRequest(include_destroyed=True), timeout=30
+    )
+    assert {m.id for m in listed.machines} == {f"big-{i}" for i in range(8)}
+    view = View(suspect_after=1, dead_after=2)
+    info = (await stub.GetCapacity(worker_pb2.GetCapacityRequest(), timeout=30)).worker
+    info.address = flyd.address
+    view.add(info, 0.0)
+    call = stub.WatchEvents(worker_pb2.WatchEventsRequest(from_seq=0), timeout=30)
+    async for item in call:
+        view.apply(info.id, item, 0.0)
+        if item.WhichOneof("item") == "snapshot" and not item.snapshot.more:
+            break
+    call.cancel()
+    assert {m.id for m in view.machines()} == {f"big-{i}" for i in range(8)}
+
+    started = await stub.CreateMachine(
+        worker_pb2.CreateMachineRequest(app="demo", config=demo()), timeout=30
+    )
+    stop = worker_pb2.SignalMachineRequest(machine_id=started.machine.id, signal="SIGSTOP")
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.SignalMachine(stop, timeout=30)
+    assert caught.value.code() == invalid
