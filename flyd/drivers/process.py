@@ -34,6 +34,7 @@ from flyd.drivers.procfs import open_child_pidfd, read_proc_stat, readable
 from flyd.drivers.wrapped import Watched, WrappedDriver, resolve_user
 from flyd.drivers.wrapper import FORWARDED_SIGNALS, wrapper_script
 from flyd.errors import InvalidArgument, Unavailable
+from flyd.images import confine
 
 __all__ = ["ProcessDriver"]
 
@@ -90,13 +91,16 @@ class ProcessDriver(WrappedDriver):
         if running is not None:
             return running
         mid = spec.machine_id
-        cwd = spec.rootfs / spec.workdir.lstrip("/")
+        # No chroot: paths of the image are resolved inside its rootfs, and a machine the
+        # host would lead elsewhere is refused (UnsafeImage: the start fails).
+        cwd = confine.host_path(spec.rootfs, spec.workdir, "WorkingDir")
         if not cwd.is_dir():
             raise InvalidArgument("workdir", f"{spec.workdir} is not a directory of the image")
         argv = list(spec.argv)
-        # No chroot: an absolute command of the image is found inside its rootfs.
-        if argv[0].startswith("/") and (spec.rootfs / argv[0].lstrip("/")).exists():
-            argv[0] = str(spec.rootfs / argv[0].lstrip("/"))
+        if argv[0].startswith("/"):
+            program = confine.host_path(spec.rootfs, argv[0], "entrypoint")
+            if program.exists():
+                argv[0] = str(program)
         env = {**spec.env, **port_env(spec.ports, inside=False)}
         loop = asyncio.get_running_loop()
         try:
