@@ -291,6 +291,7 @@ class FlydProcess:
     log_dir: Path
     capacity: dict[str, int]
     pycache_prefix: Path | None = None
+    driver: str = "process"
     proc: subprocess.Popen[bytes] | None = None
     address: str = ""
     runs: int = 0
@@ -325,6 +326,8 @@ class FlydProcess:
             # ListMachines of 1,000 machines is a few MB; stay clear of the 4 MiB default.
             "--max-message-bytes",
             str(64 << 20),
+            "--driver",
+            self.driver,
         ]
         for key, value in self.capacity.items():
             args += [f"--capacity.{key.replace('_', '-')}", str(value)]

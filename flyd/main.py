@@ -115,6 +115,7 @@ async def build(argv: list[str]) -> Service:
             worker.on_exit(machine_id, handle, status)
 
     driver = make_driver(settings, on_exit)
+    log.info("driver", driver=driver.name, limits_enforced=driver.limits_enforced)
     worker = Worker(
         identity=identity,
         store=store,

@@ -20,11 +20,11 @@ What the machine gets:
 - a createRuntime hook that holds the container, set up but not started, until flyd releases
   it (see `hold_hook`).
 
-Limits are not in `linux.resources`: crun runs with its cgroup manager off, inside the
-machine's cgroup v1 directories that flyd owns (`flyd.drivers.cgroups`) and the wrapper
-joins. crun would delete a cgroup it made the moment the container ends, and cgroup v1
-counts OOM kills only in the cgroup that hit its limit, so flyd could no longer tell an OOM
-kill from any other SIGKILL.
+Limits are not in `linux.resources`: crun runs with its cgroup manager off, and the hold
+hook puts the container in the machine's cgroup v1 directories, which flyd owns
+(`flyd.drivers.cgroups`). crun would delete a cgroup it made the moment the container ends,
+and cgroup v1 counts OOM kills only in the cgroup that hit its limit, so flyd could no longer
+tell an OOM kill from any other SIGKILL.
 """
 
 from __future__ import annotations
@@ -108,6 +108,7 @@ class Bundle:
     hold_fd: int  # the wrapper's descriptors the hold hook uses (see hold_hook)
     ready_fd: int
     held_marker: Path
+    cgroup_procs: tuple[Path, ...] = ()  # the machine's cgroups, which the hook puts it in
 
     @property
     def rootfs(self) -> Path:
@@ -121,19 +122,27 @@ class Bundle:
 
 
 def hold_hook(bundle: Bundle) -> dict[str, Any]:
-    """The createRuntime hook that holds the container until flyd releases it.
+    """The createRuntime hook that puts the container in the machine's cgroups and holds it
+    there until flyd releases it.
 
     crun runs it once the namespaces and mounts are made, before the machine's command can
-    run. It reaches two pipes through its grandparent, the wrapper (crun is its parent): it
-    says `ready` on one, then waits for a line on the other. flyd writes `go` (release), or
-    its end closes (discard, or flyd died): the hook leaves a marker and fails, so crun tears
-    the container down and the wrapper records `held`: it ran nothing. Anonymous pipes, not
-    FIFOs: opening one through /proc never blocks, whoever has died, and a `go` written
-    before the hook reads it waits in the pipe, which the wrapper keeps open.
+    run, with the container's state (its init's pid) on stdin. It moves that process into the
+    machine's cgroups (crun itself and the wrapper stay out: their set-up is not the
+    machine's to pay for, nor throttled by its CPU quota). Then it reaches two pipes through
+    its grandparent, the wrapper (crun is its parent): it says `ready` on one and waits for a
+    line on the other. flyd writes `go` (release), or its end closes (discard, or flyd died):
+    the hook leaves a marker and fails, so crun tears the container down and the wrapper
+    records `held`: it ran nothing. Anonymous pipes, not FIFOs: opening one through /proc
+    never blocks, whoever has died, and a `go` written before the hook reads it waits in the
+    pipe, which the wrapper keeps open.
     """
     q = shlex.quote
+    join = "".join(f"echo $pid > {q(str(p))} && " for p in bundle.cgroup_procs)
     script = (
-        "trap '' PIPE; read -r _ _ _ wrapper _ < /proc/$PPID/stat && "
+        "trap '' PIPE; { IFS= read -r state || [ -n \"$state\" ]; } && "
+        r'pid=${state#*\"pid\":} && pid=${pid%%[!0-9]*} && [ -n "$pid" ] && '
+        f"{join}"
+        "read -r _ _ _ wrapper _ < /proc/$PPID/stat && "
         f"echo ready > /proc/$wrapper/fd/{bundle.ready_fd} && "
         f'IFS= read -r go < /proc/$wrapper/fd/{bundle.hold_fd} && [ "$go" = go ] || '
         f"{{ : > {q(str(bundle.held_marker))}; exit 1; }}"

@@ -11,17 +11,18 @@ What a machine is (see `flyd.drivers.bundle` for its runtime spec):
   `flyd.drivers.netd`, with the machine's own address `prefix + 2 + slot`);
 - its published services are host ports on 127.0.0.1 that netd holds and forwards into the
   machine's namespace, where the service listens on its internal port (`PORT`);
-- its limits are the machine's cgroups (`flyd.drivers.cgroups`), which crun runs inside.
+- its limits are the machine's cgroups (`flyd.drivers.cgroups`), which the hold hook puts
+  the container in (crun and the wrapper stay outside them).
 
 A run, as the shared machinery (`flyd.drivers.wrapped`) drives it:
 
 1. `start` prepares the run dir (a spare, on a first start) and cgroups, asks netd for the
    namespaces, writes the bundle and makes a detached ID-mapped copy of the image's rootfs;
    then it spawns the wrapper under `unshare --mount` (a private mount namespace): the wrapper
-   joins the cgroups, detaches /sys/fs/cgroup/unified on a hybrid-cgroup host (crun refuses
-   those), mounts the overlay and runs `crun run` in the foreground. crun makes the container
-   and stops in the createRuntime hook, which says "ready"; only then does `start` return the
-   handle: a container that cannot be made is a failed start, not a crash.
+   detaches /sys/fs/cgroup/unified on a hybrid-cgroup host (crun refuses those), mounts the
+   overlay and runs `crun run` in the foreground. crun makes the container and stops in the
+   createRuntime hook, which puts it in the machine's cgroups and says "ready"; only then does
+   `start` return the handle: a container that cannot be made is a failed start, not a crash.
 2. `release` tells the hook to go on: crun starts tini, which runs the machine's command.
    `discard` (or flyd dying) closes the hold instead: crun tears the container down and the
    wrapper records `held`: it never ran.
@@ -200,6 +201,7 @@ class OciDriver(WrappedDriver):
             hold_fd=hold_r,
             ready_fd=ready_w,
             held_marker=run_dir / "status" / "held",
+            cgroup_procs=tuple(cgroup_procs),
         )
         try:
             etc = oci_bundle.write_etc(b, mid, address, host_runtime=spec.host_runtime)
@@ -232,7 +234,6 @@ class OciDriver(WrappedDriver):
             raise Unavailable(f"cannot map the image into machine {mid}: {e}") from e
         script = oci_wrapper_script(
             self._run_dirs.status_dir(mid),
-            cgroup_procs,
             self._tools.mv,
             mounts=self._mounts(run_dir, layers, lower),
             crun=self._crun("run", "--bundle", str(run_dir), mid),

@@ -113,7 +113,6 @@ def _prelude(status_dir: Path, cgroup_procs: list[Path], mv: str) -> list[str]:
 
 def oci_wrapper_script(
     status_dir: Path,
-    cgroup_procs: list[Path],
     mv: str,
     *,
     mounts: list[list[str]],
@@ -122,7 +121,7 @@ def oci_wrapper_script(
 ) -> str:
     """The sh program an OCI machine runs under, in a mount namespace of its own.
 
-    It joins the machine's cgroups, runs `mounts` (each an argv: unmounting what crun cannot
+    It runs `mounts` (each an argv: unmounting what crun cannot
     live with, binding the run dir where crun can reach it, mounting the machine's overlay),
     runs `crun` in the foreground and records its status (crun passes the container's: a
     code, or 128+signo). When the hold hook left `held_marker` the container never ran: it
@@ -130,7 +129,7 @@ def oci_wrapper_script(
     hold hook's pipes) open for its whole life.
     """
     q = shlex.quote
-    lines = _prelude(status_dir, cgroup_procs, mv)
+    lines = _prelude(status_dir, [], mv)  # the container joins the machine's cgroups itself
     lines += [
         f"{' '.join(q(a) for a in argv)} || __nonomad_exit {SETUP_FAILED_EXIT_CODE}"
         for argv in mounts
