@@ -29,8 +29,9 @@ JSON answer each (`{"ok": ...}` or `{"error": "..."}`):
 - `hello` -> netd's pid and what it holds (after a flyd restart, flyd picks up from there)
 - `publish {machine, ports: [[host_port, internal_port], ...]}` + the listening sockets of the
   ports netd does not hold yet: the machine's published ports are exactly these
-- `up {machine, address, uid, uids, netns?}` -> `{netns, userns}` paths for crun; `netns`
-  adopts a running machine's namespace (after netd itself restarted) instead of a new one
+- `up {machine, address, uid, uids, netns?, ports?}` -> `{netns, userns}` paths for crun;
+  `netns` adopts a running machine's namespace (after netd itself restarted) instead of a new
+  one; `ports` (and sockets) as for `publish`, in the same round trip
 - `down {machine}`: drop its namespaces (it stopped); `forget {machine}`: and its ports
 
 It imports nothing but the standard library and two small siblings (no flyd runtime), so it
@@ -170,6 +171,7 @@ class Netd:
         self.rtnl = hub_rtnl
         self.machines: dict[str, _Machine] = {}
         self.connections: set[_Splice] = set()
+        self.links = 0  # veths made: each gets a new name
         self.pid = os.getpid()
 
     # -- requests -----------------------------------------------------------------------------
@@ -192,7 +194,10 @@ class Netd:
             await self._publish(machine_id, request.get("ports"), fds)
             return {}
         if op == "up":
-            return self._up(machine_id, request)
+            answer = self._up(machine_id, request)
+            if "ports" in request:  # and its ports, in the same request
+                await self._publish(machine_id, request["ports"], fds)
+            return answer
         if op == "down":
             m = self.machines.get(machine_id)
             if m is not None:
@@ -248,7 +253,8 @@ class Netd:
             else:
                 netns = self._new_netns()
             try:
-                veth = f"m{int(address) & 0xFFFFFF:x}"
+                self.links += 1  # a name of its own: the last run's may still be going away
+                veth = f"v{self.links:x}"
                 self._plumb(netns, veth, address)
             except BaseException:
                 os.close(netns)
@@ -287,8 +293,9 @@ class Netd:
             namespaces.setns(self.hub_netns, namespaces.CLONE_NEWNET)
 
     def _plumb(self, netns: int, veth: str, address: ipaddress.IPv4Address) -> None:
-        """A veth from the hub into the machine's namespace, `address` on its end."""
-        self.rtnl.delete_link(veth)  # left by a machine that was not taken down
+        """A veth from the hub into the machine's namespace, `address` on its end (its route
+        replaces one of an earlier run whose veth is still going away).
+        """
         machine_rtnl: Rtnl = self._in(netns, Rtnl)
         try:
             self.rtnl.add_veth(veth, "eth0", netns)
@@ -308,9 +315,9 @@ class Netd:
         if m.diag is not None:
             m.diag.close()
             m.diag = None
-        if m.veth is not None:
-            with contextlib.suppress(OSError):
-                self.rtnl.delete_link(m.veth)
+        # Not deleted here: deleting a veth waits for the kernel's network clean-up (~20 ms
+        # here). The machine's namespace dies with the last descriptor of it (the machine is
+        # gone), and with it the veth pair and its route: the kernel does that on its own time.
         for fd in (m.netns, m.userns):
             if fd is not None:
                 os.close(fd)

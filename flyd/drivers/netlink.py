@@ -23,6 +23,7 @@ _NETLINK_ROUTE = 0
 _NLMSG_ERROR = 2
 _NLM_F_REQUEST = 0x1
 _NLM_F_ACK = 0x4
+_NLM_F_REPLACE = 0x100
 _NLM_F_EXCL = 0x200
 _NLM_F_CREATE = 0x400
 
@@ -121,7 +122,9 @@ class Rtnl:
         self._request(_RTM_NEWADDR, _NLM_F_CREATE | _NLM_F_EXCL, body)
 
     def add_host_route(self, address: ipaddress.IPv4Address, name: str) -> None:
-        """Route `address/32` out of link `name` (on-link, no gateway)."""
+        """Route `address/32` out of link `name` (on-link, no gateway), in place of any route
+        to it there is.
+        """
         body = _RTMSG.pack(
             socket.AF_INET,
             32,
@@ -136,7 +139,7 @@ class Rtnl:
         body += _attr(_RTA_DST, address.packed) + _attr(
             _RTA_OIF, struct.pack("=I", self.index(name))
         )
-        self._request(_RTM_NEWROUTE, _NLM_F_CREATE | _NLM_F_EXCL, body)
+        self._request(_RTM_NEWROUTE, _NLM_F_CREATE | _NLM_F_REPLACE, body)
 
     def _request(self, kind: int, flags: int, body: bytes) -> bytes:
         """Send one request and return the payload of its answer (empty for a bare ack)."""

@@ -180,15 +180,13 @@ class OciDriver(WrappedDriver):
         os.set_blocking(ready_r, False)
         self._runs[mid] = self._runs.get(mid, 0) + 1  # a down for an earlier run is moot now
         try:
-            namespaces = await self._call(
-                "up",
-                machine=mid,
+            namespaces = await self._publish_ports(
+                mid,
+                spec.ports,
                 address=address,
                 uid=self._uid_base + slot * UIDS_PER_MACHINE,
                 uids=UIDS_PER_MACHINE,
             )
-            self._netd.setdefault(mid, {"ports": []})["up"] = True
-            await self._publish_ports(mid, spec.ports)
         except BaseException:
             _close(hold_r, hold_w, ready_r, ready_w)
             raise
@@ -421,7 +419,12 @@ class OciDriver(WrappedDriver):
             self._netd.pop(machine_id, None)
         await super().reconcile(machines)
 
-    async def _publish_ports(self, machine_id: str, ports: Sequence[PortMapping]) -> None:
+    async def _publish_ports(
+        self, machine_id: str, ports: Sequence[PortMapping], **up: Any
+    ) -> dict[str, Any]:
+        """Publish the machine's ports to netd; with `up` (its fields), in the same request
+        as bringing its namespaces up (one round trip on a start). netd's answer.
+        """
         self._published[machine_id] = tuple(ports)
         held = set(self._netd.get(machine_id, {}).get("ports", ()))
         socks = []
@@ -437,19 +440,23 @@ class OciDriver(WrappedDriver):
                     continue
                 socks.append((p, sock))
             kept = [p for p in ports if p.host_port in held]
-            await self._call(
-                "publish",
+            answer = await self._call(
+                "up" if up else "publish",
                 [s.fileno() for _, s in socks],
                 machine=machine_id,
                 ports=[[p.host_port, p.internal_port] for p in kept]
                 + [[p.host_port, p.internal_port] for p, _ in socks],
+                **up,
             )
         finally:
             for _, sock in socks:
                 sock.close()  # netd has its own copy now
         state = self._netd.setdefault(machine_id, {"up": False})
         state["ports"] = sorted({p.host_port for p in kept} | {p.host_port for p, _ in socks})
+        if up:
+            state["up"] = True
         self._ports.release(machine_id)
+        return answer
 
     async def _adopt(self, machine_id: str) -> None:
         """Give a running machine (netd restarted under it) its address back."""
