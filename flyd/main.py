@@ -73,7 +73,7 @@ def make_driver(
         if settings.run_as is not None:
             raise SystemExit("flyd: run_as is for the process driver; oci machines get uid ranges")
         try:
-            return OciDriver(
+            driver = OciDriver(
                 settings.data_dir / "machines",
                 network=settings.network,
                 uid_base=settings.uid_base,
@@ -81,6 +81,12 @@ def make_driver(
             )
         except Unavailable as e:
             raise SystemExit(f"flyd: {e}") from None
+        if settings.capacity.machines > driver.max_machines:
+            raise SystemExit(
+                f"flyd: capacity.machines is {settings.capacity.machines}, but network "
+                f"{settings.network} and uid_base leave room for {driver.max_machines} machines"
+            )
+        return driver
     return ProcessDriver(settings.data_dir / "machines", run_as=settings.run_as, **common)
 
 

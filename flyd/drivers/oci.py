@@ -134,7 +134,8 @@ class OciDriver(WrappedDriver):
         self._tools = tools
         self._prefix = prefix
         self._uid_base = uid_base
-        self._max_slots = min(prefix.num_addresses - 3, (2**32 - uid_base) // UIDS_PER_MACHINE)
+        self.max_machines = min(prefix.num_addresses - 3, (2**32 - uid_base) // UIDS_PER_MACHINE)
+        """How many machines it can give an address and a uid range of their own."""
         self._hybrid = hybrid_cgroups()
         self._crun_root = self._run_dirs.root / CRUN_ROOT
         self._crun_root.mkdir(mode=0o700, exist_ok=True)
@@ -552,9 +553,9 @@ class OciDriver(WrappedDriver):
         if slot is not None:
             return slot
         used = set(self._slots.values())
-        slot = next((i for i in range(self._max_slots) if i not in used), None)
+        slot = next((i for i in range(self.max_machines) if i not in used), None)
         if slot is None:
-            raise ResourceExhausted("addresses", f"all {self._max_slots} machine slots are taken")
+            raise ResourceExhausted("addresses", f"all {self.max_machines} machine slots are taken")
         path = self._run_dirs.path(machine_id) / _SLOT_FILE
         path.write_text(f"{slot}\n")
         self._slots[machine_id] = slot
