@@ -1,5 +1,5 @@
-"""The process driver's run dirs: what it keeps on disk for each machine, so that a later flyd
-(after a crash or a restart) finds the machine's process again and learns how it ended.
+"""A driver's run dirs: what it keeps on disk for each machine, so that a later flyd (after a
+crash or a restart) finds the machine's process again and learns how it ended.
 
 Layout of `<run_root>/<machine_id>/`:
 
@@ -8,9 +8,13 @@ Layout of `<run_root>/<machine_id>/`:
 - `exit`: the driver's record of an exit the wrapper could not record
 - `oom.base`: the memory cgroup's counters when the run started, if that cgroup was not new
 - `machine.log[.N]`: the machine's output (`flyd.drivers.logs`)
+- OCI only: `config.json` (the bundle's runtime spec), `etc/` (its /etc files), `upper/` and
+  `work/` (its overlay's own layer), `rootfs/` (the overlay's mount point), `slot` (its uid
+  range and address)
 
 Entries of the run root whose names start with a dot are not machines' (`.spare/` holds the
-spare run dirs of `flyd.drivers.spares`).
+spare run dirs of `flyd.drivers.spares`; OCI: `.crun/` crun's state, `.netd.*` netd's socket,
+handle and log).
 """
 
 from __future__ import annotations
