@@ -1,11 +1,13 @@
-"""The `/bin/sh` wrapper every machine of the process driver runs under, and its records.
+"""The `/bin/sh` wrappers machines run under, and their records.
 
-The wrapper joins the machine's cgroups, `cd`s to the workdir, waits on the hold pipe until flyd
-releases it, runs the machine's argv in the foreground and, when it exits, writes the exit
-status to `status/exit` (through a rename where it can) before exiting with the same status. It
-traps the usual stop signals, only noting which arrived, so a signal sent to the process group
-reaches the machine while the wrapper survives to record the status. No Python process per
-machine: the wrapper costs a few hundred KiB of RSS.
+The process driver's wrapper joins the machine's cgroups, `cd`s to the workdir, waits on the
+hold pipe until flyd releases it, runs the machine's argv in the foreground and, when it exits,
+writes the exit status to `status/exit` (through a rename where it can) before exiting with the
+same status. It traps the usual stop signals, only noting which arrived, so a signal sent to the
+process group reaches the machine while the wrapper survives to record the status. The OCI
+driver's wrapper (`oci_wrapper_script`) mounts the machine's rootfs in its own mount namespace
+and runs `crun run` in the foreground instead, recording crun's status the same way. No Python
+process per machine: a wrapper costs a few hundred KiB of RSS.
 
 This module writes the script and reads exit records (the wrapper's, or the one the driver
 writes when the wrapper could not) and the wrapper's own wait status back as `ExitStatus`es.
