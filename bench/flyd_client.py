@@ -32,7 +32,7 @@ WAIT_TIMEOUT = 30
 IMAGE = "sleeper:v1"
 GUEST = pb.GuestConfig(cpu_millicores=10, memory_mib=16)
 # Room for every machine the run creates (destroyed ones release theirs).
-CAPACITY = {"cpu_millicores": 1_000_000, "memory_mib": 1_000_000, "machines": 5_000}
+CAPACITY = {"cpu_millicores": 1_000_000, "memory_mib": 1_000_000, "machines": 4_000}
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),

@@ -6,7 +6,7 @@ to say it is listening. Its handle (pid, start time, boot id) goes to `.netd.jso
 how `flyd.drivers.rundir.kill_all` ends it when a whole worker is torn down.
 
 Requests are one JSON datagram each, answered in order; an asyncio lock keeps one in flight.
-If netd has died the next request raises `Unavailable`, and `connect` starts a new one.
+If netd has died the next request raises `NetdGone`, and `connect` starts a new one.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from flyd.drivers.netd import MAX_MESSAGE, PROTOCOL
 from flyd.drivers.procfs import open_pidfd, read_boot_id
 from flyd.errors import CorruptLog, Unavailable
 
-__all__ = ["NETD_HANDLE", "NETD_SOCKET", "Netd", "kill_netd"]
+__all__ = ["NETD_HANDLE", "NETD_SOCKET", "Netd", "NetdGone", "kill_netd"]
 
 log = structlog.get_logger(__name__)
 
@@ -41,6 +41,10 @@ NETD_HANDLE = ".netd.json"
 NETD_LOG = ".netd.log"
 _START_TIMEOUT_S = 15.0
 _REQUEST_TIMEOUT_S = 10.0
+
+
+class NetdGone(Unavailable):
+    """The connection to netd broke (it died, or was never there): a new one can be started."""
 
 
 class Netd:
@@ -86,7 +90,7 @@ class Netd:
         async with self._lock:
             sock = self._sock
             if sock is None:
-                raise Unavailable("netd is not connected")
+                raise NetdGone("netd is not connected")
             loop = asyncio.get_running_loop()
             data = json.dumps({"op": op, **fields}).encode()
             try:
@@ -108,12 +112,15 @@ class Netd:
                         await asyncio.sleep(0.001)
                 async with asyncio.timeout(_REQUEST_TIMEOUT_S):
                     answer = await loop.sock_recv(sock, MAX_MESSAGE)
-            except (OSError, TimeoutError) as e:
+            except TimeoutError as e:
                 self.close()
-                raise Unavailable(f"netd ({op}): {e}") from e
+                raise Unavailable(f"netd ({op}): no answer in {_REQUEST_TIMEOUT_S}s") from e
+            except OSError as e:
+                self.close()
+                raise NetdGone(f"netd ({op}): {e}") from e
             if not answer:
                 self.close()
-                raise Unavailable(f"netd ({op}): it went away")
+                raise NetdGone(f"netd ({op}): it went away")
             return _unwrap(op, answer)
 
     def _call_blocking(self, request: dict[str, Any]) -> dict[str, Any]:

@@ -65,7 +65,7 @@ from flyd.drivers.crun import (
 )
 from flyd.drivers.logs import open_output
 from flyd.drivers.namespaces import idmapped_tree
-from flyd.drivers.netclient import Netd
+from flyd.drivers.netclient import Netd, NetdGone
 from flyd.drivers.ports import bind_port
 from flyd.drivers.procfs import read_proc_stat
 from flyd.drivers.wrapped import Watched, WrappedDriver
@@ -274,8 +274,14 @@ class OciDriver(WrappedDriver):
         w.starting = True
         try:
             await self._until_ready(w, ready_r)
-        finally:
+        except BaseException:
+            # Failed, or its caller gone (cancelled): the held container ends without running,
+            # and its exit is not reported (`starting` stays set): flyd never saw this handle.
+            self.discard(mid)
+            raise
+        else:
             w.starting = False
+        finally:
             os.close(ready_r)
         log.debug("machine_container_made", machine_id=mid, pid=popen.pid)
         return handle
@@ -493,10 +499,10 @@ class OciDriver(WrappedDriver):
         """A netd request; if netd is gone, start a new one and give it back what it held."""
         try:
             return await self._net.request(op, fds, **fields)
-        except Unavailable:
-            if self._net.pid and _alive(self._net.pid):
-                raise
-        log.warning("netd_restarting", previous_pid=self._net.pid)
+        except NetdGone as e:
+            if self._closed:
+                raise  # the driver closed the connection itself
+            log.warning("netd_restarting", previous_pid=self._net.pid, error=str(e))
         self._net.connect()
         self._netd = {}
         for mid, ports in list(self._published.items()):
@@ -586,10 +592,6 @@ def _tini_ready(pidfd: int) -> bool:
 def _close(*fds: int) -> None:
     for fd in fds:
         os.close(fd)
-
-
-def _alive(pid: int) -> bool:
-    return read_proc_stat(pid) is not None
 
 
 def _log_failure(task: asyncio.Future[None]) -> None:
