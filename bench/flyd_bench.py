@@ -155,6 +155,7 @@ async def _run(cfg: Config, res: Results, bytecode_cache: bool) -> None:
     soft, hard = procs.raise_fd_limit()
     subreaper = procs.become_subreaper()
     tmp = Path(tempfile.mkdtemp(prefix="nonomad-bench-"))
+    os.chmod(tmp, 0o711)  # as a data dir under /var/lib is: searchable, not listable
     prefix = f"nonomad-bench-{secrets.token_hex(4)}"
     res.details["environment"] = {
         "cpus": os.cpu_count(),

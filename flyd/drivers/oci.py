@@ -45,6 +45,7 @@ import ipaddress
 import json
 import os
 import signal
+import stat
 import subprocess
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
@@ -139,10 +140,15 @@ class OciDriver(WrappedDriver):
         self._hybrid = hybrid_cgroups()
         self._crun_root = self._run_dirs.root / CRUN_ROOT
         self._crun_root.mkdir(mode=0o700, exist_ok=True)
-        try:
-            _VIEW.mkdir(mode=0o755, parents=True, exist_ok=True)
-        except OSError as e:
-            raise Unavailable(f"cannot make {_VIEW}: {e}") from e
+        # crun reaches a machine's rootfs and /etc files partly as the machine's root: through
+        # the run root when anyone may search its way there, else through a bind of the run
+        # dir that each wrapper makes at _VIEW (one more mount on every start).
+        self._bind_view = not _searchable(self._run_dirs.root)
+        if self._bind_view:
+            try:
+                _VIEW.mkdir(mode=0o755, parents=True, exist_ok=True)
+            except OSError as e:
+                raise Unavailable(f"cannot make {_VIEW}: {e}") from e
         self._slots = self._read_slots()
         self._runs: dict[str, int] = {}  # starts per machine, so a late down never undoes one
         self._downs: dict[str, asyncio.Future[None]] = {}  # netd downs under way
@@ -193,7 +199,7 @@ class OciDriver(WrappedDriver):
             raise
         b = oci_bundle.Bundle(
             run_dir=run_dir,
-            view=_VIEW,
+            view=_VIEW if self._bind_view else run_dir,
             netns=str(namespaces["netns"]),
             userns=str(namespaces["userns"]),
             init=Path(self._tools.init),
@@ -215,7 +221,10 @@ class OciDriver(WrappedDriver):
                 etc_files=etc,
                 host_runtime=spec.host_runtime,
             )
-            (run_dir / "config.json").write_text(json.dumps(spec_json))
+            # Root's alone: the machine's environment (its secrets) is in it.
+            fd = os.open(run_dir / "config.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(spec_json))
             log_fd = open_output(run_dir)
         except OSError as e:
             _close(hold_r, hold_w, ready_r, ready_w)
@@ -526,11 +535,14 @@ class OciDriver(WrappedDriver):
         mounts = []
         if self._hybrid:
             mounts.append([self._tools.umount, "--lazy", "/sys/fs/cgroup/unified"])
-        mounts.append([self._tools.mount, "--bind", str(run_dir), str(_VIEW)])
+        view = run_dir
+        if self._bind_view:
+            mounts.append([self._tools.mount, "--bind", str(run_dir), str(_VIEW)])
+            view = _VIEW
         options = (
             f"lowerdir=/proc/self/fd/{lower},upperdir={layers['upper']},workdir={layers['work']}"
         )
-        rootfs = str(_VIEW / "rootfs")
+        rootfs = str(view / "rootfs")
         mounts.append([self._tools.mount, "-t", "overlay", "overlay", "-o", options, rootfs])
         return mounts
 
@@ -587,6 +599,14 @@ def _tini_ready(pidfd: int) -> bool:
         if line.startswith("SigIgn:"):
             return bool(int(line.split()[1], 16) >> (signal.SIGTTIN - 1) & 1)
     return False
+
+
+def _searchable(path: Path) -> bool:
+    """Whether anyone may search their way to `path` (every directory on the way o+x)."""
+    try:
+        return all(os.stat(p).st_mode & stat.S_IXOTH for p in [path, *path.parents])
+    except OSError:
+        return False
 
 
 def _close(*fds: int) -> None:

@@ -11,7 +11,9 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,8 @@ from flyd.drivers.base import ExitStatus, PortMapping
 from flyd.drivers.bundle import CAPABILITIES, Bundle, hold_hook
 from flyd.drivers.crun import hybrid_cgroups
 from flyd.drivers.netclient import kill_netd
+from flyd.drivers.oci import OciDriver
+from flyd.drivers.rundir import kill_all
 from tests.flyd.driver_support import (
     DEADLINE,
     OCI_UNAVAILABLE,
@@ -180,3 +184,23 @@ def kind() -> str:
     if OCI_UNAVAILABLE is not None:
         pytest.skip(f"crun cannot run here: {OCI_UNAVAILABLE}")
     return "oci"
+
+
+async def test_a_run_root_anyone_can_search_needs_no_bind_of_the_run_dir(prefix: str) -> None:
+    """Under /var/lib-like directories crun reaches the run dir as it is; under a 0700 one
+    (pytest's, every other test here) each wrapper binds it where crun can."""
+    base = Path(tempfile.mkdtemp(prefix="nonomad-test-"))
+    os.chmod(base, 0o711)
+    (base / "image").mkdir()
+    exits = Exits()
+    driver = OciDriver(base / "run", on_exit=exits, cgroup_prefix=prefix)
+    try:
+        assert driver._bind_view is False
+        await run_machine(driver, spec("m1", sh("echo hello"), base / "image"))
+        assert await exits.wait("m1") == ExitStatus(0, None)
+        assert driver.read_logs("m1", 1) == ["hello"]
+        assert stat.S_IMODE(os.stat(base / "run" / "m1" / "config.json").st_mode) == 0o600
+    finally:
+        await driver.close()
+        kill_all(base / "run")
+        shutil.rmtree(base)
