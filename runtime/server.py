@@ -39,6 +39,7 @@ from grpc_status import rpc_status
 from runtime import tracing
 from runtime.endpoints import METRICS_PREFIX, MetricsEndpoint, TokenAuth
 from runtime.errors import InvalidArgument
+from runtime.looplag import watch_loop
 from runtime.settings import ServiceSettings, SettingsError, parse_host_port
 
 __all__ = [
@@ -395,6 +396,9 @@ class Service:
         try:
             try:
                 server = await self._start_server()
+                interval = self.settings.loop_lag_interval
+                if interval is not None:
+                    self.spawn("loop-lag", functools.partial(watch_loop, interval))
                 for name, coro_fn in self._pending:
                     self._start_task(name, coro_fn)
                 self._pending.clear()
