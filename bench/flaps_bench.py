@@ -340,10 +340,13 @@ async def simulated(size: int, cfg: Config, logs: Path) -> SizeResult:
             [
                 "--upstream",
                 registry,
+                # Generous: a flaps whose loop is held up by placements would otherwise
+                # apply heartbeats late and count live workers dead (the old flaps did at
+                # 1,000 workers); the loop lag is measured instead.
                 "--suspect-after",
-                str(3 * heartbeat),
+                str(max(5.0, 10 * heartbeat)),
                 "--dead-after",
-                str(5 * heartbeat),
+                str(max(10.0, 20 * heartbeat)),
             ],
             logs,
             f"flaps-{size}",
