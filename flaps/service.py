@@ -50,6 +50,8 @@ CLAIM_TIMEOUT = 10.0
 RPC_TIMEOUT = 10.0
 MAX_WAIT = 60.0
 MAX_LEASE = 3600.0
+# The longest idempotency key (a worker holds keys up to this length).
+MAX_KEY = 200
 # Worker answers that mean "not here, try another": nothing was created.
 REFUSALS: dict[grpc.StatusCode, metrics.Claim] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: "refused",
@@ -210,6 +212,8 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
             maximum=MAX_LEASE,
             present=request.HasField("lease_ttl"),
         )
+        if len(request.idempotency_key) > MAX_KEY:
+            raise InvalidArgument("idempotency_key", f"must be at most {MAX_KEY} characters")
         suffix = machine_suffix(request.app, request.idempotency_key)
         if request.idempotency_key:
             existing = await self._existing(request.app, request.idempotency_key)
@@ -221,11 +225,19 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
         for i, primary in enumerate(request.standby_for):
             check_name(f"standby_for[{i}]", primary)
             try:
-                await self._call(primary, "GetMachine", w.GetMachineRequest(machine_id=primary))
+                got = await self._call(
+                    primary, "GetMachine", w.GetMachineRequest(machine_id=primary)
+                )
             except (NotFound, Upstream) as err:
                 if isinstance(err, Upstream) and err.code != grpc.StatusCode.NOT_FOUND:
                     raise
                 raise InvalidArgument(f"standby_for[{i}]", f"machine {primary} not found") from None
+            assert isinstance(got, w.GetMachineResponse)
+            if got.machine.app != request.app:
+                # A slot is one app's: the edge finds a primary's standbys among its app's.
+                raise InvalidArgument(
+                    f"standby_for[{i}]", f"machine {primary} is of app {got.machine.app!r}"
+                )
             if primary not in config.standbys:
                 config.standbys.append(primary)
             skip_launch = True  # a standby waits, stopped, for its primary's worker to die

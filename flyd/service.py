@@ -77,6 +77,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             app=request.app,
             config=request.config,
             skip_launch=request.skip_launch,
+            idempotency_key=request.idempotency_key,
         )
         return w.CreateMachineResponse(machine=machine)
 

@@ -52,6 +52,8 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 SUBSCRIBER_QUEUE = 4096
 # How many destroyed machines stay readable (GetMachine, waits) before their rows go.
 KEEP_DESTROYED = 1000
+# The longest idempotency key a create may carry.
+MAX_KEY = 200
 _LAGGED = object()
 _SPAWN_ONLY = (fsm.Spawn(),)
 
@@ -129,6 +131,9 @@ class Worker:
         self._by_state: collections.Counter[int] = collections.Counter()
         # Machines being created: reserved (and their ports taken) before their first commit.
         self._pending: dict[str, pb.Machine] = {}
+        # (app, idempotency key) -> the machine it created (or is creating): one key, one
+        # machine. Durable as the rows are: rebuilt from them, forgotten with a dropped row.
+        self._keys: dict[tuple[str, str], str] = {}
         # Machines whose durable row lags behind `rows` by a lazy step (see fsm.Transition).
         self._dirty: set[str] = set()
         self._op_tracer = op_tracer
@@ -427,13 +432,20 @@ class Worker:
         return None
 
     def _account(self, old: fsm.Row | None, new: fsm.Row | None) -> None:
-        """Keep the running totals (reservations, machines by state) in step with the rows."""
+        """Keep the running totals (reservations, machines by state) and the keys held in
+        step with the rows."""
         for row, sign in ((old, -1), (new, 1)):
             if row is None:
                 continue
             self._by_state[row.state] += sign
             if row.state != S.MACHINE_STATE_DESTROYED:
                 self._used.add(row.machine.config.guest, sign)
+            if row.machine.idempotency_key:
+                key = (row.machine.app, row.machine.idempotency_key)
+                if sign > 0:
+                    self._keys[key] = row.machine.id
+                elif self._keys.get(key) == row.machine.id:
+                    del self._keys[key]
 
     def _publish(self, change: worker_pb2.MachineChange) -> None:
         for q in self._subscribers:
@@ -596,16 +608,26 @@ class Worker:
         app: str,
         config: pb.MachineConfig,
         skip_launch: bool,
+        idempotency_key: str = "",
     ) -> pb.Machine:
-        """Create a machine and, unless skip_launch, start it; returns it at rest (STARTED)."""
+        """Create a machine and, unless skip_launch, start it; returns it at rest (STARTED).
+
+        A create of `app` under an `idempotency_key` this worker holds returns the key's
+        machine (whatever `machine_id` says, room or not); one under way is waited for."""
         t0 = time.perf_counter()
         check_name("machine_id", machine_id, required=False)
+        if len(idempotency_key) > MAX_KEY:
+            raise InvalidArgument("idempotency_key", f"must be at most {MAX_KEY} characters")
         mid = machine_id or secrets.token_hex(7)
+        if idempotency_key:
+            mid = self._keys.get((app, idempotency_key), mid)
         machine = await self._traced(
             "create",
             mid,
             app,
-            lambda op_span: self._create(mid, name, app, config, skip_launch, op_span),
+            lambda op_span: self._create(
+                mid, name, app, config, skip_launch, idempotency_key, op_span
+            ),
         )
         CREATE_SECONDS.observe(time.perf_counter() - t0)
         return machine
@@ -641,6 +663,7 @@ class Worker:
         app: str,
         config: pb.MachineConfig,
         skip_launch: bool,
+        key: str,
         op_span: tuple[str, OpSpan] | None,
     ) -> pb.Machine:
         check_name("app", app)
@@ -649,6 +672,12 @@ class Worker:
         check_config(config)
         if (existing := self._existing(machine_id, app, config)) is not None:
             return existing
+        if machine_id in self._pending:
+            # The same create is under way (a retry, or another flaps with the same key): its
+            # outcome is ours, whatever room is left once it has reserved its own.
+            async with self._lock(machine_id):
+                if (existing := self._existing(machine_id, app, config)) is not None:
+                    return existing
         if self.cordoned or self.closing:
             raise Unavailable(
                 f"worker {self.identity.worker_id} is "
@@ -660,6 +689,14 @@ class Worker:
         try:
             if not self._argv(config, image):
                 raise InvalidArgument("config.cmd", "the image has no entrypoint or cmd; set one")
+            # Another machine took the key while the image was pulled: its outcome is ours.
+            held = self._keys.get((app, key), machine_id) if key else machine_id
+            if held != machine_id:
+                async with self._lock(held):
+                    existing = self._existing(held, app, config)
+                if existing is not None:
+                    self.images.release(image.digest)
+                    return existing
             async with self._lock(machine_id):
                 if (existing := self._existing(machine_id, app, config)) is not None:
                     self.images.release(image.digest)
@@ -676,6 +713,7 @@ class Worker:
                     worker_id=self.identity.worker_id,
                     config=config,
                     instance_id=secrets.token_hex(8),
+                    idempotency_key=key,
                 )
                 for svc, port in zip(config.services, ports, strict=True):
                     machine.ports.add(
@@ -688,6 +726,8 @@ class Worker:
                     now=self.clock.now(),
                 )
                 self._pending[machine_id] = machine
+                if key:
+                    self._keys[(app, key)] = machine_id
                 try:
                     # The pending start goes on in the same operation: its spawn comes before
                     # the first commit, which records the creation, the start and the process.
@@ -699,6 +739,8 @@ class Worker:
         except BaseException:
             if machine_id not in self.rows:
                 self.images.release(image.digest)
+                if self._keys.get((app, key)) == machine_id:
+                    del self._keys[(app, key)]
             raise
         return self.rows[machine_id].machine
 

@@ -281,7 +281,9 @@ class RegistryReads(Protocol):
 
     def worker(self, worker_id: str) -> WorkerView | None: ...
 
-    def machines(self, *, worker_id: str | None = None) -> list[pb.Machine]: ...
+    def machines(
+        self, *, app: str | None = None, worker_id: str | None = None
+    ) -> list[pb.Machine]: ...
 
 
 class RouteTable(Protocol):
@@ -574,19 +576,23 @@ class WorkerWatch:
         the stopped standbys to try, best first. Synchronous, so the router can mark the
         chosen standbys as starting before any request looks."""
         registry = self.router.registry
-        everything = registry.machines()
         lost = sorted(
             (m for m in registry.machines(worker_id=worker_id) if m.state in RUNNING),
             key=lambda m: m.id,
         )
         out = []
+        apps: dict[str, list[pb.Machine]] = {}
         for primary in lost:
-            running, stopped = standby_candidates(primary, everything, self.router.standby_usable)
+            # A standby is a machine of its primary's app: the cost is the app's, not the fleet's.
+            siblings = apps.get(primary.app)
+            if siblings is None:
+                siblings = apps[primary.app] = registry.machines(app=primary.app)
+            running, stopped = standby_candidates(primary, siblings, self.router.standby_usable)
             if running is not None:
                 log.info("standby_already_running", primary=primary.id, standby=running)
             elif stopped:
                 out.append((primary, stopped))
-            elif any(primary.id in m.config.standbys for m in everything):
+            elif any(primary.id in m.config.standbys for m in siblings):
                 log.warning("no_usable_standby", primary=primary.id)
         return out
 
