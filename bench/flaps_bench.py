@@ -326,6 +326,7 @@ class SizeResult:
     refusal_ms: list[float]
     lag_load: tuple[float, int, int]
     lag_place: tuple[float, int, int]
+    lag_busy: tuple[float, int, int]
     worst_lag: float
 
 
@@ -381,11 +382,6 @@ async def simulated(size: int, cfg: Config, logs: Path) -> SizeResult:
                 await client.create(config, rng.choice(REGIONS))
 
             await timed(10, cfg.phase_seconds, create)  # warm-up: channels, caches
-            lag2 = await Lag.read(metrics)
-            create_ms = await timed(cfg.creates, cfg.phase_seconds, create)
-            per_second, _ = await throughput(
-                cfg.throughput_creates, cfg.phase_seconds, CLIENTS, create
-            )
             huge = pb.MachineConfig()
             huge.CopyFrom(config)
             huge.guest.memory_mib = 262_144  # the most a guest may ask for; more than any host has
@@ -399,8 +395,16 @@ async def simulated(size: int, cfg: Config, logs: Path) -> SizeResult:
                 else:
                     raise RuntimeError("a guest no worker can hold was placed")
 
+            # One client at a time: the loop is never saturated, so a late wake-up is a step
+            # that held it. Then 16 clients, which keep it busy all the time.
+            lag2 = await Lag.read(metrics)
+            create_ms = await timed(cfg.creates, cfg.phase_seconds, create)
             refusal_ms = await timed(cfg.refusals, cfg.phase_seconds, refuse)
             lag3 = await Lag.read(metrics)
+            per_second, _ = await throughput(
+                cfg.throughput_creates, cfg.phase_seconds, CLIENTS, create
+            )
+            lag4 = await Lag.read(metrics)
         finally:
             await client.close()
         progress(
@@ -417,7 +421,8 @@ async def simulated(size: int, cfg: Config, logs: Path) -> SizeResult:
             refusal_ms=refusal_ms,
             lag_load=lag1.since(lag0),
             lag_place=lag3.since(lag2),
-            worst_lag=lag3.worst,
+            lag_busy=lag4.since(lag3),
+            worst_lag=lag4.worst,
         )
     finally:
         if flaps_proc is not None:
@@ -451,11 +456,17 @@ def report_sizes(res: Results, sizes: list[SizeResult], machines_each: int) -> N
             note=f"{s.lag_load[1]} of {s.lag_load[2]} wake-ups over 1 ms",
         )
         res.add(
-            f"{label}: loop lag while placing, wake-ups over 1 ms",
+            f"{label}: loop lag, one client placing, wake-ups over 1 ms",
             s.lag_place[1],
             "",
             ("==", 0) if big else None,
             note=f"of {s.lag_place[2]}; all under {s.lag_place[0] * 1000:g} ms",
+        )
+        res.add(
+            f"{label}: loop lag, {CLIENTS} clients placing, worst under",
+            s.lag_busy[0] * 1000,
+            "ms",
+            note=f"{s.lag_busy[1]} of {s.lag_busy[2]} wake-ups over 1 ms",
         )
         res.add(f"{label}: worst loop lag since flaps started", s.worst_lag * 1000, "ms")
     if len(sizes) > 1:

@@ -72,16 +72,18 @@ class Workers:
     def __init__(self, replica: Replica) -> None:
         self.replica = replica
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, worker_pb2_grpc.WorkerServiceStub] = {}
 
     def stub(self, worker_id: str) -> worker_pb2_grpc.WorkerServiceStub:
         view = self.replica.worker(worker_id)
         if view is None:
             raise Unavailable(f"worker {worker_id} is not known to this flaps")
         address = view.info.address
-        channel = self._channels.get(address)
-        if channel is None:
+        stub = self._stubs.get(address)
+        if stub is None:
             channel = self._channels[address] = aio_channel(address)
-        return worker_pb2_grpc.WorkerServiceStub(channel)
+            stub = self._stubs[address] = worker_pb2_grpc.WorkerServiceStub(channel)
+        return stub
 
     def owner(self, machine_id: str) -> str:
         """The worker that owns a machine: named in its id, or known to the registry."""
@@ -99,6 +101,7 @@ class Workers:
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
+        self._stubs.clear()
 
 
 def _conclude(
