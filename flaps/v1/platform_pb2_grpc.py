@@ -76,8 +76,9 @@ class PlatformServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SimulatePlacement(self, request, context):
-        """Runs placement for a would-be machine and returns the ranked candidates
-        and why every other worker was rejected, claiming nothing.
+        """Runs placement for a would-be machine and returns a ranked sample of the
+        candidates (at most 64 per region), the workers drawn but rejected, and
+        how many workers were rejected for each reason; claims nothing.
         INVALID_ARGUMENT as CreateMachine.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -45,8 +45,9 @@ class PlatformServiceStub:
     INVALID_ARGUMENT for an unknown region.
     """
     SimulatePlacement: _grpc.UnaryUnaryMultiCallable[_platform_pb2.SimulatePlacementRequest, _platform_pb2.SimulatePlacementResponse]
-    """Runs placement for a would-be machine and returns the ranked candidates
-    and why every other worker was rejected, claiming nothing.
+    """Runs placement for a would-be machine and returns a ranked sample of the
+    candidates (at most 64 per region), the workers drawn but rejected, and
+    how many workers were rejected for each reason; claims nothing.
     INVALID_ARGUMENT as CreateMachine.
     """
 
@@ -67,8 +68,9 @@ class PlatformServiceAsyncStub(PlatformServiceStub):
     INVALID_ARGUMENT for an unknown region.
     """
     SimulatePlacement: _aio.UnaryUnaryMultiCallable[_platform_pb2.SimulatePlacementRequest, _platform_pb2.SimulatePlacementResponse]  # type: ignore[assignment]
-    """Runs placement for a would-be machine and returns the ranked candidates
-    and why every other worker was rejected, claiming nothing.
+    """Runs placement for a would-be machine and returns a ranked sample of the
+    candidates (at most 64 per region), the workers drawn but rejected, and
+    how many workers were rejected for each reason; claims nothing.
     INVALID_ARGUMENT as CreateMachine.
     """
 
@@ -104,8 +106,9 @@ class PlatformServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _platform_pb2.SimulatePlacementRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_platform_pb2.SimulatePlacementResponse, _abc.Awaitable[_platform_pb2.SimulatePlacementResponse]]:
-        """Runs placement for a would-be machine and returns the ranked candidates
-        and why every other worker was rejected, claiming nothing.
+        """Runs placement for a would-be machine and returns a ranked sample of the
+        candidates (at most 64 per region), the workers drawn but rejected, and
+        how many workers were rejected for each reason; claims nothing.
         INVALID_ARGUMENT as CreateMachine.
         """
 
