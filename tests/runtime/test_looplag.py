@@ -10,14 +10,28 @@ import pytest
 from runtime.looplag import LoopLag, watch_loop
 
 
+class Counted(LoopLag):
+    """LoopLag that tells when it has seen `n` wake-ups."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: dict[int, asyncio.Event] = {}
+
+    def observe(self, lag: float) -> None:
+        super().observe(lag)
+        if self.samples in self.seen:
+            self.seen[self.samples].set()
+
+    async def until(self, n: int) -> None:
+        await asyncio.wait_for(self.seen.setdefault(n, asyncio.Event()).wait(), 10)
+
+
 async def test_a_step_that_holds_the_loop_is_seen_late_by_at_least_as_long() -> None:
-    lag, shutdown = LoopLag(), asyncio.Event()
+    lag, shutdown = Counted(), asyncio.Event()
     watcher = asyncio.create_task(watch_loop(0.001, shutdown, lag))
-    while lag.samples < 3:  # the timer is running
-        await asyncio.sleep(0.001)
-    time.sleep(0.05)  # a step that holds the loop for 50 ms
-    while lag.samples < 6:
-        await asyncio.sleep(0.001)
+    await lag.until(3)  # the timer is running
+    time.sleep(0.05)  # noqa: ASYNC251 - a step that holds the loop for 50 ms, on purpose
+    await lag.until(6)
     shutdown.set()
     await watcher
     # It was due at most one interval after the step began, and ran only after it ended.
