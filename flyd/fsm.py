@@ -1,6 +1,6 @@
 """The machine state machine: (row, event) -> (new row, effects). No I/O here.
 
-A runner (flyd.worker) commits each new row to the machine log together with
+A runner (flyd.runner) commits each new row to the machine log together with
 a log record, and only then performs the effects, feeding their outcome back
 in as the next event. Because a row names the operation in progress and its
 step, a flyd that restarts can resume every unfinished operation from the

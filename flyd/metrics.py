@@ -6,9 +6,9 @@ so a step costs one increment); what describes the worker as a whole (machines b
 reservations, capacity) is read from the worker's running totals when Prometheus scrapes, so
 the create path pays nothing for it.
 
-Metrics observe; they are not called back. The worker imports this module to count its
-transitions and time its creates; this module sees the worker only as `WorkerTotals`, the few
-totals the gauges read, and never imports flyd.worker.
+Metrics observe; they are not called back. The runner imports this module to count its
+transitions and the worker to time its creates; this module sees the worker only as
+`WorkerTotals`, the few totals the gauges read, and never imports flyd.worker.
 """
 
 from __future__ import annotations

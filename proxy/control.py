@@ -234,7 +234,7 @@ class Counters(Protocol):
 
 
 class MachineRoute(Protocol):
-    """One row of the route table as the checks and autostop read it (proxy.router.Route)."""
+    """One row of the route table as the checks and autostop read it (proxy.routes.Route)."""
 
     @property
     def machine(self) -> pb.Machine: ...

@@ -5,7 +5,8 @@ from __future__ import annotations
 import grpc
 
 from proxy.errors import ProxyError, UnknownApp
-from proxy.router import Router, UnknownWorker
+from proxy.router import Router
+from proxy.routes import UnknownWorker
 from proxy.stats import Stats
 from proxy.v1 import proxy_pb2 as p
 from proxy.v1 import proxy_pb2_grpc

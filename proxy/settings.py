@@ -14,7 +14,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from proxy.limits import Limits
-from proxy.router import RouterConfig
+from proxy.routes import RouterConfig
 from registry.settings import ReplicaSettings
 from runtime import parse_host_port
 from runtime.validate import is_name

@@ -1,4 +1,4 @@
-"""Fixtures for flyd tests that run real flyd processes."""
+"""Fixtures for flyd tests that run real flyd processes, and for pytest-grpc-aio's servicers."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ import itertools
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
+from pytest_grpc_aio.plugin import GrpcContext
 
 from flyd.drivers.rundir import kill_all
 from flyd.images.build import build_image
@@ -141,3 +143,30 @@ async def stub_for() -> AsyncIterator[Callable[[str], worker_pb2_grpc.WorkerServ
     yield make
     for channel in channels:
         await channel.close()
+
+
+# -- pytest-grpc-aio: the in-process servicer tests (tests/servicers.py) ----------------------
+
+
+@pytest.fixture
+def grpc_addr(grpc_context: GrpcContext) -> str:
+    """Where pytest-grpc-aio serves the servicer under test: an abstract unix socket of its own.
+
+    Replaces the plugin's own, which binds a TCP socket to find a free port and never closes
+    it (a ResourceWarning: an error under `filterwarnings = error`); its server, built without
+    options (SO_REUSEPORT on), could also share that port silently with another test run's.
+    """
+    address = f"unix-abstract:nonomad-test-{uuid.uuid4().hex}"
+    grpc_context.addr = address
+    return address
+
+
+@pytest.fixture
+async def servicer_stub(grpc_aio_stub: Any, grpc_context: GrpcContext) -> AsyncIterator[Any]:
+    """A stub (the module's `grpc_stub_cls`) to the module's `grpc_servicer`, served by
+    pytest-grpc-aio for this test. The plugin leaves its channel open; it is closed here,
+    before its server stops."""
+    async with grpc_aio_stub() as stub:
+        yield stub
+        if grpc_context.channel is not None:
+            await grpc_context.channel.close()

@@ -28,6 +28,10 @@ from flyd.worker import Identity, Worker
 from runtime.clock import ManualClock
 
 S = pb.MachineState
+CREATED = S.MACHINE_STATE_CREATED
+STARTED = S.MACHINE_STATE_STARTED
+STOPPED = S.MACHINE_STATE_STOPPED
+DESTROYED = S.MACHINE_STATE_DESTROYED
 IMAGE = "app:v1"
 # How long any test waits for a condition before it fails (never reached when things work).
 DEADLINE = 5.0
@@ -188,12 +192,13 @@ def boot(
     policy: fsm.Policy | None = None,
     port_free: Callable[[str, int], bool] = lambda host, port: True,
     op_tracer: OpTracer | None = None,
+    identity: Identity | None = None,
 ) -> Flyd:
-    """A flyd on `host`, before recover()."""
+    """A flyd on `host`, before recover(); worker w1 in ams unless `identity` says otherwise."""
     relay = _ExitRelay()
     driver = FakeDriver(on_exit=relay, host=host)
     worker = Worker(
-        identity=Identity("w1", "ams", "127.0.0.1:1", {}, "boot"),
+        identity=identity or Identity("w1", "ams", "127.0.0.1:1", {}, "boot"),
         store=store,
         driver=driver,
         images=images,

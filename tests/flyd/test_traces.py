@@ -18,10 +18,10 @@ from opentelemetry.trace import Span, StatusCode, Tracer
 
 from flyd import fsm
 from flyd.errors import FailedPrecondition
+from flyd.runner import Runner
 from flyd.store import LmdbMachineLog
 from flyd.traces import OpTracer
 from flyd.v1 import machine_pb2 as pb
-from flyd.worker import Worker
 from runtime.clock import ManualClock
 from tests.flyd.support import (
     DEADLINE,
@@ -125,7 +125,7 @@ async def test_a_stop_span_ends_when_its_background_step_commits(
     w = flyd.worker
     await w.create(machine_id="m1", name="", app="web", config=config(), skip_launch=False)
     logged: dict[str, int] = {}  # state -> the trace current when its commit was logged
-    log_commit = Worker._log_commit
+    log_commit = Runner._log_commit
 
     def spy(machine_id: str, steps: list[fsm.Transition], seq: int) -> None:
         logged[fsm.state_name(steps[-1].to_state)] = (
@@ -133,7 +133,7 @@ async def test_a_stop_span_ends_when_its_background_step_commits(
         )
         log_commit(machine_id, steps, seq)
 
-    monkeypatch.setattr(Worker, "_log_commit", staticmethod(spy))
+    monkeypatch.setattr(Runner, "_log_commit", staticmethod(spy))
     with tracer.start_as_current_span("rpc StopMachine") as rpc:
         await w.stop("m1", None, None)
         # the RPC returns here; the machine is stopping, and the kill goes on in a task

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from flyd import worker as worker_module
+from flyd import stream as stream_module
 from flyd.errors import (
     AlreadyExists,
     DeadlineExceeded,
@@ -28,7 +28,7 @@ from flyd.settings import CapacitySettings
 from flyd.store import LmdbMachineLog, MachineLog, MemoryMachineLog
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
-from flyd.worker import Worker
+from flyd.worker import MAX_KEY, Worker
 from runtime.clock import ManualClock
 from tests.flyd.support import (
     DEADLINE,
@@ -240,7 +240,7 @@ async def test_a_second_create_under_way_waits_for_the_first(start_flyd: Boot, k
 async def test_a_key_longer_than_allowed_changes_nothing(flyd: Flyd) -> None:
     seq = flyd.store.last_seq()
     with pytest.raises(InvalidArgument, match="idempotency_key"):
-        await create(flyd.worker, "m1", key="k" * (worker_module.MAX_KEY + 1))
+        await create(flyd.worker, "m1", key="k" * (MAX_KEY + 1))
     assert (flyd.store.last_seq(), "m1" in flyd.worker.rows) == (seq, False)
 
 
@@ -554,7 +554,7 @@ async def test_watch_after_compaction_resyncs_from_a_snapshot(
 async def test_a_slow_subscriber_catches_up_from_the_log_without_gaps(
     flyd: Flyd, streams: list[Stream], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(worker_module, "SUBSCRIBER_QUEUE", 2)
+    monkeypatch.setattr(stream_module, "SUBSCRIBER_QUEUE", 2)
     w = flyd.worker
     streams.append(stream := Stream(w, 0))
     assert [await stream.next_kind() for _ in range(2)] == ["snapshot", "heartbeat"]

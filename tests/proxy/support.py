@@ -32,7 +32,8 @@ from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
 from proxy.control import Flaps, FlapsFailed
-from proxy.router import Router, RouterConfig
+from proxy.router import Router
+from proxy.routes import RouterConfig
 from proxy.stats import Stats
 from proxy.v1 import proxy_pb2, proxy_pb2_grpc
 from registry.replica import RESYNC, ReplicaEvent, Subscription, WorkerView
@@ -101,7 +102,7 @@ def http_check(
 
 
 class FakeRegistry:
-    """`proxy.router.RegistryView` over rows and worker statuses a test sets directly."""
+    """`proxy.routes.RegistryView` over rows and worker statuses a test sets directly."""
 
     def __init__(self) -> None:
         self._workers: dict[str, WorkerView] = {}
@@ -181,6 +182,16 @@ class FakeRegistry:
         sub: Subscription[ReplicaEvent] = Subscription(maxsize, RESYNC, self._subs.discard)
         self._subs.add(sub)
         return sub
+
+
+def fleet(*rows: pb.Machine, workers: dict[str, str] | None = None) -> FakeRegistry:
+    """A fake registry with workers w1, w2 (ams) and s1 (syd) unless given, and `rows`."""
+    registry = FakeRegistry()
+    for worker_id, region in (workers or {"w1": "ams", "w2": "ams", "s1": "syd"}).items():
+        registry.add_worker(worker_id, region)
+    for row in rows:
+        registry.put(row)
+    return registry
 
 
 class FakeFlaps:

@@ -12,7 +12,7 @@ import pytest
 from flyd.v1 import machine_pb2 as pb
 from proxy.control import FlapsFailed, NetProbes, autostop_victims, standby_candidates
 from proxy.errors import NoBackend, UnknownApp
-from proxy.router import Route, UnknownWorker
+from proxy.routes import Route, UnknownWorker
 from proxy.settings import ProxySettings
 from registry.replica import LIVENESS_TICK
 from registry.view import ALIVE, DEAD, SUSPECT
@@ -21,6 +21,7 @@ from tests.proxy.support import (
     STOPPED,
     FakeRegistry,
     World,
+    fleet,
     http_check,
     machine,
     settle,
@@ -28,16 +29,6 @@ from tests.proxy.support import (
 )
 
 S = pb.MachineState
-
-
-def fleet(*rows: pb.Machine, workers: dict[str, str] | None = None) -> FakeRegistry:
-    """A fake registry with workers w1, w2 (ams) and s1 (syd) unless given, and `rows`."""
-    registry = FakeRegistry()
-    for worker_id, region in (workers or {"w1": "ams", "w2": "ams", "s1": "syd"}).items():
-        registry.add_worker(worker_id, region)
-    for row in rows:
-        registry.put(row)
-    return registry
 
 
 async def spread(w: World, app: str, n: int) -> Counter[str]:

@@ -6,15 +6,35 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 
+from flyd.v1 import machine_pb2 as pb
 from registry.fakes import FakeWorker
 from registry.replica import Replica, ReplicaEvent, Subscription
 from registry.service import RegistryServicer, map_error
 from registry.v1 import registry_pb2, registry_pb2_grpc
 from registry.view import Status, View, WorkerView
 from runtime import Service, ServiceSettings
+from tests.servicers import serving
 
 # How long any test waits for a condition before it fails (never reached when things work).
 DEADLINE = 10.0
+
+
+MALFORMED_WORKERS = [
+    (pb.WorkerInfo(region="ams", address="h:1"), "worker.id"),
+    (pb.WorkerInfo(id="W1", region="ams", address="h:1"), "worker.id"),
+    (pb.WorkerInfo(id="w_1", region="ams", address="h:1"), "worker.id"),
+    (pb.WorkerInfo(id="w1", address="h:1"), "worker.region"),
+    (pb.WorkerInfo(id="w1", region="a_b", address="h:1"), "worker.region"),
+    (pb.WorkerInfo(id="w1", region="AMS", address="h:1"), "worker.region"),
+    (pb.WorkerInfo(id="w1", region="ams"), "worker.address"),
+    (pb.WorkerInfo(id="w1", region="ams", address="nohost"), "worker.address"),
+    (pb.WorkerInfo(id="w1", region="ams", address="localhost"), "worker.address"),
+    (pb.WorkerInfo(id="w1", region="ams", address="::1:80"), "worker.address"),
+    (pb.WorkerInfo(id="w1", region="ams", address="h:99999"), "worker.address"),
+    (pb.WorkerInfo(id="w1", region="ams", address="h:0"), "worker.address"),
+    (pb.WorkerInfo(id="w1", region="ams", address="h:1", boot_id="x y"), "worker.boot_id"),
+]
+"""Worker infos that are refused, each with the field it is refused for."""
 
 
 @contextlib.asynccontextmanager
@@ -40,15 +60,8 @@ async def served(replica: Replica, **servicer_args: int) -> AsyncIterator[str]:
         registry_pb2.DESCRIPTOR.services_by_name["RegistryService"],
         map_error,
     )
-    task = asyncio.create_task(service.run(handle_signals=False))
-    try:
-        async with asyncio.timeout(DEADLINE):
-            address = await service.wait_ready()
+    async with serving(service) as address:
         yield address
-    finally:
-        service.request_shutdown()
-        async with asyncio.timeout(DEADLINE):
-            await task
 
 
 async def eventually(replica: Replica, predicate: Callable[[], bool], what: str) -> None:

@@ -11,7 +11,7 @@ from flyd.v1 import worker_pb2 as w
 from registry.errors import InvalidArgument, SequenceGap, WrongWorker
 from registry.v1 import registry_pb2 as r
 from registry.view import ALIVE, DEAD, SUSPECT, UNKNOWN, Added, View, check_worker_info
-from tests.registry.support import view_of
+from tests.registry.support import MALFORMED_WORKERS, view_of
 
 S = pb.MachineState
 T0 = 1_700_000_000.0
@@ -231,20 +231,7 @@ def test_adding_a_known_worker_refollows_only_when_it_moved_or_restarted() -> No
     assert [e.kind for e in relabelled.events] == ["worker"]
 
 
-@pytest.mark.parametrize(
-    ("worker", "field"),
-    [
-        (pb.WorkerInfo(region="ams", address="h:1"), "worker.id"),
-        (pb.WorkerInfo(id="W1", region="ams", address="h:1"), "worker.id"),
-        (pb.WorkerInfo(id="w1", address="h:1"), "worker.region"),
-        (pb.WorkerInfo(id="w1", region="a_b", address="h:1"), "worker.region"),
-        (pb.WorkerInfo(id="w1", region="ams"), "worker.address"),
-        (pb.WorkerInfo(id="w1", region="ams", address="nohost"), "worker.address"),
-        (pb.WorkerInfo(id="w1", region="ams", address="h:99999"), "worker.address"),
-        (pb.WorkerInfo(id="w1", region="ams", address="h:0"), "worker.address"),
-        (pb.WorkerInfo(id="w1", region="ams", address="h:1", boot_id="x y"), "worker.boot_id"),
-    ],
-)
+@pytest.mark.parametrize(("worker", "field"), MALFORMED_WORKERS)
 def test_a_malformed_worker_is_refused_naming_the_field(worker: pb.WorkerInfo, field: str) -> None:
     with pytest.raises(InvalidArgument) as err:
         check_worker_info(worker)

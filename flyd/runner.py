@@ -1,0 +1,385 @@
+"""The runner: drives each machine's state machine, committing every step before its effects.
+
+It owns the in-memory copy of every machine row (the LMDB log is the truth; `recover`
+rebuilds the copy from it at start and resumes unfinished operations), serialises the steps
+of each machine with a per-machine lock, performs the effects the pure core (flyd.fsm) asks
+for (spawn, kill, signal, cleanup, timers) and turns the driver's exit reports into events.
+Each commit is one transaction; what follows it (reservations, image references, metrics,
+the operation's span, the log line, publishing to flyd.stream, compaction) happens here.
+The operations callers ask for (create, stop, update, leases, ...) are flyd.worker's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Sequence
+
+import structlog
+
+from flyd import fsm
+from flyd.drivers.base import Driver, ExitStatus, Handle
+from flyd.errors import NotFound
+from flyd.images.cache import ImageCache
+from flyd.metrics import count_transition
+from flyd.reservations import Reservations
+from flyd.spec import process_spec
+from flyd.store import MachineLog, NewRecord, RecordType
+from flyd.stream import EventStream
+from flyd.traces import OpSpan, OpTracer
+from flyd.v1 import machine_pb2 as pb
+from flyd.v1 import worker_pb2
+from runtime.clock import Clock
+
+# The worker's one log: its lines carry the same logger name, whichever module writes them.
+log = structlog.get_logger("flyd.worker")
+S = pb.MachineState
+# How many destroyed machines stay readable (GetMachine, waits) before their rows go.
+KEEP_DESTROYED = 1000
+_SPAWN_ONLY = (fsm.Spawn(),)
+
+
+class Runner:
+    """Every machine's rows and the one loop that steps them: the only code that changes them."""
+
+    def __init__(
+        self,
+        *,
+        rows: dict[str, fsm.Row],
+        store: MachineLog,
+        driver: Driver,
+        images: ImageCache,
+        reservations: Reservations,
+        stream: EventStream,
+        clock: Clock,
+        policy: fsm.Policy,
+        log_keep: int,
+        op_tracer: OpTracer | None,
+    ) -> None:
+        """`rows`: the worker's rows, empty until `recover` loads them from the store."""
+        self.store = store
+        self.driver = driver
+        self.images = images
+        self.reservations = reservations
+        self.stream = stream
+        self.clock = clock
+        self.policy = policy
+        self.log_keep = log_keep
+        self.rows = rows
+        # Machines whose durable row lags behind `rows` by a lazy step (see fsm.Transition).
+        self._dirty: set[str] = set()
+        self._op_tracer = op_tracer
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.closing = False
+
+    # --- start and stop ---------------------------------------------------
+
+    def recover(self) -> int:
+        """Load every row and resume unfinished operations. Returns how many were resumed."""
+        for machine_id, raw in self.store.rows().items():
+            row = fsm.decode_row(raw)
+            self.rows[machine_id] = row
+            self.reservations.account(None, row)
+            if row.state != S.MACHINE_STATE_DESTROYED:
+                self.images.use(row.image_digest)
+        resumed = 0
+        for machine_id, row in self.rows.items():
+            alive = False
+            if row.handle is not None:
+                # A process that is gone is reported through on_exit with its real status.
+                alive = self.driver.attach(machine_id, Handle.from_dict(row.handle))
+            if row.op is not None and (alive or row.handle is None):
+                self.spawn_task(self.drive(machine_id, fsm.Resume(alive=alive)))
+                resumed += 1
+        log.info("recovered", machines=len(self.rows), resumed=resumed, seq=self.store.last_seq())
+        return resumed
+
+    async def close(self) -> None:
+        """Stop background work; machines keep running."""
+        self.closing = True
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def on_exit(self, machine_id: str, handle: Handle, status: ExitStatus) -> None:
+        """The driver's exit callback: turn it into an Exited event."""
+        if self.closing or machine_id not in self.rows:
+            return
+        tail: tuple[str, ...] = ()
+        with contextlib.suppress(Exception):
+            tail = tuple(self.driver.read_logs(machine_id, 20))
+        event = fsm.Exited(
+            handle.to_dict(),
+            status.exit_code,
+            status.signal,
+            status.oom_killed,
+            tail,
+            released=status.released,
+        )
+        self.spawn_task(self.drive(machine_id, event))
+
+    def spawn_task(self, coro: Awaitable[None]) -> None:
+        """Run `coro` in the background; `close` cancels it."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background step failed", exc_info=task.exception())
+
+    # --- the drive loop ---------------------------------------------------
+
+    def lock(self, machine_id: str) -> asyncio.Lock:
+        """The lock that serialises every change of one machine."""
+        lock = self._locks.get(machine_id)
+        if lock is None:
+            lock = self._locks[machine_id] = asyncio.Lock()
+        return lock
+
+    async def drive(
+        self,
+        machine_id: str,
+        event: fsm.Event,
+        *,
+        lease_nonce: str | None = None,
+        op_span: tuple[str, OpSpan] | None = None,
+    ) -> None:
+        """Apply an event; a caller's request (lease_nonce given) must hold any lease."""
+        async with self.lock(machine_id):
+            if lease_nonce is not None:
+                fsm.check_lease(self.rows[machine_id], lease_nonce, self.clock.now())
+            await self.drive_locked(machine_id, event, op_span=op_span)
+
+    async def drive_locked(
+        self,
+        machine_id: str,
+        event: fsm.Event | None,
+        staged: list[fsm.Transition] | None = None,
+        *,
+        op_span: tuple[str, OpSpan] | None = None,
+    ) -> None:
+        """Step the machine until it rests, committing each step before its effects run.
+
+        The caller holds the machine's lock. A step whose one effect is Spawn is the
+        exception: the driver's spawn holds the new process before it runs anything, so the
+        step is committed together with the spawn's outcome (one transaction instead of two).
+        A crash before that commit leaves a held process that dies with flyd, and the last
+        committed step is resumed as before. `staged` are steps computed but not committed
+        yet (a create's first ones). `op_span` (op, span) receives the steps from the first
+        commit on, in place of any open one.
+        """
+        staged = staged if staged is not None else []
+        row = staged[-1].row if staged else self.rows[machine_id]
+        try:
+            while event is not None:
+                transition = fsm.step(row, event, now=self.clock.now(), policy=self.policy)
+                if transition is None:
+                    break
+                if transition.lazy:
+                    assert not staged, "a lazy step follows an effect, so a commit"
+                    self._apply_lazy(machine_id, transition)
+                    row = transition.row
+                    event = await self._perform(machine_id, transition)
+                    continue
+                staged.append(transition)
+                row = transition.row
+                if transition.effects == _SPAWN_ONLY:
+                    event = await self._spawn(machine_id, row)
+                    continue
+                if op_span is not None:
+                    self._take_span(machine_id, op_span)
+                    op_span = None
+                self.commit(machine_id, staged)
+                staged = []
+                event = await self._perform(machine_id, transition)
+            if staged:
+                if op_span is not None:
+                    self._take_span(machine_id, op_span)
+                self.commit(machine_id, staged)
+                staged = []
+        finally:
+            if staged and staged[-1].row.handle is not None:
+                # Spawned but never committed: the held process must not run.
+                self.driver.discard(machine_id)
+
+    def _apply_lazy(self, machine_id: str, t: fsm.Transition) -> None:
+        """A change of flyd's internals that may become durable later (see fsm.Transition).
+
+        It rides along with the next commit of any machine, or `flush`.
+        """
+        self.rows[machine_id] = t.row
+        self._dirty.add(machine_id)
+        if self._op_tracer is not None and t.row.op is None:
+            self._op_tracer.rested(machine_id)
+
+    def flush(self) -> None:
+        """Commit the rows whose durable copy lags behind (lazy steps); flyd calls it often."""
+        if self._dirty:
+            dirty = {mid: fsm.encode_row(self.rows[mid]) for mid in self._dirty}
+            self.store.commit([], dirty)
+            self._dirty.clear()
+
+    def _take_span(self, machine_id: str, op_span: tuple[str, OpSpan]) -> None:
+        if self._op_tracer is not None:
+            self._op_tracer.attach(machine_id, op_span[1], op_span[0])
+
+    # --- effects ------------------------------------------------------------
+
+    async def _spawn(self, machine_id: str, row: fsm.Row) -> fsm.Event:
+        try:
+            handle = await self.driver.start(process_spec(row, self.images))
+        except Exception as err:  # any failure to spawn is the machine's, not ours
+            log.warning("spawn failed", machine_id=machine_id, error=str(err))
+            return fsm.SpawnFailed(str(err))
+        return fsm.Spawned(handle.to_dict())
+
+    async def _perform(self, machine_id: str, t: fsm.Transition) -> fsm.Event | None:
+        row = t.row
+        next_event: fsm.Event | None = None
+        for effect in t.effects:
+            match effect:
+                case fsm.Spawn():
+                    next_event = await self._spawn(machine_id, row)
+                case fsm.Release():
+                    self.driver.release(machine_id)
+                    next_event = fsm.Released()
+                case fsm.Kill(signal=sig, timeout=timeout):
+                    assert row.handle is not None
+                    self.spawn_task(self._kill(machine_id, row.handle, sig, timeout))
+                case fsm.SendSignal(signal=sig):
+                    with contextlib.suppress(NotFound):
+                        await self.driver.signal(machine_id, sig)
+                    next_event = fsm.Signalled()
+                case fsm.Cleanup():
+                    await self.driver.cleanup(machine_id)
+                    next_event = fsm.CleanedUp()
+                case fsm.StartTimer(at=when):
+                    self.spawn_task(self._timer(machine_id, when))
+        return next_event
+
+    async def _kill(
+        self, machine_id: str, handle: dict[str, object], sig: int, timeout: float
+    ) -> None:
+        try:
+            status = await self.driver.stop(machine_id, sig, timeout)
+        except NotFound:
+            status = ExitStatus(exit_code=None, signal=9, oom_killed=False)
+        # The driver's on_exit reports the same exit; whichever comes second is ignored.
+        await self.drive(
+            machine_id,
+            fsm.Exited(
+                dict(handle),
+                status.exit_code,
+                status.signal,
+                status.oom_killed,
+                released=status.released,
+            ),
+        )
+
+    async def _timer(self, machine_id: str, when: float) -> None:
+        await self.clock.sleep_until(when)
+        await self.drive(machine_id, fsm.TimerFired())
+
+    # --- commits ------------------------------------------------------------
+
+    def commit(self, machine_id: str, steps: list[fsm.Transition]) -> None:
+        """One transaction: a log record per step and the row after the last. Then tell all.
+
+        Steps computed together (a step and its spawn's outcome) are committed together; each
+        record still carries the machine as it was after its own step.
+        """
+        seq = self.store.last_seq()
+        changes: list[worker_pb2.MachineChange] = []
+        tail: Sequence[pb.MachineEvent] | None = None  # the event tail after the step before
+        for t in steps:
+            seq += 1
+            machine = t.row.machine
+            if tail is not None:
+                del machine.events[:]
+                machine.events.extend(tail)
+            event = pb.MachineEvent(
+                seq=seq,
+                machine_id=machine_id,
+                type=t.type,
+                from_state=t.from_state,  # type: ignore[arg-type]
+                to_state=t.to_state,  # type: ignore[arg-type]
+                reason=t.reason,
+                time=machine.updated_at,
+            )
+            if t.from_state != t.to_state:
+                machine.events.append(event)
+                if len(machine.events) > fsm.EVENT_TAIL:
+                    del machine.events[: len(machine.events) - fsm.EVENT_TAIL]
+            tail = machine.events
+            changes.append(worker_pb2.MachineChange(event=event, machine=machine))
+        row = steps[-1].row
+        rows = {mid: fsm.encode_row(self.rows[mid]) for mid in self._dirty}  # lazy steps
+        rows[machine_id] = fsm.encode_row(row)
+        self.store.commit(
+            [NewRecord(RecordType.MACHINE_CHANGE, c.SerializeToString()) for c in changes], rows
+        )
+        self._dirty.clear()
+        self.reservations.account(self.rows.get(machine_id), row)
+        self.rows[machine_id] = row
+        self.reservations.pending.pop(machine_id, None)  # a create's reservation is now the row's
+        op_span = None
+        for t, change in zip(steps, changes, strict=True):
+            op_span = self._committed(machine_id, t, change.event.seq) or op_span
+        if op_span is None:
+            self._log_commit(machine_id, steps, seq)
+        else:
+            with op_span.current():  # the line carries the operation's trace, even in a task
+                self._log_commit(machine_id, steps, seq)
+        for change in changes:
+            self.stream.publish(change)
+        if self.store.last_seq() - self.store.first_seq() >= 2 * self.log_keep:
+            self._compact()
+
+    @staticmethod
+    def _log_commit(machine_id: str, steps: list[fsm.Transition], seq: int) -> None:
+        # One line per commit: steps committed together (create, start, running) share it.
+        first, last = steps[0], steps[-1]
+        log.info(
+            first.type,
+            machine_id=machine_id,
+            state=fsm.state_name(last.to_state),
+            from_state=fsm.state_name(first.from_state),
+            reason=last.reason if len(steps) == 1 else "; ".join(t.reason for t in steps),
+            seq=seq,
+        )
+
+    def _committed(self, machine_id: str, t: fsm.Transition, seq: int) -> OpSpan | None:
+        """What follows one committed step: images, metrics, the operation's span.
+
+        Returns the operation's span, if one is open.
+        """
+        if t.from_state != t.to_state:
+            count_transition(t.from_state, t.to_state)
+            if t.to_state == S.MACHINE_STATE_DESTROYED:
+                self.images.release(t.row.image_digest)
+        if self._op_tracer is not None:
+            return self._op_tracer.committed(machine_id, t, seq)
+        return None
+
+    def _compact(self) -> None:
+        destroyed = [
+            (row.machine.updated_at.ToNanoseconds(), mid)
+            for mid, row in self.rows.items()
+            if row.state == S.MACHINE_STATE_DESTROYED
+        ]
+        drop = {mid for _, mid in sorted(destroyed)[: max(0, len(destroyed) - KEEP_DESTROYED)]}
+        if drop:
+            self.store.commit([], dict.fromkeys(drop))
+            for mid in drop:
+                self.reservations.account(self.rows.pop(mid), None)
+                self._locks.pop(mid, None)
+        dropped = self.store.compact(self.log_keep)
+        log.info(
+            "log compacted",
+            dropped=dropped,
+            first_seq=self.store.first_seq(),
+            destroyed_rows_dropped=len(drop),
+        )

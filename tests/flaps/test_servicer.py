@@ -1,0 +1,536 @@
+"""flaps.v1.MachinesService and flaps.v1.PlatformService in-process (pytest-grpc-aio), on a
+fake fleet: flyd workers w1, w2 (ams) and s1 (syd) on fake drivers, served on loopback and
+followed by the replica flaps reads (tests/flaps/support.py).
+
+Both servicers are wrapped with flaps.errors.map_error as flaps.main registers them, so the
+codes seen here, and the worker's ErrorInfo passed on, are what a caller of flaps sees.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from google.protobuf.duration_pb2 import Duration
+
+from flaps import placement
+from flaps.errors import map_error
+from flaps.service import Exchange, MachinesServicer, PlatformServicer, Workers
+from flaps.v1 import machines_pb2 as m
+from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
+from flyd.errors import DOMAIN as FLYD
+from flyd.v1 import machine_pb2 as pb
+from tests.flaps.support import FakeFleet, fake_fleet
+from tests.flyd.support import CREATED, DESTROYED, STARTED, STOPPED, config
+from tests.servicers import (
+    INVALID,
+    NOT_FOUND,
+    PRECONDITION,
+    T,
+    answer,
+    bring,
+    info_of,
+    refused,
+    registered,
+    seconds,
+)
+
+REGIONS = {"w1": "ams", "w2": "ams", "s1": "syd"}
+Machines = machines_pb2_grpc.MachinesServiceStub
+Platform = platform_pb2_grpc.PlatformServiceStub
+
+
+@pytest.fixture
+async def fleet(tmp_path: Path) -> AsyncIterator[FakeFleet]:
+    async with fake_fleet(tmp_path, REGIONS) as fleet:
+        yield fleet
+
+
+@pytest.fixture
+async def exchange(fleet: FakeFleet) -> AsyncIterator[Exchange]:
+    """What flaps.main builds: the replica, channels to the workers, the default placement."""
+    workers = Workers(fleet.replica)
+    yield Exchange(fleet.replica, workers, placement.Pipeline())
+    await workers.close()
+
+
+# Requests that INVALID_ARGUMENT refuses, as CreateMachine and SimulatePlacement fields, with
+# the field the message must name. A valid bid is app web, region ams, config().
+BAD_BIDS: list[tuple[dict[str, Any], str]] = [
+    ({"app": ""}, "app"),
+    ({"app": "Web"}, "app"),
+    ({"region": "", "regions": []}, "region"),
+    ({"region": "mars"}, "region"),
+    ({"region": "AMS"}, "region"),
+    ({"region": "", "regions": ["syd", "mars"]}, "regions[1]"),
+    ({"regions": ["mars"]}, "regions[0]"),
+    ({"config": pb.MachineConfig(guest=config().guest)}, "config.image"),
+    ({"config": config(memory=-1)}, "config.guest.memory_mib"),
+    ({"config": config(cpu=100_000)}, "config.guest.cpu_millicores"),
+]
+
+
+def bid(**fields: Any) -> dict[str, Any]:
+    return {"app": "web", "region": "ams", "config": config(), **fields}
+
+
+class TestMachinesService:
+    @pytest.fixture
+    def grpc_add_to_server(self) -> Callable[[Any, Any], None]:
+        return registered(
+            machines_pb2_grpc.add_MachinesServiceServicer_to_server,
+            m.DESCRIPTOR.services_by_name["MachinesService"],
+            map_error,
+        )
+
+    @pytest.fixture
+    def grpc_stub_cls(self) -> type[Machines]:
+        return Machines
+
+    @pytest.fixture
+    def grpc_servicer(self, exchange: Exchange) -> MachinesServicer:
+        return MachinesServicer(exchange)
+
+    # -- CreateMachine ----------------------------------------------------------------------
+
+    async def test_create_claims_on_a_worker_of_the_region(
+        self, servicer_stub: Machines, fleet: FakeFleet
+    ) -> None:
+        resp = await servicer_stub.CreateMachine(m.CreateMachineRequest(**bid()), timeout=T)
+        machine = resp.machine
+        assert machine.state == STARTED
+        assert machine.worker_id in ("w1", "w2")
+        assert re.fullmatch(rf"{machine.worker_id}-[0-9a-f]{{12}}", machine.id), machine.id
+        assert fleet.owner_of(machine.id).worker.identity.worker_id == machine.worker_id
+        assert not resp.HasField("lease")
+
+    async def test_a_retry_with_the_same_idempotency_key_returns_the_same_machine(
+        self, servicer_stub: Machines, fleet: FakeFleet
+    ) -> None:
+        request = m.CreateMachineRequest(**bid(idempotency_key="deploy-7"))
+        first = (await servicer_stub.CreateMachine(request, timeout=T)).machine
+        await fleet.seen(first.id)
+        again = (await servicer_stub.CreateMachine(request, timeout=T)).machine
+        assert (again.id, again.instance_id) == (first.id, first.instance_id)
+        assert fleet.machine_ids() == {first.id}
+
+    async def test_create_with_a_lease_returns_its_nonce(self, servicer_stub: Machines) -> None:
+        request = m.CreateMachineRequest(**bid(lease_ttl=seconds(60)))
+        resp = await servicer_stub.CreateMachine(request, timeout=T)
+        assert resp.lease.nonce
+        stop = m.StopMachineRequest(machine_id=resp.machine.id)
+        err = await refused(servicer_stub.StopMachine(stop, timeout=T), PRECONDITION)
+        assert (info_of(err).domain, info_of(err).reason) == (FLYD, "LEASE_HELD")
+        stop.lease_nonce = resp.lease.nonce
+        await servicer_stub.StopMachine(stop, timeout=T)
+
+    async def test_a_standby_lands_on_another_worker_stopped(
+        self, servicer_stub: Machines, fleet: FakeFleet
+    ) -> None:
+        primary = await servicer_stub.CreateMachine(m.CreateMachineRequest(**bid()), timeout=T)
+        request = m.CreateMachineRequest(**bid(standby_for=[primary.machine.id]))
+        standby = (await servicer_stub.CreateMachine(request, timeout=T)).machine
+        assert standby.state == CREATED
+        assert standby.worker_id in ("w1", "w2")
+        assert standby.worker_id != primary.machine.worker_id
+        assert list(standby.config.standbys) == [primary.machine.id]
+
+    async def test_a_full_region_fails_fast_and_moves_only_when_asked(
+        self, servicer_stub: Machines, fleet: FakeFleet
+    ) -> None:
+        big = config(memory=1024)  # a whole worker
+        for _ in range(2):
+            await servicer_stub.CreateMachine(m.CreateMachineRequest(**bid(config=big)), timeout=T)
+        await fleet.until(lambda: fleet.free("w1") == fleet.free("w2") == 0, "ams full")
+        full = m.CreateMachineRequest(**bid(config=big))
+        err = await refused(
+            servicer_stub.CreateMachine(full, timeout=T), grpc.StatusCode.RESOURCE_EXHAUSTED
+        )
+        info = info_of(err)
+        assert (info.domain, info.reason) == ("flaps.nonomad", "NO_CAPACITY")
+        assert dict(info.metadata) == {"insufficient_memory": "2"}
+        assert "ams" in (err.details() or "")
+        assert len(fleet.machine_ids()) == 2  # nothing was created elsewhere
+        full.regions.append("syd")
+        moved = await servicer_stub.CreateMachine(full, timeout=T)
+        assert moved.machine.worker_id == "s1"
+
+    @pytest.mark.parametrize(
+        ("fields", "field"),
+        [
+            *BAD_BIDS,
+            ({"standby_for": ["Bad"]}, "standby_for[0]"),
+            ({"standby_for": ["ghost"]}, "standby_for[0]"),
+            ({"name": "n" * 64}, "name"),
+            ({"lease_ttl": seconds(3601)}, "lease_ttl"),
+            ({"lease_ttl": Duration(seconds=-1)}, "lease_ttl"),
+        ],
+    )
+    async def test_a_bad_create_is_refused_naming_the_field_and_creates_nothing(
+        self, servicer_stub: Machines, fleet: FakeFleet, fields: dict[str, Any], field: str
+    ) -> None:
+        request = m.CreateMachineRequest(**bid(**fields))
+        await refused(servicer_stub.CreateMachine(request, timeout=T), INVALID, field)
+        assert fleet.machine_ids() == set()
+
+    # -- operations on a machine, each sent to the worker that owns it ----------------------
+
+    @pytest.fixture
+    async def placed(self, servicer_stub: Machines, fleet: FakeFleet) -> pb.Machine:
+        """A started machine of app web in ams, already in the replica."""
+        resp = await servicer_stub.CreateMachine(m.CreateMachineRequest(**bid()), timeout=T)
+        await fleet.seen(resp.machine.id)
+        return resp.machine
+
+    async def test_get_reads_the_machine_from_its_worker(
+        self, servicer_stub: Machines, fleet: FakeFleet, placed: pb.Machine
+    ) -> None:
+        got = await servicer_stub.GetMachine(m.GetMachineRequest(machine_id=placed.id), timeout=T)
+        assert got.machine == fleet.owner_of(placed.id).worker.rows[placed.id].machine
+
+    @pytest.mark.parametrize(
+        ("request_", "names"),
+        [
+            (m.ListMachinesRequest(), ["a", "b"]),
+            (m.ListMachinesRequest(app="web"), ["a"]),
+            (m.ListMachinesRequest(region="syd"), ["b"]),
+            (m.ListMachinesRequest(app="api", region="ams"), []),
+            (m.ListMachinesRequest(state=DESTROYED), ["c"]),
+            (m.ListMachinesRequest(include_destroyed=True), ["a", "b", "c"]),
+        ],
+        ids=["all", "app", "region", "app-and-region", "destroyed", "include-destroyed"],
+    )
+    async def test_list_machines_reads_the_fleet_from_the_replica(
+        self,
+        servicer_stub: Machines,
+        fleet: FakeFleet,
+        request_: m.ListMachinesRequest,
+        names: list[str],
+    ) -> None:
+        for name, app, region in [("a", "web", "ams"), ("b", "api", "syd"), ("c", "web", "ams")]:
+            request = m.CreateMachineRequest(**bid(app=app, region=region, name=name))
+            created = (await servicer_stub.CreateMachine(request, timeout=T)).machine
+            await fleet.seen(created.id)
+        destroy = m.DestroyMachineRequest(machine_id=created.id, force=True)
+        await servicer_stub.DestroyMachine(destroy, timeout=T)
+        await fleet.seen(created.id, DESTROYED)
+        resp = await servicer_stub.ListMachines(request_, timeout=T)
+        assert [mm.id for mm in resp.machines] == sorted(mm.id for mm in resp.machines)
+        assert sorted(mm.name for mm in resp.machines) == names
+
+    async def test_a_machine_lives_its_life_on_its_worker(
+        self, servicer_stub: Machines, fleet: FakeFleet, placed: pb.Machine
+    ) -> None:
+        mid = placed.id
+        owner = fleet.owner_of(mid)
+        wait = m.WaitMachineRequest(machine_id=mid, timeout=seconds(5))
+
+        async def reaches(state: int) -> pb.Machine:
+            wait.state = state  # type: ignore[assignment]
+            return (await servicer_stub.WaitMachine(wait, timeout=T)).machine
+
+        stop = m.StopMachineRequest(machine_id=mid, signal="SIGINT")
+        await servicer_stub.StopMachine(stop, timeout=T)
+        await reaches(STOPPED)
+        await servicer_stub.StartMachine(m.StartMachineRequest(machine_id=mid), timeout=T)
+        await reaches(STARTED)
+        usr1 = m.SignalMachineRequest(machine_id=mid, signal="SIGUSR1")
+        assert (await servicer_stub.SignalMachine(usr1, timeout=T)).machine.state == STARTED
+        await servicer_stub.RestartMachine(m.RestartMachineRequest(machine_id=mid), timeout=T)
+        await reaches(STARTED)
+        update = m.UpdateMachineRequest(machine_id=mid, config=config(memory=256))
+        await servicer_stub.UpdateMachine(update, timeout=T)
+        updated = await reaches(STARTED)
+        assert (updated.config.guest.memory_mib, updated.id) == (256, mid)
+        assert updated.instance_id != placed.instance_id
+        destroy = m.DestroyMachineRequest(machine_id=mid, force=True)
+        await servicer_stub.DestroyMachine(destroy, timeout=T)
+        await reaches(DESTROYED)
+        assert owner.driver.signals[:2] == [(mid, signal.SIGINT), (mid, signal.SIGUSR1)]
+        events = await servicer_stub.ListMachineEvents(
+            m.ListMachineEventsRequest(machine_id=mid), timeout=T
+        )
+        states = [e.to_state for e in events.events]
+        assert (states[0], states[-1]) == (CREATED, DESTROYED)
+        assert [e.machine_id for e in events.events] == [mid] * len(events.events)
+
+    async def test_leases_are_the_owning_workers(
+        self, servicer_stub: Machines, placed: pb.Machine
+    ) -> None:
+        acquire = m.AcquireLeaseRequest(machine_id=placed.id, ttl=seconds(30), owner="deploy")
+        lease = (await servicer_stub.AcquireLease(acquire, timeout=T)).lease
+        assert lease.nonce
+        assert lease.owner == "deploy"
+        release = m.ReleaseLeaseRequest(machine_id=placed.id, nonce=lease.nonce)
+        await servicer_stub.ReleaseLease(release, timeout=T)
+        again = (await servicer_stub.AcquireLease(acquire, timeout=T)).lease  # free again
+        assert again.nonce != lease.nonce
+
+    async def test_logs_stream_from_the_owning_worker(
+        self, servicer_stub: Machines, fleet: FakeFleet, placed: pb.Machine
+    ) -> None:
+        driver = fleet.owner_of(placed.id).driver
+        for i in range(3):
+            driver.write_log(placed.id, f"line {i}")
+        tail = m.GetMachineLogsRequest(machine_id=placed.id, tail_lines=2)
+        lines = [item.line async for item in servicer_stub.GetMachineLogs(tail, timeout=T)]
+        assert lines == ["line 1", "line 2"]
+        follow = m.GetMachineLogsRequest(machine_id=placed.id, tail_lines=1, follow=True)
+        call = servicer_stub.GetMachineLogs(follow, timeout=T)
+        try:
+            assert (await call.read()).line == "line 2"
+            driver.write_log(placed.id, "line 3")  # the machine prints while the client follows
+            assert (await call.read()).line == "line 3"
+        finally:
+            call.cancel()
+
+    @pytest.mark.parametrize(
+        ("rpc", "make"),
+        [
+            ("GetMachine", lambda mid: m.GetMachineRequest(machine_id=mid)),
+            ("StartMachine", lambda mid: m.StartMachineRequest(machine_id=mid)),
+            ("StopMachine", lambda mid: m.StopMachineRequest(machine_id=mid)),
+            ("RestartMachine", lambda mid: m.RestartMachineRequest(machine_id=mid)),
+            ("SignalMachine", lambda mid: m.SignalMachineRequest(machine_id=mid, signal="HUP")),
+            ("DestroyMachine", lambda mid: m.DestroyMachineRequest(machine_id=mid, force=True)),
+            ("WaitMachine", lambda mid: m.WaitMachineRequest(machine_id=mid, state=STARTED)),
+            ("UpdateMachine", lambda mid: m.UpdateMachineRequest(machine_id=mid, config=config())),
+            ("AcquireLease", lambda mid: m.AcquireLeaseRequest(machine_id=mid, ttl=seconds(9))),
+            ("ReleaseLease", lambda mid: m.ReleaseLeaseRequest(machine_id=mid, nonce="x")),
+            ("ListMachineEvents", lambda mid: m.ListMachineEventsRequest(machine_id=mid)),
+            ("GetMachineLogs", lambda mid: m.GetMachineLogsRequest(machine_id=mid)),
+        ],
+    )
+    @pytest.mark.parametrize(
+        ("machine_id", "message"),
+        [
+            ("ghost", "machine ghost not found"),  # no worker of that name: flaps answers
+            ("w1-0123456789ab", "machine w1-0123456789ab not found on worker w1"),  # w1 answers
+        ],
+        ids=["unknown-worker", "unknown-on-w1"],
+    )
+    async def test_an_unknown_machine_is_not_found(
+        self,
+        servicer_stub: Machines,
+        fleet: FakeFleet,
+        rpc: str,
+        make: Callable[[str], Any],
+        machine_id: str,
+        message: str,
+    ) -> None:
+        err = await refused(answer(servicer_stub, rpc, make(machine_id)), NOT_FOUND)
+        assert err.details() == message
+        assert fleet.machine_ids() == set()
+
+    @pytest.mark.parametrize(
+        ("rpc", "make", "field"),
+        [
+            ("GetMachine", lambda mid: m.GetMachineRequest(), "machine_id"),
+            ("StartMachine", lambda mid: m.StartMachineRequest(), "machine_id"),
+            ("ListMachines", lambda mid: m.ListMachinesRequest(app="Web"), "app"),
+            ("ListMachines", lambda mid: m.ListMachinesRequest(region="mars"), "region"),
+            (
+                "StopMachine",
+                lambda mid: m.StopMachineRequest(machine_id=mid, signal="SIGNOPE"),
+                "signal",
+            ),
+            ("SignalMachine", lambda mid: m.SignalMachineRequest(machine_id=mid), "signal"),
+            (
+                "WaitMachine",
+                lambda mid: m.WaitMachineRequest(
+                    machine_id=mid, state=STOPPED, timeout=seconds(61)
+                ),
+                "timeout",
+            ),
+            ("WaitMachine", lambda mid: m.WaitMachineRequest(machine_id=mid), "state"),
+            (
+                "UpdateMachine",
+                lambda mid: m.UpdateMachineRequest(machine_id=mid, config=config(memory=0)),
+                "config.guest.memory_mib",
+            ),
+            ("AcquireLease", lambda mid: m.AcquireLeaseRequest(machine_id=mid), "ttl"),
+            (
+                "GetMachineLogs",
+                lambda mid: m.GetMachineLogsRequest(machine_id=mid, tail_lines=10_001),
+                "tail_lines",
+            ),
+        ],
+    )
+    async def test_bad_input_on_a_machine_is_refused_naming_the_field(
+        self,
+        servicer_stub: Machines,
+        fleet: FakeFleet,
+        placed: pb.Machine,
+        rpc: str,
+        make: Callable[[str], Any],
+        field: str,
+    ) -> None:
+        owner = fleet.owner_of(placed.id).worker
+        seq = owner.store.last_seq()
+        await refused(answer(servicer_stub, rpc, make(placed.id)), INVALID, field)
+        assert owner.store.last_seq() == seq  # nothing changed
+
+    @pytest.mark.parametrize(
+        ("state", "rpc", "make", "reason"),
+        [
+            (
+                "stopped",
+                "SignalMachine",
+                lambda mid: m.SignalMachineRequest(machine_id=mid, signal="HUP"),
+                "WRONG_STATE",
+            ),
+            (
+                "stopped",
+                "RestartMachine",
+                lambda mid: m.RestartMachineRequest(machine_id=mid),
+                "WRONG_STATE",
+            ),
+            (
+                "started",
+                "DestroyMachine",
+                lambda mid: m.DestroyMachineRequest(machine_id=mid),
+                "WRONG_STATE",
+            ),
+            (
+                "destroyed",
+                "StartMachine",
+                lambda mid: m.StartMachineRequest(machine_id=mid),
+                "MACHINE_DESTROYED",
+            ),
+            (
+                "destroyed",
+                "StopMachine",
+                lambda mid: m.StopMachineRequest(machine_id=mid),
+                "MACHINE_DESTROYED",
+            ),
+            (
+                "leased",
+                "UpdateMachine",
+                lambda mid: m.UpdateMachineRequest(machine_id=mid, config=config()),
+                "LEASE_HELD",
+            ),
+            (
+                "leased",
+                "AcquireLease",
+                lambda mid: m.AcquireLeaseRequest(machine_id=mid, ttl=seconds(9)),
+                "LEASE_HELD",
+            ),
+            (
+                "leased",
+                "ReleaseLease",
+                lambda mid: m.ReleaseLeaseRequest(machine_id=mid, nonce="not-it"),
+                "LEASE_HELD",
+            ),
+        ],
+    )
+    async def test_the_workers_refusal_is_passed_on_with_its_reason(
+        self,
+        servicer_stub: Machines,
+        fleet: FakeFleet,
+        placed: pb.Machine,
+        state: str,
+        rpc: str,
+        make: Callable[[str], Any],
+        reason: str,
+    ) -> None:
+        await bring(servicer_stub, m, placed.id, state)
+        owner = fleet.owner_of(placed.id).worker
+        before = owner.rows[placed.id].machine
+        err = await refused(answer(servicer_stub, rpc, make(placed.id)), PRECONDITION)
+        assert (info_of(err).domain, info_of(err).reason) == (FLYD, reason), err.details()
+        assert owner.rows[placed.id].machine == before  # nothing changed
+
+    async def test_a_machine_whose_worker_is_gone_is_unavailable(
+        self, servicer_stub: Machines, fleet: FakeFleet, placed: pb.Machine
+    ) -> None:
+        await fleet.cut(placed.worker_id)  # the worker stops answering
+        request = m.GetMachineRequest(machine_id=placed.id)
+        await refused(servicer_stub.GetMachine(request, timeout=T), grpc.StatusCode.UNAVAILABLE)
+
+
+class TestPlatformService:
+    @pytest.fixture
+    def grpc_add_to_server(self) -> Callable[[Any, Any], None]:
+        return registered(
+            platform_pb2_grpc.add_PlatformServiceServicer_to_server,
+            platform_pb2.DESCRIPTOR.services_by_name["PlatformService"],
+            map_error,
+        )
+
+    @pytest.fixture
+    def grpc_stub_cls(self) -> type[Platform]:
+        return Platform
+
+    @pytest.fixture
+    def grpc_servicer(self, exchange: Exchange) -> PlatformServicer:
+        return PlatformServicer(exchange)
+
+    async def test_list_regions_sums_the_workers(self, servicer_stub: Platform) -> None:
+        request = platform_pb2.ListRegionsRequest(guest=pb.GuestConfig(memory_mib=512))
+        resp = await servicer_stub.ListRegions(request, timeout=T)
+        assert [
+            (r.name, r.workers, r.alive_workers, r.total.memory_mib, r.free.machines, r.fits)
+            for r in resp.regions
+        ] == [("ams", 2, 2, 2048, 20, 4), ("syd", 1, 1, 1024, 10, 2)]
+
+    @pytest.mark.parametrize("guest", ["cpu_millicores", "memory_mib", "disk_mib"])
+    async def test_list_regions_refuses_a_negative_size(
+        self, servicer_stub: Platform, guest: str
+    ) -> None:
+        request = platform_pb2.ListRegionsRequest(guest=pb.GuestConfig(**{guest: -1}))
+        await refused(servicer_stub.ListRegions(request, timeout=T), INVALID, "guest")
+
+    @pytest.mark.parametrize(
+        ("region", "workers"), [("", ["s1", "w1", "w2"]), ("ams", ["w1", "w2"]), ("syd", ["s1"])]
+    )
+    async def test_list_workers(
+        self, servicer_stub: Platform, region: str, workers: list[str]
+    ) -> None:
+        resp = await servicer_stub.ListWorkers(
+            platform_pb2.ListWorkersRequest(region=region), timeout=T
+        )
+        assert [w.info.id for w in resp.workers] == workers
+        assert {w.status for w in resp.workers} == {platform_pb2.WORKER_STATUS_ALIVE}
+        assert all(w.info.address.startswith("127.0.0.1:") for w in resp.workers)
+
+    @pytest.mark.parametrize("region", ["mars", "AMS", "a_b"])
+    async def test_list_workers_refuses_an_unknown_region(
+        self, servicer_stub: Platform, region: str
+    ) -> None:
+        request = platform_pb2.ListWorkersRequest(region=region)
+        await refused(servicer_stub.ListWorkers(request, timeout=T), INVALID, "region")
+
+    async def test_simulate_placement_ranks_without_claiming(
+        self, servicer_stub: Platform, fleet: FakeFleet
+    ) -> None:
+        request = platform_pb2.SimulatePlacementRequest(**bid(regions=["syd"]))
+        resp = await servicer_stub.SimulatePlacement(request, timeout=T)
+        assert sorted(c.worker_id for c in resp.candidates) == ["s1", "w1", "w2"]
+        assert [c.region for c in resp.candidates][:2] == ["ams", "ams"]  # region order first
+        assert all(c.sub_scores for c in resp.candidates)
+        assert list(resp.rejections) == []
+        assert fleet.machine_ids() == set()  # nothing was claimed
+
+    async def test_simulate_placement_explains_every_rejection(
+        self, servicer_stub: Platform
+    ) -> None:
+        request = platform_pb2.SimulatePlacementRequest(**bid(config=config(memory=2048)))
+        resp = await servicer_stub.SimulatePlacement(request, timeout=T)
+        assert list(resp.candidates) == []
+        assert sorted((r.worker_id, r.reason) for r in resp.rejections) == [
+            ("w1", "insufficient_memory"),
+            ("w2", "insufficient_memory"),
+        ]
+        assert dict(resp.rejections_by_reason) == {"insufficient_memory": 2}
+
+    @pytest.mark.parametrize(("fields", "field"), BAD_BIDS)
+    async def test_a_bad_simulation_is_refused_naming_the_field(
+        self, servicer_stub: Platform, fields: dict[str, Any], field: str
+    ) -> None:
+        request = platform_pb2.SimulatePlacementRequest(**bid(**fields))
+        await refused(servicer_stub.SimulatePlacement(request, timeout=T), INVALID, field)
