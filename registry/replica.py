@@ -71,6 +71,9 @@ RPC_TIMEOUT = 2.0
 MIN_STREAM_IDLE = 2.0
 # Items a Follow stream may queue for its downstream before it is resynced from a snapshot.
 FOLLOW_QUEUE = 4096
+# How long the upstream stream may apply items it already has before it lets the loop run
+# something else: a burst of thousands of heartbeats must not hold every other call up.
+APPLY_SLICE = 0.0005
 
 
 class SubscriptionClosed(Unavailable):
@@ -645,7 +648,12 @@ class Replica:
                 call = registry_pb2_grpc.RegistryServiceStub(channel).Follow(
                     registry_pb2.FollowRequest()
                 )
+                loop = asyncio.get_running_loop()
+                slice_end = loop.time() + APPLY_SLICE
                 async for resp in call:
+                    if loop.time() > slice_end:
+                        await asyncio.sleep(0)
+                        slice_end = loop.time() + APPLY_SLICE
                     if not got_any:
                         got_any = True
                         backoff = RETRY_MIN

@@ -26,14 +26,14 @@ import bisect
 import hashlib
 import itertools
 import random
+from array import array
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple, TypeAlias
 
-from sortedcontainers import SortedList
-
 from flyd.v1 import machine_pb2 as pb
+from registry.sortedints import SortedInts
 from registry.v1 import registry_pb2
 
 __all__ = ["Fit", "FitTree", "Pool", "Resources", "Supplier", "Supply", "key_point"]
@@ -44,16 +44,17 @@ UNKNOWN = registry_pb2.MEMBER_STATUS_UNSPECIFIED
 # An index entry is one int: (free CPU or ring point) << SLOT_BITS | the worker's slot.
 SLOT_BITS = 24
 SLOT_MASK = (1 << SLOT_BITS) - 1
-# A node holds a plain sorted list until it has this many workers, then a SortedList: most
-# nodes of a Fenwick tree hold one or two workers, and a SortedList costs ~500 bytes empty.
-BIG_NODE = 512
+# A node is a bare sorted array until it holds this many workers, then a SortedInts (blocks
+# of arrays): most nodes of a Fenwick tree hold one or two workers, a few hold most. Arrays
+# hold no references, so the garbage collector never walks the index.
+BIG_NODE = 1024
 # Points per worker on a pool's hash ring, and how many points a key's walk looks at.
 RING_POINTS = 4
 RING_WALK = 64
 # Label sets a region keeps a pool for; the least recently used goes first.
 LABEL_POOLS = 32
 
-Node: TypeAlias = "list[int] | SortedList[int]"
+Node: TypeAlias = "array[int] | SortedInts"
 
 
 class Resources(NamedTuple):
@@ -113,13 +114,13 @@ def key_point(app: str, key: str) -> int:
 def _insert(nodes: dict[int, Node], i: int, entry: int) -> None:
     node = nodes.get(i)
     if node is None:
-        nodes[i] = [entry]
-    elif isinstance(node, SortedList):
+        nodes[i] = array("q", [entry])
+    elif isinstance(node, SortedInts):
         node.add(entry)
     else:
         bisect.insort(node, entry)
         if len(node) >= BIG_NODE:
-            nodes[i] = SortedList(node)
+            nodes[i] = SortedInts(node)
 
 
 def _delete(nodes: dict[int, Node], i: int, entry: int) -> None:
@@ -130,8 +131,8 @@ def _delete(nodes: dict[int, Node], i: int, entry: int) -> None:
 
 
 def _bisect(node: Node, entry: int) -> int:
-    if isinstance(node, SortedList):
-        return int(node.bisect_left(entry))
+    if isinstance(node, SortedInts):
+        return node.bisect_left(entry)
     return bisect.bisect_left(node, entry)
 
 
@@ -237,7 +238,7 @@ class Pool:
         self.full = 0
         """Ready without a machine slot free."""
         self.tree = FitTree()
-        self.ring: SortedList[int] = SortedList()
+        self.ring = SortedInts()
         self.total = [0, 0, 0, 0]
         """Sums of the ready workers' total resources (cpu, memory, disk, machines)."""
         self.free = [0, 0, 0, 0]
@@ -291,11 +292,9 @@ class Pool:
         ring = self.ring
         if not ring:
             return
-        start = int(ring.bisect_left(point << SLOT_BITS))
+        start = ring.bisect_left(point << SLOT_BITS)
         seen = set()
-        for entry in itertools.islice(
-            itertools.chain(ring.islice(start), ring.islice(0, start)), RING_WALK
-        ):
+        for entry in itertools.islice(itertools.chain(ring.islice(start), ring), RING_WALK):
             slot = entry & SLOT_MASK
             if slot not in seen:
                 seen.add(slot)

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, TypeAlias
 
 import structlog
-from sortedcontainers import SortedList
 
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
@@ -229,7 +228,8 @@ class View:
         self._members: dict[str, _Member] = {}
         # machine id -> owning worker id, and app -> machine ids: reads by id and app are O(1).
         self._owner: dict[str, str] = {}
-        self._by_app: dict[str, SortedList[str]] = {}
+        # (Dicts of strings, not sets: the garbage collector does not walk them.)
+        self._by_app: dict[str, dict[str, None]] = {}
         self._by_key: dict[int, str] = {}
         # Workers by when they were last heard from, oldest first: those whose silence says
         # alive (or not heard yet) and those it says suspect. `tick` looks only at the heads.
@@ -635,17 +635,14 @@ class View:
             self.supply.count(m.info.id, row.app, sign)
 
     def _file(self, machine_id: str, row: Row) -> None:
-        ids = self._by_app.get(row.app)
-        if ids is None:
-            ids = self._by_app[row.app] = SortedList()
-        ids.add(machine_id)
+        self._by_app.setdefault(row.app, {})[machine_id] = None
         if row.key:
             self._by_key[row.key] = machine_id
 
     def _unfile(self, machine_id: str, row: Row) -> None:
         ids = self._by_app.get(row.app)
         if ids is not None:
-            ids.discard(machine_id)
+            ids.pop(machine_id, None)
             if not ids:
                 del self._by_app[row.app]
         if row.key and self._by_key.get(row.key) == machine_id:

@@ -516,9 +516,7 @@ class TestPlatformService:
         assert list(resp.rejections) == []
         assert fleet.machine_ids() == set()  # nothing was claimed
 
-    async def test_simulate_placement_counts_every_rejection(
-        self, servicer_stub: Platform
-    ) -> None:
+    async def test_simulate_placement_counts_every_rejection(self, servicer_stub: Platform) -> None:
         request = platform_pb2.SimulatePlacementRequest(**bid(config=config(memory=2048)))
         resp = await servicer_stub.SimulatePlacement(request, timeout=T)
         assert list(resp.candidates) == []
