@@ -52,6 +52,9 @@ MAX_WAIT = 60.0
 MAX_LEASE = 3600.0
 # The longest idempotency key (a worker holds keys up to this length).
 MAX_KEY = 200
+# Workers per page of ListWorkers: by default, and at most.
+PAGE_SIZE = 500
+MAX_PAGE_SIZE = 5000
 # Worker answers that mean "not here, try another": nothing was created.
 REFUSALS: dict[grpc.StatusCode, metrics.Claim] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: "refused",
@@ -535,8 +538,12 @@ class PlatformServicer(platform_pb2_grpc.PlatformServiceServicer):
     ) -> platform_pb2.ListWorkersResponse:
         if request.region:
             self.x.regions_of(request.region, [])
+        size = request.page_size or PAGE_SIZE
+        if not 0 < size <= MAX_PAGE_SIZE:
+            raise InvalidArgument("page_size", f"must be between 1 and {MAX_PAGE_SIZE}")
+        views, after = self.x.replica.worker_page(request.region or None, request.page_token, size)
         out = []
-        for view in sorted(self.x.replica.workers(request.region or None), key=lambda v: v.info.id):
+        for view in views:
             worker = platform_pb2.Worker(
                 info=view.info,
                 status=view.status,  # type: ignore[arg-type]
@@ -545,7 +552,7 @@ class PlatformServicer(platform_pb2_grpc.PlatformServiceServicer):
             )
             worker.last_heartbeat.FromNanoseconds(int(view.last_heartbeat * 1e9))
             out.append(worker)
-        return platform_pb2.ListWorkersResponse(workers=out)
+        return platform_pb2.ListWorkersResponse(workers=out, next_page_token=after)
 
     async def SimulatePlacement(
         self, request: platform_pb2.SimulatePlacementRequest, context: grpc.aio.ServicerContext

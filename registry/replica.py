@@ -264,6 +264,12 @@ class Replica:
     def worker(self, worker_id: str) -> WorkerView | None:
         return self._view.worker(worker_id)
 
+    def worker_page(
+        self, region: str | None, after: str, limit: int
+    ) -> tuple[list[WorkerView], str]:
+        """A page of workers by id (see `View.worker_page`)."""
+        return self._view.worker_page(region, after, limit)
+
     def regions(self) -> set[str]:
         return self._view.regions()
 

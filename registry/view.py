@@ -21,6 +21,7 @@ app and state. A reader gets a fresh `pb.Machine` parsed from those bytes.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import re
 import sys
@@ -235,6 +236,8 @@ class View:
         # alive (or not heard yet) and those it says suspect. `tick` looks only at the heads.
         self._fresh: OrderedDict[str, _Member] = OrderedDict()
         self._suspect: OrderedDict[str, _Member] = OrderedDict()
+        # Worker ids, sorted, of the fleet (key None) and of each region: pages of workers.
+        self._ids: dict[str | None, list[str]] = {None: []}
         self.supply = Supply()
         """Free resources, liveness and machines per app of every worker, for placement."""
 
@@ -461,10 +464,17 @@ class View:
         m = _Member(info=_copy(info), added=now, heard=now)
         self._members[info.id] = m
         self._fresh[info.id] = m
+        bisect.insort(self._ids[None], info.id)
+        bisect.insort(self._ids.setdefault(info.region, []), info.id)
         self._supply(m)
         return m
 
     def _set_info(self, m: _Member, info: pb.WorkerInfo) -> None:
+        if info.region != m.info.region:
+            self._ids[m.info.region].remove(m.info.id)
+            if not self._ids[m.info.region]:
+                del self._ids[m.info.region]
+            bisect.insort(self._ids.setdefault(info.region, []), info.id)
         m.info = info
         self._supply(m)
 
@@ -498,6 +508,17 @@ class View:
         return [
             m.view() for m in self._members.values() if region is None or m.info.region == region
         ]
+
+    def worker_page(
+        self, region: str | None, after: str, limit: int
+    ) -> tuple[list[WorkerView], str]:
+        """Up to `limit` workers (of `region`) by id, after the id `after`; and the id to go
+        on after, or "" when none are left. Costs the page, not the fleet."""
+        ids = self._ids.get(region, [])
+        start = bisect.bisect_right(ids, after) if after else 0
+        page = ids[start : start + limit]
+        more = start + limit < len(ids)
+        return [self._members[i].view() for i in page], page[-1] if more and page else ""
 
     def regions(self) -> set[str]:
         return set(self.supply.regions())

@@ -68,8 +68,9 @@ class PlatformServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListWorkers(self, request, context):
-        """Lists workers (optionally of one region) with liveness and capacity.
-        INVALID_ARGUMENT for an unknown region.
+        """Lists workers (optionally of one region) with liveness and capacity, a
+        page at a time (a page costs its own size, not the fleet's).
+        INVALID_ARGUMENT for an unknown region or a bad page_size.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

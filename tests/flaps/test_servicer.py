@@ -498,6 +498,25 @@ class TestPlatformService:
         assert {w.status for w in resp.workers} == {platform_pb2.WORKER_STATUS_ALIVE}
         assert all(w.info.address.startswith("127.0.0.1:") for w in resp.workers)
 
+    async def test_list_workers_a_page_at_a_time(self, servicer_stub: Platform) -> None:
+        pages, token = [], ""
+        while True:
+            resp = await servicer_stub.ListWorkers(
+                platform_pb2.ListWorkersRequest(page_size=2, page_token=token), timeout=T
+            )
+            pages.append([w.info.id for w in resp.workers])
+            token = resp.next_page_token
+            if not token:
+                break
+        assert pages == [["s1", "w1"], ["w2"]]
+
+    @pytest.mark.parametrize("size", [-1, 5001])
+    async def test_list_workers_refuses_a_bad_page_size(
+        self, servicer_stub: Platform, size: int
+    ) -> None:
+        request = platform_pb2.ListWorkersRequest(page_size=size)
+        await refused(servicer_stub.ListWorkers(request, timeout=T), INVALID, "page_size")
+
     @pytest.mark.parametrize("region", ["mars", "AMS", "a_b"])
     async def test_list_workers_refuses_an_unknown_region(
         self, servicer_stub: Platform, region: str
