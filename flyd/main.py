@@ -136,7 +136,8 @@ async def build(argv: list[str]) -> Service:
             labels=identity.labels,
             boot_id=identity.boot_id,
         )
-        channels = {target: aio_channel(target) for target in settings.announce}
+        tls = settings.cluster_tls
+        channels = {target: aio_channel(target, tls=tls) for target in settings.announce}
         try:
             while not shutdown.is_set():
                 for target, channel in channels.items():

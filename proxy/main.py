@@ -13,7 +13,7 @@ import sys
 import structlog
 from opentelemetry import trace
 
-from proxy.control import FlapsClient
+from proxy.control import FlapsClient, NetProbes
 from proxy.http import HttpProxy
 from proxy.metrics import ProxyCollector
 from proxy.router import Router
@@ -51,13 +51,20 @@ async def build(argv: list[str]) -> Service:
     replica = settings.replica()
     stats = Stats()
     flaps = (
-        FlapsClient(settings.flaps, timeout=settings.flaps_timeout)
+        FlapsClient(settings.flaps, timeout=settings.flaps_timeout, tls=settings.cluster_tls)
         if settings.flaps is not None
         else None
     )
     if flaps is None:
         log.warning("no_flaps", consequence="no scale from zero, autostop or failover")
-    router = Router(replica, flaps, stats, config=settings.router_config(), tracer=tracer)
+    router = Router(
+        replica,
+        flaps,
+        stats,
+        config=settings.router_config(),
+        tracer=tracer,
+        probes=NetProbes(settings.cluster_tls),
+    )
     service = Service("proxy", settings)
     service.add(
         ProxyServicer(router, stats),
