@@ -11,6 +11,7 @@ from runtime.validate import check_name, duration_seconds, is_env_key, parse_sig
 MAX_STOP_TIMEOUT = 300.0
 MAX_ENV = 256
 MAX_METADATA = 64
+MAX_SECRETS = 64
 MAX_VALUE_BYTES = 4096
 # Limits of a single guest; a worker's own capacity is checked separately.
 MAX_CPU_MILLICORES = 64_000
@@ -104,3 +105,18 @@ def check_config(config: pb.MachineConfig, field: str = "config") -> None:
     for key, value in config.metadata.items():
         if not key or len(key) > 128 or len(value) > MAX_VALUE_BYTES:
             raise InvalidArgument(f"{field}.metadata", f"entry {key[:32]!r} is too long or empty")
+    check_secrets(config, field)
+
+
+def check_secrets(config: pb.MachineConfig, field: str = "config") -> None:
+    """Secret names follow env's rules and are not in env too; values are bounded. Nothing
+    said here quotes a value."""
+    if len(config.secrets) > MAX_SECRETS:
+        raise InvalidArgument(f"{field}.secrets", f"at most {MAX_SECRETS} secrets")
+    for key, value in config.secrets.items():
+        if not is_env_key(key):
+            raise InvalidArgument(f"{field}.secrets", f"invalid variable name {quote(key)}")
+        if key in config.env:
+            raise InvalidArgument(f"{field}.secrets[{key}]", "is also set in env; set it once")
+        if "\x00" in value or len(value.encode()) > MAX_VALUE_BYTES:
+            raise InvalidArgument(f"{field}.secrets[{key}]", "must be under 4 KiB without NUL")
