@@ -109,9 +109,7 @@ class SecretBox:
             kept.secrets[name] = REDACTED
         return kept, sealed
 
-    def same(
-        self, machine_id: str, sealed: Mapping[str, str], config: pb.MachineConfig
-    ) -> bool:
+    def same(self, machine_id: str, sealed: Mapping[str, str], config: pb.MachineConfig) -> bool:
         """Whether `config`'s secrets (as a create sends them) are the sealed ones: a retried
         create. Compared in constant time."""
         if set(sealed) != set(config.secrets):
