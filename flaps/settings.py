@@ -8,7 +8,7 @@ from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from flaps.placement import DEFAULT_CURVE, Curve
-from flaps.tokens import Keyring, KeysError
+from flaps.tokens import Keyring
 from registry.settings import ReplicaSettings
 
 
@@ -42,10 +42,7 @@ class FlapsSettings(ReplicaSettings):
     @classmethod
     def _token_keys(cls, value: Path | None) -> Path | None:
         if value is not None:
-            try:
-                Keyring.load(value)
-            except KeysError as err:
-                raise ValueError(str(err)) from None
+            Keyring.load(value)  # a KeysError is a ValueError naming what is wrong
         return value
 
     @field_validator("curve")

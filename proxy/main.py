@@ -13,9 +13,11 @@ import sys
 import structlog
 from opentelemetry import trace
 
+from flaps.auth import KeySource
 from proxy.control import FlapsClient, NetProbes
 from proxy.http import HttpProxy
 from proxy.metrics import ProxyCollector
+from proxy.pins import pin_check
 from proxy.router import Router
 from proxy.service import ProxyServicer, map_error
 from proxy.settings import ProxySettings
@@ -75,12 +77,16 @@ async def build(argv: list[str]) -> Service:
     # Workers can announce themselves to the proxy, and replicas share members with it.
     serve_replica(service, replica, settings.workers)
 
+    keys = KeySource(settings.token_keys) if settings.token_keys is not None else None
+    if keys is not None:
+        service.spawn("token-keys", keys.watch)
     http = HttpProxy(
         router,
         stats,
         domain=settings.domain,
         region=settings.region,
         limits=settings.limits(),
+        pin_check=pin_check((lambda: keys.keyring) if keys is not None else None),
         tracer=tracer,
     )
     router.on_machines_lost(http.machines_lost)
