@@ -1,7 +1,7 @@
 """Who may call flaps, and for what: every call is checked before any work is done.
 
-A call comes either from a part of the cluster, over flaps' `cluster_listen` port with a
-certificate the cluster CA signed (the proxy, workers announcing themselves), which may do
+A call comes either from a part of the cluster, with a certificate the cluster CA signed
+(on flaps' `cluster_listen` port: the proxy, workers announcing themselves), which may do
 anything; or from a client (the CLI, the SDK, grpcurl) with `authorization: Bearer <token>`,
 a macaroon (flaps.tokens) that flaps verifies in constant time against its root keys. A
 missing, malformed, tampered, expired or unknown-key token gets UNAUTHENTICATED; a valid one
@@ -34,7 +34,8 @@ from google.rpc import error_details_pb2
 from opentelemetry import trace
 
 from flaps.tokens import Denied, Grant, InvalidToken, Keyring, KeysError
-from runtime import abort_with_details, cluster_peer
+from runtime import abort_with_details
+from runtime.pki import ClusterMembers
 
 __all__ = ["RULES", "Authorizer", "KeySource", "Need", "current_grant", "guard"]
 
@@ -149,19 +150,23 @@ class Authorizer:
     """Checks a call: who it is from, and whether their token allows what the RPC needs.
 
     `keys()` returns the keyring to verify with; `app_of(machine_id)` the machine's app
-    (raising the service's NotFound when there is no such machine).
+    (raising the service's NotFound when there is no such machine); `members` recognises the
+    certificates of the cluster's parts (None: no caller is one).
     """
 
     def __init__(
-        self, keys: Callable[[], Keyring], app_of: Callable[[str], Awaitable[str]]
+        self,
+        keys: Callable[[], Keyring],
+        app_of: Callable[[str], Awaitable[str]],
+        members: ClusterMembers | None = None,
     ) -> None:
         self.keys = keys
         self.app_of = app_of
+        self.members = members
 
     async def check(self, method: str, request: Any, context: Any) -> Grant | None:
         """The caller's grant (None for a cluster part); aborts the call otherwise."""
-        peer = cluster_peer(context)
-        if peer is not None:
+        if self.members is not None and self.members.name_of(context) is not None:
             return None
         rule = RULES.get(method)
         if rule is None:

@@ -16,6 +16,7 @@ from flaps.settings import FlapsSettings
 from flaps.v1 import machines_pb2, machines_pb2_grpc, platform_pb2, platform_pb2_grpc
 from registry.service import serve_replica
 from runtime import Service, configure_logging, main_entry, settings_or_exit, setup_tracing
+from runtime.pki import ClusterMembers
 
 log = structlog.get_logger("flaps")
 
@@ -36,7 +37,8 @@ async def build(argv: list[str]) -> Service:
     guard: Callable[[object, ServiceDescriptor], None] | None = None
     if settings.token_keys is not None:
         keys = KeySource(settings.token_keys)
-        authorizer = Authorizer(lambda: keys.keyring, exchange.app_of)
+        members = ClusterMembers(settings.cluster_ca) if settings.cluster_ca else None
+        authorizer = Authorizer(lambda: keys.keyring, exchange.app_of, members)
         guard = functools.partial(auth.guard, authorizer=authorizer)
         service.spawn("token-keys", keys.watch)
     else:

@@ -24,11 +24,9 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from flyd.errors import InvalidArgument
 from flyd.v1 import machine_pb2 as pb
+from flyd.validate import REDACTED
 
 __all__ = ["REDACTED", "SecretBox", "SecretsUnreadable"]
-
-REDACTED = "<redacted>"
-"""The value every answer shows for a secret; in an update, "keep the current value"."""
 
 _NONCE = 12
 

@@ -12,6 +12,8 @@ MAX_STOP_TIMEOUT = 300.0
 MAX_ENV = 256
 MAX_METADATA = 64
 MAX_SECRETS = 64
+REDACTED = "<redacted>"
+"""The value every answer shows for a secret; in an update, "keep the current value"."""
 MAX_VALUE_BYTES = 4096
 # Limits of a single guest; a worker's own capacity is checked separately.
 MAX_CPU_MILLICORES = 64_000

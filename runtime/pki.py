@@ -18,6 +18,7 @@ import ipaddress
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
@@ -27,7 +28,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from runtime.tracing import CLUSTER_NAME
 
-__all__ = ["CLUSTER_NAME", "CertPaths", "ClusterCA", "write_private"]
+__all__ = ["CLUSTER_NAME", "CertPaths", "ClusterCA", "ClusterMembers", "write_private"]
 
 _LOOPBACK = ("localhost", "127.0.0.1", "::1")
 
@@ -174,3 +175,43 @@ class ClusterCA:
         except (ValueError, TypeError, InvalidSignature):
             return False
         return cert.not_valid_after_utc > datetime.datetime.now(datetime.UTC)
+
+
+class ClusterMembers:
+    """Tells whether a call's client certificate is one the cluster CA signed.
+
+    A listener with mutual TLS has already checked the certificate against its own client CA;
+    this checks it against the cluster's, for a service whose listeners trust other CAs too
+    (flaps: its public port may ask for other certificates, its cluster port for the
+    cluster's). A verdict is kept per certificate, so each is checked once.
+    """
+
+    def __init__(self, ca: Path, *, keep: int = 1024) -> None:
+        self._ca = x509.load_pem_x509_certificate(ca.read_bytes())
+        self._seen: dict[bytes, str | None] = {}
+        self._keep = keep
+
+    def name_of(self, context: Any) -> str | None:
+        """The common name of the caller's certificate if the cluster CA signed it, else None."""
+        pem = context.auth_context().get("x509_pem_cert")
+        if not pem:
+            return None
+        key = bytes(pem[0])
+        try:
+            return self._seen[key]
+        except KeyError:
+            pass
+        name = self._verify(key)
+        if len(self._seen) >= self._keep:
+            self._seen.clear()
+        self._seen[key] = name
+        return name
+
+    def _verify(self, pem: bytes) -> str | None:
+        try:
+            cert = x509.load_pem_x509_certificate(pem)
+            cert.verify_directly_issued_by(self._ca)
+        except (ValueError, TypeError, InvalidSignature):
+            return None
+        names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+        return str(names[0].value) if names else "(no common name)"

@@ -33,7 +33,7 @@ from registry.replica import Replica
 from registry.service import serve_replica
 from registry.v1 import registry_pb2, registry_pb2_grpc
 from runtime import Service, ServiceSettings
-from runtime.pki import write_private
+from runtime.pki import ClusterCA, ClusterMembers, write_private
 from tests.flaps.support import FakeFleet, fake_fleet
 from tests.flyd.support import config
 from tests.harness import channel, error_info
@@ -71,7 +71,7 @@ async def flaps(tmp_path: Path, security: ClusterSecurity) -> AsyncIterator[Flap
         workers = Workers(fleet.replica)
         exchange = Exchange(fleet.replica, workers, placement.Pipeline())
         keyring = [Keyring.parse(KEY)]
-        authorizer = Authorizer(lambda: keyring[0], exchange.app_of)
+        authorizer = Authorizer(lambda: keyring[0], exchange.app_of, ClusterMembers(security.ca))
         cert = security.cert("flaps")
         service = Service(
             "flaps",
@@ -366,3 +366,23 @@ async def test_a_machine_the_view_has_not_seen_is_checked_with_its_worker(
         assert await exchange.app_of(flaps.b) == "b"
     finally:
         await workers.close()
+
+
+class _Context:
+    def __init__(self, pem: bytes | None) -> None:
+        self._auth = {"x509_pem_cert": [pem]} if pem else {}
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return self._auth
+
+
+def test_only_the_cluster_cas_certificates_make_a_part_of_the_cluster(
+    security: ClusterSecurity, tmp_path: Path
+) -> None:
+    members = ClusterMembers(security.ca)
+    proxy = security.cert("proxy").cert.read_bytes()
+    stranger = ClusterCA.ensure(tmp_path / "other").issue("proxy").cert.read_bytes()
+    assert members.name_of(_Context(proxy)) == "proxy"
+    assert members.name_of(_Context(proxy)) == "proxy"  # remembered
+    assert members.name_of(_Context(stranger)) is None  # another CA, the same name
+    assert members.name_of(_Context(None)) is None
