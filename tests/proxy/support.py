@@ -583,7 +583,8 @@ async def proxy_fleet(
     """A ProxyFleet under `tmp`; `secure`: with a CA, certificates and keys of its own."""
     import uuid
 
-    security = provision(tmp / "security", ["flaps", "proxy", "flyd"]) if secure else None
+    parts = ["flaps", "proxy", "registry", "flyd"]
+    security = provision(tmp / "security", parts) if secure else None
     fleet = ProxyFleet(
         tmp,
         image_source,
