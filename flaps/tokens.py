@@ -27,6 +27,7 @@ from __future__ import annotations
 import base64
 import binascii
 import datetime
+import hashlib
 import re
 import secrets
 import time
@@ -66,6 +67,7 @@ GROUPS: Mapping[str, tuple[str, ...]] = {
     "admin": ADMIN_OPS,
     "*": ALL_OPS,
 }
+VERIFIED_KEEP = 10_000  # tokens a keyring remembers having verified
 _KEY_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,31}")
 _MIN_KEY_BYTES = 32
 
@@ -224,6 +226,9 @@ class Keyring:
         if len(self._keys) != len(keys):
             raise KeysError("a key id appears twice")
         self.current = keys[0][0]
+        # Tokens whose signature these keys verified, by SHA-256: (id, caveats). A rotation
+        # makes a new Keyring, and so starts this afresh.
+        self._verified: dict[bytes, Grant] = {}
 
     @property
     def ids(self) -> list[str]:
@@ -282,8 +287,27 @@ class Keyring:
 
     def verify(self, token: str, now: float | None = None) -> Grant:
         """The token's grant; InvalidToken when it is malformed, signed by no key held here
-        (or tampered with: any change breaks the signature), or expired. The signature is
-        compared in constant time (pymacaroons uses hmac.compare_digest)."""
+        (or tampered with: any change breaks the signature), or expired.
+
+        The signature is checked, and compared in constant time (pymacaroons uses
+        hmac.compare_digest), the first time these keys see the token; then it is known by its
+        SHA-256 (a different token is a different digest), and only its expiry is checked
+        again. A caller's request is checked against its caveats every time (`Grant.check`).
+        """
+        digest = hashlib.sha256(token.strip().encode()).digest()
+        grant = self._verified.get(digest)
+        if grant is None:
+            grant = self._verify(token)
+            if len(self._verified) >= VERIFIED_KEEP:
+                self._verified.clear()
+            self._verified[digest] = grant
+        at = time.time() if now is None else now
+        for c in grant.caveats:
+            if c.key == "expires" and at >= c.expires:
+                raise InvalidToken(f"token {grant.token_id} expired at {_utc(c.expires)}")
+        return grant
+
+    def _verify(self, token: str) -> Grant:
         macaroon, key_id, token_id = _open(token)
         key = self._keys.get(key_id)
         if key is None:
@@ -304,10 +328,6 @@ class Keyring:
                 parsed.append(Caveat.parse(caveat.caveat_id))
             except ValueError as err:
                 raise InvalidToken(f"token {token_id}: {err}") from None
-        at = time.time() if now is None else now
-        for c in parsed:
-            if c.key == "expires" and at >= c.expires:
-                raise InvalidToken(f"token {token_id} expired at {_utc(c.expires)}")
         return Grant(token_id, tuple(parsed))
 
 

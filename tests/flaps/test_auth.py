@@ -24,7 +24,7 @@ from flaps import auth, placement
 from flaps.auth import Authorizer, KeySource
 from flaps.errors import map_error
 from flaps.service import Exchange, MachinesServicer, PlatformServicer, Workers
-from flaps.tokens import Keyring, attenuate, caveats, new_key_line
+from flaps.tokens import InvalidToken, Keyring, attenuate, caveats, new_key_line
 from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
 from flyd.v1 import machine_pb2 as pb
@@ -386,3 +386,14 @@ def test_only_the_cluster_cas_certificates_make_a_part_of_the_cluster(
     assert members.name_of(_Context(proxy)) == "proxy"  # remembered
     assert members.name_of(_Context(stranger)) is None  # another CA, the same name
     assert members.name_of(_Context(None)) is None
+
+
+def test_a_token_known_by_its_digest_still_expires() -> None:
+    keys = Keyring.parse(KEY)
+    token = keys.mint([f"expires = {int(time.time()) + 60}"])
+    assert keys.verify(token).token_id == keys.verify(token).token_id  # the second: known
+    with pytest.raises(InvalidToken, match="expired at"):
+        keys.verify(token, now=time.time() + 120)
+    # A token one character off is another token: its signature is checked, and fails.
+    with pytest.raises(InvalidToken):
+        keys.verify(tampered(token))
