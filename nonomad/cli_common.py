@@ -338,8 +338,11 @@ def quiet_broken_pipe() -> None:
         os.dup2(devnull, sys.stdout.fileno())
 
 
-async def wait_state(flaps: Client, machine_id: str, state: str, budget: float) -> Machine:
-    """Wait up to `budget` seconds for the machine to be in `state`, in calls of at most 60 s.
+async def wait_state(
+    flaps: Client, machine_id: str, state: str, budget: float, instance_id: str = ""
+) -> Machine:
+    """Wait up to `budget` seconds for the machine to be in `state` (as `instance_id`, when
+    given), in calls of at most 60 s.
 
     Raises the SDK's DeadlineExceeded (whose message says the state it is in) when time runs out.
     """
@@ -350,7 +353,10 @@ async def wait_state(flaps: Client, machine_id: str, state: str, budget: float) 
         left = deadline - time.monotonic()
         try:
             return await flaps.wait_machine(
-                machine_id, state, wait=round(max(0.1, min(left, MAX_WAIT_CALL)), 1)
+                machine_id,
+                state,
+                wait=round(max(0.1, min(left, MAX_WAIT_CALL)), 1),
+                instance_id=instance_id,
             )
         except DeadlineExceeded:
             if deadline - time.monotonic() <= 0:

@@ -94,6 +94,7 @@ def show_text(machine: Machine) -> str:
         ("command", command_line(c)),
         ("guest", f"{c.guest.cpu_millicores} millicores, {c.guest.memory_mib} MiB"),
         ("env", ", ".join(f"{k}={v}" for k, v in sorted(c.env.items())) or "-"),
+        ("secrets", ", ".join(sorted(c.secrets)) or "-"),  # names: values never leave workers
         ("services", ", ".join(str(s.internal_port) for s in c.services) or "-"),
         ("standby for", ", ".join(c.standbys) or "-"),
         ("restarts", machine.restart_count),

@@ -2,7 +2,8 @@
 
 `set` and `unset` update each machine of the app (standbys too) with its config as flaps
 returns it, secrets redacted: a redacted value keeps what the machine has, so only the names
-given change. A started machine restarts with the new config; others stay as they are.
+given change. A started machine restarts with the new config, and is waited for (--timeout)
+until it has started again; others stay as they are.
 Nothing printed here holds a value.
 """
 
@@ -14,7 +15,7 @@ from collections.abc import Callable
 
 from flyd.v1 import machine_pb2 as pb
 from flyd.validate import REDACTED
-from nonomad.cli_common import CliError, describe, emit, run, table
+from nonomad.cli_common import CliError, describe, emit, run, table, wait_budget, wait_state
 from nonomad.client import ApiError, Client, Machine, MachineConfig, state_name
 
 BUSY_RETRY = 0.2
@@ -49,9 +50,14 @@ def _apply(args: argparse.Namespace, change: Callable[[MachineConfig], bool]) ->
             if not change(config):
                 result = "unchanged"
             else:
+                was_started = machine.state == pb.MACHINE_STATE_STARTED
                 try:
                     machine = await _update(flaps, machine, config)
                     result = "updated"
+                    if was_started:  # it restarts with them: wait until it serves again
+                        machine = await wait_state(
+                            flaps, machine.id, "started", wait_budget(args), machine.instance_id
+                        )
                 except ApiError as err:
                     result = f"failed: {describe(err, flaps.address)}"
             rows.append([machine.id, state_name(machine.state), result])
