@@ -42,6 +42,7 @@ from nonomad.client import (
     FailedPrecondition,
     Machine,
     MachineConfig,
+    PermissionDenied,
     ResourceExhausted,
     Unavailable,
     state_name,
@@ -507,7 +508,14 @@ class _Deployer:
         return self.hosts[machine.worker_id]
 
     async def refresh_hosts(self) -> None:
-        for worker in await self.client.list_workers():
+        """Where each worker is, for machines whose ports say only "any address". A deploy
+        token (its app's machines, not the fleet) may not list workers: machines are then
+        reached at the host their ports name."""
+        try:
+            workers = await self.client.list_workers()
+        except PermissionDenied:
+            return
+        for worker in workers:
             host, _, _ = worker.info.address.rpartition(":")
             self.hosts[worker.info.id] = host.strip("[]")
 

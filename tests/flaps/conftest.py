@@ -120,10 +120,12 @@ class Fleet:
         )
 
     def client(self, i: int = 0, **kwargs: Any) -> Client:
-        """The SDK's client to flaps i, as the admin (`kwargs` go to Client)."""
+        """The SDK's client to flaps i, as the admin unless `token=` says (`kwargs` go to
+        Client)."""
         if self.security is not None:
             kwargs.setdefault("tls", self.security.client_tls())
-            kwargs.setdefault("token_file", self.security.admin_token)
+            if "token" not in kwargs:
+                kwargs.setdefault("token_file", self.security.admin_token)
         return Client(self.flaps[i].address, **kwargs)
 
     async def until_alive(self, i: int = 0, deadline: float = 30.0) -> None:
