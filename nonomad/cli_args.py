@@ -116,6 +116,14 @@ def add_machines(
         "--env", type=env_pair, action="append", default=[], metavar="K=V", help="repeatable"
     )
     create.add_argument(
+        "--secret",
+        type=env_pair,
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="an environment variable whose value only the machine sees (repeatable)",
+    )
+    create.add_argument(
         "--port",
         type=port,
         action="append",

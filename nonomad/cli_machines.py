@@ -165,6 +165,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         guest=GuestConfig(cpu_millicores=args.cpu, memory_mib=args.memory),
         entrypoint=args.cmd_argv,
         env=dict(args.env),
+        secrets=dict(args.secret),
     )
     for internal in args.port:
         config.services.add(internal_port=internal)

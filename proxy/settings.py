@@ -37,8 +37,9 @@ class ProxySettings(ReplicaSettings):
     region: str = Field(default="local", description="this proxy's region: preferred machines")
     flaps: str | None = Field(
         default=None,
-        description="flaps address host:port to start and stop machines through "
-        "(without it: no scale from zero, autostop or failover)",
+        description="flaps address host:port to start and stop machines through: its "
+        "cluster_listen port when the cluster runs mutual TLS (without it: no scale from zero, "
+        "autostop or failover)",
     )
     # The replica's, with the edge's own default: a silent worker is probed sooner.
     suspect_after: float = Field(

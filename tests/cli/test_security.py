@@ -112,9 +112,10 @@ async def test_secrets_reach_every_machine_of_the_app_and_are_never_shown(
     primary = (
         await cli_fleet(
             "machines", "run", "web", "--image", "demo:v1", "--region", "ams", "--memory", "64",
-            "--json", "--", "sh", "-c", HASHER,
+            "--secret", "OTHER=first", "--json", "--", "sh", "-c", HASHER,
         )
     ).json()  # fmt: skip
+    assert primary["config"]["secrets"] == {"OTHER": "<redacted>"}
     standby = (
         await cli_fleet(
             "machines", "run", "web", "--image", "demo:v1", "--region", "ams", "--memory", "64",
