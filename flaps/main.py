@@ -11,7 +11,7 @@ from google.protobuf.descriptor import ServiceDescriptor
 from flaps import auth, placement
 from flaps.auth import Authorizer, KeySource
 from flaps.errors import map_error
-from flaps.service import Exchange, MachinesServicer, PlatformServicer, Workers
+from flaps.service import LIMITS, Exchange, MachinesServicer, PlatformServicer, Workers
 from flaps.settings import FlapsSettings
 from flaps.v1 import machines_pb2, machines_pb2_grpc, platform_pb2, platform_pb2_grpc
 from registry.service import serve_replica
@@ -55,12 +55,14 @@ async def build(argv: list[str]) -> Service:
         machines_pb2_grpc.add_MachinesServiceServicer_to_server,
         machines_service,
         map_error,
+        LIMITS,
     )
     service.add(
         platform,
         platform_pb2_grpc.add_PlatformServiceServicer_to_server,
         platform_service,
         map_error,
+        LIMITS,
     )
     # Workers can announce themselves to any flaps, and replicas share members with it (on
     # its cluster port, when it checks tokens on the other).

@@ -10,6 +10,7 @@ from __future__ import annotations
 from flyd import fsm
 from flyd.drivers.base import Limits, ProcessSpec
 from flyd.errors import NotFound
+from flyd.images import confine
 from flyd.images.cache import Image, ImageCache
 from flyd.secrets import SecretBox
 from flyd.v1 import machine_pb2 as pb
@@ -28,7 +29,9 @@ def argv(config: pb.MachineConfig, image: Image) -> list[str]:
     return entrypoint + cmd
 
 
-def process_spec(row: fsm.Row, images: ImageCache, secret_box: SecretBox) -> ProcessSpec:
+def process_spec(
+    row: fsm.Row, images: ImageCache, secret_box: SecretBox | None = None
+) -> ProcessSpec:
     """The process to spawn for the machine in `row`, its secrets opened into its environment;
     NotFound if its image left the cache."""
     machine = row.machine
@@ -38,10 +41,17 @@ def process_spec(row: fsm.Row, images: ImageCache, secret_box: SecretBox) -> Pro
         raise NotFound(f"image {row.image_digest} is no longer cached")
     args = argv(config, image)
     rootfs = image.rootfs
-    if args and args[0].startswith("/") and (rootfs / args[0].lstrip("/")).exists():
-        args[0] = str(rootfs / args[0].lstrip("/"))
+    # This driver does not chroot: paths of the image are resolved inside its rootfs, and a
+    # machine the host would lead elsewhere is refused (UnsafeImage; the spawn fails).
+    if args and args[0].startswith("/"):
+        program = confine.host_path(rootfs, args[0], "entrypoint")
+        if program.exists():
+            args[0] = str(program)
     env = {"PATH": DEFAULT_PATH, **image.env, **config.env}
-    env.update(secret_box.open_all(machine.id, row.secrets))
+    if row.secrets:
+        if secret_box is None:
+            raise ValueError(f"machine {machine.id} has secrets and nothing to open them with")
+        env.update(secret_box.open_all(machine.id, row.secrets))
     env.update(
         MACHINE_ID=machine.id,
         APP=machine.app,
@@ -57,7 +67,7 @@ def process_spec(row: fsm.Row, images: ImageCache, secret_box: SecretBox) -> Pro
     return ProcessSpec(
         machine_id=machine.id,
         argv=args,
-        cwd=rootfs / image.workdir.lstrip("/"),
+        cwd=confine.host_path(rootfs, image.workdir, "WorkingDir"),
         env=env,
         limits=Limits(cpu_millicores=guest.cpu_millicores, memory_mib=guest.memory_mib),
     )

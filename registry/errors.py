@@ -57,3 +57,14 @@ class WrongWorker(RegistryError):
         super().__init__(f"expected worker {expected}, but the stream is from worker {got}")
         self.expected = expected
         self.got = got
+
+
+class BrokenSnapshot(RegistryError):
+    """A part of a snapshot came without the parts before it, or something else of the worker
+    came between two parts: the follower starts over with a new snapshot."""
+
+    retryable = True
+
+    def __init__(self, worker_id: str, detail: str) -> None:
+        super().__init__(f"worker {worker_id}: snapshot in parts broken: {detail}")
+        self.worker_id = worker_id
