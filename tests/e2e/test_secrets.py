@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from collections.abc import Iterator
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import grpc
@@ -98,7 +99,7 @@ async def test_a_secret_reaches_its_machine_and_nowhere_else(
 ) -> None:
     env = otlp.env(**DEBUG)
     seen = Seen()
-    async with proxy_fleet(tmp_path, image_source, env=env) as fleet:
+    async with proxy_fleet(tmp_path, image_source, env=env) as fleet, AsyncExitStack() as stack:
         security = fleet.security
         assert security is not None
         await fleet.add_workers("w1", "w2")
@@ -112,6 +113,7 @@ async def test_a_secret_reaches_its_machine_and_nowhere_else(
             tmp_path / "registry.log",
             env=clean_env(**env),
         ).start()
+        stack.callback(registry.kill)  # the fleet stops its own; this one too, whatever happens
         machines = fleet.machines()
         assert fleet.flaps is not None
         platform = platform_pb2_grpc.PlatformServiceStub(
