@@ -1,5 +1,5 @@
-"""`python -m bench [--quick] [--full] [--only flyd|registry|proxy|flaps]`: run the benchmarks,
-print tables, write JSON to bench/results/."""
+"""`python -m bench [--quick] [--full] [--only flyd|registry|proxy|auth|flaps]`: run the
+benchmarks, print tables, write JSON to bench/results/."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from bench import flaps_bench, proxy_bench, proxy_control_bench, registry_bench
+from bench import auth_bench, flaps_bench, proxy_bench, proxy_control_bench, registry_bench
 from bench.flyd_bench import run
 
 
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--only",
-        choices=["flyd", "registry", "proxy", "flaps"],
+        choices=["flyd", "registry", "proxy", "auth", "flaps"],
         help="run one group of benchmarks",
     )
     args = parser.parse_args(argv)
@@ -67,6 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         codes.append(
             proxy_control_bench.run(
                 quick=args.quick, out=args.out.with_name("proxy-control.json"), strict=args.strict
+            )
+        )
+    if args.only in (None, "auth"):
+        codes.append(
+            auth_bench.run(
+                quick=args.quick, out=args.out.with_name("auth.json"), strict=args.strict
             )
         )
     if args.only in (None, "flaps"):
