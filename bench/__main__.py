@@ -1,6 +1,6 @@
-"""`python -m bench [--quick] [--only flyd|registry|proxy] [--drivers process,oci]`: run the
-benchmarks, print tables (flyd's and the proxy control plane's with both drivers side by
-side), write JSON to bench/results/."""
+"""`python -m bench [--quick] [--full] [--only flyd|registry|proxy|auth|flaps]
+[--drivers process,oci]`: run the benchmarks, print tables (flyd's and the proxy control
+plane's with both drivers side by side), write JSON to bench/results/."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from bench import proxy_bench, proxy_control_bench, registry_bench
+from bench import auth_bench, flaps_bench, proxy_bench, proxy_control_bench, registry_bench
 from bench.flyd_bench import run
 
 
@@ -33,7 +33,14 @@ def main(argv: list[str] | None = None) -> int:
         "run caches flyd's bytecode in its temp dir, as an installed flyd would have it)",
     )
     parser.add_argument(
-        "--only", choices=["flyd", "registry", "proxy"], help="run one group of benchmarks"
+        "--full",
+        action="store_true",
+        help="the flaps benchmark's simulated workers hold 100 machines each instead of 20",
+    )
+    parser.add_argument(
+        "--only",
+        choices=["flyd", "registry", "proxy", "auth", "flaps"],
+        help="run one group of benchmarks",
     )
     parser.add_argument(
         "--drivers",
@@ -73,6 +80,21 @@ def main(argv: list[str] | None = None) -> int:
                 out=args.out.with_name("proxy-control.json"),
                 strict=args.strict,
                 drivers=drivers,
+            )
+        )
+    if args.only in (None, "auth"):
+        codes.append(
+            auth_bench.run(
+                quick=args.quick, out=args.out.with_name("auth.json"), strict=args.strict
+            )
+        )
+    if args.only in (None, "flaps"):
+        codes.append(
+            flaps_bench.run(
+                quick=args.quick,
+                full=args.full,
+                out=args.out.with_name("flaps.json"),
+                strict=args.strict,
             )
         )
     return max(codes)

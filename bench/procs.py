@@ -292,6 +292,9 @@ class FlydProcess:
     capacity: dict[str, int]
     pycache_prefix: Path | None = None
     driver: str = "process"
+    worker_id: str = "w1"
+    region: str = "ams"
+    extra_args: list[str] = field(default_factory=list)
     proc: subprocess.Popen[bytes] | None = None
     address: str = ""
     runs: int = 0
@@ -316,9 +319,9 @@ class FlydProcess:
             "--image-source",
             str(self.image_source),
             "--worker-id",
-            "w1",
+            self.worker_id,
             "--region",
-            "ams",
+            self.region,
             "--cgroup-prefix",
             self.cgroup_prefix,
             "--ports",
@@ -331,7 +334,7 @@ class FlydProcess:
         ]
         for key, value in self.capacity.items():
             args += [f"--capacity.{key.replace('_', '-')}", str(value)]
-        return args
+        return args + self.extra_args
 
     def start(self) -> None:
         """Spawn flyd (stderr to a log file per run); `wait_ready` then finds its address."""

@@ -81,6 +81,9 @@ class Row:
     handle: dict[str, Any] | None = None  # the driver's process handle
     restarts: tuple[float, ...] = ()  # times of policy restarts, for the retry window
     lease: dict[str, Any] | None = None  # nonce, expires_at, owner, description
+    # The config's secrets by name, sealed with the worker's key (flyd.secrets); the
+    # machine's config has each one's name only.
+    secrets: dict[str, str] = field(default_factory=dict)
 
     @property
     def state(self) -> int:
@@ -132,6 +135,7 @@ class UpdateRequested:
     launch: bool
     stop_signal: int
     stop_timeout: float
+    secrets: dict[str, str] = field(default_factory=dict)  # sealed, as Row.secrets
 
 
 @dataclass(frozen=True)
@@ -376,7 +380,7 @@ def step(row: Row, event: Event, *, now: float, policy: Policy) -> Transition | 
         case CleanedUp():
             if row.op is None or row.op.step != "cleanup":
                 return None
-            b = _Builder(replace(row, machine=_tombstone(row.machine)), now, "destroy")
+            b = _Builder(replace(row, machine=_tombstone(row.machine), secrets={}), now, "destroy")
             return b.to(S.MACHINE_STATE_DESTROYED, "destroyed", op=None)
         case CleanupFailed(error=error):
             if row.op is None or row.op.step != "cleanup":
@@ -468,7 +472,9 @@ def _update(row: Row, ev: UpdateRequested, now: float) -> Transition:
     del machine.ports[:]
     machine.ports.extend(ev.ports)
     del machine.log_tail[:]
-    row = replace(row, machine=machine, image_digest=ev.image_digest, restarts=())
+    row = replace(
+        row, machine=machine, image_digest=ev.image_digest, restarts=(), secrets=ev.secrets
+    )
     reason = f"update to instance {ev.instance_id}"
     if row.running:
         op = Op("update", "kill", signal=ev.stop_signal, timeout=ev.stop_timeout, launch=ev.launch)
@@ -593,7 +599,7 @@ def _retry_cleanup(row: Row, now: float, policy: Policy, error: str) -> Transiti
     assert row.op is not None
     attempts = row.op.attempts + 1
     if attempts >= MAX_CLEANUP_ATTEMPTS:
-        b = _Builder(replace(row, machine=_tombstone(row.machine)), now, "destroy")
+        b = _Builder(replace(row, machine=_tombstone(row.machine), secrets={}), now, "destroy")
         return b.to(
             S.MACHINE_STATE_DESTROYED,
             f"destroyed; cleanup failed {attempts} times, its resources may be left behind: "
@@ -740,6 +746,7 @@ def encode_row(row: Row) -> bytes:
         "handle": row.handle,
         "restarts": list(row.restarts),
         "lease": row.lease,
+        "secrets": row.secrets,
     }
     return _ROW_HEADER.pack(ROW_VERSION, len(machine)) + machine + json.dumps(internals).encode()
 
@@ -759,15 +766,25 @@ def decode_row(raw: bytes) -> Row:
         handle=internals["handle"],
         restarts=tuple(internals["restarts"]),
         lease=internals.get("lease"),
+        secrets=internals.get("secrets") or {},
     )
 
 
-def create(machine: pb.Machine, *, image_digest: str, skip_launch: bool, now: float) -> Transition:
-    """The first step of a machine: CREATED, with its start pending unless skip_launch."""
+def create(
+    machine: pb.Machine,
+    *,
+    image_digest: str,
+    skip_launch: bool,
+    now: float,
+    secrets: dict[str, str] | None = None,
+) -> Transition:
+    """The first step of a machine: CREATED, with its start pending unless skip_launch;
+    `secrets` sealed (flyd.secrets)."""
     m = pb.Machine()
     m.CopyFrom(machine)
     m.state = S.MACHINE_STATE_CREATED
     m.created_at.CopyFrom(timestamp(now))
     m.updated_at.CopyFrom(timestamp(now))
     op = None if skip_launch else Op("start", "begin")
-    return Transition(Row(m, image_digest, op=op), "create", "created", S.MACHINE_STATE_UNSPECIFIED)
+    row = Row(m, image_digest, op=op, secrets=dict(secrets or {}))
+    return Transition(row, "create", "created", S.MACHINE_STATE_UNSPECIFIED)

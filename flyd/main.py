@@ -22,6 +22,7 @@ from flyd.errors import Unavailable
 from flyd.images.cache import ImageCache
 from flyd.images.source import ImageSource
 from flyd.metrics import register_worker
+from flyd.secrets import SecretBox
 from flyd.service import LIMITS, WorkerServicer, map_error
 from flyd.settings import FlydSettings
 from flyd.store import LmdbMachineLog
@@ -140,6 +141,8 @@ async def build(argv: list[str]) -> Service:
         op_tracer=OpTracer(trace.get_tracer("flyd"), settings.worker_id)
         if tracing_enabled()
         else None,
+        # Machine secrets stay sealed in the log with this worker's own key.
+        secret_box=SecretBox.load(data / "secrets.key"),
     )
     register_worker(worker)  # gauges read at scrape time: nothing on the create path
     servicer = WorkerServicer(
@@ -179,7 +182,8 @@ async def build(argv: list[str]) -> Service:
             labels=identity.labels,
             boot_id=identity.boot_id,
         )
-        channels = {target: aio_channel(target) for target in settings.announce}
+        tls = settings.cluster_tls
+        channels = {target: aio_channel(target, tls=tls) for target in settings.announce}
         try:
             while not shutdown.is_set():
                 for target, channel in channels.items():

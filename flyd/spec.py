@@ -1,4 +1,4 @@
-"""What a machine's process is: its argv, environment, working directory and limits.
+"""What a machine's process is: its argv, environment (secrets too), working directory and limits.
 
 Built from the machine's config and its image (OCI rules for entrypoint and cmd; its rootfs,
 workdir and user), with the variables flyd gives every machine (MACHINE_ID, APP, ...; the
@@ -12,6 +12,7 @@ from flyd import fsm
 from flyd.drivers.base import Limits, PortMapping, ProcessSpec
 from flyd.errors import NotFound
 from flyd.images.cache import Image, ImageCache
+from flyd.secrets import SecretBox
 from flyd.v1 import machine_pb2 as pb
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -28,8 +29,11 @@ def argv(config: pb.MachineConfig, image: Image) -> list[str]:
     return entrypoint + cmd
 
 
-def process_spec(row: fsm.Row, images: ImageCache) -> ProcessSpec:
-    """The process to spawn for the machine in `row`; NotFound if its image left the cache.
+def process_spec(
+    row: fsm.Row, images: ImageCache, secret_box: SecretBox | None = None
+) -> ProcessSpec:
+    """The process to spawn for the machine in `row`, its secrets opened into its environment;
+    NotFound if its image left the cache.
 
     The driver adds `PORT` and `PORT_<internal port>`: the port a service listens on depends
     on whether the machine has a network of its own.
@@ -40,6 +44,10 @@ def process_spec(row: fsm.Row, images: ImageCache) -> ProcessSpec:
     if image is None:
         raise NotFound(f"image {row.image_digest} is no longer cached")
     env = {"PATH": DEFAULT_PATH, **image.env, **config.env}
+    if row.secrets:
+        if secret_box is None:
+            raise ValueError(f"machine {machine.id} has secrets and nothing to open them with")
+        env.update(secret_box.open_all(machine.id, row.secrets))
     env.update(
         MACHINE_ID=machine.id,
         APP=machine.app,

@@ -36,6 +36,7 @@ from flyd.images.cache import ImageCache
 from flyd.metrics import CREATE_SECONDS
 from flyd.reservations import Reservations
 from flyd.runner import Runner
+from flyd.secrets import REDACTED, SecretBox
 from flyd.settings import CapacitySettings
 from flyd.spec import argv, published
 from flyd.store import MachineLog
@@ -51,6 +52,8 @@ log = structlog.get_logger("flyd.worker")
 # How long before its caller's deadline a create must commit, for its answer to reach them.
 COMMIT_MARGIN = 0.005
 S = pb.MachineState
+# The longest idempotency key a create may carry (as flaps' and the wire's bound).
+MAX_KEY = 256
 
 
 @dataclass
@@ -80,8 +83,11 @@ class Worker:
         log_keep: int = 10_000,
         state_dir: Path | None = None,
         op_tracer: OpTracer | None = None,
+        secret_box: SecretBox | None = None,
     ) -> None:
-        """`op_tracer`: spans of machine operations; None (tracing off) costs nothing."""
+        """`op_tracer`: spans of machine operations; None (tracing off) costs nothing.
+        `secret_box`: seals machine secrets (flyd.main's is the worker's key file; without
+        one, a key of this Worker's own that is never stored)."""
         self.identity = identity
         self.store = store
         self.driver = driver
@@ -91,6 +97,7 @@ class Worker:
         self.clock = clock
         self._state_dir = state_dir
         self._op_tracer = op_tracer
+        self.secret_box = secret_box or SecretBox.ephemeral()
         self.rows: dict[str, fsm.Row] = {}
         self.reservations = Reservations(
             worker_id=identity.worker_id,
@@ -112,6 +119,7 @@ class Worker:
             policy=policy,
             log_keep=log_keep,
             op_tracer=op_tracer,
+            secret_box=self.secret_box,
         )
         self.cordoned = bool(state_dir and (state_dir / "cordoned").exists())
 
@@ -174,9 +182,13 @@ class Worker:
         app: str,
         config: pb.MachineConfig,
         skip_launch: bool,
+        idempotency_key: str = "",
         deadline: float | None = None,
     ) -> pb.Machine:
         """Create a machine and, unless skip_launch, start it; returns it at rest (STARTED).
+
+        A create of `app` under an `idempotency_key` this worker holds returns the key's
+        machine (whatever `machine_id` says, room or not); one under way is waited for.
 
         `deadline` (loop time): the caller's. Nothing is committed later than `COMMIT_MARGIN`
         before it (DeadlineExceeded: no machine), and a create committed for a caller who
@@ -185,12 +197,18 @@ class Worker:
         """
         t0 = time.perf_counter()
         check_name("machine_id", machine_id, required=False)
+        if len(idempotency_key) > MAX_KEY:
+            raise InvalidArgument("idempotency_key", f"must be at most {MAX_KEY} characters")
         mid = machine_id or secrets.token_hex(7)
+        if idempotency_key:
+            mid = self.reservations.keys.get((app, idempotency_key), mid)
         machine = await self._traced(
             "create",
             mid,
             app,
-            lambda op_span: self._create(mid, name, app, config, skip_launch, op_span, deadline),
+            lambda op_span: self._create(
+                mid, name, app, config, skip_launch, idempotency_key, op_span, deadline
+            ),
         )
         CREATE_SECONDS.observe(time.perf_counter() - t0)
         return machine
@@ -226,6 +244,7 @@ class Worker:
         app: str,
         config: pb.MachineConfig,
         skip_launch: bool,
+        key: str,
         op_span: tuple[str, OpSpan] | None,
         deadline: float | None = None,
     ) -> pb.Machine:
@@ -235,6 +254,12 @@ class Worker:
         check_config(config)
         if (existing := self._existing(machine_id, app, config)) is not None:
             return existing
+        if machine_id in self.reservations.pending:
+            # The same create is under way (a retry, or another flaps with the same key): its
+            # outcome is ours, whatever room is left once it has reserved its own.
+            async with self.runner.lock(machine_id):
+                if (existing := self._existing(machine_id, app, config)) is not None:
+                    return existing
         if self.cordoned or self.closing:
             raise Unavailable(
                 f"worker {self.identity.worker_id} is "
@@ -247,6 +272,14 @@ class Worker:
         try:
             if not argv(config, image):
                 raise InvalidArgument("config.cmd", "the image has no entrypoint or cmd; set one")
+            # Another machine took the key while the image was pulled: its outcome is ours.
+            held = self.reservations.keys.get((app, key), machine_id) if key else machine_id
+            if held != machine_id:
+                async with self.runner.lock(held):
+                    existing = self._existing(held, app, config)
+                if existing is not None:
+                    self.images.release(image.digest)
+                    return existing
             async with self.runner.lock(machine_id):
                 if (existing := self._existing(machine_id, app, config)) is not None:
                     self.images.release(image.digest)
@@ -256,14 +289,16 @@ class Worker:
                 self.reservations.check_room(config.guest)
                 ports = self.reservations.allocate_ports(machine_id, len(config.services))
                 try:
+                    kept, sealed = self.secret_box.take(machine_id, config)
                     machine = pb.Machine(
                         id=machine_id,
                         name=name or machine_id,
                         app=app,
                         region=self.identity.region,
                         worker_id=self.identity.worker_id,
-                        config=config,
+                        config=kept,
                         instance_id=mine,
+                        idempotency_key=key,
                     )
                     for svc, port in zip(config.services, ports, strict=True):
                         machine.ports.add(
@@ -274,8 +309,11 @@ class Worker:
                         image_digest=image.digest,
                         skip_launch=skip_launch,
                         now=self.clock.now(),
+                        secrets=sealed,
                     )
                     self.reservations.pending[machine_id] = machine
+                    if key:
+                        self.reservations.keys[(app, key)] = machine_id
                     # The pending start goes on in the same operation: its spawn comes before
                     # the first commit, which records the creation, the start and the process.
                     await self.runner.drive_locked(
@@ -293,6 +331,8 @@ class Worker:
             row = self.rows.get(machine_id)
             if row is None:
                 self.images.release(image.digest)
+                if self.reservations.keys.get((app, key)) == machine_id:
+                    del self.reservations.keys[(app, key)]
             elif isinstance(err, asyncio.CancelledError) and row.machine.instance_id == mine:
                 # Committed by this call, but its caller is gone (deadline, cancel): it never
                 # hears of the machine.
@@ -340,7 +380,12 @@ class Worker:
         if row.state == S.MACHINE_STATE_DESTROYED:  # its row keeps only the image and size
             same = kept.image == config.image and kept.guest == config.guest
         else:
-            same = kept == config
+            # The row has the secrets' names only: the values are compared with the sealed.
+            redacted = pb.MachineConfig()
+            redacted.CopyFrom(config)
+            for name in redacted.secrets:
+                redacted.secrets[name] = REDACTED
+            same = kept == redacted and self.secret_box.same(machine_id, row.secrets, config)
         if row.machine.app != app or not same:
             raise AlreadyExists(f"machine {machine_id} exists with another app or config")
         return row.machine
@@ -423,8 +468,10 @@ class Worker:
                 self.reservations.check_room(config.guest, instead_of=row.machine.config.guest)
                 old_digest = row.image_digest
                 sig, timeout = self._stop_params(row, None, None)
+                kept, sealed = self.secret_box.take(machine_id, config, row.secrets)
                 event = fsm.UpdateRequested(
-                    config=config,
+                    config=kept,
+                    secrets=sealed,
                     instance_id=instance_id,
                     image_digest=image.digest,
                     ports=tuple(self.reservations.remap_ports(row, config)),

@@ -35,7 +35,7 @@ from flyd.v1 import machine_pb2 as pb
 from proxy.errors import ProxyError
 from registry.replica import WorkerView
 from registry.view import Status
-from runtime import aio_channel
+from runtime import ChannelTLS, aio_channel
 from runtime.clock import Clock
 
 log = structlog.get_logger("proxy.control")
@@ -100,10 +100,12 @@ class FlapsClient:
         *,
         timeout: float = FLAPS_TIMEOUT,
         channel: Callable[[str], grpc.aio.Channel] | None = None,
+        tls: ChannelTLS | None = None,
     ) -> None:
+        """`tls`: the cluster's mutual TLS, for flaps' cluster port."""
         self.address = address
         self.timeout = timeout
-        self._channel = (channel or _flaps_channel)(address)
+        self._channel = channel(address) if channel else _flaps_channel(address, tls)
         self._stub = machines_pb2_grpc.MachinesServiceStub(self._channel)
 
     async def start(self, machine_id: str) -> pb.Machine:
@@ -128,11 +130,12 @@ class FlapsClient:
         await self._channel.close()
 
 
-def _flaps_channel(address: str) -> grpc.aio.Channel:
+def _flaps_channel(address: str, tls: ChannelTLS | None) -> grpc.aio.Channel:
     # gRPC's reconnect backoff grows to two minutes by default: a flaps back after a restart
     # must be used again within a second, or scale from zero and failover wait for nothing.
     return aio_channel(
         address,
+        tls=tls,
         options=[
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
@@ -165,12 +168,19 @@ class Probes(Protocol):
 
 
 class NetProbes:
-    """`Probes` over real sockets."""
+    """`Probes` over real sockets; `tls`: the cluster's mutual TLS, to reach workers."""
+
+    def __init__(self, tls: ChannelTLS | None = None) -> None:
+        self._credentials = tls.credentials() if tls is not None else None
+        self._options = [("grpc.ssl_target_name_override", tls.server_name)] if tls else []
 
     async def worker(self, address: str, timeout: float) -> bool:
         # A fresh channel each time: a reused one may sit in reconnect backoff and fail a
         # worker that is back, or keep a half-open connection to one that is gone.
-        channel = grpc.aio.insecure_channel(address)
+        if self._credentials is None:
+            channel = grpc.aio.insecure_channel(address)
+        else:
+            channel = grpc.aio.secure_channel(address, self._credentials, options=self._options)
         try:
             resp = await health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=timeout
@@ -281,7 +291,9 @@ class RegistryReads(Protocol):
 
     def worker(self, worker_id: str) -> WorkerView | None: ...
 
-    def machines(self, *, worker_id: str | None = None) -> list[pb.Machine]: ...
+    def machines(
+        self, *, app: str | None = None, worker_id: str | None = None
+    ) -> list[pb.Machine]: ...
 
 
 class RouteTable(Protocol):
@@ -574,19 +586,23 @@ class WorkerWatch:
         the stopped standbys to try, best first. Synchronous, so the router can mark the
         chosen standbys as starting before any request looks."""
         registry = self.router.registry
-        everything = registry.machines()
         lost = sorted(
             (m for m in registry.machines(worker_id=worker_id) if m.state in RUNNING),
             key=lambda m: m.id,
         )
         out = []
+        apps: dict[str, list[pb.Machine]] = {}
         for primary in lost:
-            running, stopped = standby_candidates(primary, everything, self.router.standby_usable)
+            # A standby is a machine of its primary's app: the cost is the app's, not the fleet's.
+            siblings = apps.get(primary.app)
+            if siblings is None:
+                siblings = apps[primary.app] = registry.machines(app=primary.app)
+            running, stopped = standby_candidates(primary, siblings, self.router.standby_usable)
             if running is not None:
                 log.info("standby_already_running", primary=primary.id, standby=running)
             elif stopped:
                 out.append((primary, stopped))
-            elif any(primary.id in m.config.standbys for m in everything):
+            elif any(primary.id in m.config.standbys for m in siblings):
                 log.warning("no_usable_standby", primary=primary.id)
         return out
 

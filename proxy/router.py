@@ -89,6 +89,8 @@ class Router:
         self.clock: Clock = clock if clock is not None else SystemClock()
         self._apps: dict[str, AppState] = {}
         self._routes: dict[str, Route] = {}
+        # Worker id -> its routes: losing a worker costs its machines, not the fleet's.
+        self._by_worker: dict[str, dict[str, Route]] = {}
         self._workers: dict[str, WorkerState] = {}
         self.picker = Picker(
             workers=self._workers,
@@ -281,11 +283,10 @@ class Router:
         self.stats.worker_dead()
         log.warning("worker_declared_dead", worker=worker_id, reason=reason)
         lost = []
-        for r in self._routes.values():
-            if r.worker_id == worker_id:
-                self._stop_watching(r)
-                r.ready = False
-                lost.append(r.id)
+        for r in self._by_worker.get(worker_id, {}).values():
+            self._stop_watching(r)
+            r.ready = False
+            lost.append(r.id)
         plan = self.watch.plan(worker_id)
         now = self.clock.now()
         for _, standbys in plan:
@@ -439,9 +440,11 @@ class Router:
                 log.info("app_known", app=machine.app)
             state.routes[machine_id] = r
             self._routes[machine_id] = r
+            self._by_worker.setdefault(r.worker_id, {})[machine_id] = r
             was, old_instance = None, ""
         else:
-            if r.app != machine.app:  # never happens with flyd; keep the index right anyway
+            # Never happens with flyd; keep the indexes right anyway.
+            if r.app != machine.app or r.worker_id != machine.worker_id:
                 self._remove(r)
                 self._on_machine(machine_id, machine)
                 return
@@ -472,6 +475,11 @@ class Router:
     def _remove(self, r: Route) -> None:
         self._stop_watching(r)
         self._routes.pop(r.id, None)
+        held = self._by_worker.get(r.worker_id)
+        if held is not None:
+            held.pop(r.id, None)
+            if not held:
+                del self._by_worker[r.worker_id]
         state = self._apps.get(r.app)
         if state is None:
             return
@@ -515,13 +523,13 @@ class Router:
             w.dead = False
             log.info("worker_back", worker=worker_id)
             now = self.clock.now()
-            for r in self._routes.values():
-                if r.worker_id == worker_id and r.state == STARTED:
+            for r in self._by_worker.get(worker_id, {}).values():
+                if r.state == STARTED:
                     self._watch(r, now)
             self._pulse_worker(worker_id)
 
     def _pulse_worker(self, worker_id: str) -> None:
-        for app in {r.app for r in self._routes.values() if r.worker_id == worker_id}:
+        for app in {r.app for r in self._by_worker.get(worker_id, {}).values()}:
             self._apps[app].pulse()
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:

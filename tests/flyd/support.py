@@ -19,6 +19,7 @@ from flyd.fakes import FakeDriver, FakeHost, FakeScript, _FakeProcess
 from flyd.images.build import build_image
 from flyd.images.cache import ImageCache
 from flyd.images.source import ImageSource
+from flyd.secrets import SecretBox
 from flyd.settings import CapacitySettings
 from flyd.store import MachineLog, NewRecord, Record, Snapshot
 from flyd.traces import OpTracer
@@ -193,6 +194,7 @@ def boot(
     busy_ports: Iterable[int] = (),
     op_tracer: OpTracer | None = None,
     identity: Identity | None = None,
+    secret_box: SecretBox | None = None,
 ) -> Flyd:
     """A flyd on `host`, before recover(); worker w1 in ams unless `identity` says otherwise."""
     relay = _ExitRelay()
@@ -210,6 +212,7 @@ def boot(
         policy=policy or fsm.Policy(),
         log_keep=log_keep,
         op_tracer=op_tracer,
+        secret_box=secret_box,
     )
     relay.worker = worker
     return Flyd(worker, driver, store)
