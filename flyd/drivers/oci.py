@@ -290,6 +290,10 @@ class OciDriver(WrappedDriver):
             raise
         else:
             w.starting = False
+            # crun has read it (its own copy is in its state, root's alone, while the container
+            # lives): the machine's environment, secrets and all, does not stay on disk.
+            with contextlib.suppress(FileNotFoundError):
+                (run_dir / "config.json").unlink()
         finally:
             os.close(ready_r)
         log.debug("machine_container_made", machine_id=mid, pid=popen.pid)
