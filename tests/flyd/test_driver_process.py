@@ -1,6 +1,4 @@
-"""What only the process driver does (machines without cgroups, as another host user), and
-the settings that choose and shape a driver.
-"""
+"""What only the process driver does: machines without cgroups, and as another host user."""
 
 from __future__ import annotations
 
@@ -15,8 +13,6 @@ import structlog
 
 from flyd.drivers.base import ExitStatus
 from flyd.drivers.process import ProcessDriver
-from flyd.settings import FlydSettings
-from runtime import SettingsError, load_settings
 from tests.flyd.driver_support import Exits, run_machine, sh, spec
 
 
@@ -55,18 +51,3 @@ async def test_run_as_unprivileged_user(prefix: str) -> None:
     finally:
         await driver.close()
         shutil.rmtree(base)
-
-
-@pytest.mark.parametrize(
-    ("argv", "says"),
-    [
-        (["--driver", "docker"], "driver"),
-        (["--network", "8.8.8.0/24"], "private"),
-        (["--network", "10.0.0.0/31"], "at least 4"),
-        (["--network", "not-a-prefix"], "network"),
-        (["--uid-base", "1000"], "multiple of 65536"),
-    ],
-)
-def test_driver_settings_are_checked_at_start(argv: list[str], says: str) -> None:
-    with pytest.raises(SettingsError, match=says):
-        load_settings(FlydSettings, argv, prog="flyd")
