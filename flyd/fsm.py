@@ -15,6 +15,9 @@ Operations and their steps:
     policy_restart  backoff -> spawn -> release -> (STARTED)   after a crash
     signal          send -> (unchanged)
     destroy         [kill ->] cleanup -> (DESTROYED)
+    promote         a start naming a generation: the slot claim, then as start
+    supersede       the slot claim, then as stop                 (outranked by another member)
+    fence           (unchanged) fenced / unfenced                (its worker came back)
 
 Spawning is two-phase (spawn holds the process before it runs anything,
 release lets it go) so that the process handle is committed before the
@@ -36,7 +39,17 @@ from typing import Any, Literal
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from flyd.errors import BUSY, DESTROYED, LEASED, WRONG_STATE, CorruptLog, FailedPrecondition
+from flyd import slots
+from flyd.errors import (
+    BUSY,
+    DESTROYED,
+    LEASED,
+    STANDBY,
+    SUPERSEDED,
+    WRONG_STATE,
+    CorruptLog,
+    FailedPrecondition,
+)
 from flyd.v1 import machine_pb2 as pb
 
 S = pb.MachineState
@@ -93,7 +106,32 @@ class Row:
 
 @dataclass(frozen=True)
 class StartRequested:
-    pass
+    generation: int = 0  # > 0: a promotion to this slot generation (see flyd.slots)
+
+
+@dataclass(frozen=True)
+class Fence:
+    """The worker came back: not routable until it confirms its slot claim (docs/fencing.md)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Confirm:
+    """No other member of the slot outranks the claim at `generation`: routable again."""
+
+    generation: int
+
+
+@dataclass(frozen=True)
+class Supersede:
+    """`primary` serves the slot at `generation`; when that outranks this row's claim, the
+    machine stops (with its stop signal and timeout) and stands by for `primary`."""
+
+    generation: int
+    primary: str
+    signal: int = int(signals.SIGTERM)
+    timeout: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -195,6 +233,9 @@ Event = (
     | TimerFired
     | Exited
     | Resume
+    | Fence
+    | Confirm
+    | Supersede
 )
 
 # --- effects (outputs) ------------------------------------------------------
@@ -314,8 +355,14 @@ def step(row: Row, event: Event, *, now: float, policy: Policy) -> Transition | 
     Raises FailedPrecondition when the event is not allowed in the current state.
     """
     match event:
-        case StartRequested():
-            return _start(row, now)
+        case StartRequested(generation=generation):
+            return _start(row, now, generation)
+        case Fence(reason=why):
+            return _fence(row, now, why)
+        case Confirm(generation=generation):
+            return _confirm(row, now, generation)
+        case Supersede():
+            return _supersede(row, event, now)
         case StopRequested(signal=sig, timeout=timeout):
             return _stop(row, now, sig, timeout)
         case RestartRequested(signal=sig, timeout=timeout):
@@ -380,7 +427,77 @@ def step(row: Row, event: Event, *, now: float, policy: Policy) -> Transition | 
     raise TypeError(f"unknown event {event!r}")
 
 
-def _start(row: Row, now: float) -> Transition | None:
+def _start(row: Row, now: float, generation: int) -> Transition | None:
+    """A plain start (generation 0) of a slot's primary, or a promotion (see flyd.slots)."""
+    me = row.machine.id
+    slot = slots.slot_of(row.machine)
+    if generation == 0 or (slot.primary == me and generation <= slot.generation):
+        if slot.primary != me:
+            raise FailedPrecondition(
+                f"machine {me} stands by for {slot.primary} in slot {slot.id} (generation "
+                f"{slot.generation}); it starts only when promoted to a higher generation",
+                STANDBY,
+            )
+        return _start_plain(row, now)  # (a repeated or stale promotion of the primary: a start)
+    if generation <= slot.generation:
+        raise FailedPrecondition(
+            f"slot {slot.id} is at generation {slot.generation}, served by {slot.primary}; "
+            f"a promotion of {me} must name a higher one than {generation}",
+            SUPERSEDED,
+        )
+    if row.state in (S.MACHINE_STATE_DESTROYING, S.MACHINE_STATE_DESTROYED):
+        raise FailedPrecondition(f"cannot promote a {state_name(row.state)} machine", DESTROYED)
+    if row.state == S.MACHINE_STATE_STOPPING:
+        raise FailedPrecondition("machine is stopping; wait for stopped, then promote", BUSY)
+    promoted = pb.SlotState(id=slot.id, generation=generation, primary=me, fenced=False)
+    row = replace(row, machine=slots.with_slot(row.machine, promoted))
+    why = f"promoted to generation {generation} of slot {slot.id}"
+    started = _start_plain(row, now)
+    if started is None:  # running already (a fenced primary): the claim is the whole change
+        return _Builder(row, now, "promote").to(row.state, why)
+    return replace(started, type="promote", reason=f"{why}; {started.reason}")
+
+
+def _fence(row: Row, now: float, why: str) -> Transition | None:
+    slot = slots.slot_of(row.machine)
+    if slot.fenced or slot.primary != row.machine.id:
+        return None
+    fenced = pb.SlotState(id=slot.id, generation=slot.generation, primary=slot.primary, fenced=True)
+    b = _Builder(replace(row, machine=slots.with_slot(row.machine, fenced)), now, "fence")
+    return b.to(row.state, f"fenced: {why}")
+
+
+def _confirm(row: Row, now: float, generation: int) -> Transition | None:
+    slot = slots.slot_of(row.machine)
+    if not slot.fenced or slot.generation != generation or slot.primary != row.machine.id:
+        return None  # lifted already, or the claim changed while it was being confirmed
+    lifted = pb.SlotState(id=slot.id, generation=slot.generation, primary=slot.primary)
+    b = _Builder(replace(row, machine=slots.with_slot(row.machine, lifted)), now, "fence")
+    return b.to(
+        row.state, f"fence lifted: no member of slot {slot.id} outranks generation {generation}"
+    )
+
+
+def _supersede(row: Row, ev: Supersede, now: float) -> Transition | None:
+    me = row.machine.id
+    slot = slots.slot_of(row.machine)
+    theirs = (ev.generation, ev.primary)
+    if ev.primary == me or not slots.outranks(theirs, (slot.generation, slot.primary)):
+        return None
+    if row.state == S.MACHINE_STATE_DESTROYED:
+        return None
+    new = pb.SlotState(id=slot.id, generation=ev.generation, primary=ev.primary, fenced=False)
+    row = replace(row, machine=slots.with_slot(row.machine, new))
+    why = f"{ev.primary} serves slot {slot.id} at generation {ev.generation}"
+    stop = None
+    if slot.primary == me and row.state != S.MACHINE_STATE_DESTROYING:
+        stop = _stop(row, now, ev.signal, ev.timeout)  # the superseded copy stands by
+    if stop is None:
+        return _Builder(row, now, "supersede").to(row.state, why)
+    return replace(stop, type="supersede", reason=f"superseded: {why}; {stop.reason}")
+
+
+def _start_plain(row: Row, now: float) -> Transition | None:
     state = row.state
     if state in (S.MACHINE_STATE_DESTROYING, S.MACHINE_STATE_DESTROYED):
         raise FailedPrecondition(f"cannot start a {state_name(state)} machine", DESTROYED)
@@ -439,6 +556,12 @@ def _destroy(row: Row, now: float, force: bool) -> Transition | None:
 def _update(row: Row, ev: UpdateRequested, now: float) -> Transition:
     if row.state in (S.MACHINE_STATE_DESTROYING, S.MACHINE_STATE_DESTROYED):
         raise FailedPrecondition(f"cannot update a {state_name(row.state)} machine", DESTROYED)
+    if ev.launch and not slots.is_primary(row.machine):
+        raise FailedPrecondition(
+            f"machine {row.machine.id} stands by in slot {slots.slot_of(row.machine).id}: "
+            "update it with skip_launch (only a promotion starts a standby)",
+            STANDBY,
+        )
     if row.op is not None and row.op.kind != "policy_restart":
         raise FailedPrecondition(f"machine is busy ({row.op.kind}); retry when it settles", BUSY)
     machine = pb.Machine()
@@ -709,11 +832,13 @@ def decode_row(raw: bytes) -> Row:
 
 
 def create(machine: pb.Machine, *, image_digest: str, skip_launch: bool, now: float) -> Transition:
-    """The first step of a machine: CREATED, with its start pending unless skip_launch."""
+    """The first step of a machine: CREATED, with its start pending unless skip_launch (a
+    standby is always created stopped: only a promotion starts it)."""
     m = pb.Machine()
     m.CopyFrom(machine)
     m.state = S.MACHINE_STATE_CREATED
     m.created_at.CopyFrom(timestamp(now))
     m.updated_at.CopyFrom(timestamp(now))
-    op = None if skip_launch else Op("start", "begin")
+    m.slot.CopyFrom(slots.new_slot(m.id, m.config))
+    op = None if skip_launch or not slots.is_primary(m) else Op("start", "begin")
     return Transition(Row(m, image_digest, op=op), "create", "created", S.MACHINE_STATE_UNSPECIFIED)

@@ -13,6 +13,7 @@ from opentelemetry import trace
 
 from flyd import fsm
 from flyd.drivers.process import ProcessDriver
+from flyd.fencing import GrpcPeers
 from flyd.images.cache import ImageCache
 from flyd.images.source import ImageSource
 from flyd.metrics import register_worker
@@ -98,6 +99,9 @@ async def build(argv: list[str]) -> Service:
         op_tracer=OpTracer(trace.get_tracer("flyd"), settings.worker_id)
         if tracing_enabled()
         else None,
+        # A returning worker asks the replicas it announces to who else is in its slots.
+        peers=GrpcPeers(settings.announce, aio_channel) if settings.announce else None,
+        fence_after=settings.fence_after,
     )
     register_worker(worker)  # gauges read at scrape time: nothing on the create path
     servicer = WorkerServicer(
@@ -161,7 +165,12 @@ async def build(argv: list[str]) -> Service:
         images.flush()
         store.close()
 
+    async def fencing(shutdown: asyncio.Event) -> None:
+        assert worker is not None
+        await asyncio.gather(worker.fencing.run(shutdown), worker.fencing.tick(shutdown))
+
     service.spawn("worker", run_worker)
+    service.spawn("fencing", fencing)
     if settings.announce:
         service.spawn("announce", announce)
     service.on_shutdown(close)

@@ -4,13 +4,18 @@ The runner publishes every committed MachineChange here. A watcher replays the l
 position (or starts from a snapshot), then follows live changes through a bounded queue,
 with heartbeats between them; one that falls too far behind, or behind a compaction, catches
 up from the log or a new snapshot. Waiters (WaitMachine) wake on each published change.
+
+Before each heartbeat the worker may commit changes of its own (`before_heartbeat`: the fences
+of a worker that was away, flyd.fencing); those go out first, so a follower never hears the
+worker alive again before it hears of the fences. A follower names the log its position counts
+in (`log_epoch`); a position in another log (the worker's data was wiped) gets a snapshot.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 from flyd import fsm
 from flyd.errors import InvalidArgument
@@ -33,6 +38,8 @@ class EventStream:
         self._subscribers: set[asyncio.Queue[object]] = set()
         self._tick: asyncio.Future[None] | None = None
         self.closed = False
+        self.before_heartbeat: Callable[[], Awaitable[bool]] | None = None
+        """Run before each heartbeat; True when it committed changes that must go out first."""
 
     def close(self) -> None:
         """End every watch (waits run on to their own deadlines)."""
@@ -71,12 +78,24 @@ class EventStream:
             seq=snap.seq,
             reason=reason,
             machines=[fsm.decode_row(raw).machine for raw in snap.rows.values()],
+            log_epoch=self.store.epoch(),
         )
 
     async def watch(
-        self, from_seq: int, *, heartbeat_interval: float, stop: asyncio.Event
+        self,
+        from_seq: int,
+        *,
+        heartbeat_interval: float,
+        stop: asyncio.Event,
+        log_epoch: str = "",
     ) -> AsyncIterator[worker_pb2.WatchEventsResponse]:
-        """Every change after from_seq (or a snapshot first), then live, with heartbeats."""
+        """Every change after from_seq (or a snapshot first), then live, with heartbeats.
+
+        `log_epoch` is the log from_seq counts in ("" when the follower does not know): a
+        position in another log starts with a snapshot (reason "epoch")."""
+        reason = "requested"
+        if from_seq and log_epoch and log_epoch != self.store.epoch():
+            from_seq, reason = 0, "epoch"
         if from_seq > self.store.last_seq():
             raise InvalidArgument(
                 "from_seq", f"{from_seq} is ahead of this worker's log ({self.store.last_seq()})"
@@ -86,7 +105,7 @@ class EventStream:
         try:
             pos = from_seq
             if from_seq == 0:
-                snap = self.snapshot("requested")
+                snap = self.snapshot(reason)
                 pos = snap.seq
                 yield worker_pb2.WatchEventsResponse(snapshot=snap)
             loop = asyncio.get_running_loop()
@@ -105,6 +124,9 @@ class EventStream:
                         continue
                     caught_up = True
                 if loop.time() >= next_beat:
+                    if self.before_heartbeat is not None and await self.before_heartbeat():
+                        caught_up = False  # what it committed goes out before the heartbeat
+                        continue
                     yield worker_pb2.WatchEventsResponse(heartbeat=self._heartbeat())
                     next_beat = loop.time() + heartbeat_interval
                 try:

@@ -32,6 +32,7 @@ from flyd.errors import (
     NotFound,
     Unavailable,
 )
+from flyd.fencing import Fencing, SlotPeers
 from flyd.images.cache import ImageCache
 from flyd.metrics import CREATE_SECONDS
 from flyd.reservations import Reservations, port_free
@@ -79,8 +80,12 @@ class Worker:
         state_dir: Path | None = None,
         port_free: Callable[[str, int], bool] = port_free,
         op_tracer: OpTracer | None = None,
+        peers: SlotPeers | None = None,
+        fence_after: float = 1.0,
     ) -> None:
-        """`op_tracer`: spans of machine operations; None (tracing off) costs nothing."""
+        """`op_tracer`: spans of machine operations; None (tracing off) costs nothing.
+        `peers`: how a returning worker confirms its slots (flyd.fencing); `fence_after`: how
+        long away (frozen, starved) counts as having been away."""
         self.identity = identity
         self.store = store
         self.driver = driver
@@ -91,6 +96,7 @@ class Worker:
         self._state_dir = state_dir
         self._op_tracer = op_tracer
         self.rows: dict[str, fsm.Row] = {}
+        self.stream = EventStream(store, self.heartbeat)
         self.reservations = Reservations(
             worker_id=identity.worker_id,
             total=capacity,
@@ -99,7 +105,6 @@ class Worker:
             machine_host=machine_host,
             port_free=port_free,
         )
-        self.stream = EventStream(store, self.heartbeat)
         self.runner = Runner(
             rows=self.rows,
             store=store,
@@ -112,13 +117,29 @@ class Worker:
             log_keep=log_keep,
             op_tracer=op_tracer,
         )
+        self.fencing = Fencing(
+            self.runner,
+            clock,
+            peers=peers,
+            fence_after=fence_after,
+            stop_params=lambda row: self._stop_params(row, None, None),
+        )
+        self.stream.before_heartbeat = self.fencing.check_awake
+        self._recovered = asyncio.Event()
         self.cordoned = bool(state_dir and (state_dir / "cordoned").exists())
 
     # --- start and stop ---------------------------------------------------
 
     def recover(self) -> int:
-        """Load every row and resume unfinished operations. Returns how many were resumed."""
-        return self.runner.recover()
+        """Load every row, resume unfinished operations and fence every slot primary it runs
+        (flyd.fencing): it may have been superseded while flyd was down. Until this ran,
+        watchers wait. Returns how many operations were resumed."""
+        resumed = self.runner.recover()
+        fenced = self.fencing.fence_recovered()
+        if fenced:
+            log.info("fenced_on_start", machines=fenced)
+        self._recovered.set()
+        return resumed
 
     async def close(self) -> None:
         """Stop background work; machines keep running."""
@@ -285,7 +306,7 @@ class Worker:
         return row.machine
 
     async def _operate(
-        self, op: str, machine_id: str, event: fsm.Event, lease_nonce: str
+        self, op: str, machine_id: str, event: fsm.Event, lease_nonce: str | None
     ) -> pb.Machine:
         """Run one requested operation on a machine; traced as `flyd.<op>` when tracing is on."""
 
@@ -295,8 +316,27 @@ class Worker:
 
         return await self._traced(op, machine_id, self.get(machine_id).machine.app, run)
 
-    async def start(self, machine_id: str, *, lease_nonce: str = "") -> pb.Machine:
+    async def start(
+        self, machine_id: str, *, lease_nonce: str = "", generation: int = 0
+    ) -> pb.Machine:
+        """Start the machine; with a generation, promote it in its slot first (a failover is
+        not held up by a lease: the lease's holder cannot serve the slot either)."""
+        if generation:
+            event = fsm.StartRequested(generation)
+            return await self._operate("promote", machine_id, event, None)
         return await self._operate("start", machine_id, fsm.StartRequested(), lease_nonce)
+
+    async def supersede(self, machine_id: str, generation: int, primary: str) -> pb.Machine:
+        """`primary` serves the machine's slot at `generation`: if that outranks the machine's
+        claim, it stops and stands by (flyd.slots). Not held up by a lease."""
+        if generation < 1:
+            raise InvalidArgument("generation", "must be at least 1")
+        check_name("primary", primary)
+        sig, timeout = self._stop_params(self.get(machine_id), None, None)
+        event = fsm.Supersede(generation, primary, sig, timeout)
+        machine = await self._operate("supersede", machine_id, event, None)
+        self.fencing.poke()
+        return machine
 
     async def stop(
         self, machine_id: str, sig: int | None, timeout: float | None, *, lease_nonce: str = ""
@@ -484,7 +524,10 @@ class Worker:
 
     def heartbeat(self) -> worker_pb2.Heartbeat:
         hb = worker_pb2.Heartbeat(
-            seq=self.store.last_seq(), worker=self.info(), capacity=self.capacity()
+            seq=self.store.last_seq(),
+            worker=self.info(),
+            capacity=self.capacity(),
+            log_epoch=self.store.epoch(),
         )
         hb.time.FromNanoseconds(int(self.clock.now() * 1e9))
         return hb
@@ -499,11 +542,23 @@ class Worker:
             boot_id=ident.boot_id,
         )
 
-    def watch(
-        self, from_seq: int, *, heartbeat_interval: float, stop: asyncio.Event
+    async def watch(
+        self,
+        from_seq: int,
+        *,
+        heartbeat_interval: float,
+        stop: asyncio.Event,
+        log_epoch: str = "",
     ) -> AsyncIterator[worker_pb2.WatchEventsResponse]:
-        """Every change after from_seq (or a snapshot first), then live, with heartbeats."""
-        return self.stream.watch(from_seq, heartbeat_interval=heartbeat_interval, stop=stop)
+        """Every change after from_seq (or a snapshot first), then live, with heartbeats.
+
+        Waits until the worker has recovered (and fenced what it runs): a follower must not
+        hear a heartbeat before the fences."""
+        await self._recovered.wait()
+        async for item in self.stream.watch(
+            from_seq, heartbeat_interval=heartbeat_interval, stop=stop, log_epoch=log_epoch
+        ):
+            yield item
 
     def events(self, machine_id: str) -> Iterator[pb.MachineEvent]:
         """The machine's state changes still in the log, oldest first."""

@@ -57,3 +57,14 @@ class WrongWorker(RegistryError):
         super().__init__(f"expected worker {expected}, but the stream is from worker {got}")
         self.expected = expected
         self.got = got
+
+
+class LogRestarted(RegistryError):
+    """The worker's log started over (its data was wiped: another log epoch, or a new boot with
+    a lower sequence): its rows are replaced from a fresh snapshot, never merged."""
+
+    retryable = True
+
+    def __init__(self, worker_id: str, why: str) -> None:
+        super().__init__(f"worker {worker_id}: its log started over ({why})")
+        self.worker_id = worker_id

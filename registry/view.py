@@ -7,7 +7,10 @@ step and the runtime (`registry.replica`) only has to move bytes and publish eve
 Every row has one writer, the worker that owns it, so applying is simple: a worker's stream is
 applied in its own sequence order (a change at or below the applied seq is a repeat and is
 ignored; a change that skips one is a `SequenceGap`), a snapshot replaces the worker's rows, and
-nothing from one worker ever touches another worker's rows.
+nothing from one worker ever touches another worker's rows. A worker whose log starts over (its
+data dir was wiped: a heartbeat names another log epoch, or a new boot with a lower sequence) is
+reset and followed from a new snapshot (`LogRestarted`): its rows are replaced, never merged.
+A worker dead for longer than `forget_after` is dropped with its rows (`forget`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import structlog
 
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
-from registry.errors import InvalidArgument, SequenceGap, WrongWorker
+from registry.errors import InvalidArgument, LogRestarted, SequenceGap, WrongWorker
 from registry.v1 import registry_pb2
 from runtime import parse_host_port
 from runtime.validate import is_name
@@ -144,6 +147,8 @@ class _Member:
     upstream_status: Status = UNKNOWN
     # The next snapshot applies even when its seq is below ours (the worker's log restarted).
     force_snapshot: bool = False
+    # The log our seq counts in, as its snapshots and heartbeats name it ("": not said yet).
+    log_epoch: str = ""
 
     def view(self) -> WorkerView:
         return WorkerView(
@@ -174,7 +179,14 @@ class View:
     lost upstream shows its workers as suspect, then dead, instead of frozen as alive).
     """
 
-    def __init__(self, *, suspect_after: float, dead_after: float, upstream: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        suspect_after: float,
+        dead_after: float,
+        upstream: bool = False,
+        forget_after: float = 600.0,
+    ) -> None:
         if not suspect_after > 0:
             raise ValueError(f"suspect_after must be > 0 seconds, got {suspect_after!r}")
         if not dead_after > suspect_after:
@@ -182,8 +194,14 @@ class View:
                 f"dead_after ({dead_after!r}s) must be greater than "
                 f"suspect_after ({suspect_after!r}s)"
             )
+        if not forget_after > dead_after:
+            raise ValueError(
+                f"forget_after ({forget_after!r}s) must be greater than "
+                f"dead_after ({dead_after!r}s)"
+            )
         self.suspect_after = suspect_after
         self.dead_after = dead_after
+        self.forget_after = forget_after
         self.upstream = upstream
         self._members: dict[str, _Member] = {}
         # machine id -> owning worker id, and app -> machine ids: reads by id and app are O(1).
@@ -226,10 +244,40 @@ class View:
     def reset(self, worker_id: str) -> None:
         """The worker's log is behind what we applied (it was wiped): take its next snapshot
         whatever its seq, and ask for one by following from 0."""
-        m = self._members[worker_id]
-        log.warning("worker_log_reset", worker=worker_id, applied_seq=m.seq)
+        self._reset(self._members[worker_id], "its log is behind the applied seq")
+
+    def _reset(self, m: _Member, why: str) -> None:
+        log.warning("worker_log_reset", worker=m.info.id, applied_seq=m.seq, why=why)
         m.seq = 0
         m.force_snapshot = True
+        m.log_epoch = ""
+
+    def resume_epoch(self, worker_id: str) -> str:
+        """The log `resume_seq` counts in ("" when unknown)."""
+        return self._members[worker_id].log_epoch
+
+    def forget(self, now: float) -> tuple[list[ReplicaEvent], list[str]]:
+        """Drop the workers dead for longer than `forget_after`, with their rows: (the events,
+        the ids dropped). One that comes back is learned of again (it announces itself)."""
+        events: list[ReplicaEvent] = []
+        gone = [
+            m
+            for m in self._members.values()
+            if m.status == DEAD and now - m.heard >= self.forget_after
+        ]
+        for m in gone:
+            for machine_id in list(m.rows):
+                self._drop_row(m, machine_id)
+                events.append(self._machine_event(m, machine_id, None))
+            del self._members[m.info.id]
+            events.append(self._worker_event(m))
+            log.warning(
+                "worker_forgotten",
+                worker=m.info.id,
+                region=m.info.region,
+                dead_for=round(now - m.heard, 3),
+            )
+        return events, [m.info.id for m in gone]
 
     def set_connected(self, worker_id: str, connected: bool) -> list[ReplicaEvent]:
         m = self._members.get(worker_id)
@@ -299,11 +347,14 @@ class View:
         return _IGNORED
 
     def _apply_snapshot(self, m: _Member, snap: worker_pb2.Snapshot) -> Applied:
-        if snap.seq < m.seq and not m.force_snapshot:
+        other_log = bool(snap.log_epoch and m.log_epoch and snap.log_epoch != m.log_epoch)
+        if snap.seq < m.seq and not m.force_snapshot and not other_log:
             return _IGNORED  # older than what we have: a lagging source
         for machine in snap.machines:
             _check_owner(m, machine)
         m.force_snapshot = False
+        if snap.log_epoch:
+            m.log_epoch = snap.log_epoch
         rows = {machine.id: machine for machine in snap.machines}
         events: list[ReplicaEvent] = []
         for machine_id in [mid for mid in m.rows if mid not in rows]:
@@ -332,6 +383,16 @@ class View:
     def _apply_heartbeat(self, m: _Member, hb: worker_pb2.Heartbeat, now: float) -> Applied:
         if hb.worker.id and hb.worker.id != m.info.id:
             raise WrongWorker(m.info.id, hb.worker.id)
+        restarted = ""
+        if hb.log_epoch and m.log_epoch and hb.log_epoch != m.log_epoch:
+            restarted = f"log epoch {hb.log_epoch}, not {m.log_epoch}"
+        elif hb.worker.boot_id and hb.worker.boot_id != m.info.boot_id and hb.seq < m.seq:
+            restarted = f"new boot {hb.worker.boot_id} at seq {hb.seq} < {m.seq}"
+        if restarted:
+            self._reset(m, restarted)
+            if not self.upstream:
+                raise LogRestarted(m.info.id, restarted)  # follow it again, from a snapshot
+            return _IGNORED  # the upstream sends its new snapshot
         events: list[ReplicaEvent] = []
         m.capacity = hb.capacity
         m.last_heartbeat = now

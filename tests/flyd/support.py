@@ -130,6 +130,9 @@ class CrashingLog:
             raise Crash(f"flyd died right after commit {self.commits} (seq {seq})")
         return seq
 
+    def epoch(self) -> str:
+        return self.inner.epoch()
+
     def last_seq(self) -> int:
         return self.inner.last_seq()
 
