@@ -248,13 +248,16 @@ class Fencing:
             waiting = self.pending()
             settled = await asyncio.gather(*(self._bounded(mid) for mid in waiting))
             unsettled = [mid for mid, ok in zip(waiting, settled, strict=True) if not ok]
-            if unsettled:
-                delay, backoff = backoff, min(backoff * 2, self.retry_max)
-            else:
-                delay, backoff = None, RETRY_MIN
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(delay):
-                    await _first(self._wake.wait(), shutdown.wait())
+            if not unsettled:
+                backoff = RETRY_MIN
+                await _first(self._wake.wait(), shutdown.wait())
+                continue
+            delay, backoff = backoff, min(backoff * 2, self.retry_max)
+            await _first(
+                self._wake.wait(),
+                shutdown.wait(),
+                self.clock.sleep_until(self.clock.now() + delay),
+            )
 
     async def _bounded(self, machine_id: str) -> bool:
         async with self._slots:

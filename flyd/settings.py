@@ -65,7 +65,7 @@ class FlydSettings(ServiceSettings):
     cgroup_prefix: str = Field(default="nonomad", description="cgroup folder for machines")
     heartbeat_interval: float = Field(default=0.2, gt=0, description="WatchEvents heartbeat, s")
     fence_after: float = Field(
-        default=1.0,
+        default=0.5,
         gt=0,
         description="s away (frozen, starved) after which flyd fences its slot primaries until "
         "the other members confirm them; at most the replicas' dead_after",

@@ -81,7 +81,8 @@ class Worker:
         port_free: Callable[[str, int], bool] = port_free,
         op_tracer: OpTracer | None = None,
         peers: SlotPeers | None = None,
-        fence_after: float = 1.0,
+        fence_after: float = 0.5,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         """`op_tracer`: spans of machine operations; None (tracing off) costs nothing.
         `peers`: how a returning worker confirms its slots (flyd.fencing); `fence_after`: how
@@ -123,6 +124,7 @@ class Worker:
             peers=peers,
             fence_after=fence_after,
             stop_params=lambda row: self._stop_params(row, None, None),
+            monotonic=monotonic,
         )
         self.stream.before_heartbeat = self.fencing.check_awake
         self._recovered = asyncio.Event()

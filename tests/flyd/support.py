@@ -16,6 +16,7 @@ from pathlib import Path
 from flyd import fsm
 from flyd.drivers.base import ExitStatus, Handle
 from flyd.fakes import FakeDriver, FakeHost, FakeScript, _FakeProcess
+from flyd.fencing import SlotPeers
 from flyd.images.build import build_image
 from flyd.images.cache import ImageCache
 from flyd.images.source import ImageSource
@@ -196,6 +197,8 @@ def boot(
     port_free: Callable[[str, int], bool] = lambda host, port: True,
     op_tracer: OpTracer | None = None,
     identity: Identity | None = None,
+    peers: SlotPeers | None = None,
+    monotonic: Callable[[], float] | None = None,
 ) -> Flyd:
     """A flyd on `host`, before recover(); worker w1 in ams unless `identity` says otherwise."""
     relay = _ExitRelay()
@@ -213,6 +216,8 @@ def boot(
         log_keep=log_keep,
         port_free=port_free,
         op_tracer=op_tracer,
+        peers=peers,
+        monotonic=monotonic or clock.now,
     )
     relay.worker = worker
     return Flyd(worker, driver, store)
