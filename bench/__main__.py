@@ -1,5 +1,5 @@
-"""`python -m bench [--quick] [--only flyd|registry|proxy]`: run the benchmarks, print tables, write
-JSON to bench/results/."""
+"""`python -m bench [--quick] [--only flyd|registry|proxy|fencing]`: run the benchmarks, print
+tables, write JSON to bench/results/."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from bench import proxy_bench, proxy_control_bench, registry_bench
+from bench import fencing_bench, proxy_bench, proxy_control_bench, registry_bench
 from bench.flyd_bench import run
 
 
@@ -32,7 +32,9 @@ def main(argv: list[str] | None = None) -> int:
         "run caches flyd's bytecode in its temp dir, as an installed flyd would have it)",
     )
     parser.add_argument(
-        "--only", choices=["flyd", "registry", "proxy"], help="run one group of benchmarks"
+        "--only",
+        choices=["flyd", "registry", "proxy", "fencing"],
+        help="run one group of benchmarks",
     )
     args = parser.parse_args(argv)
     codes = []
@@ -60,6 +62,12 @@ def main(argv: list[str] | None = None) -> int:
         codes.append(
             proxy_control_bench.run(
                 quick=args.quick, out=args.out.with_name("proxy-control.json"), strict=args.strict
+            )
+        )
+    if args.only in (None, "fencing"):
+        codes.append(
+            fencing_bench.run(
+                quick=args.quick, out=args.out.with_name("fencing.json"), strict=args.strict
             )
         )
     return max(codes)
