@@ -27,6 +27,8 @@ class Judged:
 
     top: slots.Claim | None = None
     """The claim no member outranks: (generation, primary)."""
+    serving: Route | None = None
+    """The member that serves (None: no row of the slot holds the top claim)."""
     demoted: list[Route] = field(default_factory=list)
     """Started members that served until now and no longer do."""
     outranked: list[Route] = field(default_factory=list)
@@ -76,6 +78,8 @@ class SlotIndex:
         for r in members:
             was = r.serving
             r.serving = serving is not None and r.id == serving.id
+            if r.serving:
+                out.serving = r
             r.peers = len(members) - 1
             if was and not r.serving and r.state == S.MACHINE_STATE_STARTED:
                 out.demoted.append(r)

@@ -303,6 +303,10 @@ class Router:
             if standby is not None and self.flaps is not None:
                 standby.start_requested = now
         self._pulse_worker(worker_id)
+        for slot in self.slots.slots_of(
+            [r for r in self._routes.values() if r.worker_id == worker_id]
+        ):
+            self._judge(slot)  # a fenced member elsewhere may now have nobody to confirm with
         if plan or self.watch.tracer is not None:  # (traced even when there is nothing to start)
             self._spawn(
                 self.watch.failover(worker_id, plan, self._shutdown), f"failover {worker_id}"
@@ -503,6 +507,41 @@ class Router:
                 state.pulse()
         if judged.outranked:
             self._tell_outranked(judged)
+        if judged.serving is not None and judged.serving.fenced:
+            self._promote_fenced(judged.serving, judged)
+
+    def _promote_fenced(self, r: Route, judged: Judged) -> None:
+        """A fenced primary whose worker cannot reach the other members, all on workers this
+        proxy declared dead: promote it (its claim rises, the fence goes), or nothing serves."""
+        if (
+            self.flaps is None
+            or judged.top is None
+            or not r.peers
+            or r.state != STARTED
+            or not self._running
+            or self._closed
+        ):
+            return
+        view = self.registry.worker(r.worker_id)
+        if view is None or view.status != ALIVE or self.is_dead(r.worker_id):
+            return
+        others = [o for o in self.slots.members(r.slot) if o is not r]
+        if not all(self.is_dead(o.worker_id) for o in others):
+            return  # they can answer its worker: let it confirm
+        now = self.clock.now()
+        if now < r.supersede_after:
+            return
+        r.supersede_after = now + self.config.supersede_retry
+        generation = judged.top[0] + 1
+        log.warning("promoting_fenced", machine_id=r.id, slot=r.slot, generation=generation)
+        self._spawn(self._start_fenced(r.id, generation), f"promote {r.id}")
+
+    async def _start_fenced(self, machine_id: str, generation: int) -> None:
+        assert self.flaps is not None
+        try:
+            await self.flaps.start(machine_id, generation)
+        except FlapsFailed as err:
+            log.warning("promotion_failed", machine_id=machine_id, error=str(err))
 
     def _tell_outranked(self, judged: Judged) -> None:
         """Ask flaps to supersede each outranked copy running on a live worker (flyd stops it

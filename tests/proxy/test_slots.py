@@ -123,6 +123,29 @@ async def test_a_promotion_refused_as_superseded_is_not_tried_on_another_standby
         assert w.stats.failovers == 0
 
 
+async def test_a_fenced_primary_alone_with_dead_members_is_promoted_in_place() -> None:
+    """Its worker came back but cannot reach the standby's, which is dead: waiting for the
+    fence to lift would leave nothing serving; the proxy promotes the fenced copy itself."""
+    registry = fleet(*pair(fenced=True))
+    async with world(registry) as w:
+        registry.set_status("w2", SUSPECT)
+        w.probes.dead_workers.add("w2.test:7000")
+        await settle()
+        assert w.router.is_dead("w2")
+        assert (w.flaps.starts, w.flaps.generations) == (["p"], [1])
+        row = w.registry.machine("p")
+        assert row is not None
+        assert (row.slot.generation, row.slot.primary, row.slot.fenced) == (1, "p", False)
+        await w.advance(0.1)
+        assert (await w.router.acquire("web")).machine_id == "p"
+
+
+async def test_a_fenced_primary_waits_while_a_member_can_still_answer() -> None:
+    async with world(fleet(*pair(fenced=True))) as w:
+        await w.advance(3.0, steps=6)
+        assert w.flaps.starts == []  # its worker will confirm with s's
+
+
 def test_a_promotion_is_one_generation_above_any_member() -> None:
     p = claimed(machine("p", worker="w1"), 3, "p")
     rows = [
