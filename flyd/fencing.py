@@ -24,6 +24,7 @@ import grpc.aio
 import structlog
 
 from flyd import fsm, slots
+from flyd.metrics import FENCED, SUPERSEDED
 from flyd.runner import Runner
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2, worker_pb2_grpc
@@ -225,6 +226,7 @@ class Fencing:
     def _count(self, fenced: int) -> None:
         if fenced:
             self.fenced_total += fenced
+            FENCED.inc(fenced)
             self._wake.set()
 
     def poke(self) -> None:
@@ -300,6 +302,7 @@ class Fencing:
             sig, timeout = self._stop_params(row)
             await self.runner.drive(machine_id, fsm.Supersede(best[0], best[1], sig, timeout))
             self.superseded_total += 1
+            SUPERSEDED.inc()
             log.warning(
                 "machine_superseded",
                 machine_id=machine_id,

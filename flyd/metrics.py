@@ -26,6 +26,8 @@ from flyd.v1 import machine_pb2 as pb
 
 __all__ = [
     "CREATE_SECONDS",
+    "FENCED",
+    "SUPERSEDED",
     "WorkerCollector",
     "WorkerTotals",
     "count_transition",
@@ -42,6 +44,16 @@ CREATE_SECONDS = Histogram(
     "CreateMachine handled by the worker: from the request to the machine's resting state "
     "(started, or created with skip_launch).",
     buckets=(0.002, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+)
+
+FENCED = Counter(
+    "nonomad_flyd_fenced",
+    "Slot primaries fenced because the worker came back (a restart, a freeze): unroutable until "
+    "the other members confirmed them.",
+)
+SUPERSEDED = Counter(
+    "nonomad_flyd_superseded",
+    "Machines found outranked in their slot (the standby took over): stopped and made standbys.",
 )
 
 _transition_children: dict[tuple[int, int], Counter] = {}
