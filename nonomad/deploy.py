@@ -33,6 +33,7 @@ from typing import Any
 
 import structlog
 
+from flyd import slots
 from flyd.v1 import machine_pb2 as pb
 from nonomad.client import (
     ApiError,
@@ -631,7 +632,9 @@ class _Deployer:
                 continue
             assert p.machine is not None
             machine = p.machine
-            gated = p.role == PRIMARY or machine.state in RUNNING  # a standby in service too
+            # The primary, and a standby in service; not a primary that stands by since its
+            # standby took over (flyd starts a standby only when it is promoted).
+            gated = machine.state in RUNNING or (p.role == PRIMARY and slots.is_primary(machine))
             config = self.config_for(p)
             self.emit("updating", p, detail=p.reason)
             async with self.lease(p, machine.id) as nonce:

@@ -89,6 +89,10 @@ class Load:
     async def stop(self) -> list[Answer]:
         self._stop.set()
         await asyncio.gather(*self._tasks)
+        # (shown when the test fails: who answered what, through which proxy, in order)
+        t0 = self.answers[0].sent if self.answers else 0.0
+        for a in self.answers:
+            print(f"{a.sent - t0:8.3f} {a.got - t0:8.3f} proxy {a.proxy} {a.status} {a.machine}")
         return self.answers
 
     def served_by(self, machine_id: str) -> bool:
