@@ -103,6 +103,7 @@ class Router:
             clock=self.clock,
             rng=rng if rng is not None else random.Random(),
             spawn=self._spawn,
+            members=self.slots.members,
         )
         self._tasks: set[asyncio.Task[None]] = set()
         self._stop_slots = asyncio.Semaphore(STOP_CONCURRENCY)
@@ -231,7 +232,7 @@ class Router:
                         draining=w is not None and w.draining,
                         generation=r.machine.slot.generation,
                         superseded=not r.serving and not r.is_standby,
-                        fenced=r.fenced,
+                        fenced=r.machine.slot.fenced,
                     )
                 )
             out.append((name, infos))

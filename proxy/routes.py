@@ -181,8 +181,10 @@ class Route:
 
     @property
     def fenced(self) -> bool:
-        """Its worker came back and has not confirmed its claim yet (flyd.fencing)."""
-        return self.machine.slot.fenced
+        """Its worker came back and has not confirmed its claim yet (flyd.fencing), and its
+        slot has another member that may have taken over: a machine alone in its slot has
+        nobody to be superseded by, so its fence does not keep requests from it."""
+        return self.machine.slot.fenced and self.peers > 0
 
     def refresh(self, machine: pb.Machine, fallback_host: str) -> None:
         """Take a new row of the machine: the address may change with its config."""

@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import pytest
 
 from flyd import slots
 from flyd.v1 import machine_pb2 as pb
 from proxy.control import FlapsFailed, promotion_generation
-from registry.view import SUSPECT
+from proxy.errors import NoBackend
+from registry.view import DEAD, SUSPECT
 from tests.proxy.support import STARTED, STOPPED, fleet, machine, settle, world
 
 
@@ -102,6 +104,26 @@ async def test_a_primary_that_refuses_holds_requests_for_its_standby() -> None:
         w.probes.dead_workers.add("w1.test:7000")
         await w.advance(0.5, steps=5)
         assert (await waiting).machine_id == "s"
+
+
+async def test_a_fenced_machine_alone_in_its_slot_still_serves() -> None:
+    """Nobody can have taken over a machine without standbys: its fence (every restarted
+    worker fences what it runs until confirmed) does not keep requests from it."""
+    lone = claimed(machine("a", worker="w1"), 0, "a", fenced=True)
+    async with world(fleet(lone)) as w:
+        assert (await w.router.acquire("web")).machine_id == "a"
+        [(_, [route])] = w.router.routes("web")
+        assert (route.fenced, route.healthy) == (True, True)
+
+
+async def test_requests_do_not_wait_for_a_standby_that_cannot_take_over() -> None:
+    registry = fleet(*pair())
+    async with world(registry, unhealthy_for=5.0) as w:
+        registry.set_status("w2", DEAD)  # the standby's worker is gone too
+        backend = await w.router.acquire("web")
+        w.router.release(backend, ok=False, connect_failed=True)
+        with pytest.raises(NoBackend, match="refused a connection recently"):
+            await w.router.acquire("web")
 
 
 async def test_a_promotion_refused_as_superseded_is_not_tried_on_another_standby() -> None:
