@@ -114,8 +114,14 @@ class Client:
                 raise
 
     async def list_machines(self, app: str) -> list[pb.Machine]:
-        resp = await self.stub.ListMachines(w.ListMachinesRequest(app=app), timeout=RPC_TIMEOUT)
-        return list(resp.machines)
+        request = w.ListMachinesRequest(app=app)
+        machines: list[pb.Machine] = []
+        while True:
+            resp = await self.stub.ListMachines(request, timeout=RPC_TIMEOUT)
+            machines.extend(resp.machines)
+            if not resp.next_page_token:
+                return machines
+            request.page_token = resp.next_page_token
 
     async def log_head(self) -> int:
         """The worker's log head: the seq of the snapshot WatchEvents(from_seq=0) sends first."""

@@ -29,6 +29,12 @@ class NotFound(FlapsError):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class DeadlineExceeded(FlapsError):
+    """The caller's deadline passed before the answer was ready; nothing was left behind."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 class Unavailable(FlapsError):
     """A worker that owns the machine cannot be reached."""
 

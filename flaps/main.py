@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from flaps import placement
 from flaps.errors import map_error
-from flaps.service import Exchange, MachinesServicer, PlatformServicer, Workers
+from flaps.service import LIMITS, Exchange, MachinesServicer, PlatformServicer, Workers
 from flaps.settings import FlapsSettings
 from flaps.v1 import machines_pb2, machines_pb2_grpc, platform_pb2, platform_pb2_grpc
 from registry.service import serve_replica
@@ -29,12 +29,14 @@ async def build(argv: list[str]) -> Service:
         machines_pb2_grpc.add_MachinesServiceServicer_to_server,
         machines_pb2.DESCRIPTOR.services_by_name["MachinesService"],
         map_error,
+        LIMITS,
     )
     service.add(
         PlatformServicer(exchange),
         platform_pb2_grpc.add_PlatformServiceServicer_to_server,
         platform_pb2.DESCRIPTOR.services_by_name["PlatformService"],
         map_error,
+        LIMITS,
     )
     # Workers can announce themselves to any flaps, and replicas share members with it.
     serve_replica(service, replica, settings.workers)

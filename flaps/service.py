@@ -9,6 +9,8 @@ other call goes straight to the worker that owns the machine, found from the mac
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import hashlib
 import secrets
 from collections import Counter
@@ -23,18 +25,27 @@ from google.rpc import error_details_pb2
 from opentelemetry import trace
 
 from flaps import metrics, placement
-from flaps.errors import InvalidArgument, NoCapacity, NotFound, Unavailable, Upstream
+from flaps.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    NoCapacity,
+    NotFound,
+    Unavailable,
+    Upstream,
+)
 from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
 from flyd import slots
+from flyd.pages import page
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
-from flyd.validate import check_config
+from flyd.validate import CONFIG_LIMITS, check_config
 from registry.replica import Replica, WorkerView
 from registry.v1 import registry_pb2
-from runtime import abort_with_details, aio_channel
-from runtime.validate import check_name, duration_seconds
+from runtime import abort_with_details, aio_channel, time_left
+from runtime.limits import DEFAULT_LIMITS, Limits
+from runtime.validate import check_name, duration_seconds, quote
 
 log = structlog.get_logger("flaps")
 S = pb.MachineState
@@ -48,6 +59,26 @@ CLAIM_TIMEOUT = 10.0
 RPC_TIMEOUT = 10.0
 MAX_WAIT = 60.0
 MAX_LEASE = 3600.0
+LIMITS = DEFAULT_LIMITS.merged(
+    CONFIG_LIMITS,
+    Limits(
+        texts={
+            "flaps.v1.AcquireLeaseRequest.owner": 256,
+            "flaps.v1.CreateMachineRequest.name": 63,
+            "flaps.v1.CreateMachineRequest.idempotency_key": 256,
+            "flaps.v1.StopMachineRequest.signal": 16,
+            "flaps.v1.RestartMachineRequest.signal": 16,
+            "flaps.v1.SignalMachineRequest.signal": 16,
+        },
+        counts={
+            "flaps.v1.CreateMachineRequest.regions": 16,
+            "flaps.v1.CreateMachineRequest.standby_for": 16,
+            "flaps.v1.SimulatePlacementRequest.regions": 16,
+            "flaps.v1.SimulatePlacementRequest.standby_for": 16,
+        },
+    ),
+)
+"""The bounds of MachinesService and PlatformService requests (`runtime.limits`)."""
 # Worker answers that mean "not here, try another": nothing was created.
 REFUSALS: dict[grpc.StatusCode, metrics.Claim] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: "refused",
@@ -89,6 +120,7 @@ class Workers:
         machine = self.replica.machine(machine_id)
         if machine is not None:
             return machine.worker_id
+        check_name("machine_id", machine_id)
         raise NotFound(f"machine {machine_id} not found")
 
     async def close(self) -> None:
@@ -165,7 +197,7 @@ class Exchange:
             check_name(where, name)
             if name not in self.replica.regions():
                 known = ", ".join(sorted(self.replica.regions())) or "none"
-                raise InvalidArgument(where, f"unknown region {name!r} (known: {known})")
+                raise InvalidArgument(where, f"unknown region {quote(name)} (known: {known})")
             if name not in wanted:
                 wanted.append(name)
         if not wanted:
@@ -196,6 +228,7 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
 
     def __init__(self, exchange: Exchange) -> None:
         self.x = exchange
+        self._rollbacks: set[asyncio.Task[None]] = set()
 
     async def _call(
         self, machine_id: str, rpc: str, request: object, timeout: float = RPC_TIMEOUT
@@ -203,7 +236,8 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
         worker_id = self.x.workers.owner(machine_id)
         stub = self.x.workers.stub(worker_id)
         try:
-            return await getattr(stub, rpc)(request, timeout=timeout)
+            # The worker gets no more time than our caller has left.
+            return await getattr(stub, rpc)(request, timeout=time_left(timeout))
         except grpc.aio.AioRpcError as err:
             raise Upstream(err) from None
 
@@ -270,16 +304,25 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
                 state="created",
             )
             response = m.CreateMachineResponse(machine=machine)
-            if lease_ttl:
-                lease = await self._call(
-                    machine.id,
-                    "AcquireLease",
-                    w.AcquireLeaseRequest(
-                        machine_id=machine.id, ttl=request.lease_ttl, owner="flaps create"
-                    ),
-                )
-                assert isinstance(lease, w.AcquireLeaseResponse)
-                response.lease.CopyFrom(lease.lease)
+            try:
+                if lease_ttl:
+                    lease = await self._call(
+                        machine.id,
+                        "AcquireLease",
+                        w.AcquireLeaseRequest(
+                            machine_id=machine.id, ttl=request.lease_ttl, owner="flaps create"
+                        ),
+                    )
+                    assert isinstance(lease, w.AcquireLeaseResponse)
+                    response.lease.CopyFrom(lease.lease)
+                if time_left(1.0) <= 0:
+                    raise DeadlineExceeded(f"machine {machine.id} was placed too late")
+            except BaseException:
+                # The caller will not learn of the machine (its deadline passed, it left, or
+                # the lease failed): without a key no retry can find it, so it goes.
+                if not request.idempotency_key:
+                    self._roll_back(machine.id)
+                raise
             return response
         error = NoCapacity(regions, counts)
         log.info("no_capacity", app=request.app, regions=regions, rejections=dict(counts))
@@ -300,6 +343,25 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
             ),
         )
         raise AssertionError("abort returns only by raising")
+
+    def _roll_back(self, machine_id: str) -> None:
+        """Destroy a machine just created for a caller who will never hear of it, in the
+        background (in a context of its own: not bound by the caller's deadline)."""
+
+        async def destroy() -> None:
+            try:
+                await self._call(
+                    machine_id,
+                    "DestroyMachine",
+                    w.DestroyMachineRequest(machine_id=machine_id, force=True),
+                )
+                log.info("create_rolled_back", machine_id=machine_id, state="destroying")
+            except Exception as err:  # reported; the machine stays, as an orphan would
+                log.warning("create_roll_back_failed", machine_id=machine_id, error=str(err))
+
+        task = asyncio.create_task(destroy(), context=contextvars.Context())
+        self._rollbacks.add(task)
+        task.add_done_callback(self._rollbacks.discard)
 
     async def _claim_best(
         self,
@@ -339,7 +401,9 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
                     config=config,
                     skip_launch=skip_launch,
                 ),
-                timeout=CLAIM_TIMEOUT,
+                # No more than our caller has left: the worker does not commit a machine
+                # it could not answer for in time.
+                timeout=time_left(CLAIM_TIMEOUT),
             )
         except grpc.aio.AioRpcError as err:
             reason = REFUSALS.get(err.code())
@@ -409,7 +473,8 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
                 or mm.state != S.MACHINE_STATE_DESTROYED
             )
         ]
-        return m.ListMachinesResponse(machines=sorted(machines, key=lambda mm: mm.id))
+        listed, next_token = page(machines, request.page_size, request.page_token)
+        return m.ListMachinesResponse(machines=listed, next_page_token=next_token)
 
     async def UpdateMachine(
         self, request: m.UpdateMachineRequest, context: grpc.aio.ServicerContext

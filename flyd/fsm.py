@@ -14,7 +14,7 @@ Operations and their steps:
     update          [kill ->] spawn -> release -> (STARTED)  new config, same id
     policy_restart  backoff -> spawn -> release -> (STARTED)   after a crash
     signal          send -> (unchanged)
-    destroy         [kill ->] cleanup -> (DESTROYED)
+    destroy         [kill ->] cleanup [-> retry after a backoff ...] -> (DESTROYED)
     promote         a start naming a generation: the slot claim, then as start
     supersede       the slot claim, then as stop                 (outranked by another member)
     fence           (unchanged) fenced / unfenced                (its worker came back)
@@ -60,6 +60,9 @@ STATE_NAMES: dict[int, str] = {
 EVENT_TAIL = 10
 # Attempts to spawn before a start is given up as FAILED.
 MAX_SPAWN_ATTEMPTS = 3
+# Attempts to clean up after a destroy (backing off between them, as the restart policy does)
+# before the machine is declared destroyed anyway, with what was left behind in its reason.
+MAX_CLEANUP_ATTEMPTS = 10
 
 OpKind = Literal["start", "stop", "restart", "policy_restart", "signal", "destroy", "update"]
 
@@ -195,6 +198,11 @@ class CleanedUp:
 
 
 @dataclass(frozen=True)
+class CleanupFailed:
+    error: str
+
+
+@dataclass(frozen=True)
 class TimerFired:
     pass
 
@@ -230,6 +238,7 @@ Event = (
     | Released
     | Signalled
     | CleanedUp
+    | CleanupFailed
     | TimerFired
     | Exited
     | Resume
@@ -414,10 +423,20 @@ def step(row: Row, event: Event, *, now: float, policy: Policy) -> Transition | 
         case CleanedUp():
             if row.op is None or row.op.step != "cleanup":
                 return None
-            return _Builder(row, now, "destroy").to(S.MACHINE_STATE_DESTROYED, "destroyed", op=None)
-        case TimerFired():
-            if row.op is None or row.op.step != "backoff" or now < row.op.not_before:
+            b = _Builder(replace(row, machine=_tombstone(row.machine)), now, "destroy")
+            return b.to(S.MACHINE_STATE_DESTROYED, "destroyed", op=None)
+        case CleanupFailed(error=error):
+            if row.op is None or row.op.step != "cleanup":
                 return None
+            return _retry_cleanup(row, now, policy, error)
+        case TimerFired():
+            if row.op is None or row.op.step not in ("backoff", "cleanup"):
+                return None
+            if not row.op.not_before or now < row.op.not_before:
+                return None
+            if row.op.step == "cleanup":
+                b = _Builder(row, now, "destroy", [Cleanup()])
+                return b.to(row.state, "retrying cleanup", op=replace(row.op, not_before=0.0))
             b = _Builder(row, now, row.op.kind, [Spawn()])
             return b.to(row.state, "backoff elapsed", op=replace(row.op, step="spawn"))
         case Exited():
@@ -585,6 +604,20 @@ def _update(row: Row, ev: UpdateRequested, now: float) -> Transition:
     return b.to(S.MACHINE_STATE_STARTING, reason, op=Op("update", "spawn"))
 
 
+def _tombstone(machine: pb.Machine) -> pb.Machine:
+    """What a destroyed machine's row keeps while it stays readable: who it was, its image and
+    size, its events; not the rest of its config, its log tail nor its lease, so the rows a
+    worker keeps (and sends in snapshots) stay small whatever the machines held."""
+    out = pb.Machine()
+    out.CopyFrom(machine)
+    out.config.Clear()
+    out.config.image = machine.config.image
+    out.config.guest.CopyFrom(machine.config.guest)
+    out.ClearField("lease")
+    del out.log_tail[:]
+    return out
+
+
 def lease_held(row: Row, now: float) -> bool:
     return row.lease is not None and float(row.lease["expires_at"]) > now
 
@@ -675,6 +708,25 @@ def _retry_spawn(row: Row, now: float, why: str) -> Transition:
         op=replace(row.op, step="spawn", attempts=attempts),
         handle=None,
     )
+
+
+def _retry_cleanup(row: Row, now: float, policy: Policy, error: str) -> Transition:
+    """A cleanup failed: try again after a backoff, or after the last attempt declare the
+    machine destroyed, naming what may be left behind (it never stays DESTROYING)."""
+    assert row.op is not None
+    attempts = row.op.attempts + 1
+    if attempts >= MAX_CLEANUP_ATTEMPTS:
+        b = _Builder(replace(row, machine=_tombstone(row.machine)), now, "destroy")
+        return b.to(
+            S.MACHINE_STATE_DESTROYED,
+            f"destroyed; cleanup failed {attempts} times, its resources may be left behind: "
+            f"{error}",
+            op=None,
+        )
+    delay = min(policy.backoff_max, policy.backoff_base * (2 ** (attempts - 1)))
+    op = replace(row.op, attempts=attempts, not_before=now + delay)
+    b = _Builder(row, now, "destroy", [StartTimer(now + delay)])
+    return b.to(row.state, f"cleanup failed: {error}; retrying in {delay:g}s", op=op)
 
 
 def _with_exit(machine: pb.Machine, ev: Exited, now: float) -> None:
@@ -787,6 +839,8 @@ def _resume(row: Row, now: float, alive: bool) -> Transition | None:
             b.effects.append(SendSignal(op.signal))
         case "cleanup":
             b.effects.append(Cleanup())
+            op = replace(op, not_before=0.0)  # a backoff that was under way ends now
+            return b.to(row.state, f"resumed {op.kind} at step {op.step}", op=op)
         case "backoff":
             b.effects.append(StartTimer(op.not_before))
         case _:

@@ -17,7 +17,7 @@ from flyd.fencing import GrpcPeers
 from flyd.images.cache import ImageCache
 from flyd.images.source import ImageSource
 from flyd.metrics import register_worker
-from flyd.service import WorkerServicer, map_error
+from flyd.service import LIMITS, WorkerServicer, map_error
 from flyd.settings import FlydSettings
 from flyd.store import LmdbMachineLog
 from flyd.traces import OpTracer
@@ -112,6 +112,7 @@ async def build(argv: list[str]) -> Service:
         worker_pb2_grpc.add_WorkerServiceServicer_to_server,
         worker_pb2.DESCRIPTOR.services_by_name["WorkerService"],
         map_error,
+        LIMITS,
     )
 
     async def run_worker(shutdown: asyncio.Event) -> None:

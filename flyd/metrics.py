@@ -25,6 +25,7 @@ from flyd.settings import CapacitySettings
 from flyd.v1 import machine_pb2 as pb
 
 __all__ = [
+    "CLEANUP_FAILURES",
     "CREATE_SECONDS",
     "FENCED",
     "SUPERSEDED",
@@ -44,6 +45,10 @@ CREATE_SECONDS = Histogram(
     "CreateMachine handled by the worker: from the request to the machine's resting state "
     "(started, or created with skip_launch).",
     buckets=(0.002, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+)
+CLEANUP_FAILURES = Counter(
+    "nonomad_flyd_cleanup_failures",
+    "Cleanups after a destroy that failed (each is retried with a backoff, then given up).",
 )
 
 FENCED = Counter(

@@ -19,9 +19,9 @@ import structlog
 
 from flyd import fsm
 from flyd.drivers.base import Driver, ExitStatus, Handle
-from flyd.errors import NotFound
+from flyd.errors import DeadlineExceeded, NotFound
 from flyd.images.cache import ImageCache
-from flyd.metrics import count_transition
+from flyd.metrics import CLEANUP_FAILURES, count_transition
 from flyd.reservations import Reservations
 from flyd.spec import process_spec
 from flyd.store import MachineLog, NewRecord, RecordType
@@ -36,6 +36,8 @@ log = structlog.get_logger("flyd.worker")
 S = pb.MachineState
 # How many destroyed machines stay readable (GetMachine, waits) before their rows go.
 KEEP_DESTROYED = 1000
+# Characters of each of the last log lines a failed machine's row keeps.
+LOG_TAIL_CHARS = 1024
 _SPAWN_ONLY = (fsm.Spawn(),)
 
 
@@ -108,7 +110,8 @@ class Runner:
             return
         tail: tuple[str, ...] = ()
         with contextlib.suppress(Exception):
-            tail = tuple(self.driver.read_logs(machine_id, 20))
+            # Cut, each line: the row (and every snapshot) must not grow with what it printed.
+            tail = tuple(line[:LOG_TAIL_CHARS] for line in self.driver.read_logs(machine_id, 20))
         event = fsm.Exited(
             handle.to_dict(),
             status.exit_code,
@@ -160,6 +163,7 @@ class Runner:
         staged: list[fsm.Transition] | None = None,
         *,
         op_span: tuple[str, OpSpan] | None = None,
+        commit_by: float | None = None,
     ) -> None:
         """Step the machine until it rests, committing each step before its effects run.
 
@@ -169,7 +173,8 @@ class Runner:
         A crash before that commit leaves a held process that dies with flyd, and the last
         committed step is resumed as before. `staged` are steps computed but not committed
         yet (a create's first ones). `op_span` (op, span) receives the steps from the first
-        commit on, in place of any open one.
+        commit on, in place of any open one. `commit_by` (loop time): the first commit must
+        come before it, else DeadlineExceeded and nothing is committed (the caller is gone).
         """
         staged = staged if staged is not None else []
         row = staged[-1].row if staged else self.rows[machine_id]
@@ -192,18 +197,29 @@ class Runner:
                 if op_span is not None:
                     self._take_span(machine_id, op_span)
                     op_span = None
+                self._check_in_time(machine_id, commit_by)
+                commit_by = None
                 self.commit(machine_id, staged)
                 staged = []
                 event = await self._perform(machine_id, transition)
             if staged:
                 if op_span is not None:
                     self._take_span(machine_id, op_span)
+                self._check_in_time(machine_id, commit_by)
                 self.commit(machine_id, staged)
                 staged = []
         finally:
             if staged and staged[-1].row.handle is not None:
                 # Spawned but never committed: the held process must not run.
                 self.driver.discard(machine_id)
+
+    @staticmethod
+    def _check_in_time(machine_id: str, commit_by: float | None) -> None:
+        if commit_by is not None and asyncio.get_running_loop().time() > commit_by:
+            raise DeadlineExceeded(
+                f"machine {machine_id}: the caller's deadline passed before its first commit; "
+                "nothing was created"
+            )
 
     def _apply_lazy(self, machine_id: str, t: fsm.Transition) -> None:
         """A change of flyd's internals that may become durable later (see fsm.Transition).
@@ -254,8 +270,20 @@ class Runner:
                         await self.driver.signal(machine_id, sig)
                     next_event = fsm.Signalled()
                 case fsm.Cleanup():
-                    await self.driver.cleanup(machine_id)
-                    next_event = fsm.CleanedUp()
+                    try:
+                        await self.driver.cleanup(machine_id)
+                    except Exception as err:  # retried with a backoff (fsm.CleanupFailed)
+                        log.warning(
+                            "cleanup failed",
+                            machine_id=machine_id,
+                            state=fsm.state_name(row.state),
+                            error=str(err)[:200],
+                            attempt=(row.op.attempts + 1) if row.op else 1,
+                        )
+                        CLEANUP_FAILURES.inc()
+                        next_event = fsm.CleanupFailed(str(err)[:200])
+                    else:
+                        next_event = fsm.CleanedUp()
                 case fsm.StartTimer(at=when):
                     self.spawn_task(self._timer(machine_id, when))
         return next_event
@@ -365,18 +393,23 @@ class Runner:
             return self._op_tracer.committed(machine_id, t, seq)
         return None
 
+    def drop(self, machine_ids: list[str]) -> None:
+        """Forget destroyed machines: their rows leave the store (one transaction) and memory."""
+        if not machine_ids:
+            return
+        self.store.commit([], dict.fromkeys(machine_ids))
+        for mid in machine_ids:
+            self.reservations.account(self.rows.pop(mid), None)
+            self._locks.pop(mid, None)
+
     def _compact(self) -> None:
         destroyed = [
             (row.machine.updated_at.ToNanoseconds(), mid)
             for mid, row in self.rows.items()
             if row.state == S.MACHINE_STATE_DESTROYED
         ]
-        drop = {mid for _, mid in sorted(destroyed)[: max(0, len(destroyed) - KEEP_DESTROYED)]}
-        if drop:
-            self.store.commit([], dict.fromkeys(drop))
-            for mid in drop:
-                self.reservations.account(self.rows.pop(mid), None)
-                self._locks.pop(mid, None)
+        drop = [mid for _, mid in sorted(destroyed)[: max(0, len(destroyed) - KEEP_DESTROYED)]]
+        self.drop(drop)
         dropped = self.store.compact(self.log_keep)
         log.info(
             "log compacted",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import AsyncIterator
 
 import grpc
@@ -20,10 +21,13 @@ from flyd.errors import (
     Unavailable,
     UnsafeImage,
 )
+from flyd.pages import page
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
+from flyd.validate import CONFIG_LIMITS
 from flyd.worker import Worker
 from runtime import Mapped
+from runtime.limits import DEFAULT_LIMITS, Limits
 from runtime.validate import check_name, duration_seconds, parse_signal
 
 # Checked in order: the first matching class decides (subclasses before their bases).
@@ -43,7 +47,27 @@ _OTHER = grpc.StatusCode.FAILED_PRECONDITION
 MAX_WAIT = 60.0
 DEFAULT_WAIT = 30.0
 MAX_TAIL = 10_000
+MAX_LINE = 64 * 1024
 MAX_LEASE = 3600.0
+# Signals whose default action stops a process: a frozen machine would still show as started,
+# hold its reservation and have the edge send it requests it never answers.
+FREEZING_SIGNALS = frozenset(
+    int(s) for s in (signal.SIGSTOP, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU)
+)
+
+LIMITS = DEFAULT_LIMITS.merged(
+    CONFIG_LIMITS,
+    Limits(
+        texts={
+            "flyd.v1.AcquireLeaseRequest.owner": 256,
+            "flyd.v1.CreateMachineRequest.name": 63,
+            "flyd.v1.StopMachineRequest.signal": 16,
+            "flyd.v1.RestartMachineRequest.signal": 16,
+            "flyd.v1.SignalMachineRequest.signal": 16,
+        }
+    ),
+)
+"""The bounds of WorkerService requests, checked as each is decoded (`runtime.limits`)."""
 
 
 def map_error(err: Exception) -> Mapped | None:
@@ -71,12 +95,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def CreateMachine(
         self, request: w.CreateMachineRequest, context: grpc.aio.ServicerContext
     ) -> w.CreateMachineResponse:
+        remaining = context.time_remaining()
         machine = await self.worker.create(
             machine_id=request.machine_id,
             name=request.name,
             app=request.app,
             config=request.config,
             skip_launch=request.skip_launch,
+            deadline=None if remaining is None else asyncio.get_running_loop().time() + remaining,
         )
         return w.CreateMachineResponse(machine=machine)
 
@@ -133,6 +159,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if not request.signal:
             raise InvalidArgument("signal", "is required")
         sig = parse_signal("signal", request.signal)
+        if sig in FREEZING_SIGNALS:
+            raise InvalidArgument(
+                "signal",
+                f"{signal.Signals(sig).name} would freeze the machine while it shows as "
+                "started; stop it with StopMachine",
+            )
         machine = await self.worker.signal(request.machine_id, sig, lease_nonce=request.lease_nonce)
         return w.SignalMachineResponse(machine=machine)
 
@@ -155,11 +187,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     ) -> w.ListMachinesResponse:
         if request.app:
             check_name("app", request.app)
-        return w.ListMachinesResponse(
-            machines=self.worker.list_machines(
+        machines, next_token = page(
+            self.worker.list_machines(
                 app=request.app, state=request.state, include_destroyed=request.include_destroyed
-            )
+            ),
+            request.page_size,
+            request.page_token,
         )
+        return w.ListMachinesResponse(machines=machines, next_page_token=next_token)
 
     async def WaitMachine(
         self, request: w.WaitMachineRequest, context: grpc.aio.ServicerContext
@@ -199,14 +234,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             raise InvalidArgument("tail_lines", f"must be between 0 and {MAX_TAIL}")
         self.worker.get(request.machine_id)
         tail = request.tail_lines or 100
+        # A line is cut to fit a message, whatever the machine printed without a newline.
         for line in self.worker.driver.read_logs(request.machine_id, tail):
-            yield w.GetMachineLogsResponse(line=line)
+            yield w.GetMachineLogsResponse(line=line[:MAX_LINE])
         if not request.follow:
             return
         async for line in self.worker.driver.follow_logs(
             request.machine_id, shutdown=self.draining
         ):
-            yield w.GetMachineLogsResponse(line=line)
+            yield w.GetMachineLogsResponse(line=line[:MAX_LINE])
 
     async def CordonWorker(
         self, request: w.CordonWorkerRequest, context: grpc.aio.ServicerContext

@@ -10,6 +10,7 @@ from __future__ import annotations
 from flyd import fsm
 from flyd.drivers.base import Limits, ProcessSpec
 from flyd.errors import NotFound
+from flyd.images import confine
 from flyd.images.cache import Image, ImageCache
 from flyd.v1 import machine_pb2 as pb
 
@@ -36,8 +37,12 @@ def process_spec(row: fsm.Row, images: ImageCache) -> ProcessSpec:
         raise NotFound(f"image {row.image_digest} is no longer cached")
     args = argv(config, image)
     rootfs = image.rootfs
-    if args and args[0].startswith("/") and (rootfs / args[0].lstrip("/")).exists():
-        args[0] = str(rootfs / args[0].lstrip("/"))
+    # This driver does not chroot: paths of the image are resolved inside its rootfs, and a
+    # machine the host would lead elsewhere is refused (UnsafeImage; the spawn fails).
+    if args and args[0].startswith("/"):
+        program = confine.host_path(rootfs, args[0], "entrypoint")
+        if program.exists():
+            args[0] = str(program)
     env = {"PATH": DEFAULT_PATH, **image.env, **config.env}
     env.update(
         MACHINE_ID=machine.id,
@@ -54,7 +59,7 @@ def process_spec(row: fsm.Row, images: ImageCache) -> ProcessSpec:
     return ProcessSpec(
         machine_id=machine.id,
         argv=args,
-        cwd=rootfs / image.workdir.lstrip("/"),
+        cwd=confine.host_path(rootfs, image.workdir, "WorkingDir"),
         env=env,
         limits=Limits(cpu_millicores=guest.cpu_millicores, memory_mib=guest.memory_mib),
     )

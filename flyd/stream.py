@@ -3,7 +3,8 @@
 The runner publishes every committed MachineChange here. A watcher replays the log from its
 position (or starts from a snapshot), then follows live changes through a bounded queue,
 with heartbeats between them; one that falls too far behind, or behind a compaction, catches
-up from the log or a new snapshot. Waiters (WaitMachine) wake on each published change.
+up from the log or a new snapshot (in parts: flyd.pages). Waiters (WaitMachine) wake on each
+published change.
 
 Before each heartbeat the worker may commit changes of its own (`before_heartbeat`: the fences
 of a worker that was away, flyd.fencing); those go out first, so a follower never hears the
@@ -19,6 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 from flyd import fsm
 from flyd.errors import InvalidArgument
+from flyd.pages import snapshot_parts
 from flyd.store import Compacted, MachineLog
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
@@ -72,14 +74,16 @@ class EventStream:
             async with asyncio.timeout(timeout):
                 await asyncio.shield(self._tick)
 
-    def snapshot(self, reason: str) -> worker_pb2.Snapshot:
+    def snapshot(self, reason: str) -> list[worker_pb2.WatchEventsResponse]:
+        """Every row at the log's last seq, as the stream items of a snapshot in parts."""
         snap = self.store.snapshot()
-        return worker_pb2.Snapshot(
-            seq=snap.seq,
-            reason=reason,
-            machines=[fsm.decode_row(raw).machine for raw in snap.rows.values()],
-            log_epoch=self.store.epoch(),
-        )
+        machines = (fsm.decode_row(raw).machine for raw in snap.rows.values())
+        epoch = self.store.epoch()
+        out = []
+        for part in snapshot_parts(snap.seq, reason, machines):
+            part.log_epoch = epoch
+            out.append(worker_pb2.WatchEventsResponse(snapshot=part))
+        return out
 
     async def watch(
         self,
@@ -105,9 +109,9 @@ class EventStream:
         try:
             pos = from_seq
             if from_seq == 0:
-                snap = self.snapshot(reason)
-                pos = snap.seq
-                yield worker_pb2.WatchEventsResponse(snapshot=snap)
+                for item in self.snapshot(reason):
+                    pos = item.snapshot.seq
+                    yield item
             loop = asyncio.get_running_loop()
             next_beat = loop.time()
             caught_up = False
@@ -118,9 +122,9 @@ class EventStream:
                             yield item
                             pos = item.change.event.seq
                     except Compacted:
-                        snap = self.snapshot("compacted")
-                        pos = snap.seq
-                        yield worker_pb2.WatchEventsResponse(snapshot=snap)
+                        for item in self.snapshot("compacted"):
+                            pos = item.snapshot.seq
+                            yield item
                         continue
                     caught_up = True
                 if loop.time() >= next_beat:

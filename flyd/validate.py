@@ -1,11 +1,17 @@
 """Checks of a machine config that need no worker: shared by flyd and flaps (and the deploy
-spec). The generic field checks (names, signals, durations) live in `runtime.validate`."""
+spec). The generic field checks (names, signals, durations) live in `runtime.validate`.
+
+`CONFIG_LIMITS` bounds a config's size and each of its lists and strings; flyd and flaps
+check them as a request is decoded (`runtime.limits`), before `check_config` sees it, so that
+no tenant can make a row, a snapshot or a list answer grow without bound.
+"""
 
 from __future__ import annotations
 
 from flyd.errors import InvalidArgument
 from flyd.images.reference import parse_reference
 from flyd.v1 import machine_pb2 as pb
+from runtime.limits import Limits
 from runtime.validate import check_name, duration_seconds, is_env_key, parse_signal, quote
 
 MAX_STOP_TIMEOUT = 300.0
@@ -15,6 +21,39 @@ MAX_VALUE_BYTES = 4096
 # Limits of a single guest; a worker's own capacity is checked separately.
 MAX_CPU_MILLICORES = 64_000
 MAX_MEMORY_MIB = 256 * 1024
+MAX_CONFIG_BYTES = 64 * 1024
+MAX_ARG_CHARS = 4096
+
+_C = "flyd.v1.MachineConfig"
+CONFIG_LIMITS = Limits(
+    texts={
+        f"{_C}.image": 512,
+        f"{_C}.entrypoint": MAX_ARG_CHARS,
+        f"{_C}.cmd": MAX_ARG_CHARS,
+        f"{_C}.EnvEntry.key": 256,
+        f"{_C}.EnvEntry.value": MAX_VALUE_BYTES,
+        f"{_C}.MetadataEntry.key": 128,
+        f"{_C}.MetadataEntry.value": MAX_VALUE_BYTES,
+        f"{_C}.standbys": 63,
+        "flyd.v1.PlacementConfig.RequiredLabelsEntry.key": 128,
+        "flyd.v1.PlacementConfig.RequiredLabelsEntry.value": 256,
+        "flyd.v1.CheckConfig.name": 63,
+        "flyd.v1.HttpCheck.method": 16,
+        "flyd.v1.StopConfig.signal": 16,
+    },
+    counts={
+        f"{_C}.entrypoint": 64,
+        f"{_C}.cmd": 256,
+        f"{_C}.env": MAX_ENV,
+        f"{_C}.services": 16,
+        f"{_C}.checks": 16,
+        f"{_C}.standbys": 16,
+        f"{_C}.metadata": MAX_METADATA,
+        "flyd.v1.PlacementConfig.required_labels": 32,
+    },
+    sizes={_C: MAX_CONFIG_BYTES},
+)
+"""The bounds of a machine config, wherever a request carries one (flyd's and flaps')."""
 
 
 def check_config(config: pb.MachineConfig, field: str = "config") -> None:
@@ -103,4 +142,6 @@ def check_config(config: pb.MachineConfig, field: str = "config") -> None:
         raise InvalidArgument(f"{field}.metadata", f"at most {MAX_METADATA} entries")
     for key, value in config.metadata.items():
         if not key or len(key) > 128 or len(value) > MAX_VALUE_BYTES:
-            raise InvalidArgument(f"{field}.metadata", f"entry {key[:32]!r} is too long or empty")
+            raise InvalidArgument(
+                f"{field}.metadata", f"entry {quote(key, 32)} is too long or empty"
+            )

@@ -49,6 +49,8 @@ from runtime.clock import Clock
 from runtime.validate import check_name
 
 log = structlog.get_logger("flyd.worker")
+# How long before its caller's deadline a create must commit, for its answer to reach them.
+COMMIT_MARGIN = 0.005
 S = pb.MachineState
 
 
@@ -163,10 +165,13 @@ class Worker:
     # --- operations ---------------------------------------------------------
 
     def get(self, machine_id: str) -> fsm.Row:
+        """The machine's row. Any id a row has is found, even one the name check refuses now
+        (a row from before it was strict): what this worker accepted, it can also destroy."""
         if not machine_id:
             raise InvalidArgument("machine_id", "is required")
         row = self.rows.get(machine_id)
         if row is None:
+            check_name("machine_id", machine_id)
             raise NotFound(f"machine {machine_id} not found on worker {self.identity.worker_id}")
         return row
 
@@ -193,8 +198,15 @@ class Worker:
         app: str,
         config: pb.MachineConfig,
         skip_launch: bool,
+        deadline: float | None = None,
     ) -> pb.Machine:
-        """Create a machine and, unless skip_launch, start it; returns it at rest (STARTED)."""
+        """Create a machine and, unless skip_launch, start it; returns it at rest (STARTED).
+
+        `deadline` (loop time): the caller's. Nothing is committed later than `COMMIT_MARGIN`
+        before it (DeadlineExceeded: no machine), and a create committed for a caller who
+        went away or whose deadline passed before the answer is rolled back (`roll_back`):
+        DEADLINE_EXCEEDED means no machine.
+        """
         t0 = time.perf_counter()
         check_name("machine_id", machine_id, required=False)
         mid = machine_id or secrets.token_hex(7)
@@ -202,7 +214,7 @@ class Worker:
             "create",
             mid,
             app,
-            lambda op_span: self._create(mid, name, app, config, skip_launch, op_span),
+            lambda op_span: self._create(mid, name, app, config, skip_launch, op_span, deadline),
         )
         CREATE_SECONDS.observe(time.perf_counter() - t0)
         return machine
@@ -239,6 +251,7 @@ class Worker:
         config: pb.MachineConfig,
         skip_launch: bool,
         op_span: tuple[str, OpSpan] | None,
+        deadline: float | None = None,
     ) -> pb.Machine:
         check_name("app", app)
         if len(name) > 63:
@@ -254,6 +267,7 @@ class Worker:
         self.reservations.check_room(config.guest)  # fail fast, before pulling anything
         image = await self.images.pull(config.image)
         self.images.use(image.digest)  # at once, so the pulled image cannot be evicted
+        mine = secrets.token_hex(8)  # the instance this call creates
         try:
             if not argv(config, image):
                 raise InvalidArgument("config.cmd", "the image has no entrypoint or cmd; set one")
@@ -272,7 +286,7 @@ class Worker:
                     region=self.identity.region,
                     worker_id=self.identity.worker_id,
                     config=config,
-                    instance_id=secrets.token_hex(8),
+                    instance_id=mine,
                 )
                 for svc, port in zip(config.services, ports, strict=True):
                     machine.ports.add(
@@ -289,21 +303,56 @@ class Worker:
                     # The pending start goes on in the same operation: its spawn comes before
                     # the first commit, which records the creation, the start and the process.
                     await self.runner.drive_locked(
-                        machine_id, fsm.Resume(alive=False), [first], op_span=op_span
+                        machine_id,
+                        fsm.Resume(alive=False),
+                        [first],
+                        op_span=op_span,
+                        commit_by=None if deadline is None else deadline - COMMIT_MARGIN,
                     )
                 finally:
                     self.reservations.pending.pop(machine_id, None)
-        except BaseException:
-            if machine_id not in self.rows:
+        except BaseException as err:
+            row = self.rows.get(machine_id)
+            if row is None:
                 self.images.release(image.digest)
+            elif isinstance(err, asyncio.CancelledError) and row.machine.instance_id == mine:
+                # Committed by this call, but its caller is gone (deadline, cancel): it never
+                # hears of the machine.
+                self.runner.spawn_task(self.roll_back(machine_id))
             raise
+        if deadline is not None and asyncio.get_running_loop().time() >= deadline:
+            self.runner.spawn_task(self.roll_back(machine_id))
+            raise DeadlineExceeded(
+                f"machine {machine_id} was ready after its caller's deadline; rolled back"
+            )
         return self.rows[machine_id].machine
+
+    async def roll_back(self, machine_id: str, timeout: float = 60.0) -> None:
+        """Undo a create whose caller is gone: destroy the machine, then drop its row, so that
+        the id is free again (a retry with it creates the machine anew)."""
+        log.warning("create rolled back", machine_id=machine_id, reason="its caller is gone")
+        await self.runner.drive(machine_id, fsm.DestroyRequested(force=True))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while (row := self.rows.get(machine_id)) is not None:
+            if row.state == S.MACHINE_STATE_DESTROYED:
+                self.runner.drop([machine_id])
+                return
+            if loop.time() >= deadline:
+                log.error("roll back unfinished", machine_id=machine_id, state=row.state)
+                return
+            await self.stream.changed(deadline - loop.time())
 
     def _existing(self, machine_id: str, app: str, config: pb.MachineConfig) -> pb.Machine | None:
         row = self.rows.get(machine_id)
         if row is None:
             return None
-        if row.machine.app != app or row.machine.config != config:
+        kept = row.machine.config
+        if row.state == S.MACHINE_STATE_DESTROYED:  # its row keeps only the image and size
+            same = kept.image == config.image and kept.guest == config.guest
+        else:
+            same = kept == config
+        if row.machine.app != app or not same:
             raise AlreadyExists(f"machine {machine_id} exists with another app or config")
         return row.machine
 

@@ -354,15 +354,23 @@ class Client:
         include_destroyed: bool = False,
         timeout: float | None = None,
     ) -> list[pb.Machine]:
-        """An app's machines across the fleet, as the registry replica sees them."""
+        """An app's machines across the fleet, as the registry replica sees them (every page;
+        `timeout` is each page's)."""
         request = m.ListMachinesRequest(
             app=app,
             region=region,
             state=parse_state(state) if state is not None else pb.MACHINE_STATE_UNSPECIFIED,
             include_destroyed=include_destroyed,
         )
-        response = await self._unary(self._machines.ListMachines, "ListMachines", request, timeout)
-        return list(response.machines)
+        machines: list[pb.Machine] = []
+        while True:
+            response = await self._unary(
+                self._machines.ListMachines, "ListMachines", request, timeout
+            )
+            machines.extend(response.machines)
+            if not response.next_page_token:
+                return machines
+            request.page_token = response.next_page_token
 
     async def update_machine(
         self,

@@ -60,6 +60,8 @@ class Edge(Owner, Protocol):
 
     def _conn_closed(self, conn: ClientConnection) -> None: ...
 
+    def _admit(self, conn: ClientConnection) -> bool: ...
+
     def _app_for(self, host: bytes) -> str | None: ...
 
 
@@ -170,16 +172,15 @@ class ClientConnection(Timed):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, though they are one.
         self.transport = transport = cast(asyncio.Transport, transport)
-        proxy = self.proxy
-        if proxy._closing or len(proxy._conns) >= self.limits.max_connections:
+        peer = transport.get_extra_info("peername")
+        if isinstance(peer, tuple) and peer:
+            self.peer = str(peer[0]).encode()
+        if not self.proxy._admit(self):
             self.closed = True
             transport.write(OVERLOADED)
             transport.close()
             return
-        proxy._conns.add(self)
-        peer = transport.get_extra_info("peername")
-        if isinstance(peer, tuple) and peer:
-            self.peer = str(peer[0]).encode()
+        if self.peer != b"unknown":
             self.xff_line = _forwarded_line(self.peer)
         self._set_deadline(self.limits.header_timeout)
         self.task = self._loop.create_task(self._serve())
@@ -392,7 +393,22 @@ class ClientConnection(Timed):
         cl = self.h_cl
         req.has_body = req.chunked or cl > 0
         host = self.host
-        if self.h_hosts > 1:
+        url = self.url
+        target = url[:8].lower()
+        if target.startswith((b"http://", b"https://")):
+            # Absolute form (RFC 9112 3.2.2): the target's authority names the app, and a
+            # machine is sent the origin form. A Host that says otherwise is refused.
+            authority, _, path = url[url.index(b"//") + 2 :].partition(b"/")
+            authority, q, query = authority.partition(b"?")
+            url = b"/" + path if not q else b"/?" + query
+            if self.h_hosts and host.strip().lower() != authority.lower():
+                req.error = BadRequest("Host does not match the request target's authority")
+            elif not self.h_hosts:
+                self.h_parts += (b"Host: ", authority, CRLF)
+            host = authority
+        if req.error is not None:
+            pass
+        elif self.h_hosts > 1:
             req.error = BadRequest("more than one Host header")
         elif method == b"CONNECT":
             req.error = BadRequest("CONNECT is not supported")
@@ -402,9 +418,12 @@ class ClientConnection(Timed):
             )
         else:
             req.app = proxy._app_for(host)
-            if req.app is None:
+            if req.app == "":
+                req.app = None
+                req.error = BadRequest("malformed Host (its port must be 1-65535)")
+            elif req.app is None:
                 req.error = UnknownApp(
-                    f"no app at host {host.decode('latin-1')!r}: expected <app>.{proxy.domain}"
+                    f"no app at host {host[:80].decode('latin-1')!r}: expected <app>.{proxy.domain}"
                 )
             elif self.pin is not None:
                 req.pinned = self.pin.decode("latin-1").strip() or None
@@ -422,7 +441,7 @@ class ClientConnection(Timed):
             framing = b""
         parts = self.h_parts
         parts[0] = method
-        parts[2] = self.url
+        parts[2] = url
         if self.h_conn_extra is not None:
             parts = [_drop_headers(b"".join(parts), self.h_conn_extra)]
         xff = self.h_xff
@@ -560,6 +579,11 @@ class ClientConnection(Timed):
         self._stop_timer()
         if self.transport is not None:
             self.transport.abort()
+
+    @property
+    def idle(self) -> bool:
+        """No request in progress: nothing read of one, nothing being answered."""
+        return self.up is None and not self.reqs and self.cur is None and not self.in_head
 
     def shutdown(self) -> None:
         """Close now if idle; otherwise after the answer in progress."""

@@ -23,6 +23,7 @@ from proxy.routing import Backend, Router
 from proxy.stats import Stats
 from proxy.upstream import Pool
 from proxy.wire import CRLF, REQ_SPECIAL, REQ_SPECIAL_TRACED
+from runtime.validate import is_name
 
 log = structlog.get_logger("proxy.http")
 
@@ -69,6 +70,7 @@ class HttpProxy:
         self._loop = asyncio.get_running_loop()
         self._pool = Pool(limits.pool_size_per_backend, limits.upstream_idle_timeout)
         self._conns: set[ClientConnection] = set()
+        self._by_peer: dict[bytes, set[ClientConnection]] = {}
         self._server: asyncio.Server | None = None
         self._closing = False
         self._all_closed: asyncio.Event | None = None
@@ -144,8 +146,41 @@ class HttpProxy:
 
     def _conn_closed(self, conn: ClientConnection) -> None:
         self._conns.discard(conn)
+        mine = self._by_peer.get(conn.peer)
+        if mine is not None:
+            mine.discard(conn)
+            if not mine:
+                del self._by_peer[conn.peer]
         if not self._conns and self._all_closed is not None:
             self._all_closed.set()
+
+    def _admit(self, conn: ClientConnection) -> bool:
+        """Whether to serve a new connection: its client is under its own limit, and the
+        proxy under its limit or able to make room by cutting off an idle connection of the
+        client that holds the most (so no client can hold every slot)."""
+        if self._closing:
+            return False
+        limits = self.limits
+        mine = self._by_peer.get(conn.peer)
+        if mine is not None and len(mine) >= limits.max_connections_per_client:
+            return False
+        if len(self._conns) >= limits.max_connections and not self._cut_idle():
+            return False
+        self._conns.add(conn)
+        if mine is None:
+            mine = self._by_peer[conn.peer] = set()
+        mine.add(conn)
+        return True
+
+    def _cut_idle(self) -> bool:
+        heaviest = max(self._by_peer.values(), key=len, default=None)
+        for conn in heaviest or ():
+            if conn.idle:
+                log.info("proxy_idle_cut", peer=conn.peer, connections=len(heaviest or ()))
+                conn._close()
+                self._conn_closed(conn)  # its slot is free now, not when the close completes
+                return True
+        return False
 
     def _app_for(self, host: bytes) -> str | None:
         apps = self._apps
@@ -160,17 +195,21 @@ class HttpProxy:
         return app
 
     def _parse_host(self, host: bytes) -> str | None:
+        """The app `host` names; None for none, "" for a malformed Host (a bad port)."""
         name = host.strip().lower()
         if name.startswith(b"["):
             return None  # an IP literal names no app
-        name = name.rsplit(b":", 1)[0] if b":" in name else name
+        if b":" in name:
+            name, _, port = name.rpartition(b":")
+            if port and not (port.isdigit() and len(port) <= 5 and 1 <= int(port) <= 65535):
+                return ""
         name = name.rstrip(b".")
         suffix = self._suffix
         if not name.endswith(suffix):
             return None
         app = name[: -len(suffix)]
-        if not app or b"." in app or not app.isascii():
-            return None
+        if not app.isascii() or not is_name(app.decode("ascii")):
+            return None  # one name check for every identifier: runtime.validate's
         return app.decode("ascii")
 
     def _machine_line(self, backend: Backend) -> bytes:

@@ -28,6 +28,9 @@ class Limits:
     # An idle pooled connection to a machine is closed after this.
     upstream_idle_timeout: float = 30.0
     max_connections: int = 10_000
+    # From one client address. At `max_connections`, an idle connection of the client holding
+    # the most is cut off to make room for a newcomer, so one client cannot starve the others.
+    max_connections_per_client: int = 512
     # Idle connections kept per machine (in-flight ones are not capped here: the router
     # bounds concurrency per machine).
     pool_size_per_backend: int = 64
@@ -51,6 +54,11 @@ class Limits:
         for name in ("max_body_bytes", "pool_size_per_backend", "max_retries"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        for name in ("max_header_bytes", "max_connections", "buffer_bytes"):
+        for name in (
+            "max_header_bytes",
+            "max_connections",
+            "max_connections_per_client",
+            "buffer_bytes",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")

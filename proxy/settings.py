@@ -91,6 +91,9 @@ class ProxySettings(ReplicaSettings):
         default=30.0, gt=0, description="s an idle pooled machine connection is kept"
     )
     max_connections: int = Field(default=10_000, ge=1, description="client connections at once")
+    max_connections_per_client: int = Field(
+        default=512, ge=1, description="client connections at once from one address"
+    )
     pool_size_per_backend: int = Field(
         default=64, ge=0, description="idle connections kept per machine"
     )

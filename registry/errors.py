@@ -59,6 +59,17 @@ class WrongWorker(RegistryError):
         self.got = got
 
 
+class BrokenSnapshot(RegistryError):
+    """A part of a snapshot came without the parts before it, or something else of the worker
+    came between two parts: the follower starts over with a new snapshot."""
+
+    retryable = True
+
+    def __init__(self, worker_id: str, detail: str) -> None:
+        super().__init__(f"worker {worker_id}: snapshot in parts broken: {detail}")
+        self.worker_id = worker_id
+
+
 class LogRestarted(RegistryError):
     """The worker's log started over (its data was wiped: another log epoch, or a new boot with
     a lower sequence): its rows are replaced from a fresh snapshot, never merged."""

@@ -6,11 +6,12 @@ step and the runtime (`registry.replica`) only has to move bytes and publish eve
 
 Every row has one writer, the worker that owns it, so applying is simple: a worker's stream is
 applied in its own sequence order (a change at or below the applied seq is a repeat and is
-ignored; a change that skips one is a `SequenceGap`), a snapshot replaces the worker's rows, and
-nothing from one worker ever touches another worker's rows. A worker whose log starts over (its
-data dir was wiped: a heartbeat names another log epoch, or a new boot with a lower sequence) is
-reset and followed from a new snapshot (`LogRestarted`): its rows are replaced, never merged.
-A worker dead for longer than `forget_after` is dropped with its rows (`forget`).
+ignored; a change that skips one is a `SequenceGap`), a snapshot replaces the worker's rows
+once its last part has arrived (a large one comes in parts: flyd.pages), and nothing from one
+worker ever touches another worker's rows. A worker whose log starts over (its data dir was
+wiped: a heartbeat names another log epoch, or a new boot with a lower sequence) is reset and
+followed from a new snapshot (`LogRestarted`): its rows are replaced, never merged. A worker
+dead for longer than `forget_after` is dropped with its rows (`forget`).
 """
 
 from __future__ import annotations
@@ -22,12 +23,19 @@ from typing import Literal, TypeAlias
 
 import structlog
 
+from flyd.pages import snapshot_parts
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
-from registry.errors import InvalidArgument, LogRestarted, SequenceGap, WrongWorker
+from registry.errors import (
+    BrokenSnapshot,
+    InvalidArgument,
+    LogRestarted,
+    SequenceGap,
+    WrongWorker,
+)
 from registry.v1 import registry_pb2
 from runtime import parse_host_port
-from runtime.validate import is_name
+from runtime.validate import is_name, quote
 
 log = structlog.get_logger("registry.view")
 
@@ -108,14 +116,15 @@ def check_worker_info(info: pb.WorkerInfo, field_prefix: str = "worker") -> None
         raise InvalidArgument(f"{field_prefix}.id", "is required")
     if not is_name(info.id):
         raise InvalidArgument(
-            f"{field_prefix}.id", f"{info.id!r} must be 1-63 lowercase letters, digits or dashes"
+            f"{field_prefix}.id",
+            f"{quote(info.id)} must be 1-63 lowercase letters, digits or dashes",
         )
     if not info.region:
         raise InvalidArgument(f"{field_prefix}.region", "is required")
     if not is_name(info.region):
         raise InvalidArgument(
             f"{field_prefix}.region",
-            f"{info.region!r} must be 1-63 lowercase letters, digits or dashes",
+            f"{quote(info.region)} must be 1-63 lowercase letters, digits or dashes",
         )
     if not info.address:
         raise InvalidArgument(f"{field_prefix}.address", "is required")
@@ -147,6 +156,8 @@ class _Member:
     upstream_status: Status = UNKNOWN
     # The next snapshot applies even when its seq is below ours (the worker's log restarted).
     force_snapshot: bool = False
+    # The parts of a snapshot received so far, until its last part arrives.
+    partial: worker_pb2.Snapshot | None = None
     # The log our seq counts in, as its snapshots and heartbeats name it ("": not said yet).
     log_epoch: str = ""
 
@@ -346,12 +357,30 @@ class View:
         log.warning("unknown_stream_item", worker=m.info.id, kind=kind)
         return _IGNORED
 
-    def _apply_snapshot(self, m: _Member, snap: worker_pb2.Snapshot) -> Applied:
-        other_log = bool(snap.log_epoch and m.log_epoch and snap.log_epoch != m.log_epoch)
-        if snap.seq < m.seq and not m.force_snapshot and not other_log:
-            return _IGNORED  # older than what we have: a lagging source
-        for machine in snap.machines:
-            _check_owner(m, machine)
+    def _apply_snapshot(self, m: _Member, part: worker_pb2.Snapshot) -> Applied:
+        if part.part == 0:
+            m.partial = None
+        elif m.partial is None or part.seq != m.partial.seq or part.part != m.partial.part + 1:
+            m.partial = None
+            raise BrokenSnapshot(m.info.id, f"part {part.part} of seq {part.seq} out of order")
+        # Older than what we have: a lagging source (unless it is another log, which replaces
+        # ours whatever its seq). Decided by seq and epoch, the same for every part.
+        other_log = bool(part.log_epoch and m.log_epoch and part.log_epoch != m.log_epoch)
+        stale = part.seq < m.seq and not m.force_snapshot and not other_log
+        if not stale:
+            for machine in part.machines:
+                _check_owner(m, machine)
+        if part.more or m.partial is not None:
+            if m.partial is None:
+                m.partial = worker_pb2.Snapshot()
+            m.partial.MergeFrom(part)  # machines appended; seq, part, more the latest's
+            if part.more:
+                return Applied([], relay=not stale)
+            snap, m.partial = m.partial, None
+        else:
+            snap = part
+        if stale:
+            return _IGNORED
         m.force_snapshot = False
         if snap.log_epoch:
             m.log_epoch = snap.log_epoch
@@ -369,6 +398,9 @@ class View:
         return Applied(events, relay=True)
 
     def _apply_change(self, m: _Member, change: worker_pb2.MachineChange) -> Applied:
+        if m.partial is not None:
+            m.partial = None
+            raise BrokenSnapshot(m.info.id, "a change came before the last part")
         seq = change.event.seq
         if seq <= m.seq:
             return _IGNORED  # already applied (a replay overlapping what we have)
@@ -503,18 +535,21 @@ class View:
         return out
 
     def follow_items(self) -> Iterator[registry_pb2.FollowResponse]:
-        """The whole view as Follow stream items: per worker a snapshot, then its last
+        """The whole view as Follow stream items: per worker a snapshot (in parts), then its last
         heartbeat (so a downstream learns capacity at once), each with status and info."""
         for m in self._members.values():
-            snap = worker_pb2.Snapshot(seq=m.seq, machines=m.rows.values(), reason="requested")
-            yield registry_pb2.FollowResponse(
-                worker_id=m.info.id,
-                status=m.status,
-                worker=m.info,
-                item=worker_pb2.WatchEventsResponse(snapshot=snap),
-            )
+            for part in snapshot_parts(m.seq, "requested", m.rows.values()):
+                part.log_epoch = m.log_epoch
+                yield registry_pb2.FollowResponse(
+                    worker_id=m.info.id,
+                    status=m.status,
+                    worker=m.info,
+                    item=worker_pb2.WatchEventsResponse(snapshot=part),
+                )
             if m.last_heartbeat:
-                hb = worker_pb2.Heartbeat(seq=m.seq, worker=m.info, capacity=m.capacity)
+                hb = worker_pb2.Heartbeat(
+                    seq=m.seq, worker=m.info, capacity=m.capacity, log_epoch=m.log_epoch
+                )
                 hb.time.FromNanoseconds(int(m.last_heartbeat * 1e9))
                 yield registry_pb2.FollowResponse(
                     worker_id=m.info.id,

@@ -16,7 +16,9 @@ from runtime.server import (
     error_info,
     main_entry,
     read_announcements,
+    register,
     server_options,
+    time_left,
     wrap_servicer,
 )
 from runtime.settings import (
@@ -61,11 +63,13 @@ __all__ = [
     "main_entry",
     "parse_host_port",
     "read_announcements",
+    "register",
     "server_interceptors",
     "server_options",
     "settings_or_exit",
     "setup_tracing",
     "shutdown_tracing",
+    "time_left",
     "tracing_enabled",
     "tracing_requested",
     "wrap_servicer",

@@ -1,7 +1,9 @@
 """The process lifecycle every nonomad service shares: serve gRPC, report readiness, stop cleanly.
 
 A service's `main()` builds a `Service`, registers its servicers with `add` (each wrapped once
-by `wrap_servicer`, so domain errors become gRPC statuses in one place), starts background
+by `wrap_servicer`, so domain errors become gRPC statuses in one place, and each request
+decoded and checked against the service's `runtime.limits.Limits` by `register`: a malformed
+protobuf or a field over its bound is INVALID_ARGUMENT before any handler runs), starts background
 loops with `spawn`, and hands it to `main_entry`. `Service.run` adds the standard health and
 reflection services, binds, announces readiness, and on SIGTERM/SIGINT shuts down in order:
 health NOT_SERVING, `server.stop(grace)`, shutdown event to tasks, hooks, tracing flush.
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import inspect
 import json
@@ -39,6 +42,7 @@ from grpc_status import rpc_status
 from runtime import tracing
 from runtime.endpoints import METRICS_PREFIX, MetricsEndpoint, TokenAuth
 from runtime.errors import InvalidArgument
+from runtime.limits import DEFAULT_LIMITS, Limits, check
 from runtime.settings import ServiceSettings, SettingsError, parse_host_port
 
 __all__ = [
@@ -50,7 +54,9 @@ __all__ = [
     "error_info",
     "main_entry",
     "read_announcements",
+    "register",
     "server_options",
+    "time_left",
     "wrap_servicer",
 ]
 
@@ -106,6 +112,90 @@ _INTERNAL_MESSAGE = "internal error"
 T = TypeVar("T")
 
 
+class _Refused:
+    """What a request that could not be decoded, or broke a limit, is handed to its handler
+    as: the wrapped handler answers INVALID_ARGUMENT with `message` (gRPC's own decoding
+    would answer UNKNOWN, naming a Python exception class)."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def _checked_decoder(
+    decode: Callable[[bytes], Any], type_name: str, limits: Limits
+) -> Callable[[bytes], Any]:
+    def decoder(raw: bytes) -> Any:
+        try:
+            request = decode(raw)
+        except Exception:
+            # DecodeError, or invalid UTF-8 in a string field: either way not our message.
+            return _Refused(f"request: not a valid {type_name} (malformed or truncated)")
+        try:
+            check(request, limits)
+        except InvalidArgument as err:
+            return _Refused(str(err))
+        return request
+
+    return decoder
+
+
+class _CheckingServer:
+    """What a generated `add_..._to_server` is given instead of the server: every method handler
+    it registers decodes with `_checked_decoder`."""
+
+    def __init__(self, server: Any, limits: Limits) -> None:
+        self._server = server
+        self._limits = limits
+
+    def _checked(self, handler: Any) -> Any:
+        decode = handler.request_deserializer
+        if decode is None:
+            return handler
+        type_name = getattr(getattr(decode, "__self__", None), "DESCRIPTOR", None)
+        name = type_name.full_name if type_name is not None else "request message"
+        return handler._replace(request_deserializer=_checked_decoder(decode, name, self._limits))
+
+    def add_generic_rpc_handlers(self, handlers: Sequence[Any]) -> None:
+        self._server.add_generic_rpc_handlers([_CheckingHandler(h, self) for h in handlers])
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        checked = {name: self._checked(h) for name, h in handlers.items()}
+        self._server.add_registered_method_handlers(service, checked)
+
+
+class _CheckingHandler(grpc.ServiceRpcHandler):
+    def __init__(self, inner: Any, server: _CheckingServer) -> None:
+        self._inner = inner
+        self._server = server
+        self._cache: dict[str, Any] = {}
+
+    def service_name(self) -> str:
+        return str(self._inner.service_name())
+
+    def service(self, details: grpc.HandlerCallDetails) -> Any:
+        method: str = details.method
+        if method not in self._cache:
+            handler = self._inner.service(details)
+            self._cache[method] = None if handler is None else self._server._checked(handler)
+        return self._cache[method]
+
+
+def register(
+    server: Any,
+    servicer: T,
+    add_to_server: Callable[[T, Any], None],
+    service: ServiceDescriptor,
+    mapper: ErrorMapper,
+    limits: Limits = DEFAULT_LIMITS,
+) -> None:
+    """Add `servicer` to a grpc.aio `server` as `Service` does: its handlers wrapped by
+    `wrap_servicer`, every request decoded without raising and checked against `limits`."""
+    wrap_servicer(servicer, service, mapper)
+    add_to_server(servicer, _CheckingServer(server, limits))
+
+
 async def _abort_with_mapped(
     exc: Exception, context: Any, method: str, mapper: ErrorMapper
 ) -> NoReturn:
@@ -159,11 +249,34 @@ async def abort_with_details(
     raise AssertionError("context.abort returned")  # pragma: no cover - abort always raises
 
 
+_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "nonomad_rpc_deadline", default=None
+)
+
+
+def time_left(cap: float) -> float:
+    """The seconds the RPC being handled has left before its caller's deadline, at most `cap`
+    (`cap` outside a handler, or when the caller set no deadline): the timeout of a call made
+    on the caller's behalf, so that nobody works on for a caller who has given up."""
+    deadline = _deadline.get()
+    if deadline is None:
+        return cap
+    return max(0.0, min(cap, deadline - time.monotonic()))
+
+
+def _caller_deadline(context: Any) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
 def _wrap_unary(
     handler: Callable[[Any, Any], Awaitable[Any]], method: str, mapper: ErrorMapper
 ) -> Callable[[Any, Any], Awaitable[Any]]:
     @functools.wraps(handler)
     async def wrapper(request: Any, context: Any) -> Any:
+        if type(request) is _Refused:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        _deadline.set(_caller_deadline(context))  # this task's own context: nothing to reset
         try:
             return await handler(request, context)
         except grpc.aio.AbortError:
@@ -181,6 +294,9 @@ def _wrap_stream(
 ) -> Callable[[Any, Any], AsyncIterator[Any]]:
     @functools.wraps(handler)
     async def wrapper(request: Any, context: Any) -> AsyncIterator[Any]:
+        if type(request) is _Refused:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        _deadline.set(_caller_deadline(context))
         try:
             # aclosing: when the client goes away, the handler's own finally blocks run now,
             # not whenever the abandoned generator is collected.
@@ -260,6 +376,7 @@ class _Registration:
     servicer: object
     add_to_server: Callable[[Any, Any], None]
     full_name: str
+    limits: Limits
 
 
 class Service:
@@ -298,8 +415,10 @@ class Service:
         add_to_server: Callable[[T, Any], None],
         service: ServiceDescriptor,
         mapper: ErrorMapper,
+        limits: Limits = DEFAULT_LIMITS,
     ) -> None:
-        """Register `servicer` for `service`, with its errors translated by `mapper`.
+        """Register `servicer` for `service`, with its errors translated by `mapper` and its
+        requests bounded by `limits`.
 
         `add_to_server` is the generated `add_XServicer_to_server`. The service's full name is
         served by reflection and gets its own health status.
@@ -307,7 +426,9 @@ class Service:
         if self._started:
             raise RuntimeError("servicers must be added before run()")
         wrap_servicer(servicer, service, mapper)
-        self._registrations.append(_Registration(servicer, add_to_server, service.full_name))
+        self._registrations.append(
+            _Registration(servicer, add_to_server, service.full_name, limits)
+        )
 
     def spawn(self, name: str, coro_fn: Callable[[asyncio.Event], Awaitable[None]]) -> None:
         """Run `coro_fn(shutdown_event)` as a tracked background task while the service runs.
@@ -429,7 +550,7 @@ class Service:
             options=server_options(settings),
         )
         for reg in self._registrations:
-            reg.add_to_server(reg.servicer, server)
+            reg.add_to_server(reg.servicer, _CheckingServer(server, reg.limits))
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(

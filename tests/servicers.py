@@ -23,7 +23,8 @@ from google.protobuf.duration_pb2 import Duration
 from google.rpc import error_details_pb2
 
 from flyd.v1 import machine_pb2 as pb
-from runtime import ErrorMapper, Service, error_info, wrap_servicer
+from runtime import ErrorMapper, Service, error_info, register
+from runtime.limits import DEFAULT_LIMITS, Limits
 
 # How long a test waits for a server or a condition (never reached when things work).
 DEADLINE = 10.0
@@ -35,15 +36,18 @@ PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 
 
 def registered(
-    add_to_server: Callable[[Any, Any], None], service: ServiceDescriptor, mapper: ErrorMapper
+    add_to_server: Callable[[Any, Any], None],
+    service: ServiceDescriptor,
+    mapper: ErrorMapper,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> Callable[[Any, Any], None]:
-    """A `grpc_add_to_server` that registers a servicer the way `runtime.Service.add` does:
-    its handlers wrapped by `wrap_servicer` with the service's `map_error`, then added with the
-    generated `add_..._to_server`. What the tests see is the production error mapping."""
+    """A `grpc_add_to_server` that registers a servicer the way `runtime.Service.add` does
+    (`runtime.register`): its handlers wrapped by `wrap_servicer` with the service's
+    `map_error`, its requests decoded and checked against the service's `limits`. What the
+    tests see is the production error mapping."""
 
     def add(servicer: Any, server: Any) -> None:
-        wrap_servicer(servicer, service, mapper)
-        add_to_server(servicer, server)
+        register(server, servicer, add_to_server, service, mapper, limits)
 
     return add
 

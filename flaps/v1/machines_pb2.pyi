@@ -153,12 +153,20 @@ class ListMachinesRequest(_message.Message):
     REGION_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
     INCLUDE_DESTROYED_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     app: _builtins.str
     region: _builtins.str
     """Only machines in this region when set."""
     state: _machine_pb2.MachineState.ValueType
     """Only machines in this state when set."""
     include_destroyed: _builtins.bool
+    page_size: _builtins.int
+    """At most this many machines (default 500, at most 1000); a page also
+    stops at about 1 MiB of machines.
+    """
+    page_token: _builtins.str
+    """The next_page_token of the page before; empty for the first page."""
     def __init__(
         self,
         *,
@@ -166,10 +174,12 @@ class ListMachinesRequest(_message.Message):
         region: _builtins.str = ...,
         state: _machine_pb2.MachineState.ValueType = ...,
         include_destroyed: _builtins.bool = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["app", b"app", "include_destroyed", b"include_destroyed", "region", b"region", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["app", b"app", "include_destroyed", b"include_destroyed", "page_size", b"page_size", "page_token", b"page_token", "region", b"region", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -180,16 +190,20 @@ class ListMachinesResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     MACHINES_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Set when more machines follow: pass it as page_token."""
     @_builtins.property
     def machines(self) -> _containers.RepeatedCompositeFieldContainer[_machine_pb2.Machine]: ...
     def __init__(
         self,
         *,
         machines: _abc.Iterable[_machine_pb2.Machine] | None = ...,
+        next_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["machines", b"machines"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["machines", b"machines", "next_page_token", b"next_page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

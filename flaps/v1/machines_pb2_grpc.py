@@ -152,8 +152,10 @@ class MachinesServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListMachines(self, request, context):
-        """Lists an app's machines across the fleet (from the registry view).
-        INVALID_ARGUMENT for a malformed app or region.
+        """Lists an app's machines across the fleet (from the registry view), in id
+        order and in pages (at most page_size machines and about 1 MiB each):
+        pass next_page_token back as page_token for the next page.
+        INVALID_ARGUMENT for a malformed app or region, or a page_size over 1000.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -194,7 +196,8 @@ class MachinesServiceServicer:
 
     def SignalMachine(self, request, context):
         """Sends a signal to the machine's main process. FAILED_PRECONDITION unless
-        started; INVALID_ARGUMENT for an unknown signal name.
+        started; INVALID_ARGUMENT for an unknown signal name, and for a signal
+        that would freeze it (SIGSTOP, SIGTSTP, SIGTTIN, SIGTTOU).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -53,8 +53,10 @@ class MachinesServiceStub:
     GetMachine: _grpc.UnaryUnaryMultiCallable[_machines_pb2.GetMachineRequest, _machines_pb2.GetMachineResponse]
     """Returns one machine, read from its worker. NOT_FOUND for an unknown id."""
     ListMachines: _grpc.UnaryUnaryMultiCallable[_machines_pb2.ListMachinesRequest, _machines_pb2.ListMachinesResponse]
-    """Lists an app's machines across the fleet (from the registry view).
-    INVALID_ARGUMENT for a malformed app or region.
+    """Lists an app's machines across the fleet (from the registry view), in id
+    order and in pages (at most page_size machines and about 1 MiB each):
+    pass next_page_token back as page_token for the next page.
+    INVALID_ARGUMENT for a malformed app or region, or a page_size over 1000.
     """
     UpdateMachine: _grpc.UnaryUnaryMultiCallable[_machines_pb2.UpdateMachineRequest, _machines_pb2.UpdateMachineResponse]
     """Replaces the machine's config in place on its worker, keeping its id;
@@ -74,7 +76,8 @@ class MachinesServiceStub:
     """Stops and starts a started machine. FAILED_PRECONDITION otherwise."""
     SignalMachine: _grpc.UnaryUnaryMultiCallable[_machines_pb2.SignalMachineRequest, _machines_pb2.SignalMachineResponse]
     """Sends a signal to the machine's main process. FAILED_PRECONDITION unless
-    started; INVALID_ARGUMENT for an unknown signal name.
+    started; INVALID_ARGUMENT for an unknown signal name, and for a signal
+    that would freeze it (SIGSTOP, SIGTSTP, SIGTTIN, SIGTTOU).
     """
     DestroyMachine: _grpc.UnaryUnaryMultiCallable[_machines_pb2.DestroyMachineRequest, _machines_pb2.DestroyMachineResponse]
     """Destroys the machine and releases its reservation. Idempotent.
@@ -129,8 +132,10 @@ class MachinesServiceAsyncStub(MachinesServiceStub):
     GetMachine: _aio.UnaryUnaryMultiCallable[_machines_pb2.GetMachineRequest, _machines_pb2.GetMachineResponse]  # type: ignore[assignment]
     """Returns one machine, read from its worker. NOT_FOUND for an unknown id."""
     ListMachines: _aio.UnaryUnaryMultiCallable[_machines_pb2.ListMachinesRequest, _machines_pb2.ListMachinesResponse]  # type: ignore[assignment]
-    """Lists an app's machines across the fleet (from the registry view).
-    INVALID_ARGUMENT for a malformed app or region.
+    """Lists an app's machines across the fleet (from the registry view), in id
+    order and in pages (at most page_size machines and about 1 MiB each):
+    pass next_page_token back as page_token for the next page.
+    INVALID_ARGUMENT for a malformed app or region, or a page_size over 1000.
     """
     UpdateMachine: _aio.UnaryUnaryMultiCallable[_machines_pb2.UpdateMachineRequest, _machines_pb2.UpdateMachineResponse]  # type: ignore[assignment]
     """Replaces the machine's config in place on its worker, keeping its id;
@@ -150,7 +155,8 @@ class MachinesServiceAsyncStub(MachinesServiceStub):
     """Stops and starts a started machine. FAILED_PRECONDITION otherwise."""
     SignalMachine: _aio.UnaryUnaryMultiCallable[_machines_pb2.SignalMachineRequest, _machines_pb2.SignalMachineResponse]  # type: ignore[assignment]
     """Sends a signal to the machine's main process. FAILED_PRECONDITION unless
-    started; INVALID_ARGUMENT for an unknown signal name.
+    started; INVALID_ARGUMENT for an unknown signal name, and for a signal
+    that would freeze it (SIGSTOP, SIGTSTP, SIGTTIN, SIGTTOU).
     """
     DestroyMachine: _aio.UnaryUnaryMultiCallable[_machines_pb2.DestroyMachineRequest, _machines_pb2.DestroyMachineResponse]  # type: ignore[assignment]
     """Destroys the machine and releases its reservation. Idempotent.
@@ -220,8 +226,10 @@ class MachinesServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _machines_pb2.ListMachinesRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_machines_pb2.ListMachinesResponse, _abc.Awaitable[_machines_pb2.ListMachinesResponse]]:
-        """Lists an app's machines across the fleet (from the registry view).
-        INVALID_ARGUMENT for a malformed app or region.
+        """Lists an app's machines across the fleet (from the registry view), in id
+        order and in pages (at most page_size machines and about 1 MiB each):
+        pass next_page_token back as page_token for the next page.
+        INVALID_ARGUMENT for a malformed app or region, or a page_size over 1000.
         """
 
     @_abc_1.abstractmethod
@@ -271,7 +279,8 @@ class MachinesServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_machines_pb2.SignalMachineResponse, _abc.Awaitable[_machines_pb2.SignalMachineResponse]]:
         """Sends a signal to the machine's main process. FAILED_PRECONDITION unless
-        started; INVALID_ARGUMENT for an unknown signal name.
+        started; INVALID_ARGUMENT for an unknown signal name, and for a signal
+        that would freeze it (SIGSTOP, SIGTSTP, SIGTTIN, SIGTTOU).
         """
 
     @_abc_1.abstractmethod

@@ -371,10 +371,15 @@ class ProcessDriver:
         """Remove the machine's cgroups and run dir (after destroy). Idempotent.
 
         Raises `FailedPrecondition` while its process runs (stop it first) and `Unavailable`
-        if a cgroup stays busy.
+        if a cgroup stays busy. An id that cannot name a run dir never had one (nor a cgroup),
+        so there is nothing to remove: a row accepted before ids were checked fully is
+        destroyed like any other.
         """
         self._check_open()
-        validate_machine_id(machine_id)
+        try:
+            validate_machine_id(machine_id)
+        except InvalidArgument:
+            return
         if machine_id in self._watched:
             raise FailedPrecondition(f"machine {machine_id} is running; stop it first")
         if self._cgroups is not None:

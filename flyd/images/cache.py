@@ -24,6 +24,7 @@ from typing import Any, cast
 import structlog
 
 from flyd.errors import ImageError, ImageNotFound
+from flyd.images import confine
 from flyd.images.oci import canonical_json, digest_hex, load_json, write_atomic
 from flyd.images.reference import ImageRef, parse_reference
 from flyd.images.source import ImageSource, ResolvedImage
@@ -288,6 +289,8 @@ class ImageCache:
                         f"layer {layer.digest} unpacks to {actual}, but the config says {diff_id}",
                     )
             size_bytes = unpacker.finish()
+            # WorkingDir, Entrypoint and User, resolved inside the rootfs as its symlinks were.
+            workdir = confine.check_config(scratch / "rootfs", config)
             image = Image(
                 ref=str(resolved.ref),
                 digest=resolved.digest,
@@ -295,7 +298,7 @@ class ImageCache:
                 entrypoint=config.entrypoint,
                 cmd=config.cmd,
                 env=config.env,
-                workdir=config.workdir,
+                workdir=workdir,
                 size_bytes=size_bytes,
                 pulled=False,
             )

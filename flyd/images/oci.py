@@ -120,6 +120,7 @@ class ImageConfig:
     env: dict[str, str]
     workdir: str
     diff_ids: tuple[str, ...]
+    user: str = ""
 
 
 def digest_hex(digest: str) -> str:
@@ -203,12 +204,16 @@ def parse_config(data: bytes, descriptor: Descriptor) -> ImageConfig:
     for diff_id in diff_ids:
         if not DIGEST_RE.fullmatch(diff_id):
             raise ImageError(f"{what}: unsupported diff_id {diff_id!r}")
+    user = run.get("User") or ""
+    if not isinstance(user, str):
+        raise ImageError(f"{what}: User is not a string")
     return ImageConfig(
         entrypoint=_string_list(run.get("Entrypoint"), "Entrypoint"),
         cmd=_string_list(run.get("Cmd"), "Cmd"),
         env=env,
         workdir=workdir,
         diff_ids=tuple(diff_ids),
+        user=user,
     )
 
 

@@ -24,7 +24,7 @@ from flyd.errors import ImageError, UnsafeImage
 from flyd.images.oci import GZIP_LAYER_TYPES, Descriptor
 from flyd.images.source import CHUNK, BlobReader
 
-__all__ = ["Unpacker", "rmtree"]
+__all__ = ["Escape", "Unpacker", "resolve", "rmtree"]
 
 # Linux follows at most 40 symlinks per lookup; following more than that ourselves means we
 # check at least every path the kernel could reach, while a symlink loop still ends.
@@ -44,7 +44,7 @@ _WHITEOUT_PREFIX = ".wh."
 _OPAQUE_WHITEOUT = ".wh..wh..opq"
 
 
-class _Escape(Exception):
+class Escape(Exception):
     """A path resolution left the rootfs."""
 
 
@@ -69,12 +69,12 @@ def _archive_path(name: str, what: str) -> list[str]:
     return parts
 
 
-def _resolve(root: str, start: Sequence[str], path: str, *, follow_last: bool) -> list[str]:
+def resolve(root: str, start: Sequence[str], path: str, *, follow_last: bool) -> list[str]:
     """Resolve `path` from directory `start` (components under `root`) like a chrooted kernel.
 
     Symlinks are followed by reading them here, never by the kernel, with absolute targets
     taken relative to `root`. Returns the real components, none of which is a symlink
-    (except the last when not `follow_last`). Raises _Escape if `..` climbs above `root`.
+    (except the last when not `follow_last`). Raises Escape if `..` climbs above `root`.
     """
     resolved = [] if path.startswith("/") else list(start)
     pending = [p for p in reversed(path.split("/")) if p not in ("", ".")]
@@ -83,7 +83,7 @@ def _resolve(root: str, start: Sequence[str], path: str, *, follow_last: bool) -
         part = pending.pop()
         if part == "..":
             if not resolved:
-                raise _Escape
+                raise Escape
             resolved.pop()
             continue
         if pending or follow_last:
@@ -271,8 +271,8 @@ class Unpacker:
 
     def _parent_dir(self, name: str, parts: list[str]) -> list[str]:
         try:
-            real = _resolve(self.root, [], "/".join(parts), follow_last=True)
-        except _Escape:
+            real = resolve(self.root, [], "/".join(parts), follow_last=True)
+        except Escape:
             raise UnsafeImage(
                 f"entry {name!r} writes through a symlink that points outside the rootfs",
             ) from None
@@ -293,8 +293,8 @@ class Unpacker:
         if not target:
             raise ImageError(f"symlink {name!r} has an empty target")
         try:
-            _resolve(self.root, parent, target, follow_last=True)
-        except _Escape:
+            resolve(self.root, parent, target, follow_last=True)
+        except Escape:
             raise UnsafeImage(
                 f"symlink {name!r} -> {target!r} points outside the rootfs",
             ) from None
@@ -321,8 +321,8 @@ class Unpacker:
         if not link_parts:
             raise UnsafeImage(f"{what} {linkname!r} is the rootfs itself")
         try:
-            parent = _resolve(self.root, [], "/".join(link_parts[:-1]), follow_last=True)
-        except _Escape:
+            parent = resolve(self.root, [], "/".join(link_parts[:-1]), follow_last=True)
+        except Escape:
             raise UnsafeImage(
                 f"hardlink {name!r} -> {linkname!r} points outside the rootfs",
             ) from None
@@ -367,8 +367,8 @@ class Unpacker:
 
     def _whiteout(self, name: str, parts: list[str]) -> None:
         try:
-            parent = _resolve(self.root, [], "/".join(parts[:-1]), follow_last=True)
-        except _Escape:
+            parent = resolve(self.root, [], "/".join(parts[:-1]), follow_last=True)
+        except Escape:
             raise UnsafeImage(
                 f"whiteout {name!r} reaches through a symlink that points outside the rootfs",
             ) from None

@@ -370,22 +370,32 @@ class ListMachinesRequest(_message.Message):
     APP_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
     INCLUDE_DESTROYED_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     app: _builtins.str
     """Only machines of this app when set."""
     state: _machine_pb2.MachineState.ValueType
     """Only machines in this state when set."""
     include_destroyed: _builtins.bool
     """Destroyed machines are left out unless asked for."""
+    page_size: _builtins.int
+    """At most this many machines (default 500, at most 1000); a page also
+    stops at about 1 MiB of machines.
+    """
+    page_token: _builtins.str
+    """The next_page_token of the page before; empty for the first page."""
     def __init__(
         self,
         *,
         app: _builtins.str = ...,
         state: _machine_pb2.MachineState.ValueType = ...,
         include_destroyed: _builtins.bool = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["app", b"app", "include_destroyed", b"include_destroyed", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["app", b"app", "include_destroyed", b"include_destroyed", "page_size", b"page_size", "page_token", b"page_token", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -396,16 +406,20 @@ class ListMachinesResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     MACHINES_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Set when more machines follow: pass it as page_token."""
     @_builtins.property
     def machines(self) -> _containers.RepeatedCompositeFieldContainer[_machine_pb2.Machine]: ...
     def __init__(
         self,
         *,
         machines: _abc.Iterable[_machine_pb2.Machine] | None = ...,
+        next_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["machines", b"machines"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["machines", b"machines", "next_page_token", b"next_page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -530,17 +544,28 @@ Global___WatchEventsRequest: _TypeAlias = WatchEventsRequest  # noqa: Y015
 
 @_typing.final
 class Snapshot(_message.Message):
-    """The state of every machine at seq, to rebuild a replica from."""
+    """The state of every machine at seq, to rebuild a replica from. One too
+    large for a message comes in parts, each its own WatchEventsResponse, in
+    order and with nothing between them: the snapshot is the union of the
+    parts' machines, and a follower applies it when the last part (more unset)
+    arrives. A part 0 starts a snapshot over.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     SEQ_FIELD_NUMBER: _builtins.int
     MACHINES_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    PART_FIELD_NUMBER: _builtins.int
+    MORE_FIELD_NUMBER: _builtins.int
     LOG_EPOCH_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     reason: _builtins.str
     """Why the snapshot was sent: "requested", "compacted" or "epoch"."""
+    part: _builtins.int
+    """Which part this is, from 0."""
+    more: _builtins.bool
+    """More parts of this snapshot follow."""
     log_epoch: _builtins.str
     """Which log `seq` counts in: chosen when the worker's log was created."""
     @_builtins.property
@@ -551,11 +576,13 @@ class Snapshot(_message.Message):
         seq: _builtins.int = ...,
         machines: _abc.Iterable[_machine_pb2.Machine] | None = ...,
         reason: _builtins.str = ...,
+        part: _builtins.int = ...,
+        more: _builtins.bool = ...,
         log_epoch: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["log_epoch", b"log_epoch", "machines", b"machines", "reason", b"reason", "seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["log_epoch", b"log_epoch", "machines", b"machines", "more", b"more", "part", b"part", "reason", b"reason", "seq", b"seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

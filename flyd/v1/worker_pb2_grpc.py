@@ -189,7 +189,8 @@ class WorkerServiceServicer:
 
     def SignalMachine(self, request, context):
         """Sends a signal to the machine's main process. FAILED_PRECONDITION
-        unless started; INVALID_ARGUMENT for an unknown signal name.
+        unless started; INVALID_ARGUMENT for an unknown signal name, and for a
+        signal that would freeze it (SIGSTOP, SIGTSTP, SIGTTIN, SIGTTOU).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -213,8 +214,10 @@ class WorkerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListMachines(self, request, context):
-        """Lists the worker's machines, optionally of one app or state.
-        INVALID_ARGUMENT for a malformed app name.
+        """Lists the worker's machines, optionally of one app or state, in id
+        order and in pages (at most page_size machines and about 1 MiB each):
+        pass next_page_token back as page_token for the next page.
+        INVALID_ARGUMENT for a malformed app name or a page_size over 1000.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -242,7 +245,8 @@ class WorkerServiceServicer:
         """Streams every machine state change after from_seq, then live changes,
         with a heartbeat carrying capacity at a fixed interval. When from_seq is
         0 or older than the log keeps, the stream first sends a snapshot of all
-        machines to resync from. INVALID_ARGUMENT when from_seq is in the future.
+        machines to resync from, in parts of about 1 MiB (see Snapshot).
+        INVALID_ARGUMENT when from_seq is in the future.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -68,7 +68,8 @@ class WorkerServiceStub:
     """Stops then starts the machine. FAILED_PRECONDITION unless started."""
     SignalMachine: _grpc.UnaryUnaryMultiCallable[_worker_pb2.SignalMachineRequest, _worker_pb2.SignalMachineResponse]
     """Sends a signal to the machine's main process. FAILED_PRECONDITION
-    unless started; INVALID_ARGUMENT for an unknown signal name.
+    unless started; INVALID_ARGUMENT for an unknown signal name, and for a
+    signal that would freeze it (SIGSTOP, SIGTSTP, SIGTTIN, SIGTTOU).
     """
     DestroyMachine: _grpc.UnaryUnaryMultiCallable[_worker_pb2.DestroyMachineRequest, _worker_pb2.DestroyMachineResponse]
     """Stops (force: kills at once) and destroys the machine, releasing its
@@ -80,8 +81,10 @@ class WorkerServiceStub:
     unknown id.
     """
     ListMachines: _grpc.UnaryUnaryMultiCallable[_worker_pb2.ListMachinesRequest, _worker_pb2.ListMachinesResponse]
-    """Lists the worker's machines, optionally of one app or state.
-    INVALID_ARGUMENT for a malformed app name.
+    """Lists the worker's machines, optionally of one app or state, in id
+    order and in pages (at most page_size machines and about 1 MiB each):
+    pass next_page_token back as page_token for the next page.
+    INVALID_ARGUMENT for a malformed app name or a page_size over 1000.
     """
     WaitMachine: _grpc.UnaryUnaryMultiCallable[_worker_pb2.WaitMachineRequest, _worker_pb2.WaitMachineResponse]
     """Waits until the machine is in the given state, returning at once if it
@@ -97,7 +100,8 @@ class WorkerServiceStub:
     """Streams every machine state change after from_seq, then live changes,
     with a heartbeat carrying capacity at a fixed interval. When from_seq is
     0 or older than the log keeps, the stream first sends a snapshot of all
-    machines to resync from. INVALID_ARGUMENT when from_seq is in the future.
+    machines to resync from, in parts of about 1 MiB (see Snapshot).
+    INVALID_ARGUMENT when from_seq is in the future.
     """
     GetMachineLogs: _grpc.UnaryStreamMultiCallable[_worker_pb2.GetMachineLogsRequest, _worker_pb2.GetMachineLogsResponse]
     """Streams the machine's log lines; with follow, keeps streaming new lines
@@ -176,7 +180,8 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     """Stops then starts the machine. FAILED_PRECONDITION unless started."""
     SignalMachine: _aio.UnaryUnaryMultiCallable[_worker_pb2.SignalMachineRequest, _worker_pb2.SignalMachineResponse]  # type: ignore[assignment]
     """Sends a signal to the machine's main process. FAILED_PRECONDITION
-    unless started; INVALID_ARGUMENT for an unknown signal name.
+    unless started; INVALID_ARGUMENT for an unknown signal name, and for a
+    signal that would freeze it (SIGSTOP, SIGTSTP, SIGTTIN, SIGTTOU).
     """
     DestroyMachine: _aio.UnaryUnaryMultiCallable[_worker_pb2.DestroyMachineRequest, _worker_pb2.DestroyMachineResponse]  # type: ignore[assignment]
     """Stops (force: kills at once) and destroys the machine, releasing its
@@ -188,8 +193,10 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     unknown id.
     """
     ListMachines: _aio.UnaryUnaryMultiCallable[_worker_pb2.ListMachinesRequest, _worker_pb2.ListMachinesResponse]  # type: ignore[assignment]
-    """Lists the worker's machines, optionally of one app or state.
-    INVALID_ARGUMENT for a malformed app name.
+    """Lists the worker's machines, optionally of one app or state, in id
+    order and in pages (at most page_size machines and about 1 MiB each):
+    pass next_page_token back as page_token for the next page.
+    INVALID_ARGUMENT for a malformed app name or a page_size over 1000.
     """
     WaitMachine: _aio.UnaryUnaryMultiCallable[_worker_pb2.WaitMachineRequest, _worker_pb2.WaitMachineResponse]  # type: ignore[assignment]
     """Waits until the machine is in the given state, returning at once if it
@@ -205,7 +212,8 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     """Streams every machine state change after from_seq, then live changes,
     with a heartbeat carrying capacity at a fixed interval. When from_seq is
     0 or older than the log keeps, the stream first sends a snapshot of all
-    machines to resync from. INVALID_ARGUMENT when from_seq is in the future.
+    machines to resync from, in parts of about 1 MiB (see Snapshot).
+    INVALID_ARGUMENT when from_seq is in the future.
     """
     GetMachineLogs: _aio.UnaryStreamMultiCallable[_worker_pb2.GetMachineLogsRequest, _worker_pb2.GetMachineLogsResponse]  # type: ignore[assignment]
     """Streams the machine's log lines; with follow, keeps streaming new lines
@@ -311,7 +319,8 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_worker_pb2.SignalMachineResponse, _abc.Awaitable[_worker_pb2.SignalMachineResponse]]:
         """Sends a signal to the machine's main process. FAILED_PRECONDITION
-        unless started; INVALID_ARGUMENT for an unknown signal name.
+        unless started; INVALID_ARGUMENT for an unknown signal name, and for a
+        signal that would freeze it (SIGSTOP, SIGTSTP, SIGTTIN, SIGTTOU).
         """
 
     @_abc_1.abstractmethod
@@ -341,8 +350,10 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _worker_pb2.ListMachinesRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_worker_pb2.ListMachinesResponse, _abc.Awaitable[_worker_pb2.ListMachinesResponse]]:
-        """Lists the worker's machines, optionally of one app or state.
-        INVALID_ARGUMENT for a malformed app name.
+        """Lists the worker's machines, optionally of one app or state, in id
+        order and in pages (at most page_size machines and about 1 MiB each):
+        pass next_page_token back as page_token for the next page.
+        INVALID_ARGUMENT for a malformed app name or a page_size over 1000.
         """
 
     @_abc_1.abstractmethod
@@ -376,7 +387,8 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         """Streams every machine state change after from_seq, then live changes,
         with a heartbeat carrying capacity at a fixed interval. When from_seq is
         0 or older than the log keeps, the stream first sends a snapshot of all
-        machines to resync from. INVALID_ARGUMENT when from_seq is in the future.
+        machines to resync from, in parts of about 1 MiB (see Snapshot).
+        INVALID_ARGUMENT when from_seq is in the future.
         """
 
     @_abc_1.abstractmethod

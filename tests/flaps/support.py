@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flyd.fakes import FakeHost
+from flyd.service import LIMITS as FLYD_LIMITS
 from flyd.service import WorkerServicer
 from flyd.service import map_error as flyd_map_error
 from flyd.store import MemoryMachineLog
@@ -105,6 +106,7 @@ async def fake_fleet(root: Path, regions: Mapping[str, str]) -> AsyncIterator[Fa
                 worker_pb2_grpc.add_WorkerServiceServicer_to_server,
                 worker_pb2.DESCRIPTOR.services_by_name["WorkerService"],
                 flyd_map_error,
+                FLYD_LIMITS,
             )
             flyd.worker.identity.address = await stack.enter_async_context(serving(service))
             replica.add_worker(flyd.worker.info())

@@ -20,7 +20,7 @@ from google.protobuf.duration_pb2 import Duration
 
 from flaps import placement
 from flaps.errors import map_error
-from flaps.service import Exchange, MachinesServicer, PlatformServicer, Workers
+from flaps.service import LIMITS, Exchange, MachinesServicer, PlatformServicer, Workers
 from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
 from flyd.errors import DOMAIN as FLYD
@@ -86,6 +86,7 @@ class TestMachinesService:
             machines_pb2_grpc.add_MachinesServiceServicer_to_server,
             m.DESCRIPTOR.services_by_name["MachinesService"],
             map_error,
+            LIMITS,
         )
 
     @pytest.fixture
@@ -487,6 +488,7 @@ class TestPlatformService:
             platform_pb2_grpc.add_PlatformServiceServicer_to_server,
             platform_pb2.DESCRIPTOR.services_by_name["PlatformService"],
             map_error,
+            LIMITS,
         )
 
     @pytest.fixture

@@ -327,8 +327,13 @@ async def test_a_new_driver_replaces_the_spares_a_dead_one_left(
     # flyd dies (its driver never closes); the next one makes its own spares at its first start
     second = make_driver(exits)
     await run_machine(second, spec("m2", ["sleep", "1000"], workdir))
-    await wait_until(lambda: spares(run_root, prefix) == full, "the spares to be made again")
-    assert not left & set((run_root / ".spare").iterdir())
+    # The dead driver's spares are swept in the new one's worker thread, its own made there too.
+    await wait_until(
+        lambda: (
+            spares(run_root, prefix) == full and not left & set((run_root / ".spare").iterdir())
+        ),
+        "the old spares to be swept and new ones made",
+    )
     await second.stop("m2", signal.SIGKILL, timeout=1)
 
 
@@ -508,6 +513,8 @@ async def test_exit_while_flyd_is_down_is_reported_on_attach(make_driver, workdi
     os.close(fd)
     exit_file = old._run_dirs.root / "m1" / "status" / "exit"
     await wait_until(exit_file.exists, "the machine to exit")
+    # The wrapper writes the exit file, then exits: wait for that too (it is our zombie).
+    await wait_until(lambda: gone(handle.pid), "the wrapper to exit")
 
     exits = Exits()
     new = make_driver(exits)

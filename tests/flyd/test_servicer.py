@@ -19,7 +19,7 @@ from google.protobuf.duration_pb2 import Duration
 
 from flyd.errors import DOMAIN
 from flyd.fakes import FakeHost
-from flyd.service import WorkerServicer, map_error
+from flyd.service import LIMITS, WorkerServicer, map_error
 from flyd.store import MemoryMachineLog
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
@@ -60,6 +60,7 @@ def grpc_add_to_server() -> Callable[[Any, Any], None]:
         worker_pb2_grpc.add_WorkerServiceServicer_to_server,
         w.DESCRIPTOR.services_by_name["WorkerService"],
         map_error,
+        LIMITS,
     )
 
 

@@ -327,8 +327,12 @@ class RawClient:
         self.writer = writer
 
     @classmethod
-    async def connect(cls, port: int) -> RawClient:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    async def connect(cls, port: int, source: str | None = None) -> RawClient:
+        """Connect to the proxy on 127.0.0.1, from `source` (another loopback address, to be
+        another client) when given."""
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", port, local_addr=(source, 0) if source else None
+        )
         return cls(reader, writer)
 
     async def send(self, data: bytes) -> None:
@@ -445,9 +449,10 @@ class Edge:
     port: int
     clients: list[RawClient] = field(default_factory=list)
 
-    async def client(self) -> RawClient:
-        """A new connection to the proxy (closed when the edge stops, if not before)."""
-        client = await RawClient.connect(self.port)
+    async def client(self, source: str | None = None) -> RawClient:
+        """A new connection to the proxy (closed when the edge stops, if not before), from
+        the loopback address `source` when given."""
+        client = await RawClient.connect(self.port, source)
         self.clients.append(client)
         return client
 
@@ -471,3 +476,7 @@ async def edge(router: FakeRouter, limits: Limits | None = None) -> AsyncIterato
         for client in e.clients:
             await client.close()
         await proxy.close(grace=1.0)
+
+
+Start = Callable[..., Awaitable[TestBackend]]
+"""The `start` fixture (tests/proxy/conftest.py): `await start(machine_id, handler)`."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import http.client
-from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
@@ -15,9 +14,8 @@ from tests.proxy.http_support import (
     WAIT,
     Exchange,
     FakeRouter,
-    Handler,
     RawClient,
-    TestBackend,
+    Start,
     backend_for,
     build_request,
     chunk,
@@ -27,8 +25,6 @@ from tests.proxy.http_support import (
     eventually,
 )
 
-Start = Callable[..., Awaitable[TestBackend]]
-
 
 @pytest.fixture(autouse=True, params=["task", "fast"])
 def router_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
@@ -37,21 +33,6 @@ def router_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     start from the parser callback when a pooled connection is idle)."""
     monkeypatch.setattr(FakeRouter, "fast_default", request.param == "fast")
     return str(request.param)
-
-
-@pytest.fixture
-async def start() -> AsyncIterator[Start]:
-    """Start real backends; all are stopped after the test."""
-    started: list[TestBackend] = []
-
-    async def _start(machine_id: str, handler: Handler = echo) -> TestBackend:
-        backend = await TestBackend(machine_id, handler).start()
-        started.append(backend)
-        return backend
-
-    yield _start
-    for backend in started:
-        await backend.stop()
 
 
 # -- routing ------------------------------------------------------------------------------------
@@ -625,18 +606,6 @@ async def test_hostile_connections_do_not_disturb_others(start: Start) -> None:
         assert resp.body == b"fine"
         assert (await normal.request(f"web.{DOMAIN}")).status == 200
         await normal.close()
-
-
-async def test_too_many_connections_are_refused(start: Start) -> None:
-    web = await start("m-web")
-    async with edge(FakeRouter({"web": [web.backend()]}), Limits(max_connections=2)) as e:
-        held = [await e.client(), await e.client()]
-        await eventually(lambda: e.proxy.connections == 2, "two connections")
-        extra = await e.client()
-        assert (await extra.response()).status == 503
-        assert (await held[0].request(f"web.{DOMAIN}")).status == 200
-        for client in held:
-            await client.close()
 
 
 # -- bookkeeping ----------------------------------------------------------------------------------

@@ -8,7 +8,13 @@ import pytest
 
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
-from registry.errors import InvalidArgument, LogRestarted, SequenceGap, WrongWorker
+from registry.errors import (
+    BrokenSnapshot,
+    InvalidArgument,
+    LogRestarted,
+    SequenceGap,
+    WrongWorker,
+)
 from registry.v1 import registry_pb2 as r
 from registry.view import ALIVE, DEAD, SUSPECT, UNKNOWN, Added, View, check_worker_info
 from tests.registry.support import MALFORMED_WORKERS, view_of
@@ -369,3 +375,47 @@ def test_a_worker_dead_past_forget_after_is_dropped_with_its_rows() -> None:
     assert [m.id for m in view.machines()] == ["m2"]
     with pytest.raises(ValueError, match="forget_after"):
         View(suspect_after=0.6, dead_after=1.0, forget_after=1.0)
+
+
+# -- snapshots in parts ----------------------------------------------------------------------
+
+
+def part(seq: int, number: int, more: bool, *machines: pb.Machine) -> w.WatchEventsResponse:
+    snap = w.Snapshot(seq=seq, part=number, more=more, machines=machines)
+    return w.WatchEventsResponse(snapshot=snap)
+
+
+def test_a_snapshot_in_parts_applies_whole_when_its_last_part_arrives() -> None:
+    view = view_with(info())
+    view.apply("w1", snapshot(3, machine("old")), T0)
+    first = view.apply("w1", part(9, 0, True, machine("a")), T0)
+    assert (first.events, first.relay) == ([], True)  # followers get the part; nothing changed
+    assert state_of(view, "old") is not None
+    view.apply("w1", part(9, 1, True, machine("b")), T0)
+    last = view.apply("w1", part(9, 2, False, machine("c")), T0)
+    assert {m.id for m in view.machines()} == {"a", "b", "c"}
+    assert {e.machine_id for e in last.events} == {"old", "a", "b", "c"}
+    assert view.resume_seq("w1") == 9
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        [part(9, 1, False, machine("b"))],  # no part 0
+        [part(9, 0, True, machine("a")), part(9, 2, False, machine("c"))],  # a part missing
+        [part(9, 0, True, machine("a")), change(10, machine("a"))],  # a change between parts
+    ],
+)
+def test_a_broken_snapshot_in_parts_is_refused_and_applies_nothing(
+    broken: list[w.WatchEventsResponse],
+) -> None:
+    view = view_with(info())
+    view.apply("w1", snapshot(3, machine("old")), T0)
+    *before, last = broken
+    for item in before:
+        view.apply("w1", item, T0)
+    with pytest.raises(BrokenSnapshot):
+        view.apply("w1", last, T0)
+    assert {m.id for m in view.machines()} == {"old"}
+    view.apply("w1", part(9, 0, False, machine("a")), T0)  # a part 0 starts over
+    assert {m.id for m in view.machines()} == {"a"}

@@ -184,6 +184,9 @@ class _FakeContext:
         self.aborted = (code, details)
         raise grpc.aio.AbortError()
 
+    def time_remaining(self) -> float | None:
+        return None  # the caller set no deadline
+
 
 class _Cancelled:
     async def Say(self, request: object, context: object) -> None:

@@ -98,10 +98,12 @@ def write_layout(
     *,
     tag: str = "latest",
     trailing: bytes = b"",
+    run: dict[str, Any] | None = None,
 ) -> str:
     """Write an image with the given layers (tar members, lowest layer first); returns its digest.
 
-    `trailing` is appended to every uncompressed layer, after the end-of-archive marker.
+    `trailing` is appended to every uncompressed layer, after the end-of-archive marker. `run`
+    is the image config's run config (default: Entrypoint /bin/app).
     """
     layout = source_root / name
     layout.mkdir(parents=True, exist_ok=True)
@@ -116,7 +118,7 @@ def write_layout(
     config = {
         "architecture": "amd64",
         "os": "linux",
-        "config": {"Entrypoint": ["/bin/app"]},
+        "config": run if run is not None else {"Entrypoint": ["/bin/app"]},
         "rootfs": {"type": "layers", "diff_ids": diff_ids},
     }
     manifest = {
