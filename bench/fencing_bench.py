@@ -2,7 +2,7 @@
 fast the slot settles back to one copy (docs/fencing.md).
 
 Real processes on 127.0.0.1: flaps, workers w1 and w2 announcing to it (200 ms heartbeats),
-two proxies following both (default detection: suspect after 0.6 s, probe deadline 0.3 s). Each
+two proxies following both (default detection: suspect after 0.5 s, probe deadline 0.3 s). Each
 run: a primary on w1 and its standby on w2, GETs through both proxies (about 25 a second each,
 one at a time per proxy), then a fault on w1:
 

@@ -68,7 +68,7 @@ class FlydSettings(ServiceSettings):
         default=0.5,
         gt=0,
         description="s away (frozen, starved) after which flyd fences its slot primaries until "
-        "the other members confirm them; at most the replicas' dead_after",
+        "the other members confirm them; at most the proxies' suspect_after",
     )
     restart_window: float = Field(default=300.0, gt=0, description="restart counting window, s")
     restart_max_retries: int = Field(default=10, gt=0, description="default on-failure retries")
