@@ -1,4 +1,4 @@
-"""`python -m bench [--quick] [--only flyd|registry|proxy|fencing]`: run the benchmarks, print
+"""`python -m bench [--quick] [--only flyd|registry|proxy|auth|fencing]`: run the benchmarks, print
 tables, write JSON to bench/results/."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from bench import fencing_bench, proxy_bench, proxy_control_bench, registry_bench
+from bench import auth_bench, fencing_bench, proxy_bench, proxy_control_bench, registry_bench
 from bench.flyd_bench import run
 
 
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--only",
-        choices=["flyd", "registry", "proxy", "fencing"],
+        choices=["flyd", "registry", "proxy", "auth", "fencing"],
         help="run one group of benchmarks",
     )
     args = parser.parse_args(argv)
@@ -68,6 +68,12 @@ def main(argv: list[str] | None = None) -> int:
         codes.append(
             fencing_bench.run(
                 quick=args.quick, out=args.out.with_name("fencing.json"), strict=args.strict
+            )
+        )
+    if args.only in (None, "auth"):
+        codes.append(
+            auth_bench.run(
+                quick=args.quick, out=args.out.with_name("auth.json"), strict=args.strict
             )
         )
     return max(codes)

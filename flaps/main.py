@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
-from flaps import placement
+import functools
+from collections.abc import Callable
+
+import structlog
+from google.protobuf.descriptor import ServiceDescriptor
+
+from flaps import auth, placement
+from flaps.auth import Authorizer, KeySource
 from flaps.errors import map_error
 from flaps.service import LIMITS, Exchange, MachinesServicer, PlatformServicer, Workers
 from flaps.settings import FlapsSettings
 from flaps.v1 import machines_pb2, machines_pb2_grpc, platform_pb2, platform_pb2_grpc
 from registry.service import serve_replica
 from runtime import Service, configure_logging, main_entry, settings_or_exit, setup_tracing
+from runtime.pki import ClusterMembers
+
+log = structlog.get_logger("flaps")
 
 
 async def build(argv: list[str]) -> Service:
@@ -16,7 +26,7 @@ async def build(argv: list[str]) -> Service:
     configure_logging("flaps", settings.log_level)
     setup_tracing("flaps")
     replica = settings.replica()
-    workers = Workers(replica)
+    workers = Workers(replica, tls=settings.cluster_tls)
     pipeline = placement.Pipeline(
         curve=placement.Curve(tuple(settings.curve)),
         weights=placement.Weights(**settings.weights.model_dump()),
@@ -24,22 +34,39 @@ async def build(argv: list[str]) -> Service:
     )
     exchange = Exchange(replica, workers, pipeline)
     service = Service("flaps", settings)
+    guard: Callable[[object, ServiceDescriptor], None] | None = None
+    if settings.token_keys is not None:
+        keys = KeySource(settings.token_keys)
+        members = ClusterMembers(settings.cluster_ca) if settings.cluster_ca else None
+        authorizer = Authorizer(lambda: keys.keyring, exchange.app_of, members)
+        guard = functools.partial(auth.guard, authorizer=authorizer)
+        service.spawn("token-keys", keys.watch)
+    else:
+        log.warning("no_token_keys", consequence="every caller may do anything")
+    machines = MachinesServicer(exchange)
+    platform = PlatformServicer(exchange)
+    machines_service = machines_pb2.DESCRIPTOR.services_by_name["MachinesService"]
+    platform_service = platform_pb2.DESCRIPTOR.services_by_name["PlatformService"]
+    if guard is not None:
+        guard(machines, machines_service)
+        guard(platform, platform_service)
     service.add(
-        MachinesServicer(exchange),
+        machines,
         machines_pb2_grpc.add_MachinesServiceServicer_to_server,
-        machines_pb2.DESCRIPTOR.services_by_name["MachinesService"],
+        machines_service,
         map_error,
         LIMITS,
     )
     service.add(
-        PlatformServicer(exchange),
+        platform,
         platform_pb2_grpc.add_PlatformServiceServicer_to_server,
-        platform_pb2.DESCRIPTOR.services_by_name["PlatformService"],
+        platform_service,
         map_error,
         LIMITS,
     )
-    # Workers can announce themselves to any flaps, and replicas share members with it.
-    serve_replica(service, replica, settings.workers)
+    # Workers can announce themselves to any flaps, and replicas share members with it (on
+    # its cluster port, when it checks tokens on the other).
+    serve_replica(service, replica, settings.workers, guard)
     service.on_shutdown(workers.close)
     return service
 

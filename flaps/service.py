@@ -25,6 +25,7 @@ from google.rpc import error_details_pb2
 from opentelemetry import trace
 
 from flaps import metrics, placement
+from flaps.auth import current_grant
 from flaps.errors import (
     DeadlineExceeded,
     InvalidArgument,
@@ -43,7 +44,7 @@ from flyd.v1 import worker_pb2_grpc
 from flyd.validate import CONFIG_LIMITS, check_config
 from registry.replica import Replica, WorkerView
 from registry.v1 import registry_pb2
-from runtime import abort_with_details, aio_channel, time_left
+from runtime import ChannelTLS, abort_with_details, aio_channel, time_left
 from runtime.limits import DEFAULT_LIMITS, Limits
 from runtime.validate import check_name, duration_seconds, quote
 
@@ -94,10 +95,12 @@ def machine_suffix(app: str, idempotency_key: str) -> str:
 
 
 class Workers:
-    """gRPC channels to workers, one per address, opened on first use."""
+    """gRPC channels to workers, one per address, opened on first use (with `tls`, the
+    cluster's mutual TLS: workers serve only the cluster's certificates)."""
 
-    def __init__(self, replica: Replica) -> None:
+    def __init__(self, replica: Replica, tls: ChannelTLS | None = None) -> None:
         self.replica = replica
+        self.tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def stub(self, worker_id: str) -> worker_pb2_grpc.WorkerServiceStub:
@@ -107,7 +110,7 @@ class Workers:
         address = view.info.address
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = aio_channel(address)
+            channel = self._channels[address] = aio_channel(address, tls=self.tls)
         return worker_pb2_grpc.WorkerServiceStub(channel)
 
     def owner(self, machine_id: str) -> str:
@@ -189,6 +192,21 @@ class Exchange:
         self.replica = replica
         self.workers = workers
         self.pipeline = pipeline
+
+    async def app_of(self, machine_id: str) -> str:
+        """The app a machine belongs to: from the registry view, else (a machine just made,
+        which the view has not seen yet) from its worker. NotFound when there is none."""
+        machine = self.replica.machine(machine_id)
+        if machine is not None:
+            return machine.app
+        stub = self.workers.stub(self.workers.owner(machine_id))
+        try:
+            got = await stub.GetMachine(
+                w.GetMachineRequest(machine_id=machine_id), timeout=RPC_TIMEOUT
+            )
+        except grpc.aio.AioRpcError as err:
+            raise Upstream(err) from None
+        return got.machine.app
 
     def regions_of(self, region: str, regions: Iterable[str], field: str = "region") -> list[str]:
         wanted: list[str] = []
@@ -461,12 +479,14 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
         check_name("app", request.app, required=False)
         if request.region:
             self.x.regions_of(request.region, [])
+        grant = current_grant()  # a token's caller sees only the machines it may read
         machines = [
             mm
             for mm in self.x.replica.machines(
                 app=request.app or None, region=request.region or None
             )
             if (not request.state or mm.state == request.state)
+            and (grant is None or grant.may("read", mm.app, mm.id))
             and (
                 request.include_destroyed
                 or request.state == S.MACHINE_STATE_DESTROYED

@@ -1,11 +1,14 @@
-"""flaps' settings: where to learn the fleet from, and how to rank it."""
+"""flaps' settings: where to learn the fleet from, how to rank it, whose tokens to accept."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from flaps.placement import DEFAULT_CURVE, Curve
+from flaps.tokens import Keyring
 from registry.settings import ReplicaSettings
 
 
@@ -29,6 +32,18 @@ class FlapsSettings(ReplicaSettings):
         description="utility of utilization after placement, as [x, y] points spanning 0..1",
     )
     weights: WeightSettings = WeightSettings()
+    token_keys: Path | None = Field(
+        default=None,
+        description="file of root keys (`nonomad tokens keygen`, mode 0600): every call to the "
+        "Machines and Platform APIs needs a token one of them signed; re-read when it changes",
+    )
+
+    @field_validator("token_keys")
+    @classmethod
+    def _token_keys(cls, value: Path | None) -> Path | None:
+        if value is not None:
+            Keyring.load(value)  # a KeysError is a ValueError naming what is wrong
+        return value
 
     @field_validator("curve")
     @classmethod

@@ -45,7 +45,6 @@ from flyd.errors import (
     DESTROYED,
     LEASED,
     STANDBY,
-    SUPERSEDED,
     WRONG_STATE,
     CorruptLog,
     FailedPrecondition,
@@ -94,6 +93,9 @@ class Row:
     handle: dict[str, Any] | None = None  # the driver's process handle
     restarts: tuple[float, ...] = ()  # times of policy restarts, for the retry window
     lease: dict[str, Any] | None = None  # nonce, expires_at, owner, description
+    # The config's secrets by name, sealed with the worker's key (flyd.secrets); the
+    # machine's config has each one's name only.
+    secrets: dict[str, str] = field(default_factory=dict)
 
     @property
     def state(self) -> int:
@@ -170,6 +172,7 @@ class UpdateRequested:
     launch: bool
     stop_signal: int
     stop_timeout: float
+    secrets: dict[str, str] = field(default_factory=dict)  # sealed, as Row.secrets
 
 
 @dataclass(frozen=True)
@@ -367,9 +370,10 @@ def step(row: Row, event: Event, *, now: float, policy: Policy) -> Transition | 
         case StartRequested(generation=generation):
             return _start(row, now, generation)
         case Fence(reason=why):
-            return _fence(row, now, why)
+            return _slot_change(row, now, slots.fenced(row.machine), f"fenced: {why}")
         case Confirm(generation=generation):
-            return _confirm(row, now, generation)
+            why = f"fence lifted: no member of its slot outranks generation {generation}"
+            return _slot_change(row, now, slots.lifted(row.machine, generation), why)
         case Supersede():
             return _supersede(row, event, now)
         case StopRequested(signal=sig, timeout=timeout):
@@ -423,7 +427,7 @@ def step(row: Row, event: Event, *, now: float, policy: Policy) -> Transition | 
         case CleanedUp():
             if row.op is None or row.op.step != "cleanup":
                 return None
-            b = _Builder(replace(row, machine=_tombstone(row.machine)), now, "destroy")
+            b = _Builder(replace(row, machine=_tombstone(row.machine), secrets={}), now, "destroy")
             return b.to(S.MACHINE_STATE_DESTROYED, "destroyed", op=None)
         case CleanupFailed(error=error):
             if row.op is None or row.op.step != "cleanup":
@@ -447,69 +451,38 @@ def step(row: Row, event: Event, *, now: float, policy: Policy) -> Transition | 
 
 
 def _start(row: Row, now: float, generation: int) -> Transition | None:
-    """A plain start (generation 0) of a slot's primary, or a promotion (see flyd.slots)."""
-    me = row.machine.id
-    slot = slots.slot_of(row.machine)
-    if generation == 0 or (slot.primary == me and generation <= slot.generation):
-        if slot.primary != me:
-            raise FailedPrecondition(
-                f"machine {me} stands by for {slot.primary} in slot {slot.id} (generation "
-                f"{slot.generation}); it starts only when promoted to a higher generation",
-                STANDBY,
-            )
-        return _start_plain(row, now)  # (a repeated or stale promotion of the primary: a start)
-    if generation <= slot.generation:
-        raise FailedPrecondition(
-            f"slot {slot.id} is at generation {slot.generation}, served by {slot.primary}; "
-            f"a promotion of {me} must name a higher one than {generation}",
-            SUPERSEDED,
-        )
-    if row.state in (S.MACHINE_STATE_DESTROYING, S.MACHINE_STATE_DESTROYED):
-        raise FailedPrecondition(f"cannot promote a {state_name(row.state)} machine", DESTROYED)
-    if row.state == S.MACHINE_STATE_STOPPING:
-        raise FailedPrecondition("machine is stopping; wait for stopped, then promote", BUSY)
-    promoted = pb.SlotState(id=slot.id, generation=generation, primary=me, fenced=False)
-    row = replace(row, machine=slots.with_slot(row.machine, promoted))
-    why = f"promoted to generation {generation} of slot {slot.id}"
-    started = _start_plain(row, now)
+    """A plain start, or a promotion naming a generation (flyd.slots.promotion)."""
+    promoted = slots.promotion(row.machine, generation)
+    if promoted is None:
+        return _start_plain(row, now)
+    row = _in_slot(row, promoted)
+    why = f"promoted to generation {generation} of slot {promoted.id}"
+    started = _start_plain(row, now)  # (refuses a destroyed or stopping machine)
     if started is None:  # running already (a fenced primary): the claim is the whole change
         return _Builder(row, now, "promote").to(row.state, why)
     return replace(started, type="promote", reason=f"{why}; {started.reason}")
 
 
-def _fence(row: Row, now: float, why: str) -> Transition | None:
-    slot = slots.slot_of(row.machine)
-    if slot.fenced or slot.primary != row.machine.id:
+def _in_slot(row: Row, slot: pb.SlotState) -> Row:
+    return replace(row, machine=slots.with_slot(row.machine, slot))
+
+
+def _slot_change(row: Row, now: float, slot: pb.SlotState | None, why: str) -> Transition | None:
+    """Only the slot's claim or fence changes (None: nothing does)."""
+    if slot is None:
         return None
-    fenced = pb.SlotState(id=slot.id, generation=slot.generation, primary=slot.primary, fenced=True)
-    b = _Builder(replace(row, machine=slots.with_slot(row.machine, fenced)), now, "fence")
-    return b.to(row.state, f"fenced: {why}")
-
-
-def _confirm(row: Row, now: float, generation: int) -> Transition | None:
-    slot = slots.slot_of(row.machine)
-    if not slot.fenced or slot.generation != generation or slot.primary != row.machine.id:
-        return None  # lifted already, or the claim changed while it was being confirmed
-    lifted = pb.SlotState(id=slot.id, generation=slot.generation, primary=slot.primary)
-    b = _Builder(replace(row, machine=slots.with_slot(row.machine, lifted)), now, "fence")
-    return b.to(
-        row.state, f"fence lifted: no member of slot {slot.id} outranks generation {generation}"
-    )
+    return _Builder(_in_slot(row, slot), now, "fence").to(row.state, why)
 
 
 def _supersede(row: Row, ev: Supersede, now: float) -> Transition | None:
-    me = row.machine.id
-    slot = slots.slot_of(row.machine)
-    theirs = (ev.generation, ev.primary)
-    if ev.primary == me or not slots.outranks(theirs, (slot.generation, slot.primary)):
+    new = slots.superseded(row.machine, ev.generation, ev.primary)
+    if new is None or row.state == S.MACHINE_STATE_DESTROYED:
         return None
-    if row.state == S.MACHINE_STATE_DESTROYED:
-        return None
-    new = pb.SlotState(id=slot.id, generation=ev.generation, primary=ev.primary, fenced=False)
-    row = replace(row, machine=slots.with_slot(row.machine, new))
-    why = f"{ev.primary} serves slot {slot.id} at generation {ev.generation}"
+    was_primary = slots.is_primary(row.machine)
+    row = _in_slot(row, new)
+    why = f"{ev.primary} serves slot {new.id} at generation {ev.generation}"
     stop = None
-    if slot.primary == me and row.state != S.MACHINE_STATE_DESTROYING:
+    if was_primary and row.state != S.MACHINE_STATE_DESTROYING:
         stop = _stop(row, now, ev.signal, ev.timeout)  # the superseded copy stands by
     if stop is None:
         return _Builder(row, now, "supersede").to(row.state, why)
@@ -591,7 +564,9 @@ def _update(row: Row, ev: UpdateRequested, now: float) -> Transition:
     del machine.ports[:]
     machine.ports.extend(ev.ports)
     del machine.log_tail[:]
-    row = replace(row, machine=machine, image_digest=ev.image_digest, restarts=())
+    row = replace(
+        row, machine=machine, image_digest=ev.image_digest, restarts=(), secrets=ev.secrets
+    )
     reason = f"update to instance {ev.instance_id}"
     if row.running:
         op = Op("update", "kill", signal=ev.stop_signal, timeout=ev.stop_timeout, launch=ev.launch)
@@ -716,7 +691,7 @@ def _retry_cleanup(row: Row, now: float, policy: Policy, error: str) -> Transiti
     assert row.op is not None
     attempts = row.op.attempts + 1
     if attempts >= MAX_CLEANUP_ATTEMPTS:
-        b = _Builder(replace(row, machine=_tombstone(row.machine)), now, "destroy")
+        b = _Builder(replace(row, machine=_tombstone(row.machine), secrets={}), now, "destroy")
         return b.to(
             S.MACHINE_STATE_DESTROYED,
             f"destroyed; cleanup failed {attempts} times, its resources may be left behind: "
@@ -863,6 +838,7 @@ def encode_row(row: Row) -> bytes:
         "handle": row.handle,
         "restarts": list(row.restarts),
         "lease": row.lease,
+        "secrets": row.secrets,
     }
     return _ROW_HEADER.pack(ROW_VERSION, len(machine)) + machine + json.dumps(internals).encode()
 
@@ -882,12 +858,21 @@ def decode_row(raw: bytes) -> Row:
         handle=internals["handle"],
         restarts=tuple(internals["restarts"]),
         lease=internals.get("lease"),
+        secrets=internals.get("secrets") or {},
     )
 
 
-def create(machine: pb.Machine, *, image_digest: str, skip_launch: bool, now: float) -> Transition:
+def create(
+    machine: pb.Machine,
+    *,
+    image_digest: str,
+    skip_launch: bool,
+    now: float,
+    secrets: dict[str, str] | None = None,
+) -> Transition:
     """The first step of a machine: CREATED, with its start pending unless skip_launch (a
-    standby is always created stopped: only a promotion starts it)."""
+    standby is always created stopped: only a promotion starts it); `secrets` sealed
+    (flyd.secrets)."""
     m = pb.Machine()
     m.CopyFrom(machine)
     m.state = S.MACHINE_STATE_CREATED
@@ -895,4 +880,5 @@ def create(machine: pb.Machine, *, image_digest: str, skip_launch: bool, now: fl
     m.updated_at.CopyFrom(timestamp(now))
     m.slot.CopyFrom(slots.new_slot(m.id, m.config))
     op = None if skip_launch or not slots.is_primary(m) else Op("start", "begin")
-    return Transition(Row(m, image_digest, op=op), "create", "created", S.MACHINE_STATE_UNSPECIFIED)
+    row = Row(m, image_digest, op=op, secrets=dict(secrets or {}))
+    return Transition(row, "create", "created", S.MACHINE_STATE_UNSPECIFIED)

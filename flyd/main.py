@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import secrets
 import signal
+from functools import partial
 
 import grpc
 import structlog
@@ -17,6 +18,7 @@ from flyd.fencing import GrpcPeers
 from flyd.images.cache import ImageCache
 from flyd.images.source import ImageSource
 from flyd.metrics import register_worker
+from flyd.secrets import SecretBox
 from flyd.service import LIMITS, WorkerServicer, map_error
 from flyd.settings import FlydSettings
 from flyd.store import LmdbMachineLog
@@ -100,8 +102,12 @@ async def build(argv: list[str]) -> Service:
         if tracing_enabled()
         else None,
         # A returning worker asks the replicas it announces to who else is in its slots.
-        peers=GrpcPeers(settings.announce, aio_channel) if settings.announce else None,
+        peers=GrpcPeers(settings.announce, partial(aio_channel, tls=settings.cluster_tls))
+        if settings.announce
+        else None,
         fence_after=settings.fence_after,
+        # Machine secrets stay sealed in the log with this worker's own key.
+        secret_box=SecretBox.load(data / "secrets.key"),
     )
     register_worker(worker)  # gauges read at scrape time: nothing on the create path
     servicer = WorkerServicer(
@@ -141,7 +147,8 @@ async def build(argv: list[str]) -> Service:
             labels=identity.labels,
             boot_id=identity.boot_id,
         )
-        channels = {target: aio_channel(target) for target in settings.announce}
+        tls = settings.cluster_tls
+        channels = {target: aio_channel(target, tls=tls) for target in settings.announce}
         try:
             while not shutdown.is_set():
                 for target, channel in channels.items():

@@ -23,6 +23,7 @@ from flyd.errors import DeadlineExceeded, NotFound
 from flyd.images.cache import ImageCache
 from flyd.metrics import CLEANUP_FAILURES, count_transition
 from flyd.reservations import Reservations
+from flyd.secrets import SecretBox
 from flyd.spec import process_spec
 from flyd.store import MachineLog, NewRecord, RecordType
 from flyd.stream import EventStream
@@ -57,8 +58,10 @@ class Runner:
         policy: fsm.Policy,
         log_keep: int,
         op_tracer: OpTracer | None,
+        secret_box: SecretBox,
     ) -> None:
-        """`rows`: the worker's rows, empty until `recover` loads them from the store."""
+        """`rows`: the worker's rows, empty until `recover` loads them from the store;
+        `secret_box` opens their secrets for the processes' environment."""
         self.store = store
         self.driver = driver
         self.images = images
@@ -67,6 +70,7 @@ class Runner:
         self.clock = clock
         self.policy = policy
         self.log_keep = log_keep
+        self.secret_box = secret_box
         self.rows = rows
         # Machines whose durable row lags behind `rows` by a lazy step (see fsm.Transition).
         self._dirty: set[str] = set()
@@ -246,7 +250,7 @@ class Runner:
 
     async def _spawn(self, machine_id: str, row: fsm.Row) -> fsm.Event:
         try:
-            handle = await self.driver.start(process_spec(row, self.images))
+            handle = await self.driver.start(process_spec(row, self.images, self.secret_box))
         except Exception as err:  # any failure to spawn is the machine's, not ours
             log.warning("spawn failed", machine_id=machine_id, error=str(err))
             return fsm.SpawnFailed(str(err))

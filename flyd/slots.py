@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from flyd.errors import STANDBY, SUPERSEDED, FailedPrecondition
 from flyd.v1 import machine_pb2 as pb
 
 Claim = tuple[int, str]
@@ -77,3 +78,52 @@ def with_slot(machine: pb.Machine, slot: pb.SlotState) -> pb.Machine:
     out.CopyFrom(machine)
     out.slot.CopyFrom(slot)
     return out
+
+
+# -- the claim a step of the state machine (flyd.fsm) gives a row; None: it keeps its own ------
+
+
+def promotion(machine: pb.Machine, generation: int) -> pb.SlotState | None:
+    """The slot a start naming `generation` gives the machine: None for a plain start (0, or a
+    repeated or stale promotion of the slot's primary). A plain start of a standby is refused
+    (STANDBY), and so is a promotion to a generation the slot holds already (SUPERSEDED)."""
+    me, slot = machine.id, slot_of(machine)
+    if generation == 0 or (slot.primary == me and generation <= slot.generation):
+        if slot.primary != me:
+            raise FailedPrecondition(
+                f"machine {me} stands by for {slot.primary} in slot {slot.id} (generation "
+                f"{slot.generation}); it starts only when promoted to a higher generation",
+                STANDBY,
+            )
+        return None
+    if generation <= slot.generation:
+        raise FailedPrecondition(
+            f"slot {slot.id} is at generation {slot.generation}, served by {slot.primary}; "
+            f"a promotion of {me} must name a higher one than {generation}",
+            SUPERSEDED,
+        )
+    return pb.SlotState(id=slot.id, generation=generation, primary=me)
+
+
+def fenced(machine: pb.Machine) -> pb.SlotState | None:
+    """A primary's slot, fenced (its worker came back); None for a standby or a fenced one."""
+    slot = slot_of(machine)
+    if slot.fenced or slot.primary != machine.id:
+        return None
+    return pb.SlotState(id=slot.id, generation=slot.generation, primary=slot.primary, fenced=True)
+
+
+def lifted(machine: pb.Machine, generation: int) -> pb.SlotState | None:
+    """The fence lifted, when the claim is still the one confirmed at `generation`."""
+    slot = slot_of(machine)
+    if not slot.fenced or slot.generation != generation or slot.primary != machine.id:
+        return None  # lifted already, or the claim changed while it was being confirmed
+    return pb.SlotState(id=slot.id, generation=slot.generation, primary=slot.primary)
+
+
+def superseded(machine: pb.Machine, generation: int, primary: str) -> pb.SlotState | None:
+    """The slot once `primary` serves it at `generation`, when that outranks the row's claim."""
+    slot = slot_of(machine)
+    if primary == machine.id or not outranks((generation, primary), claim(machine)):
+        return None
+    return pb.SlotState(id=slot.id, generation=generation, primary=primary)

@@ -1,4 +1,4 @@
-"""What a machine's process is: its argv, environment, working directory and limits.
+"""What a machine's process is: its argv, environment (secrets too), working directory and limits.
 
 Built from the machine's config and its image (OCI rules for entrypoint and cmd), with the
 variables flyd gives every machine (MACHINE_ID, APP, PORT, ...). The runner hands the result
@@ -12,6 +12,7 @@ from flyd.drivers.base import Limits, ProcessSpec
 from flyd.errors import NotFound
 from flyd.images import confine
 from flyd.images.cache import Image, ImageCache
+from flyd.secrets import SecretBox
 from flyd.v1 import machine_pb2 as pb
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -28,8 +29,11 @@ def argv(config: pb.MachineConfig, image: Image) -> list[str]:
     return entrypoint + cmd
 
 
-def process_spec(row: fsm.Row, images: ImageCache) -> ProcessSpec:
-    """The process to spawn for the machine in `row`; NotFound if its image left the cache."""
+def process_spec(
+    row: fsm.Row, images: ImageCache, secret_box: SecretBox | None = None
+) -> ProcessSpec:
+    """The process to spawn for the machine in `row`, its secrets opened into its environment;
+    NotFound if its image left the cache."""
     machine = row.machine
     config = machine.config
     image = images.get(row.image_digest)
@@ -44,6 +48,10 @@ def process_spec(row: fsm.Row, images: ImageCache) -> ProcessSpec:
         if program.exists():
             args[0] = str(program)
     env = {"PATH": DEFAULT_PATH, **image.env, **config.env}
+    if row.secrets:
+        if secret_box is None:
+            raise ValueError(f"machine {machine.id} has secrets and nothing to open them with")
+        env.update(secret_box.open_all(machine.id, row.secrets))
     env.update(
         MACHINE_ID=machine.id,
         APP=machine.app,

@@ -17,6 +17,9 @@ from runtime.validate import check_name, duration_seconds, is_env_key, parse_sig
 MAX_STOP_TIMEOUT = 300.0
 MAX_ENV = 256
 MAX_METADATA = 64
+MAX_SECRETS = 64
+REDACTED = "<redacted>"
+"""The value every answer shows for a secret; in an update, "keep the current value"."""
 MAX_VALUE_BYTES = 4096
 # Limits of a single guest; a worker's own capacity is checked separately.
 MAX_CPU_MILLICORES = 64_000
@@ -34,6 +37,8 @@ CONFIG_LIMITS = Limits(
         f"{_C}.EnvEntry.value": MAX_VALUE_BYTES,
         f"{_C}.MetadataEntry.key": 128,
         f"{_C}.MetadataEntry.value": MAX_VALUE_BYTES,
+        f"{_C}.SecretsEntry.key": 256,
+        f"{_C}.SecretsEntry.value": MAX_VALUE_BYTES,
         f"{_C}.standbys": 63,
         "flyd.v1.PlacementConfig.RequiredLabelsEntry.key": 128,
         "flyd.v1.PlacementConfig.RequiredLabelsEntry.value": 256,
@@ -49,6 +54,7 @@ CONFIG_LIMITS = Limits(
         f"{_C}.checks": 16,
         f"{_C}.standbys": 16,
         f"{_C}.metadata": MAX_METADATA,
+        f"{_C}.secrets": MAX_SECRETS,
         "flyd.v1.PlacementConfig.required_labels": 32,
     },
     sizes={_C: MAX_CONFIG_BYTES},
@@ -145,3 +151,18 @@ def check_config(config: pb.MachineConfig, field: str = "config") -> None:
             raise InvalidArgument(
                 f"{field}.metadata", f"entry {quote(key, 32)} is too long or empty"
             )
+    check_secrets(config, field)
+
+
+def check_secrets(config: pb.MachineConfig, field: str = "config") -> None:
+    """Secret names follow env's rules and are not in env too; values are bounded. Nothing
+    said here quotes a value."""
+    if len(config.secrets) > MAX_SECRETS:
+        raise InvalidArgument(f"{field}.secrets", f"at most {MAX_SECRETS} secrets")
+    for key, value in config.secrets.items():
+        if not is_env_key(key):
+            raise InvalidArgument(f"{field}.secrets", f"invalid variable name {quote(key)}")
+        if key in config.env:
+            raise InvalidArgument(f"{field}.secrets[{key}]", "is also set in env; set it once")
+        if "\x00" in value or len(value.encode()) > MAX_VALUE_BYTES:
+            raise InvalidArgument(f"{field}.secrets[{key}]", "must be under 4 KiB without NUL")

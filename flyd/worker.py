@@ -37,6 +37,7 @@ from flyd.images.cache import ImageCache
 from flyd.metrics import CREATE_SECONDS
 from flyd.reservations import Reservations, port_free
 from flyd.runner import Runner
+from flyd.secrets import REDACTED, SecretBox
 from flyd.settings import CapacitySettings
 from flyd.spec import argv
 from flyd.store import MachineLog
@@ -85,10 +86,13 @@ class Worker:
         peers: SlotPeers | None = None,
         fence_after: float = 0.5,
         monotonic: Callable[[], float] = time.monotonic,
+        secret_box: SecretBox | None = None,
     ) -> None:
         """`op_tracer`: spans of machine operations; None (tracing off) costs nothing.
         `peers`: how a returning worker confirms its slots (flyd.fencing); `fence_after`: how
-        long away (frozen, starved) counts as having been away."""
+        long away (frozen, starved) counts as having been away. `secret_box`: seals machine
+        secrets (flyd.main's is the worker's key file; without one, a key of this Worker's own
+        that is never stored)."""
         self.identity = identity
         self.store = store
         self.driver = driver
@@ -98,6 +102,7 @@ class Worker:
         self.clock = clock
         self._state_dir = state_dir
         self._op_tracer = op_tracer
+        self.secret_box = secret_box or SecretBox.ephemeral()
         self.rows: dict[str, fsm.Row] = {}
         self.stream = EventStream(store, self.heartbeat)
         self.reservations = Reservations(
@@ -119,6 +124,7 @@ class Worker:
             policy=policy,
             log_keep=log_keep,
             op_tracer=op_tracer,
+            secret_box=self.secret_box,
         )
         self.fencing = Fencing(
             self.runner,
@@ -279,13 +285,14 @@ class Worker:
                 # pending) before the first await, and its first commit makes that its row's.
                 self.reservations.check_room(config.guest)
                 ports = self.reservations.allocate_ports(len(config.services))
+                kept, sealed = self.secret_box.take(machine_id, config)
                 machine = pb.Machine(
                     id=machine_id,
                     name=name or machine_id,
                     app=app,
                     region=self.identity.region,
                     worker_id=self.identity.worker_id,
-                    config=config,
+                    config=kept,
                     instance_id=mine,
                 )
                 for svc, port in zip(config.services, ports, strict=True):
@@ -297,6 +304,7 @@ class Worker:
                     image_digest=image.digest,
                     skip_launch=skip_launch,
                     now=self.clock.now(),
+                    secrets=sealed,
                 )
                 self.reservations.pending[machine_id] = machine
                 try:
@@ -351,7 +359,12 @@ class Worker:
         if row.state == S.MACHINE_STATE_DESTROYED:  # its row keeps only the image and size
             same = kept.image == config.image and kept.guest == config.guest
         else:
-            same = kept == config
+            # The row has the secrets' names only: the values are compared with the sealed.
+            redacted = pb.MachineConfig()
+            redacted.CopyFrom(config)
+            for name in redacted.secrets:
+                redacted.secrets[name] = REDACTED
+            same = kept == redacted and self.secret_box.same(machine_id, row.secrets, config)
         if row.machine.app != app or not same:
             raise AlreadyExists(f"machine {machine_id} exists with another app or config")
         return row.machine
@@ -453,8 +466,10 @@ class Worker:
                 self.reservations.check_room(config.guest, instead_of=row.machine.config.guest)
                 old_digest = row.image_digest
                 sig, timeout = self._stop_params(row, None, None)
+                kept, sealed = self.secret_box.take(machine_id, config, row.secrets)
                 event = fsm.UpdateRequested(
-                    config=config,
+                    config=kept,
+                    secrets=sealed,
                     instance_id=instance_id,
                     image_digest=image.digest,
                     ports=tuple(self.reservations.remap_ports(row, config)),

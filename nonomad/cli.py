@@ -11,6 +11,8 @@ through flaps (--flaps HOST:PORT, $NONOMAD_FLAPS, or the local cluster's):
   nonomad workers             the workers flaps knows
   nonomad image build DIR     an image the workers can pull (the local cluster's by default)
   nonomad deploy APP_TOML     make an app's machines match its spec, with standbys
+  nonomad secrets set|unset|list APP  an app's secrets: values reach its machines only
+  nonomad tokens create|attenuate|show|keygen|retire  tokens for flaps (macaroons)
 
 Commands that print data take --json. Exit codes: 0 ok, 1 an error from the platform, 2 bad usage.
 """
@@ -79,6 +81,8 @@ def parser() -> argparse.ArgumentParser:
     cli_args.add_platform(sub, conn, out)
     cli_args.add_deploy(sub, conn, out)
     cli_args.add_image(sub, out)
+    cli_args.add_tokens(sub, out)
+    cli_args.add_secrets(sub, conn, out)
     return top
 
 

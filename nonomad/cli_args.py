@@ -1,4 +1,5 @@
-"""The command line of `nonomad machines`, `regions`, `workers` and `image`: parsers only.
+"""The command line of `nonomad machines`, `regions`, `workers`, `image`, `tokens` and
+`secrets`: parsers only.
 
 Each command is named as "module:function" and imported when it runs (see `nonomad.cli`), so
 building the parser, `--help` and usage errors stay quick. Argument types name what is wrong.
@@ -113,6 +114,14 @@ def add_machines(
     )
     create.add_argument(
         "--env", type=env_pair, action="append", default=[], metavar="K=V", help="repeatable"
+    )
+    create.add_argument(
+        "--secret",
+        type=env_pair,
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="an environment variable whose value only the machine sees (repeatable)",
     )
     create.add_argument(
         "--port",
@@ -289,3 +298,122 @@ def add_image(sub: argparse._SubParsersAction[Parser], out: Parser) -> None:
         help="image source directory to write to (default: the local cluster's, see below)",
     )
     build.set_defaults(func="nonomad.cli_image:cmd_build")
+
+
+# -- tokens and secrets ----------------------------------------------------------------------------
+
+
+def duration(value: str) -> float:
+    """`90s`, `30m`, `24h`, `7d` (or plain seconds) as seconds."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    number, unit = (value[:-1], units[value[-1]]) if value[-1:] in units else (value, 1)
+    try:
+        seconds = float(number) * unit
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a duration like 90s, 30m, 24h, 7d"
+        ) from None
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {value!r}")
+    return seconds
+
+
+def _limits(parser: argparse.ArgumentParser, *, apps_help: str) -> None:
+    parser.add_argument("--app", action="append", default=[], metavar="APP", help=apps_help)
+    parser.add_argument(
+        "--ops",
+        metavar="OPS",
+        help="comma-separated operations: read, write (create update start stop signal "
+        "destroy lease), deploy (read + write), admin (workers cordon regions), or *",
+    )
+    parser.add_argument("--expires", type=duration, metavar="DURATION", help="e.g. 24h, 7d")
+    parser.add_argument(
+        "--machine", action="append", default=[], metavar="ID", help="only this machine"
+    )
+
+
+TOKENS_DESCRIPTION = """\
+Tokens for flaps are macaroons: `create` mints one from the root keys with limits (caveats);
+anyone holding a token can `attenuate` it, adding limits without the root keys. flaps accepts
+a token signed by any key in its keys file, so keys rotate without downtime: `keygen` puts a
+new key first (it mints from then on), `retire` drops an old one (its tokens stop working).
+The local cluster's keys are STATE_DIR/token-keys; its admin token is STATE_DIR/admin.token.
+
+  nonomad tokens create --app web --ops deploy --expires 30d > web.token
+  nonomad tokens attenuate --token-file web.token --ops read --expires 1h
+  nonomad tokens show --token-file web.token
+"""
+
+
+def add_tokens(sub: argparse._SubParsersAction[Parser], out: Parser) -> None:
+    """Add `tokens create|attenuate|show|keygen|retire` (the commands: nonomad.cli_tokens)."""
+    tokens = sub.add_parser(
+        "tokens",
+        help="mint, narrow and read tokens for flaps; rotate their root keys",
+        description=TOKENS_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    tsub = tokens.add_subparsers(dest="tokens_command", required=True, metavar="COMMAND")
+    keys = Parser(add_help=False)
+    keys.add_argument(
+        "--keys", type=Path, metavar="FILE", help="root keys (default: the local cluster's)"
+    )
+    held = Parser(add_help=False)
+    held.add_argument(
+        "--token-file",
+        type=Path,
+        metavar="FILE",
+        help="the token (default: $NONOMAD_TOKEN, else the local cluster's admin token)",
+    )
+    create = tsub.add_parser("create", parents=[keys, out], help="mint a token")
+    _limits(create, apps_help="an app it may touch (repeatable); --all-apps for any")
+    create.add_argument("--all-apps", action="store_true", help="any app")
+    create.add_argument("--key-id", metavar="ID", help="mint with this key, not the first")
+    create.set_defaults(func="nonomad.cli_tokens:cmd_create")
+    narrow = tsub.add_parser(
+        "attenuate", parents=[held, out], help="a narrower token from one you hold"
+    )
+    _limits(narrow, apps_help="only this app (repeatable)")
+    narrow.set_defaults(func="nonomad.cli_tokens:cmd_attenuate")
+    show = tsub.add_parser("show", parents=[held, out], help="a token's id, key and caveats")
+    show.set_defaults(func="nonomad.cli_tokens:cmd_show")
+    keygen = tsub.add_parser("keygen", parents=[keys], help="add a new root key, first")
+    keygen.add_argument("--key-id", metavar="ID", help="its id (default k<n>)")
+    keygen.set_defaults(func="nonomad.cli_tokens:cmd_keygen")
+    retire = tsub.add_parser("retire", parents=[keys], help="drop a root key")
+    retire.add_argument("key_id", metavar="KEY_ID")
+    retire.set_defaults(func="nonomad.cli_tokens:cmd_retire")
+
+
+SECRETS_DESCRIPTION = """\
+An app's secrets are environment variables of its machines whose values reach the machines
+and nowhere else: flaps and every read show names only, and each worker keeps the values
+encrypted. `set` and `unset` update every machine of the app (its standbys too), so each
+started machine restarts with them, as `fly secrets set` redeploys.
+
+  nonomad secrets set web DATABASE_URL=postgres://... API_KEY=...
+  nonomad secrets list web
+  nonomad secrets unset web API_KEY
+"""
+
+
+def add_secrets(sub: argparse._SubParsersAction[Parser], conn: Parser, out: Parser) -> None:
+    """Add `secrets set|unset|list` (the commands: nonomad.cli_secrets)."""
+    secrets = sub.add_parser(
+        "secrets",
+        help="set, unset and list an app's secrets",
+        description=SECRETS_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ssub = secrets.add_subparsers(dest="secrets_command", required=True, metavar="COMMAND")
+    put = ssub.add_parser("set", parents=[conn, out], help="set secrets on every machine")
+    put.add_argument("app", metavar="APP")
+    put.add_argument("pairs", type=env_pair, nargs="+", metavar="NAME=VALUE")
+    put.set_defaults(func="nonomad.cli_secrets:cmd_set")
+    unset = ssub.add_parser("unset", parents=[conn, out], help="remove secrets")
+    unset.add_argument("app", metavar="APP")
+    unset.add_argument("names", nargs="+", metavar="NAME")
+    unset.set_defaults(func="nonomad.cli_secrets:cmd_unset")
+    listed = ssub.add_parser("list", parents=[conn, out], help="the names, per machine")
+    listed.add_argument("app", metavar="APP")
+    listed.set_defaults(func="nonomad.cli_secrets:cmd_list")

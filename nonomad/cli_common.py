@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 DEFAULT_STATE_DIR = Path(".nonomad/cluster")
 FLAPS_ENV = "NONOMAD_FLAPS"
+TOKEN_ENV = "NONOMAD_TOKEN"
 CLUSTER_FILE = "cluster.json"  # written by `nonomad up`: where its services listen
 PID_FILE = "up.pid"
 MAX_WAIT_CALL = 60.0  # flaps' WaitMachine limit; longer waits are several calls
@@ -71,12 +72,15 @@ class Parser(argparse.ArgumentParser):
 
 @dataclass
 class LocalCluster:
-    """Where the services of a running `nonomad up` listen, as `up` recorded them."""
+    """Where the services of a running `nonomad up` listen, as `up` recorded them, and its
+    security: the CA that signed flaps' certificate and the admin token (empty: plaintext)."""
 
     flaps: str
     proxy: str
     http: str
     image_source: str
+    ca: str = ""
+    token_file: str = ""
 
     def save(self, state_dir: Path) -> None:
         (state_dir / CLUSTER_FILE).write_text(json.dumps(asdict(self), indent=2))
@@ -123,7 +127,8 @@ def connection_parser() -> Parser:
         "--token-file",
         type=Path,
         metavar="FILE",
-        help="send the bearer token in FILE (for a flaps started with --auth-token-file)",
+        help=f"the token to present (`nonomad tokens create`; default: ${TOKEN_ENV}, else the "
+        "local cluster's admin token)",
     )
     group.add_argument("--tls", action="store_true", help="use TLS (implied by the --tls-* files)")
     group.add_argument("--tls-ca", type=Path, metavar="PEM", help="CA bundle to verify flaps")
@@ -178,14 +183,24 @@ def _readable(flag: str, path: Path | None) -> Path | None:
 def connect(args: argparse.Namespace) -> Client:
     """A Client for the flaps the connection flags name; call it in the command's coroutine.
 
-    Raises UsageError (naming the flag) for an unusable flag. Nothing is sent until the first
-    call, so an unreachable flaps shows as that call's error (see `describe`).
+    The local cluster's flaps (no --flaps, no $NONOMAD_FLAPS) is verified with its CA and
+    given its admin token, unless flags say otherwise. Raises UsageError (naming the flag) for
+    an unusable flag. Nothing is sent until the first call, so an unreachable flaps shows as
+    that call's error (see `describe`).
     """
     from nonomad.client import ChannelTLS, Client
 
     address = flaps_address(args)
+    local = None
+    if not getattr(args, "flaps", None) and not os.environ.get(FLAPS_ENV):
+        local = local_cluster(state_dir(args))
     token_file = _readable("--token-file", getattr(args, "token_file", None))
+    token = None if token_file else os.environ.get(TOKEN_ENV, "").strip() or None
+    if token_file is None and token is None and local is not None and local.token_file:
+        token_file = Path(local.token_file)
     ca = _readable("--tls-ca", getattr(args, "tls_ca", None))
+    if ca is None and local is not None and local.ca:
+        ca = Path(local.ca)
     cert = _readable("--tls-cert", getattr(args, "tls_cert", None))
     key = _readable("--tls-key", getattr(args, "tls_key", None))
     server_name = getattr(args, "tls_server_name", None)
@@ -198,7 +213,7 @@ def connect(args: argparse.Namespace) -> Client:
     if timeout is not None and timeout <= 0:
         raise UsageError(f"--timeout: must be more than 0 seconds, got {timeout:g}")
     try:
-        return Client(address, tls=tls, token_file=token_file, timeout=timeout or 30.0)
+        return Client(address, tls=tls, token=token, token_file=token_file, timeout=timeout or 30.0)
     except OSError as err:
         raise UsageError(f"cannot read the TLS or token files: {err}") from None
 
@@ -221,6 +236,8 @@ def describe(err: ApiError, address: str) -> str:
     if err.code.name == "DEADLINE_EXCEEDED" and err.message == "Deadline Exceeded":
         return f"flaps at {address} did not answer in time; {HINT}"
     line = f"{err.code.name}: {err.message}"
+    if err.code.name == "UNAUTHENTICATED":
+        return f"{line}; pass --token-file FILE or set ${TOKEN_ENV} (`nonomad tokens create`)"
     # Only RESOURCE_EXHAUSTED from placement has them; flaps' message usually names them too.
     if err.rejections and not all(reason in err.message for reason in err.rejections):
         by_reason = ", ".join(
@@ -321,8 +338,11 @@ def quiet_broken_pipe() -> None:
         os.dup2(devnull, sys.stdout.fileno())
 
 
-async def wait_state(flaps: Client, machine_id: str, state: str, budget: float) -> Machine:
-    """Wait up to `budget` seconds for the machine to be in `state`, in calls of at most 60 s.
+async def wait_state(
+    flaps: Client, machine_id: str, state: str, budget: float, instance_id: str = ""
+) -> Machine:
+    """Wait up to `budget` seconds for the machine to be in `state` (as `instance_id`, when
+    given), in calls of at most 60 s.
 
     Raises the SDK's DeadlineExceeded (whose message says the state it is in) when time runs out.
     """
@@ -333,7 +353,10 @@ async def wait_state(flaps: Client, machine_id: str, state: str, budget: float) 
         left = deadline - time.monotonic()
         try:
             return await flaps.wait_machine(
-                machine_id, state, wait=round(max(0.1, min(left, MAX_WAIT_CALL)), 1)
+                machine_id,
+                state,
+                wait=round(max(0.1, min(left, MAX_WAIT_CALL)), 1),
+                instance_id=instance_id,
             )
         except DeadlineExceeded:
             if deadline - time.monotonic() <= 0:

@@ -41,7 +41,8 @@ from nonomad.cli_common import (
 )
 from nonomad.cli_workers import WORKERS_FILE, process_state, request_done, restart_requests
 from nonomad.client import ApiError, Client
-from runtime import READY_PREFIX, read_announcements
+from nonomad.security import ClusterSecurity, provision
+from runtime import CLUSTER_PREFIX, READY_PREFIX, ChannelTLS, aio_channel, read_announcements
 
 DEMO_SOURCE = Path(__file__).parent / "demo"
 READY_TIMEOUT = 30.0
@@ -94,9 +95,18 @@ def _read_ready(
     return announced[READY_PREFIX]
 
 
-async def _until_alive(flaps: str, count: int, timeout: float = READY_TIMEOUT) -> None:
+def _client(flaps: str, security: ClusterSecurity) -> Client:
+    """The admin's client to the cluster's flaps: TLS checked with its CA, the admin token."""
+    return Client(
+        flaps, tls=security.client_tls(), token_file=security.admin_token, timeout=RPC_TIMEOUT
+    )
+
+
+async def _until_alive(
+    flaps: str, security: ClusterSecurity, count: int, timeout: float = READY_TIMEOUT
+) -> None:
     """Wait until flaps sees `count` workers alive (they announce themselves to it)."""
-    async with Client(flaps, timeout=RPC_TIMEOUT) as client:
+    async with _client(flaps, security) as client:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             workers = await client.list_workers()
@@ -110,7 +120,7 @@ DEMO_SPEC = DEMO_SOURCE / "app.toml"
 
 
 async def _deploy_demo(
-    flaps: str, regions: list[str]
+    flaps: str, security: ClusterSecurity, regions: list[str]
 ) -> list[tuple[pb.Machine, pb.Machine | None]]:
     """Deploy nonomad/demo/app.toml (one machine per region, each with a standby on another
     worker of its region), the way `nonomad deploy` does, and return (primary, standby) pairs."""
@@ -121,7 +131,7 @@ async def _deploy_demo(
     spec = load_spec(DEMO_SPEC)
     spec = AppSpec.model_validate({**spec.model_dump(), "regions": dict.fromkeys(regions, 1)})
     print(f"deploying {DEMO_SPEC.name} ({spec.app}: 1 machine + 1 standby per region)")
-    async with Client(flaps, timeout=RPC_TIMEOUT) as client:
+    async with _client(flaps, security) as client:
         report = await deploy(client, spec, on_event=lambda e: print(event_line(e), flush=True))
         for warning in report.warnings:
             print(f"note: {warning}", file=sys.stderr)
@@ -139,8 +149,8 @@ async def _deploy_demo(
     return out
 
 
-async def _destroy_all(flaps: str, ids: list[str]) -> None:
-    async with Client(flaps, timeout=RPC_TIMEOUT) as client:
+async def _destroy_all(flaps: str, security: ClusterSecurity, ids: list[str]) -> None:
+    async with _client(flaps, security) as client:
         for machine_id in ids:
             with contextlib.suppress(ApiError):
                 await client.destroy_machine(machine_id, force=True)
@@ -165,6 +175,10 @@ def cmd_up(args: argparse.Namespace) -> int:
             "run `nonomad down` first"
         )
     state.mkdir(parents=True, exist_ok=True)
+    regions = [r for r in args.regions.split(",") if r]
+    worker_ids = [f"{r}-{i + 1}" for r in regions for i in range(args.workers_per_region)]
+    # Secure by default: a CA and a certificate per part, token root keys, an admin token.
+    security = provision(state, ["flaps", "proxy", *(f"flyd-{w}" for w in worker_ids)])
     digest = build_image(
         DEMO_SOURCE, state / "images", name="demo", tag="v1", entrypoint=["python3", "-u", "app.py"]
     )
@@ -182,11 +196,13 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
-    regions = [r for r in args.regions.split(",") if r]
     try:
         # flaps first: workers announce themselves to it and are followed from then on.
-        flaps = _start(state, "flaps", "flaps")
-        flaps_address = _read_ready(flaps, "flaps")
+        flaps = _start(state, "flaps", "flaps", *security.flaps_args())
+        flaps_seen: dict[str, str] = {}
+        flaps_address = _read_ready(flaps, "flaps", flaps_seen)
+        # The cluster's parts (the proxy, workers announcing) call its mutual-TLS port.
+        flaps_cluster = flaps_seen[CLUSTER_PREFIX]
         procs.append(
             (
                 WorkerProc(
@@ -204,9 +220,10 @@ def cmd_up(args: argparse.Namespace) -> int:
             "--http-listen",
             f"127.0.0.1:{args.proxy_port}",
             "--flaps",
-            flaps_address,
+            flaps_cluster,
             "--region",
             regions[0] if regions else "local",
+            *security.proxy_args(),
         )
         proxy_address = _read_ready(proxy, "proxy", http)
         procs.append(
@@ -237,11 +254,12 @@ def cmd_up(args: argparse.Namespace) -> int:
                     "--cgroup-prefix",
                     f"nonomad-{state.name}-{worker_id}",
                     "--announce",
-                    flaps_address,
+                    flaps_cluster,
                     "--announce",
                     proxy_address,
                     "--announce-interval",
                     "2",
+                    *security.worker_args(f"flyd-{worker_id}"),
                 ]
                 proc = _start(state, worker_id, "flyd", *worker_args[worker_id])
                 address = _read_ready(proc, worker_id)
@@ -264,9 +282,11 @@ def cmd_up(args: argparse.Namespace) -> int:
             proxy=proxy_address,
             http=http.get("NONOMAD_HTTP", ""),
             image_source=str(state / "images"),
+            ca=str(security.ca),
+            token_file=str(security.admin_token),
         ).save(state)
         pid_file.write_text(str(os.getpid()))
-        asyncio.run(_until_alive(flaps_address, len(worker_args)))
+        asyncio.run(_until_alive(flaps_address, security, len(worker_args)))
         print(
             table(
                 [[p.worker_id, p.region, p.address, p.log] for p, _ in procs],
@@ -274,7 +294,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             )
         )
         if args.demo:
-            deployed = asyncio.run(_deploy_demo(flaps_address, regions))
+            deployed = asyncio.run(_deploy_demo(flaps_address, security, regions))
             rows = []
             for primary, standby in deployed:
                 machine_ids.append(primary.id)
@@ -307,15 +327,17 @@ def cmd_up(args: argparse.Namespace) -> int:
             print("\nthe CLI (it finds this cluster's flaps from its state dir):")
             for command in ("machines list demo", f"machines show {first.id}", "regions"):
                 print(f"  nonomad{here} {command}")
-            print("\nthe exchange with grpcurl:")
+            ca, token = os.path.relpath(security.ca), os.path.relpath(security.admin_token)
+            print("\nthe exchange with grpcurl (TLS checked with the cluster's CA, a token):")
+            print(f"  {g} -cacert {ca} {f} list")
+            auth = f'-cacert {ca} -H "authorization: Bearer $(cat {token})"'
             for body, rpc in [
-                (None, "list"),
                 ("{}", "flaps.v1.PlatformService/ListRegions"),
                 ('{"app": "demo"}', "flaps.v1.MachinesService/ListMachines"),
                 (f'{{"machine_id": "{first.id}"}}', "flaps.v1.MachinesService/GetMachine"),
             ]:
-                data = f" -d '{body}'" if body is not None else ""
-                print(f"  {g} -plaintext{data} {f} {rpc}")
+                print(f"  {g} {auth} -d '{body}' {f} {rpc}")
+            print(f"\ntokens for one app: nonomad{here} tokens create --app demo --ops read")
         print(
             "\nrunning; Ctrl-C stops everything. Try a failover: "
             "nonomad workers kill|pause|resume|restart WORKER",
@@ -327,7 +349,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     finally:
         print("stopping...", flush=True)
         if flaps_address and machine_ids:
-            asyncio.run(_destroy_all(flaps_address, machine_ids))
+            asyncio.run(_destroy_all(flaps_address, security, machine_ids))
         for _, proc in reversed(procs):
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGTERM)
@@ -463,10 +485,15 @@ def _workers(state: Path) -> list[WorkerProc]:
     return [WorkerProc(**item) for item in json.loads(path.read_text())]
 
 
-async def _capacities(workers: list[WorkerProc]) -> list[w.GetCapacityResponse | Exception]:
+async def _capacities(
+    workers: list[WorkerProc], tls: ChannelTLS
+) -> list[w.GetCapacityResponse | Exception]:
+    """Each worker's capacity, asked with the CLI's cluster certificate (workers answer only
+    the cluster's certificates)."""
+
     async def one(address: str) -> w.GetCapacityResponse | Exception:
         try:
-            async with grpc.aio.insecure_channel(address) as channel:
+            async with aio_channel(address, tls=tls) as channel:
                 stub = worker_pb2_grpc.WorkerServiceStub(channel)
                 return await stub.GetCapacity(w.GetCapacityRequest(), timeout=RPC_TIMEOUT)
         except grpc.RpcError as err:
@@ -476,8 +503,9 @@ async def _capacities(workers: list[WorkerProc]) -> list[w.GetCapacityResponse |
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    workers = _workers(args.state_dir.absolute())
-    results = asyncio.run(_capacities(workers))
+    state = args.state_dir.absolute()
+    workers = _workers(state)
+    results = asyncio.run(_capacities(workers, ClusterSecurity(state).member_tls()))
     rows: list[list[str]] = []
     report: list[dict[str, object]] = []
     for worker, result in zip(workers, results, strict=True):

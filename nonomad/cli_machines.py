@@ -116,6 +116,7 @@ def show_text(machine: Machine) -> str:
         ("command", command_line(c)),
         ("guest", f"{c.guest.cpu_millicores} millicores, {c.guest.memory_mib} MiB"),
         ("env", ", ".join(f"{k}={v}" for k, v in sorted(c.env.items())) or "-"),
+        ("secrets", ", ".join(sorted(c.secrets)) or "-"),  # names: values never leave workers
         ("services", ", ".join(str(s.internal_port) for s in c.services) or "-"),
         ("standby for", ", ".join(c.standbys) or "-"),
         ("slot", slot_text(machine)),
@@ -193,6 +194,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         guest=GuestConfig(cpu_millicores=args.cpu, memory_mib=args.memory),
         entrypoint=args.cmd_argv,
         env=dict(args.env),
+        secrets=dict(args.secret),
     )
     for internal in args.port:
         config.services.add(internal_port=internal)

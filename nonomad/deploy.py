@@ -35,6 +35,7 @@ import structlog
 
 from flyd import slots
 from flyd.v1 import machine_pb2 as pb
+from flyd.validate import REDACTED
 from nonomad.client import (
     ApiError,
     Client,
@@ -42,6 +43,7 @@ from nonomad.client import (
     FailedPrecondition,
     Machine,
     MachineConfig,
+    PermissionDenied,
     ResourceExhausted,
     Unavailable,
     state_name,
@@ -507,7 +509,14 @@ class _Deployer:
         return self.hosts[machine.worker_id]
 
     async def refresh_hosts(self) -> None:
-        for worker in await self.client.list_workers():
+        """Where each worker is, for machines whose ports say only "any address". A deploy
+        token (its app's machines, not the fleet) may not list workers: machines are then
+        reached at the host their ports name."""
+        try:
+            workers = await self.client.list_workers()
+        except PermissionDenied:
+            return
+        for worker in workers:
             host, _, _ = worker.info.address.rpartition(":")
             self.hosts[worker.info.id] = host.strip("[]")
 
@@ -636,6 +645,8 @@ class _Deployer:
             # standby took over (flyd starts a standby only when it is promoted).
             gated = machine.state in RUNNING or (p.role == PRIMARY and slots.is_primary(machine))
             config = self.config_for(p)
+            for name in machine.config.secrets:  # `nonomad secrets set`'s: kept as they are
+                config.secrets[name] = REDACTED
             self.emit("updating", p, detail=p.reason)
             async with self.lease(p, machine.id) as nonce:
                 try:
@@ -691,6 +702,15 @@ class _Deployer:
         return "previous config, started, checks pass"
 
     async def create_missing(self, the_plan: Plan) -> None:
+        secrets = sorted({n for p in the_plan.slots if p.machine for n in p.machine.config.secrets})
+        if secrets and any(p.action in (CREATE, REPLACE) for p in the_plan.slots):
+            # Their values are on the app's machines only, so new machines cannot copy them.
+            warning = (
+                f"new machines start without the app's secrets ({', '.join(secrets)}): "
+                f"set them again with `nonomad secrets set {self.spec.app} NAME=VALUE ...`"
+            )
+            self.report.warnings.append(warning)
+            self.emit("warning", detail=warning)
         for p in the_plan.slots:
             if p.action == CREATE and p.role == PRIMARY:
                 config = self.config_for(p)

@@ -2,11 +2,12 @@
 
 Its parser (httptools, i.e. llhttp: the fastest of the candidates measured in
 bench/proxy_bench.py) turns the bytes into `Request`s: it bounds heads and bodies (proxy.limits),
-finds the app the Host names, builds the head sent to the machine (hop-by-hop headers dropped,
-X-Forwarded-* added and, with tracing on, the trace context replaced by the request's span) and
-passes the body on to the machine connection, buffering a bounded amount until there is one. It
-also handles the connection: admission, flow control, deadlines, shutdown and close. What
-becomes of each parsed request is the subclass's (proxy.forward.Client: `_queue`, `_serve`).
+finds the app the Host names, builds the head sent to the machine (hop-by-hop headers and the
+proxy's own `nonomad-*` ones dropped, X-Forwarded-* added and, with tracing on, the trace context
+replaced by the request's span) and passes the body on to the machine connection, buffering a
+bounded amount until there is one. It also handles the connection: admission, flow control,
+deadlines, shutdown and close. What becomes of each parsed request is the subclass's
+(proxy.forward.Client: `_queue`, `_serve`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
+from collections.abc import Callable
 from typing import Final, Protocol, cast
 
 import httptools
@@ -22,7 +24,14 @@ from opentelemetry.trace import SpanKind, Tracer, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from proxy.deadline import Timed
-from proxy.errors import BadRequest, BodyTooLarge, HeadersTooLarge, ProxyError, UnknownApp
+from proxy.errors import (
+    BadRequest,
+    BodyTooLarge,
+    Forbidden,
+    HeadersTooLarge,
+    ProxyError,
+    UnknownApp,
+)
 from proxy.exchange import (
     O_CLIENT_ERROR,
     O_CLIENT_GONE,
@@ -40,6 +49,10 @@ log = structlog.get_logger("proxy.http")  # the data plane logs under one name
 _W3C: Final = TraceContextTextMapPropagator()
 _CONNECTION_TOKENS: Final = frozenset({b"close", b"keep-alive", b"upgrade"})
 _IDEMPOTENT: Final = frozenset({b"GET", b"HEAD"})
+NAMESPACE: Final = b"nonomad-"
+"""Request headers whose names start so are the proxy's: read by it, never sent to a machine."""
+TOKEN_HEADER: Final = b"nonomad-token"
+"""A token (flaps.tokens) that lets a request pin a machine of an app it may read."""
 
 # Client connection phases (what its deadline is for).
 C_BUSY: Final = 0  # a request is complete and being answered: no read deadline
@@ -55,6 +68,7 @@ class Edge(Owner, Protocol):
     domain: str
     _conns: set[ClientConnection]
     _pin_header: bytes
+    _pin_check: Callable[[str, str, bytes | None], str | None] | None
     _req_special: frozenset[bytes]
     _tracer: Tracer | None
 
@@ -103,6 +117,7 @@ class ClientConnection(Timed):
         "phase",
         "pin",
         "pin_name",
+        "pin_token",
         "proxy",
         "req_special",
         "reqs",
@@ -156,6 +171,7 @@ class ClientConnection(Timed):
         self.url = b""
         self.host = b""
         self.pin: bytes | None = None
+        self.pin_token: bytes | None = None
         # the upstream head: the request line (method and target filled in at its end), then
         # the headers as they come
         self.h_parts: list[bytes] = [b"", b" ", b"", b" HTTP/1.1\r\n"]
@@ -370,8 +386,13 @@ class ClientConnection(Timed):
                 return
             else:
                 return  # other hop-by-hop headers, and X-Forwarded-Proto/Host: ours replace them
-        elif lname == self.pin_name:
-            self.pin = value
+        elif lname.startswith(NAMESPACE):
+            # The proxy's own headers: read here, never passed on to a machine.
+            if lname == self.pin_name:
+                self.pin = value
+            elif lname == TOKEN_HEADER:
+                self.pin_token = value
+            return
         self.h_parts += (name, b": ", value, CRLF)
 
     def on_headers_complete(self) -> None:
@@ -427,6 +448,11 @@ class ClientConnection(Timed):
                 )
             elif self.pin is not None:
                 req.pinned = self.pin.decode("latin-1").strip() or None
+                check = proxy._pin_check
+                if req.pinned is not None and check is not None:
+                    refused = check(req.app, req.pinned, self.pin_token)
+                    if refused is not None:
+                        req.error = Forbidden(refused)
             req.retryable = method in _IDEMPOTENT and not req.has_body and req.pinned is None
         if req.error is not None:
             # A bad request closes the connection after the answer; so does one whose body

@@ -37,7 +37,7 @@ from flyd.v1 import machine_pb2 as pb
 from proxy.errors import ProxyError
 from registry.replica import WorkerView
 from registry.view import Status
-from runtime import aio_channel, error_info
+from runtime import ChannelTLS, aio_channel, error_info
 from runtime.clock import Clock
 
 log = structlog.get_logger("proxy.control")
@@ -114,10 +114,12 @@ class FlapsClient:
         *,
         timeout: float = FLAPS_TIMEOUT,
         channel: Callable[[str], grpc.aio.Channel] | None = None,
+        tls: ChannelTLS | None = None,
     ) -> None:
+        """`tls`: the cluster's mutual TLS, for flaps' cluster port."""
         self.address = address
         self.timeout = timeout
-        self._channel = (channel or _flaps_channel)(address)
+        self._channel = channel(address) if channel else _flaps_channel(address, tls)
         self._stub = machines_pb2_grpc.MachinesServiceStub(self._channel)
 
     async def start(self, machine_id: str, generation: int = 0) -> pb.Machine:
@@ -155,11 +157,12 @@ class FlapsClient:
         await self._channel.close()
 
 
-def _flaps_channel(address: str) -> grpc.aio.Channel:
+def _flaps_channel(address: str, tls: ChannelTLS | None) -> grpc.aio.Channel:
     # gRPC's reconnect backoff grows to two minutes by default: a flaps back after a restart
     # must be used again within a second, or scale from zero and failover wait for nothing.
     return aio_channel(
         address,
+        tls=tls,
         options=[
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
@@ -194,12 +197,19 @@ class Probes(Protocol):
 
 
 class NetProbes:
-    """`Probes` over real sockets."""
+    """`Probes` over real sockets; `tls`: the cluster's mutual TLS, to reach workers."""
+
+    def __init__(self, tls: ChannelTLS | None = None) -> None:
+        self._credentials = tls.credentials() if tls is not None else None
+        self._options = [("grpc.ssl_target_name_override", tls.server_name)] if tls else []
 
     async def worker(self, address: str, timeout: float) -> bool:
         # A fresh channel each time: a reused one may sit in reconnect backoff and fail a
         # worker that is back, or keep a half-open connection to one that is gone.
-        channel = grpc.aio.insecure_channel(address)
+        if self._credentials is None:
+            channel = grpc.aio.insecure_channel(address)
+        else:
+            channel = grpc.aio.secure_channel(address, self._credentials, options=self._options)
         try:
             resp = await health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=timeout

@@ -26,6 +26,12 @@ class BadRequest(ProxyError):
     status = 400
 
 
+class Forbidden(ProxyError):
+    """The request asked for something its token (or its lack of one) does not allow."""
+
+    status = 403
+
+
 class HeadersTooLarge(ProxyError):
     status = 431
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import structlog
 from opentelemetry.trace import Tracer
 
-from proxy.client import ClientConnection
+from proxy.client import NAMESPACE, ClientConnection
 from proxy.forward import Client
 from proxy.limits import Limits
 from proxy.routing import Backend, Router
@@ -33,9 +33,12 @@ class HttpProxy:
 
     `router` chooses machines (see proxy.routing); `stats` counts what happens. Responses name
     the machine that served them in `machine_header`; a request may ask for one machine with
-    `pin_header`. If the router also has `try_acquire(app, *, pinned, exclude) -> Backend |
-    None` (what `acquire` would return without waiting, or None if it would wait), requests
-    start without a task switch. Create it inside the running event loop.
+    `pin_header`, if `pin_check(app, machine id, its nonomad-token header)` says None (else
+    403 with what it said; without a pin_check, any request may). Request headers of the
+    proxy's namespace (`nonomad-*`) never reach a machine. If the router also has
+    `try_acquire(app, *, pinned, exclude) -> Backend | None` (what `acquire` would return
+    without waiting, or None if it would wait), requests start without a task switch. Create
+    it inside the running event loop.
     """
 
     def __init__(
@@ -48,6 +51,7 @@ class HttpProxy:
         limits: Limits = Limits(),
         machine_header: str = "nonomad-machine-id",
         pin_header: str = "nonomad-force-instance-id",
+        pin_check: Callable[[str, str, bytes | None], str | None] | None = None,
         tracer: Tracer | None = None,
     ) -> None:
         self.router = router
@@ -64,6 +68,9 @@ class HttpProxy:
         self.pin_header = pin_header
         self._suffix = b"." + self.domain.encode("ascii")
         self._pin_header = pin_header.lower().encode("ascii")
+        if not self._pin_header.startswith(NAMESPACE):
+            raise ValueError(f"pin_header must start with {NAMESPACE.decode()}: {pin_header}")
+        self._pin_check = pin_check
         self._machine_header = machine_header.encode("ascii")
         self._machine_lines: dict[str, bytes] = {}
         self._apps: dict[bytes, str | None] = {}

@@ -13,9 +13,11 @@ import sys
 import structlog
 from opentelemetry import trace
 
-from proxy.control import FlapsClient
+from flaps.auth import KeySource
+from proxy.control import FlapsClient, NetProbes
 from proxy.http import HttpProxy
 from proxy.metrics import ProxyCollector
+from proxy.pins import pin_check
 from proxy.router import Router
 from proxy.service import ProxyServicer, map_error
 from proxy.settings import ProxySettings
@@ -51,13 +53,20 @@ async def build(argv: list[str]) -> Service:
     replica = settings.replica()
     stats = Stats()
     flaps = (
-        FlapsClient(settings.flaps, timeout=settings.flaps_timeout)
+        FlapsClient(settings.flaps, timeout=settings.flaps_timeout, tls=settings.cluster_tls)
         if settings.flaps is not None
         else None
     )
     if flaps is None:
         log.warning("no_flaps", consequence="no scale from zero, autostop or failover")
-    router = Router(replica, flaps, stats, config=settings.router_config(), tracer=tracer)
+    router = Router(
+        replica,
+        flaps,
+        stats,
+        config=settings.router_config(),
+        tracer=tracer,
+        probes=NetProbes(settings.cluster_tls),
+    )
     service = Service("proxy", settings)
     service.add(
         ProxyServicer(router, stats),
@@ -68,12 +77,16 @@ async def build(argv: list[str]) -> Service:
     # Workers can announce themselves to the proxy, and replicas share members with it.
     serve_replica(service, replica, settings.workers)
 
+    keys = KeySource(settings.token_keys) if settings.token_keys is not None else None
+    if keys is not None:
+        service.spawn("token-keys", keys.watch)
     http = HttpProxy(
         router,
         stats,
         domain=settings.domain,
         region=settings.region,
         limits=settings.limits(),
+        pin_check=pin_check((lambda: keys.keyring) if keys is not None else None),
         tracer=tracer,
     )
     router.on_machines_lost(http.machines_lost)

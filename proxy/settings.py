@@ -8,11 +8,13 @@ with the defaults, against flyd's heartbeat every 0.2 s.
 from __future__ import annotations
 
 from dataclasses import fields
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
+from flaps.tokens import Keyring
 from proxy.limits import Limits
 from proxy.routes import RouterConfig
 from registry.settings import ReplicaSettings
@@ -35,8 +37,9 @@ class ProxySettings(ReplicaSettings):
     region: str = Field(default="local", description="this proxy's region: preferred machines")
     flaps: str | None = Field(
         default=None,
-        description="flaps address host:port to start and stop machines through "
-        "(without it: no scale from zero, autostop or failover)",
+        description="flaps address host:port to start and stop machines through: its "
+        "cluster_listen port when the cluster runs mutual TLS (without it: no scale from zero, "
+        "autostop or failover)",
     )
     # The replica's, with the edge's own default: a silent worker is probed sooner.
     suspect_after: float = Field(
@@ -103,6 +106,12 @@ class ProxySettings(ReplicaSettings):
     buffer_bytes: int = Field(
         default=64 * 1024, ge=1024, description="request body buffered before a machine is ready"
     )
+    token_keys: Path | None = Field(
+        default=None,
+        description="flaps' token root keys (mode 0600): a request may pin a machine "
+        "(nonomad-force-instance-id) only with a nonomad-token that may read it; without "
+        "them, no request may",
+    )
     event_loop: Literal["uvloop", "asyncio"] = Field(
         default="uvloop",
         description="event loop: uvloop (about a quarter less CPU per request) or asyncio's own",
@@ -112,6 +121,13 @@ class ProxySettings(ReplicaSettings):
     @classmethod
     def _listen(cls, value: str) -> str:
         parse_host_port(value)
+        return value
+
+    @field_validator("token_keys")
+    @classmethod
+    def _token_keys(cls, value: Path | None) -> Path | None:
+        if value is not None:
+            Keyring.load(value)  # a KeysError is a ValueError naming what is wrong
         return value
 
     @field_validator("flaps")

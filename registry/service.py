@@ -13,9 +13,10 @@ Any service that embeds a replica serves it::
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 
 import grpc
+from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from registry.errors import InvalidArgument, RegistryError, Unavailable
@@ -131,14 +132,24 @@ def _timestamp(seconds: float) -> Timestamp:
     return ts
 
 
-def serve_replica(service: Service, replica: Replica, workers: Iterable[str]) -> None:
+def serve_replica(
+    service: Service,
+    replica: Replica,
+    workers: Iterable[str],
+    guard: Callable[[object, ServiceDescriptor], None] | None = None,
+) -> None:
     """Serve `replica` as `registry.v1.RegistryService` from `service` (workers announce
     themselves to it, replicas share members with it), follow the seed `workers`, and run it
-    while the service runs."""
+    while the service runs. `guard(servicer, descriptor)`, when given, wraps its handlers
+    first (flaps: for the cluster's parts only)."""
+    servicer = RegistryServicer(replica, draining=service.draining)
+    descriptor = r.DESCRIPTOR.services_by_name["RegistryService"]
+    if guard is not None:
+        guard(servicer, descriptor)
     service.add(
-        RegistryServicer(replica, draining=service.draining),
+        servicer,
         registry_pb2_grpc.add_RegistryServiceServicer_to_server,
-        r.DESCRIPTOR.services_by_name["RegistryService"],
+        descriptor,
         map_error,
     )
     for address in workers:

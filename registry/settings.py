@@ -10,7 +10,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from registry.replica import Replica
-from runtime import ServiceSettings, parse_host_port
+from runtime import ServiceSettings, aio_channel, parse_host_port
 
 
 class ReplicaSettings(ServiceSettings):
@@ -74,8 +74,11 @@ class ReplicaSettings(ServiceSettings):
         return value
 
     def replica(self) -> Replica:
-        """A Replica with these settings; `registry.service.serve_replica` adds the workers."""
+        """A Replica with these settings; `registry.service.serve_replica` adds the workers.
+        With cluster_ca, it reaches workers and other replicas over the cluster's mutual TLS."""
+        tls = self.cluster_tls
         return Replica(
+            channel=lambda address: aio_channel(address, tls=tls),
             suspect_after=self.suspect_after,
             dead_after=self.dead_after,
             upstream=self.upstream,

@@ -5,9 +5,10 @@ A service's entry point loads its `ServiceSettings` subclass with `settings_or_e
 Clients open channels with `aio_channel` so trace context crosses every hop.
 """
 
-from runtime.endpoints import METRICS_PREFIX, MetricsEndpoint, TokenAuth
+from runtime.endpoints import METRICS_PREFIX, MetricsEndpoint, cluster_peer
 from runtime.logs import configure_logging
 from runtime.server import (
+    CLUSTER_PREFIX,
     READY_PREFIX,
     ErrorMapper,
     Mapped,
@@ -29,6 +30,7 @@ from runtime.settings import (
     settings_or_exit,
 )
 from runtime.tracing import (
+    CLUSTER_NAME,
     DEFAULT_CHANNEL_OPTIONS,
     ChannelOption,
     ChannelTLS,
@@ -42,6 +44,8 @@ from runtime.tracing import (
 )
 
 __all__ = [
+    "CLUSTER_NAME",
+    "CLUSTER_PREFIX",
     "DEFAULT_CHANNEL_OPTIONS",
     "METRICS_PREFIX",
     "READY_PREFIX",
@@ -53,10 +57,10 @@ __all__ = [
     "Service",
     "ServiceSettings",
     "SettingsError",
-    "TokenAuth",
     "abort_with_details",
     "aio_channel",
     "client_interceptors",
+    "cluster_peer",
     "configure_logging",
     "error_info",
     "load_settings",

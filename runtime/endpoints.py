@@ -1,75 +1,35 @@
-"""Two optional parts of every service: bearer-token authentication and a Prometheus endpoint.
+"""Who calls, and a Prometheus endpoint: what every service may have besides its API.
 
-Both are off unless configured (`auth_token_file`, `metrics_listen`), and cost nothing then.
-Services define their metrics with `prometheus_client` in the default registry; the endpoint
-serves whatever is registered there.
+`cluster_peer` names the part of the cluster behind a call that came with a client
+certificate (mutual TLS: `tls_client_ca` or the `cluster_listen` port), or None. The metrics
+endpoint is off unless `metrics_listen` is set, and costs nothing then; services define their
+metrics with `prometheus_client` in the default registry and the endpoint serves what is there.
 """
 
 from __future__ import annotations
 
-import hmac
 import threading
-from collections.abc import Awaitable, Callable
 from typing import Any
 
-import grpc
-import grpc.aio
 from prometheus_client import start_http_server
 
-__all__ = ["METRICS_PREFIX", "MetricsEndpoint", "TokenAuth"]
+__all__ = ["METRICS_PREFIX", "MetricsEndpoint", "cluster_peer"]
 
 METRICS_PREFIX = "NONOMAD_METRICS"
 """Printed as `NONOMAD_METRICS <service> <host:port>` once the metrics endpoint listens."""
 
-# Probes and tooling must work without the token: a load balancer's health check and grpcurl's
-# `list`/`describe` reveal nothing a caller could act on.
-_OPEN_PREFIXES = ("/grpc.health.", "/grpc.reflection.")
 
+def cluster_peer(context: Any) -> str | None:
+    """The common name of the certificate the caller presented, or None without one.
 
-class TokenAuth(grpc.aio.ServerInterceptor):
-    """Refuse calls without `authorization: Bearer <token>` with UNAUTHENTICATED."""
-
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        method: str = handler_call_details.method
-        if method.startswith(_OPEN_PREFIXES):
-            return await continuation(handler_call_details)
-        given = b""
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == "authorization":
-                given = value.encode() if isinstance(value, str) else value
-                break
-        if hmac.compare_digest(given, self._expected):
-            return await continuation(handler_call_details)
-        detail = "missing authorization metadata" if not given else "invalid bearer token"
-        return _deny(detail, await continuation(handler_call_details))
-
-
-def _deny(detail: str, handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that aborts with UNAUTHENTICATED."""
-
-    async def unary(_request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"authorization: {detail}")
-
-    async def streaming(_request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"authorization: {detail}")
-        yield  # pragma: no cover - makes this an async generator
-
-    deserializer = handler.request_deserializer if handler else None
-    serializer = handler.response_serializer if handler else None
-    if handler is not None and handler.response_streaming:
-        if handler.request_streaming:
-            return grpc.stream_stream_rpc_method_handler(streaming, deserializer, serializer)
-        return grpc.unary_stream_rpc_method_handler(streaming, deserializer, serializer)
-    if handler is not None and handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(unary, deserializer, serializer)
-    return grpc.unary_unary_rpc_method_handler(unary, deserializer, serializer)
+    Only a listener with mutual TLS asks for client certificates, and it accepts only those
+    its CA signed, so a name here is a verified member of the cluster.
+    """
+    auth = context.auth_context()
+    if not auth.get("x509_pem_cert"):
+        return None
+    names = auth.get("x509_common_name") or [b"(no common name)"]
+    return bytes(names[0]).decode(errors="replace")
 
 
 class MetricsEndpoint:

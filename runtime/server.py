@@ -40,12 +40,13 @@ from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
 from runtime import tracing
-from runtime.endpoints import METRICS_PREFIX, MetricsEndpoint, TokenAuth
+from runtime.endpoints import METRICS_PREFIX, MetricsEndpoint
 from runtime.errors import InvalidArgument
 from runtime.limits import DEFAULT_LIMITS, Limits, check
 from runtime.settings import ServiceSettings, SettingsError, parse_host_port
 
 __all__ = [
+    "CLUSTER_PREFIX",
     "READY_PREFIX",
     "ErrorMapper",
     "Mapped",
@@ -71,6 +72,9 @@ INTERNAL."""
 
 READY_PREFIX = "NONOMAD_READY"
 """First word of the stdout line a service prints once it serves: `NONOMAD_READY name addr`."""
+
+CLUSTER_PREFIX = "NONOMAD_CLUSTER"
+"""First word of the line with the `cluster_listen` address, printed before `NONOMAD_READY`."""
 
 
 def read_announcements(proc: subprocess.Popen[bytes], timeout: float) -> dict[str, str]:
@@ -403,6 +407,8 @@ class Service:
         self._finished = asyncio.Event()
         self._exit_code = 0
         self._address: str | None = None
+        self._cluster_address: str | None = None
+        self._servers: list[Any] = []
         self._started = False
         self._health: Any = None
         self._metrics: MetricsEndpoint | None = None
@@ -459,6 +465,11 @@ class Service:
         return self._address
 
     @property
+    def cluster_address(self) -> str | None:
+        """The bound `cluster_listen` address, or None when there is no such listener."""
+        return self._cluster_address
+
+    @property
     def service_names(self) -> list[str]:
         """Full names of the registered services, in registration order."""
         return [reg.full_name for reg in self._registrations]
@@ -511,11 +522,10 @@ class Service:
             raise RuntimeError("a Service runs only once")
         self._started = True
         loop = asyncio.get_running_loop()
-        server: Any = None
         signals: list[signal.Signals] = []
         try:
             try:
-                server = await self._start_server()
+                await self._start_server()
                 for name, coro_fn in self._pending:
                     self._start_task(name, coro_fn)
                 self._pending.clear()
@@ -531,56 +541,79 @@ class Service:
         finally:
             # Also reached when run() is cancelled: the server must not outlive it.
             try:
-                await self._shutdown(server)
+                await self._shutdown()
             finally:
                 for sig in signals:
                     loop.remove_signal_handler(sig)
                 self._finished.set()
         return self._exit_code
 
-    async def _start_server(self) -> Any:
+    async def _start_server(self) -> None:
         settings = self.settings
         host, _ = parse_host_port(settings.listen)
-        interceptors: list[Any] = tracing.server_interceptors()
-        token = settings.auth_token
-        if token is not None:
-            interceptors.append(TokenAuth(token))
-        server = grpc.aio.server(
-            interceptors=interceptors or None,
-            options=server_options(settings),
-        )
-        for reg in self._registrations:
-            reg.add_to_server(reg.servicer, _CheckingServer(server, reg.limits))
         self._health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(
-            [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
-        )
-
+        server = self._server()
         if settings.tls_cert is not None and settings.tls_key is not None:
             client_ca = settings.tls_client_ca
-            credentials = grpc.ssl_server_credentials(
-                [(settings.tls_key.read_bytes(), settings.tls_cert.read_bytes())],
-                root_certificates=client_ca.read_bytes() if client_ca else None,
-                require_client_auth=client_ca is not None,
-            )
-            port = server.add_secure_port(settings.listen, credentials)
+            port = server.add_secure_port(settings.listen, self._credentials(client_ca))
         else:
             port = server.add_insecure_port(settings.listen)
         # Older grpcio reports a failed bind as port 0 instead of raising.
         if not port:
             raise RuntimeError(f"could not bind {settings.listen}")
         self._address = _format_address(host, port)
+        if settings.cluster_listen is not None:
+            # The same services again, for the cluster's own parts only: a second server,
+            # because one port cannot both ask clients for a certificate and serve those
+            # (the CLI, grpcurl) that have none.
+            cluster = self._server()
+            cluster_port = cluster.add_secure_port(
+                settings.cluster_listen, self._credentials(settings.cluster_ca)
+            )
+            if not cluster_port:
+                raise RuntimeError(f"could not bind cluster_listen {settings.cluster_listen}")
+            cluster_host, _ = parse_host_port(settings.cluster_listen)
+            self._cluster_address = _format_address(cluster_host, cluster_port)
+            await cluster.start()
+            self._servers.append(cluster)
         await server.start()
+        self._servers.append(server)
         if settings.metrics_listen is not None:
             try:
                 self._metrics = MetricsEndpoint(settings.metrics_listen)
             except OSError as exc:
-                await server.stop(None)
+                for started in self._servers:
+                    await started.stop(None)
                 raise RuntimeError(
                     f"could not bind metrics_listen {settings.metrics_listen}: {exc}"
                 ) from exc
+
+    def _server(self) -> Any:
+        """A gRPC server with every registered service, health and reflection."""
+        interceptors: list[Any] = tracing.server_interceptors()
+        server = grpc.aio.server(
+            interceptors=interceptors or None,
+            options=server_options(self.settings),
+        )
+        for reg in self._registrations:
+            reg.add_to_server(reg.servicer, _CheckingServer(server, reg.limits))
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+        )
         return server
+
+    def _credentials(self, client_ca: Path | None) -> grpc.ServerCredentials:
+        """TLS with this service's certificate; with `client_ca`, clients must present a
+        certificate it signed."""
+        settings = self.settings
+        assert settings.tls_cert is not None
+        assert settings.tls_key is not None
+        return grpc.ssl_server_credentials(
+            [(settings.tls_key.read_bytes(), settings.tls_cert.read_bytes())],
+            root_certificates=client_ca.read_bytes() if client_ca else None,
+            require_client_auth=client_ca is not None,
+        )
 
     async def _announce_ready(self) -> None:
         for name in ("", *self.service_names):
@@ -592,15 +625,20 @@ class Service:
             services=self.service_names,
             tls=self.settings.tls_enabled,
             mutual_tls=self.settings.tls_client_ca is not None,
+            cluster_address=self._cluster_address,
         )
         if self._metrics is not None:
             print(
                 f"{METRICS_PREFIX} {self.name} {self._metrics.address}", file=sys.stdout, flush=True
             )
+        if self._cluster_address is not None:
+            print(f"{CLUSTER_PREFIX} {self.name} {self._cluster_address}", flush=True)
         # Test harnesses and supervisors wait for this exact line rather than polling a port.
         print(f"{READY_PREFIX} {self.name} {address}", file=sys.stdout, flush=True)
         if self.settings.ready_file is not None:
             document = {"service": self.name, "address": address, "pid": os.getpid()}
+            if self._cluster_address is not None:
+                document["cluster_address"] = self._cluster_address
             _write_atomically(self.settings.ready_file, json.dumps(document))
         self._ready.set()
 
@@ -643,15 +681,14 @@ class Service:
             if not self.shutdown_event.is_set():
                 _log.info("task_finished_early", task=name)
 
-    async def _shutdown(self, server: Any) -> None:
+    async def _shutdown(self) -> None:
         grace = self.settings.grace_period
         _log.info("shutting_down", grace_period=grace, exit_code=self._exit_code)
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         self.draining.set()
-        if server is not None:
-            # Refuses new calls at once; calls in flight get `grace` seconds, then are cancelled.
-            await server.stop(grace)
+        # Each refuses new calls at once; calls in flight get `grace` seconds, then are cancelled.
+        await asyncio.gather(*(server.stop(grace) for server in self._servers))
         self.shutdown_event.set()
 
         if self._tasks:

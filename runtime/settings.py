@@ -38,6 +38,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from runtime.tracing import CLUSTER_NAME, ChannelTLS
+
 __all__ = [
     "ServiceSettings",
     "SettingsError",
@@ -149,10 +151,15 @@ class ServiceSettings(BaseSettings):
         default=None,
         description="PEM CA bundle; when set, clients must present a certificate it signed",
     )
-    auth_token_file: Path | None = Field(
+    cluster_ca: Path | None = Field(
         default=None,
-        description="file holding a bearer token; when set, every call but health and reflection "
-        "must send `authorization: Bearer <token>`",
+        description="PEM CA of the cluster: this service checks it signed the services it calls "
+        "and presents tls_cert to them as its client certificate (mutual TLS)",
+    )
+    cluster_listen: str | None = Field(
+        default=None,
+        description="a second gRPC listen address host:port for the cluster's own parts: "
+        "mutual TLS only, with client certificates cluster_ca signed",
     )
     metrics_listen: str | None = Field(
         default=None,
@@ -165,26 +172,12 @@ class ServiceSettings(BaseSettings):
         parse_host_port(value)
         return value
 
-    @field_validator("metrics_listen")
+    @field_validator("metrics_listen", "cluster_listen")
     @classmethod
-    def _check_metrics_listen(cls, value: str | None) -> str | None:
+    def _check_optional_address(cls, value: str | None) -> str | None:
         if value is not None:
             parse_host_port(value)
         return value
-
-    @field_validator("auth_token_file")
-    @classmethod
-    def _check_auth_token_file(cls, value: Path | None) -> Path | None:
-        if value is not None:
-            _existing_file(value)
-            if not value.read_text().strip():
-                raise ValueError(f"token file is empty: {value}")
-        return value
-
-    @property
-    def auth_token(self) -> str | None:
-        """The bearer token clients must send, or None when calls are not authenticated."""
-        return self.auth_token_file.read_text().strip() if self.auth_token_file else None
 
     @field_validator("tls_cert")
     @classmethod
@@ -209,6 +202,30 @@ class ServiceSettings(BaseSettings):
         if value is not None and info.data.get("tls_cert") is None and "tls_cert" in info.data:
             raise ValueError("mutual TLS needs a server certificate; set tls_cert and tls_key")
         return _existing_file(value)
+
+    @field_validator("cluster_ca")
+    @classmethod
+    def _check_cluster_ca(cls, value: Path | None, info: ValidationInfo) -> Path | None:
+        if value is not None and info.data.get("tls_cert") is None and "tls_cert" in info.data:
+            raise ValueError("the cluster's services want a client certificate: set tls_cert")
+        return _existing_file(value)
+
+    @field_validator("cluster_listen")
+    @classmethod
+    def _check_cluster_listen(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and info.data.get("cluster_ca") is None and "cluster_ca" in info.data:
+            raise ValueError("needs cluster_ca (and tls_cert, tls_key) for its mutual TLS")
+        return value
+
+    @property
+    def cluster_tls(self) -> ChannelTLS | None:
+        """How this service's channels to other parts of the cluster verify them and identify
+        it: the cluster CA and its own certificate. None without cluster_ca (plaintext)."""
+        if self.cluster_ca is None:
+            return None
+        return ChannelTLS(
+            ca=self.cluster_ca, cert=self.tls_cert, key=self.tls_key, server_name=CLUSTER_NAME
+        )
 
     @property
     def tls_enabled(self) -> bool:

@@ -26,6 +26,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 __all__ = [
+    "CLUSTER_NAME",
     "DEFAULT_CHANNEL_OPTIONS",
     "ChannelOption",
     "ChannelTLS",
@@ -163,6 +164,11 @@ def shutdown_tracing() -> None:
         state, _state = _state, None
     if state is not None:
         state.provider.shutdown()
+
+
+CLUSTER_NAME = "nonomad.cluster"
+"""The DNS name every cluster certificate carries (runtime.pki): what a part of the cluster
+checks in the certificate of another it calls, whatever address it dialled."""
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from pytest_grpc_aio.plugin import GrpcContext
 from flyd.drivers.rundir import kill_all
 from flyd.images.build import build_image
 from flyd.v1 import worker_pb2_grpc
+from nonomad.security import ClusterSecurity, provision
 from tests.harness import ServiceProcess, clean_env, flyd_args
 
 DEMO_APP = """\
@@ -35,6 +36,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
 print("listening on", os.environ["PORT"], flush=True)
 http.server.ThreadingHTTPServer(("127.0.0.1", int(os.environ["PORT"])), Handler).serve_forever()
 """
+
+
+@pytest.fixture(scope="session")
+def security(tmp_path_factory: pytest.TempPathFactory) -> ClusterSecurity:
+    """One cluster CA, certificates (every worker shares `flyd`'s), token root keys and an
+    admin token for the whole session, made once: what `nonomad up` makes for a cluster."""
+    return provision(tmp_path_factory.mktemp("security"), ["flaps", "proxy", "registry", "flyd"])
+
 
 # Each flyd in a test session gets its own host port range.
 _port_blocks = itertools.count(0)

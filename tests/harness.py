@@ -9,10 +9,12 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
+import grpc.aio
 
-from runtime import READY_PREFIX, read_announcements
+from runtime import CLUSTER_PREFIX, READY_PREFIX, ChannelTLS, read_announcements
 from runtime import error_info as runtime_error_info
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -79,6 +81,11 @@ class ServiceProcess:
         self.announced.update(announced)  # the others: the proxy's NONOMAD_HTTP
         return address
 
+    @property
+    def cluster_address(self) -> str:
+        """The `cluster_listen` address it announced (flaps started with one)."""
+        return self.announced[CLUSTER_PREFIX]
+
     def stderr_tail(self, lines: int = 30) -> str:
         with contextlib.suppress(FileNotFoundError):
             return "\n".join(self.stderr_path.read_text(errors="replace").splitlines()[-lines:])
@@ -144,3 +151,41 @@ def error_info(err: grpc.aio.AioRpcError) -> tuple[str, str, dict[str, str]] | N
     None when it has none."""
     info = runtime_error_info(err)
     return None if info is None else (info.reason, info.domain, dict(info.metadata))
+
+
+class _Bearer:
+    """Adds `authorization: Bearer <token>` to every call that has none."""
+
+    def __init__(self, token: str) -> None:
+        self._metadata = ("authorization", f"Bearer {token}")
+
+    def _with_token(self, details: Any) -> Any:
+        metadata = list(details.metadata or ())
+        if not any(key == "authorization" for key, _ in metadata):
+            metadata.append(self._metadata)
+        return details._replace(metadata=metadata)
+
+
+# grpc.aio files an interceptor under the first kind it is, so each kind is its own class.
+class _BearerUnary(_Bearer, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._with_token(details), request)
+
+
+class _BearerStream(_Bearer, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._with_token(details), request)
+
+
+def channel(
+    address: str, tls: ChannelTLS | None = None, token: str | None = None
+) -> grpc.aio.Channel:
+    """A channel for tests: plaintext, or TLS as `tls` says; with `token`, every call sends it
+    (unless it has its own `authorization`)."""
+    interceptors: list[Any] | None = [_BearerUnary(token), _BearerStream(token)] if token else None
+    if tls is None:
+        return grpc.aio.insecure_channel(address, interceptors=interceptors)
+    options = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
+    return grpc.aio.secure_channel(
+        address, tls.credentials(), options=options, interceptors=interceptors
+    )

@@ -124,6 +124,20 @@ def test_up_serves_the_demo_app_and_down_leaves_nothing_behind(tmp_path: Path) -
         assert edge, text
         assert "hello from machine" in through_proxy(edge.group(2), edge.group(1))
 
+        # Secure by default: the CA, keys and tokens are the owner's alone, and the grpcurl
+        # commands `up` prints (TLS checked with its CA, the admin token) work as printed.
+        for name in ("tls/ca.pem", "tls/ca.key", "tls/flaps.key", "token-keys", "admin.token"):
+            assert (state / name).stat().st_mode & 0o777 == 0o600, name
+        printed = [line.strip() for line in out if "ListRegions" in line]
+        assert printed, text
+        assert "-cacert" in printed[0]
+        assert "authorization: Bearer" in printed[0]
+        listed = subprocess.run(
+            ["bash", "-c", printed[0]], capture_output=True, text=True, cwd=REPO_ROOT, timeout=30
+        )
+        assert listed.returncode == 0, listed.stderr
+        assert json.loads(listed.stdout)["regions"][0]["name"] == "ams"
+
         status = nonomad("--state-dir", str(state), "status", "--json")
         assert status.returncode == 0, status.stderr
         report = json.loads(status.stdout)

@@ -362,6 +362,26 @@ class MachineConfig(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class SecretsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     IMAGE_FIELD_NUMBER: _builtins.int
     GUEST_FIELD_NUMBER: _builtins.int
     ENTRYPOINT_FIELD_NUMBER: _builtins.int
@@ -374,6 +394,7 @@ class MachineConfig(_message.Message):
     STANDBYS_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
     PLACEMENT_FIELD_NUMBER: _builtins.int
+    SECRETS_FIELD_NUMBER: _builtins.int
     image: _builtins.str
     """OCI image reference: "name:tag", "name" (latest) or "name@sha256:<hex>"."""
     @_builtins.property
@@ -408,6 +429,16 @@ class MachineConfig(_message.Message):
     def placement(self) -> Global___PlacementConfig:
         """Where the machine may go; read by flaps, ignored by flyd."""
 
+    @_builtins.property
+    def secrets(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Secret environment variables (`nonomad secrets set`): a value reaches the
+        machine's environment and nowhere else. Every answer shows the names
+        with the value "<redacted>"; the worker keeps the values encrypted with
+        its own key. On update, "<redacted>" keeps a name's current value, and a
+        name left out is removed. Names follow env's rules and must not also be
+        in env.
+        """
+
     def __init__(
         self,
         *,
@@ -423,10 +454,11 @@ class MachineConfig(_message.Message):
         standbys: _abc.Iterable[_builtins.str] | None = ...,
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         placement: Global___PlacementConfig | None = ...,
+        secrets: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["guest", b"guest", "placement", b"placement", "restart", b"restart", "stop", b"stop"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checks", b"checks", "cmd", b"cmd", "entrypoint", b"entrypoint", "env", b"env", "guest", b"guest", "image", b"image", "metadata", b"metadata", "placement", b"placement", "restart", b"restart", "services", b"services", "standbys", b"standbys", "stop", b"stop"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checks", b"checks", "cmd", b"cmd", "entrypoint", b"entrypoint", "env", b"env", "guest", b"guest", "image", b"image", "metadata", b"metadata", "placement", b"placement", "restart", b"restart", "secrets", b"secrets", "services", b"services", "standbys", b"standbys", "stop", b"stop"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

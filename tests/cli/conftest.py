@@ -12,13 +12,13 @@ from typing import Any
 import pytest
 
 from nonomad.client import Client
+from nonomad.security import ClusterSecurity
 from tests.flaps.conftest import Fleet, eventually, fleet
 from tests.harness import REPO_ROOT, clean_env
 
 __all__ = ["CliFleet", "Result", "cli_fleet", "fleet", "nonomad"]
 
 NONOMAD = [sys.executable, "-m", "nonomad.cli"]
-TOKEN = "cli-test-token"
 
 
 @dataclass
@@ -59,38 +59,47 @@ async def nonomad(*args: str, env: dict[str, str] | None = None, timeout: float 
 
 @dataclass
 class CliFleet:
-    """Two workers in ams and a token-protected flaps, named to the CLI by $NONOMAD_FLAPS."""
+    """Two workers in ams and a flaps that serves TLS and checks tokens, named to the CLI by
+    $NONOMAD_FLAPS; the CLI gets the cluster's CA and the admin token."""
 
     fleet: Fleet
-    token_file: Path
+    security: ClusterSecurity
 
     @property
     def address(self) -> str:
         return self.fleet.flaps[0].address
 
     @property
+    def token_file(self) -> Path:
+        return self.security.admin_token
+
+    @property
+    def tls(self) -> list[str]:
+        """The flag that makes the CLI check flaps' certificate."""
+        return ["--tls-ca", str(self.security.ca)]
+
+    @property
     def env(self) -> dict[str, str]:
         return clean_env(NONOMAD_FLAPS=self.address)
 
     def client(self) -> Client:
-        return Client(self.address, token_file=self.token_file, timeout=20)
+        return self.fleet.client(timeout=20)
 
     async def __call__(self, *args: str) -> Result:
-        """`nonomad ARGS --token-file T` (before any `-- CMD`), with $NONOMAD_FLAPS set."""
+        """`nonomad ARGS --token-file T --tls-ca CA` (before any `-- CMD`), with
+        $NONOMAD_FLAPS set."""
         cut = args.index("--") if "--" in args else len(args)
-        return await nonomad(
-            *args[:cut], "--token-file", str(self.token_file), *args[cut:], env=self.env
-        )
+        mine = ["--token-file", str(self.token_file), *self.tls]
+        return await nonomad(*args[:cut], *mine, *args[cut:], env=self.env)
 
 
 @pytest.fixture
-async def cli_fleet(fleet: Fleet, tmp_path: Path) -> CliFleet:
-    token = tmp_path / "token"
-    token.write_text(f"{TOKEN}\n")
+async def cli_fleet(fleet: Fleet) -> CliFleet:
+    assert fleet.security is not None
     fleet.add_worker("ams-1", "ams", "--capacity.memory-mib", "512")
     fleet.add_worker("ams-2", "ams", "--capacity.memory-mib", "512")
-    fleet.add_flaps("--auth-token-file", str(token))
-    cf = CliFleet(fleet, token)
+    fleet.add_flaps()
+    cf = CliFleet(fleet, fleet.security)
     async with cf.client() as flaps:
 
         async def both_alive() -> bool:

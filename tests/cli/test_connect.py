@@ -1,4 +1,5 @@
-"""The connection flags against a flaps that serves mutual TLS."""
+"""The connection flags against a flaps that serves TLS and checks tokens, on its public port
+and on its cluster port (mutual TLS)."""
 
 from __future__ import annotations
 
@@ -7,24 +8,25 @@ import asyncio
 from tests.cli.conftest import nonomad
 from tests.cli.test_machines import one_line_error
 from tests.flaps.conftest import Fleet
-from tests.runtime.conftest import Certs, certs
-
-__all__ = ["certs"]
 
 
-async def test_mutual_tls_flags(fleet: Fleet, certs: Certs) -> None:
-    fleet.add_flaps(
-        "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
-        "--tls-client-ca", str(certs.ca),
-    )  # fmt: skip
-    flaps = ["--flaps", fleet.flaps[0].address, "--tls-ca", str(certs.ca)]
-    client = ["--tls-cert", str(certs.client_cert), "--tls-key", str(certs.client_key)]
-    mutual, anonymous, plaintext = await asyncio.gather(
-        nonomad("workers", "--json", *flaps, *client),
-        nonomad("workers", *flaps),
-        nonomad("workers", "--flaps", fleet.flaps[0].address),
+async def test_tls_token_and_client_certificate_flags(fleet: Fleet) -> None:
+    assert fleet.security is not None
+    flaps = fleet.add_flaps()
+    ca = ["--tls-ca", str(fleet.security.ca)]
+    token = ["--token-file", str(fleet.security.admin_token)]
+    cli = fleet.security.cert("cli")
+    cert = ["--tls-cert", str(cli.cert), "--tls-key", str(cli.key)]
+    public, cluster = ["--flaps", flaps.address], ["--flaps", flaps.cluster_address]
+    with_token, member, no_token, anonymous, plaintext = await asyncio.gather(
+        nonomad("workers", "--json", *public, *ca, *token),
+        nonomad("workers", "--json", *cluster, *ca, *cert),  # a cluster certificate: no token
+        nonomad("workers", *public, *ca),
+        nonomad("workers", *cluster, *ca, *token),
+        nonomad("workers", *public),
     )
-    assert mutual.json() == []  # a flaps that follows no workers yet
-    # Without a client certificate the handshake fails; so does plaintext against TLS.
+    assert with_token.json() == member.json() == []  # a flaps that follows no workers yet
+    one_line_error(no_token, 1, "UNAUTHENTICATED", "--token-file")
+    # The cluster port wants a client certificate; plaintext against TLS fails too.
     for failed in (anonymous, plaintext):
-        one_line_error(failed, 1, f"flaps at {fleet.flaps[0].address}", "--tls-cert")
+        one_line_error(failed, 1, "flaps at", "--tls-cert")

@@ -73,10 +73,18 @@ async def test_an_image_built_by_the_cli_runs_on_the_fleet(
     assert again.out.startswith("built cli-site:v1 in ")
     assert f"digest {built['digest']}" in again.out
 
-    # A local cluster's record (what `nonomad up` writes) makes --out and --flaps optional.
+    # A local cluster's record (what `nonomad up` writes) makes --out, --flaps and the TLS and
+    # token flags optional: the CLI finds the flaps, its CA and the admin token there.
     state = tmp_path / "cluster"
     state.mkdir()
-    LocalCluster(flaps=cli_fleet.address, proxy="", http="", image_source=str(images)).save(state)
+    LocalCluster(
+        flaps=cli_fleet.address,
+        proxy="",
+        http="",
+        image_source=str(images),
+        ca=str(cli_fleet.security.ca),
+        token_file=str(cli_fleet.token_file),
+    ).save(state)
     (state / "up.pid").write_text(str(os.getpid()))
     local = ["--state-dir", str(state)]
     v2 = await nonomad(
@@ -89,8 +97,7 @@ async def test_an_image_built_by_the_cli_runs_on_the_fleet(
 
     run = await nonomad(
         *local, "machines", "run", "site", "--image", "cli-site:v2", "--region", "ams",
-        "--port", "8080", "--memory", "64", "--wait", "--token-file", str(cli_fleet.token_file),
-        env=clean_env(),
+        "--port", "8080", "--memory", "64", "--wait", env=clean_env(),
     )  # fmt: skip
     assert run.code == 0, run.err
     found = re.fullmatch(

@@ -139,7 +139,7 @@ async def test_a_machine_from_run_to_destroy(cli_fleet: CliFleet) -> None:
         cli_fleet("machines", "run", "web", "--image", "demo:v1", "--region", "ams",
                   "--memory", "4096"),
         cli_fleet("machines", "run", "web", "--image", "demo:v1", "--region", "nowhere"),
-        nonomad("machines", "list", "web", env=cli_fleet.env),  # no --token-file
+        nonomad("machines", "list", "web", *cli_fleet.tls, env=cli_fleet.env),  # no token
         cli_fleet("machines", "wait", mid, "stopped", "--timeout", "0.5"),
     )  # fmt: skip
     standby, idle, not_forced, unknown, no_room, no_region, anonymous, too_soon = results
@@ -184,7 +184,7 @@ async def follow_then_ctrl_c(cli_fleet: CliFleet, mid: str) -> None:
     """`logs --follow` prints new lines as they come; Ctrl-C ends it quietly with exit 0."""
     proc = await asyncio.create_subprocess_exec(
         *NONOMAD, "machines", "logs", mid, "--follow", "--tail", "1",
-        "--token-file", str(cli_fleet.token_file),
+        "--token-file", str(cli_fleet.token_file), *cli_fleet.tls,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         cwd=REPO_ROOT, env=cli_fleet.env,
     )  # fmt: skip

@@ -15,8 +15,10 @@ from nonomad.client import (
     InvalidArgument,
     MachineConfig,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
     Unauthenticated,
+    Unavailable,
     parse_state,
     state_name,
 )
@@ -35,7 +37,7 @@ async def two_workers(fleet: Fleet, *flaps_args: str) -> Client:
     fleet.add_worker("ams-1", "ams", "--capacity.memory-mib", "512")
     fleet.add_worker("ams-2", "ams", "--capacity.memory-mib", "512")
     fleet.add_flaps(*flaps_args)
-    return Client(fleet.flaps[0].address, timeout=20)
+    return fleet.client(timeout=20)
 
 
 async def test_a_machine_lifecycle_through_the_sdk(fleet: Fleet) -> None:
@@ -142,17 +144,30 @@ async def test_errors_are_typed_and_carry_the_status(fleet: Fleet) -> None:
             await flaps.list_machines("web", state="sleeping")
 
 
-async def test_a_token_protected_flaps(fleet: Fleet, tmp_path: Path) -> None:
-    token = tmp_path / "token"
-    token.write_text("let-me-in\n")
-    async with await two_workers(fleet, "--auth-token-file", str(token)) as anonymous:
-        with pytest.raises(Unauthenticated):
-            await anonymous.list_regions()
-    async with Client(fleet.flaps[0].address, token_file=token) as flaps:
-        await eventually(lambda: _fits(flaps), 30, "both workers alive")
-        async with Client(fleet.flaps[0].address, token="wrong") as wrong:
-            with pytest.raises(Unauthenticated, match="invalid bearer token"):
+async def test_tokens_and_tls(fleet: Fleet) -> None:
+    async with await two_workers(fleet) as admin:
+        await eventually(lambda: _fits(admin), 30, "both workers alive")
+        assert fleet.security is not None
+        address, tls = fleet.flaps[0].address, fleet.security.client_tls()
+        web_reader = fleet.security.keyring().mint(["apps = web", "ops = read"])
+        async with Client(address, tls=tls) as anonymous:
+            with pytest.raises(Unauthenticated, match="missing `authorization: Bearer"):
+                await anonymous.list_regions()
+        async with Client(address, tls=tls, token="not-a-token") as wrong:
+            with pytest.raises(Unauthenticated, match="not a nonomad token"):
                 await wrong.list_workers()
+        async with Client(address, tls=tls, token=web_reader) as reader:
+            assert await reader.list_machines("web") == []
+            with pytest.raises(PermissionDenied, match='"ops = read"') as denied:
+                await reader.create_machine("web", config(), region="ams")
+            assert denied.value.reason == "TOKEN_CAVEAT"
+            assert denied.value.metadata["caveat"] == "ops = read"
+            with pytest.raises(PermissionDenied, match='"apps = web" does not allow app api'):
+                await reader.list_machines("api")
+        # TLS is not optional: plaintext to a TLS port does not connect.
+        async with Client(address, token=web_reader, timeout=2) as plaintext:
+            with pytest.raises(Unavailable):
+                await plaintext.list_machines("web")
 
 
 def test_states_parse_by_name_or_number() -> None:

@@ -27,7 +27,10 @@ async def three_workers(fleet: Fleet, syd_memory: int = 512) -> Client:
     fleet.add_worker("syd-1", "syd", "--capacity.memory-mib", str(syd_memory))
     fleet.add_flaps()
     await fleet.until_alive()
-    return Client(fleet.flaps[0].address, timeout=20)
+    assert fleet.security is not None
+    # What a deploy pipeline holds: a token for its app's machines, not the fleet's.
+    token = fleet.security.keyring().mint(["apps = web", "ops = deploy"])
+    return fleet.client(timeout=20, token=token)
 
 
 def steps(events: list[DeployEvent], *kinds: str) -> list[tuple[str, str]]:

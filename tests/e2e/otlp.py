@@ -97,6 +97,9 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         self.port = 0
         self.exports = 0
         """Export calls received (a batch each)."""
+        self.raw: list[bytes] = []
+        """Every export request as it came, serialized: what to search for what must not be
+        in a span."""
 
     # -- the service -------------------------------------------------------------------------
 
@@ -116,6 +119,7 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
             if len(self._spans) + len(spans) > MAX_SPANS:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"over {MAX_SPANS} spans")
             self._spans.extend(spans)
+            self.raw.append(request.SerializeToString())
             self.exports += 1
             self._changed.notify_all()
         return trace_service_pb2.ExportTraceServiceResponse()

@@ -9,14 +9,19 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
+from flaps.tokens import read_token
 from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
 from flyd.v1 import worker_pb2_grpc
+from nonomad.client import Client
+from nonomad.security import ClusterSecurity
+from runtime import ChannelTLS
 from tests.conftest import _kill_machines, remove_cgroups
-from tests.harness import ServiceProcess, clean_env, flyd_args
+from tests.harness import ServiceProcess, channel, clean_env, flyd_args
 
 _ports = itertools.count(0)
 
@@ -26,11 +31,15 @@ class Fleet:
     """Workers by id and flaps instances, plus stubs to talk to them.
 
     `env` is added to every process's environment (the `OTEL_*` settings of a trace receiver).
+    With `security` (the default of the `fleet` fixture) the fleet runs as `nonomad up` runs
+    one: workers serve the cluster's certificates only, flaps serves TLS and checks tokens
+    (its cluster port for the parts), and the stubs here hold the admin token.
     """
 
     tmp: Path
     image_source: Path
     env: dict[str, str] = field(default_factory=dict)
+    security: ClusterSecurity | None = None
     prefix: str = field(default_factory=lambda: f"nonomad-test-{uuid.uuid4().hex[:8]}")
     workers: dict[str, ServiceProcess] = field(default_factory=dict)
     flaps: list[ServiceProcess] = field(default_factory=list)
@@ -55,6 +64,7 @@ class Fleet:
             self.prefix,
             "--heartbeat-interval",
             "0.1",
+            *(self.security.worker_args("flyd") if self.security else ()),
             *extra,
         )
         proc = ServiceProcess(
@@ -73,6 +83,7 @@ class Fleet:
             "0.5",
             "--dead-after",
             "1.0",
+            *(self.security.flaps_args() if self.security else ()),
             *extra,
         ]
         for worker in self.workers.values():
@@ -83,19 +94,39 @@ class Fleet:
         self.flaps.append(proc.start())
         return proc
 
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        channel = grpc.aio.insecure_channel(address)
-        self.channels.append(channel)
-        return channel
+    def _channel(
+        self, address: str, tls: ChannelTLS | None = None, token: str | None = None
+    ) -> grpc.aio.Channel:
+        made = channel(address, tls, token)
+        self.channels.append(made)
+        return made
+
+    def _flaps_channel(self, i: int) -> grpc.aio.Channel:
+        if self.security is None:
+            return self._channel(self.flaps[i].address)
+        token = read_token(self.security.admin_token)
+        return self._channel(self.flaps[i].address, self.security.client_tls(), token)
 
     def machines(self, i: int = 0) -> machines_pb2_grpc.MachinesServiceStub:
-        return machines_pb2_grpc.MachinesServiceStub(self._channel(self.flaps[i].address))
+        return machines_pb2_grpc.MachinesServiceStub(self._flaps_channel(i))
 
     def platform(self, i: int = 0) -> platform_pb2_grpc.PlatformServiceStub:
-        return platform_pb2_grpc.PlatformServiceStub(self._channel(self.flaps[i].address))
+        return platform_pb2_grpc.PlatformServiceStub(self._flaps_channel(i))
 
     def worker(self, worker_id: str) -> worker_pb2_grpc.WorkerServiceStub:
-        return worker_pb2_grpc.WorkerServiceStub(self._channel(self.workers[worker_id].address))
+        tls = self.security.member_tls() if self.security else None
+        return worker_pb2_grpc.WorkerServiceStub(
+            self._channel(self.workers[worker_id].address, tls)
+        )
+
+    def client(self, i: int = 0, **kwargs: Any) -> Client:
+        """The SDK's client to flaps i, as the admin unless `token=` says (`kwargs` go to
+        Client)."""
+        if self.security is not None:
+            kwargs.setdefault("tls", self.security.client_tls())
+            if "token" not in kwargs:
+                kwargs.setdefault("token_file", self.security.admin_token)
+        return Client(self.flaps[i].address, **kwargs)
 
     async def until_alive(self, i: int = 0, deadline: float = 30.0) -> None:
         """Wait until flaps i sees every worker alive."""
@@ -107,8 +138,8 @@ class Fleet:
         return alive == set(self.workers)
 
     async def close(self) -> None:
-        for channel in self.channels:
-            await channel.close()
+        for open_channel in self.channels:
+            await open_channel.close()
         for proc in [*self.flaps, *self.workers.values()]:
             proc.kill()
         for worker_id in self.workers:
@@ -129,8 +160,10 @@ async def eventually(check: Callable[[], Awaitable[bool]], deadline: float, what
 
 
 @pytest.fixture
-async def fleet(tmp_path: Path, image_source: Path) -> AsyncIterator[Fleet]:
-    fleet = Fleet(tmp_path, image_source)
+async def fleet(
+    tmp_path: Path, image_source: Path, security: ClusterSecurity
+) -> AsyncIterator[Fleet]:
+    fleet = Fleet(tmp_path, image_source, security=security)
     try:
         yield fleet
     finally:

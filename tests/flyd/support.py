@@ -20,6 +20,7 @@ from flyd.fencing import SlotPeers
 from flyd.images.build import build_image
 from flyd.images.cache import ImageCache
 from flyd.images.source import ImageSource
+from flyd.secrets import SecretBox
 from flyd.settings import CapacitySettings
 from flyd.store import MachineLog, NewRecord, Record, Snapshot
 from flyd.traces import OpTracer
@@ -199,6 +200,7 @@ def boot(
     identity: Identity | None = None,
     peers: SlotPeers | None = None,
     monotonic: Callable[[], float] | None = None,
+    secret_box: SecretBox | None = None,
 ) -> Flyd:
     """A flyd on `host`, before recover(); worker w1 in ams unless `identity` says otherwise."""
     relay = _ExitRelay()
@@ -218,6 +220,7 @@ def boot(
         op_tracer=op_tracer,
         peers=peers,
         monotonic=monotonic or clock.now,
+        secret_box=secret_box,
     )
     relay.worker = worker
     return Flyd(worker, driver, store)

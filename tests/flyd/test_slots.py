@@ -148,7 +148,7 @@ def test_a_fence_is_put_on_a_serving_primary_and_lifted_at_its_generation() -> N
     lifted = step(fenced.row, Confirm(0))
     assert lifted is not None
     assert not lifted.row.machine.slot.fenced
-    assert "no member of slot p outranks generation 0" in lifted.reason
+    assert "no member of its slot outranks generation 0" in lifted.reason
 
 
 def test_an_outranked_primary_stops_and_stands_by() -> None:

@@ -18,6 +18,7 @@ from typing import Any
 from proxy.errors import NoBackend, UnknownApp
 from proxy.http import HttpProxy
 from proxy.limits import Limits
+from proxy.pins import PinCheck
 from proxy.routing import Backend
 from proxy.stats import Stats
 
@@ -465,9 +466,13 @@ class Edge:
 
 
 @contextlib.asynccontextmanager
-async def edge(router: FakeRouter, limits: Limits | None = None) -> AsyncIterator[Edge]:
+async def edge(
+    router: FakeRouter, limits: Limits | None = None, pin_check: PinCheck | None = None
+) -> AsyncIterator[Edge]:
     stats = Stats()
-    proxy = HttpProxy(router, stats, domain=DOMAIN, region="ams", limits=limits or Limits())
+    proxy = HttpProxy(
+        router, stats, domain=DOMAIN, region="ams", limits=limits or Limits(), pin_check=pin_check
+    )
     _, port = await proxy.serve("127.0.0.1", 0)
     e = Edge(proxy, router, stats, port)
     try:

@@ -26,12 +26,14 @@ import grpc
 from google.protobuf.duration_pb2 import Duration
 from opentelemetry.trace import Tracer
 
+from flaps.tokens import read_token
 from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
 from flyd import slots
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
+from nonomad.security import ClusterSecurity, provision
 from proxy.control import Flaps, FlapsFailed
 from proxy.router import Router
 from proxy.routes import RouterConfig
@@ -41,7 +43,7 @@ from registry.replica import RESYNC, ReplicaEvent, Subscription, WorkerView
 from registry.view import ALIVE, Status
 from runtime.clock import ManualClock
 from tests.conftest import _kill_machines, remove_cgroups
-from tests.harness import ServiceProcess, clean_env, flyd_args
+from tests.harness import ServiceProcess, channel, clean_env, flyd_args
 
 S = pb.MachineState
 STARTED = S.MACHINE_STATE_STARTED
@@ -365,11 +367,15 @@ class ProxyProcess(ServiceProcess):
 
 @dataclass
 class ProxyFleet:
-    """flyd workers, one flaps, proxies: real processes on 127.0.0.1."""
+    """flyd workers, one flaps, proxies: real processes on 127.0.0.1. With `security` (the
+    default of `proxy_fleet`), as `nonomad up` runs them: mutual TLS between the parts (the
+    proxy calls flaps' cluster port), tokens at flaps; the stubs here hold the admin token and
+    the cluster's CLI certificate."""
 
     tmp: Path
     image_source: Path
     prefix: str
+    security: ClusterSecurity | None = None
     workers: dict[str, ServiceProcess] = field(default_factory=dict)
     flaps: ServiceProcess | None = None
     proxies: list[ProxyProcess] = field(default_factory=list)
@@ -391,6 +397,7 @@ class ProxyFleet:
             self.prefix,
             "--heartbeat-interval",
             "0.1",
+            *(self.security.worker_args("flyd") if self.security else ()),
             *extra,
         )
         return ServiceProcess(
@@ -433,6 +440,8 @@ class ProxyFleet:
 
     def start_flaps(self, netns: str = "") -> ServiceProcess:
         args = ["--listen", "127.0.0.1:0", "--grace-period", "2", *self._follow_args()]
+        if self.security is not None:
+            args += self.security.flaps_args()
         proc = ServiceProcess(
             "flaps", args, self.tmp / "flaps.log", env=clean_env(**self.env), netns=netns
         )
@@ -457,10 +466,11 @@ class ProxyFleet:
             "--region",
             region,
             "--flaps",
-            self.flaps.address,
+            self.flaps.cluster_address if self.security else self.flaps.address,
             "--grace-period",
             "2",
             *self._follow_args(),
+            *(self.security.proxy_args() if self.security else ()),
             *extra,
         ]
         n = len(self.proxies)
@@ -475,16 +485,25 @@ class ProxyFleet:
         self.proxies.append(proc)
         return proc
 
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        channel = grpc.aio.insecure_channel(address)
-        self.channels.append(channel)
-        return channel
+    def _channel(self, address: str, *, flaps: bool = False) -> grpc.aio.Channel:
+        """A channel to flaps (TLS, the admin token) or to another part (mutual TLS)."""
+        security = self.security
+        if security is None:
+            made = channel(address)
+        elif flaps:
+            made = channel(address, security.client_tls(), read_token(security.admin_token))
+        else:
+            made = channel(address, security.member_tls())
+        self.channels.append(made)
+        return made
 
     async def until_alive(self) -> None:
         """Wait until flaps sees every worker alive (it can place on them)."""
 
         async def alive() -> bool:
-            stub = platform_pb2_grpc.PlatformServiceStub(self._channel(self.flaps_address))
+            stub = platform_pb2_grpc.PlatformServiceStub(
+                self._channel(self.flaps_address, flaps=True)
+            )
             resp = await stub.ListWorkers(platform_pb2.ListWorkersRequest(), timeout=T)
             up = {x.info.id for x in resp.workers if x.status == platform_pb2.WORKER_STATUS_ALIVE}
             return up == set(self.workers)
@@ -498,7 +517,7 @@ class ProxyFleet:
 
     def machines(self) -> machines_pb2_grpc.MachinesServiceStub:
         assert self.flaps is not None
-        return machines_pb2_grpc.MachinesServiceStub(self._channel(self.flaps.address))
+        return machines_pb2_grpc.MachinesServiceStub(self._channel(self.flaps.address, flaps=True))
 
     def worker(self, worker_id: str) -> worker_pb2_grpc.WorkerServiceStub:
         return worker_pb2_grpc.WorkerServiceStub(self._channel(self.workers[worker_id].address))
@@ -566,8 +585,8 @@ class ProxyFleet:
         for proc in self.frozen:
             with contextlib.suppress(Exception):
                 proc.thaw()
-        for channel in self.channels:
-            await channel.close()
+        for open_channel in self.channels:
+            await open_channel.close()
         for proc in [*self.proxies, *([self.flaps] if self.flaps else []), *self.workers.values()]:
             proc.kill()
         for worker_id in self.workers:
@@ -598,12 +617,19 @@ async def eventually(check: Callable[[], object], what: str, deadline: float = D
 
 @contextlib.asynccontextmanager
 async def proxy_fleet(
-    tmp: Path, image_source: Path, env: dict[str, str] | None = None
+    tmp: Path, image_source: Path, env: dict[str, str] | None = None, *, secure: bool = True
 ) -> AsyncIterator[ProxyFleet]:
+    """A ProxyFleet under `tmp`; `secure`: with a CA, certificates and keys of its own."""
     import uuid
 
+    parts = ["flaps", "proxy", "registry", "flyd"]
+    security = provision(tmp / "security", parts) if secure else None
     fleet = ProxyFleet(
-        tmp, image_source, prefix=f"nonomad-test-{uuid.uuid4().hex[:8]}", env=dict(env or {})
+        tmp,
+        image_source,
+        prefix=f"nonomad-test-{uuid.uuid4().hex[:8]}",
+        env=dict(env or {}),
+        security=security,
     )
     try:
         yield fleet

@@ -241,12 +241,22 @@ async def test_two_proxies_noticing_one_death_start_exactly_one_standby(
 # takes b's end of the link down, then asks until the standby answers. Prints JSON.
 PARTITION_CLIENT = r"""
 import http.client, json, subprocess, sys, time
+from pathlib import Path
 import grpc
 from flaps.v1 import machines_pb2 as m, machines_pb2_grpc
 from flyd.v1 import machine_pb2 as pb
+from nonomad.security import ClusterSecurity
 from proxy.v1 import proxy_pb2 as p, proxy_pb2_grpc
+from runtime import CLUSTER_NAME
 
-flaps, proxy_grpc, proxy_http, dev, app_code = sys.argv[1:6]
+flaps, proxy_grpc, proxy_http, dev, app_code, security_dir = sys.argv[1:7]
+security = ClusterSecurity(Path(security_dir))
+ca = security.ca.read_bytes()
+cli = security.cert("cli")
+token = security.admin_token.read_text().strip()
+flaps_tls = grpc.composite_channel_credentials(
+    grpc.ssl_channel_credentials(ca), grpc.access_token_call_credentials(token))
+member_tls = grpc.ssl_channel_credentials(ca, cli.key.read_bytes(), cli.cert.read_bytes())
 
 def config(side, code=""):
     c = pb.MachineConfig(
@@ -272,7 +282,8 @@ def get():
         return [0, repr(err)]
 
 out = {}
-with grpc.insecure_channel(flaps) as ch, grpc.insecure_channel(proxy_grpc) as pch:
+with grpc.secure_channel(flaps, flaps_tls) as ch, grpc.secure_channel(
+        proxy_grpc, member_tls, options=[("grpc.ssl_target_name_override", CLUSTER_NAME)]) as pch:
     machines = machines_pb2_grpc.MachinesServiceStub(ch)
     admin = proxy_pb2_grpc.ProxyServiceStub(pch)
     primary = machines.CreateMachine(m.CreateMachineRequest(
@@ -344,6 +355,7 @@ async def test_a_worker_cut_off_by_a_partition_fails_over(
                 proxy.http,
                 ns.b_dev,
                 app_code,
+                str(fleet.tmp / "security"),
                 cwd=REPO_ROOT,
                 env=clean_env(),
                 stdout=asyncio.subprocess.PIPE,

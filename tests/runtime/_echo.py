@@ -16,7 +16,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, wrappers_pb2
 from google.protobuf.descriptor import ServiceDescriptor
 from google.rpc.error_details_pb2 import ErrorInfo
 
-from runtime import Mapped
+from runtime import Mapped, cluster_peer
 
 SERVICE_NAME = "nonomad.test.v1.EchoService"
 _STRING = ".google.protobuf.StringValue"
@@ -67,7 +67,8 @@ def map_error(exc: Exception) -> Mapped | None:
 
 
 class EchoServicer:
-    """Say echoes its input, except for a few magic words; Count streams 0..n-1."""
+    """Say echoes its input, except for a few magic words (`whoami`: the caller's certificate
+    name); Count streams 0..n-1."""
 
     def __init__(self) -> None:
         self.slow_started = asyncio.Event()
@@ -83,6 +84,8 @@ class EchoServicer:
                 raise EchoRefused("echo will not be rude", reason="TOO_RUDE")
             case "crash":
                 raise RuntimeError("secret internal detail")
+            case "whoami":
+                return wrappers_pb2.StringValue(value=cluster_peer(context) or "anonymous")
             case "abort":
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, "handler aborted itself")
             case "slow":

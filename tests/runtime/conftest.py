@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import structlog
+
+from runtime.pki import ClusterCA
 
 
 @pytest.fixture(autouse=True)
@@ -38,55 +39,28 @@ def restore_logging() -> Iterator[None]:
 
 @dataclass(frozen=True)
 class Certs:
-    """A test CA, a server certificate for localhost/127.0.0.1 and a client certificate."""
+    """A test CA with a server and a client certificate, and a client of another CA."""
 
     ca: Path
     server_cert: Path
     server_key: Path
     client_cert: Path
     client_key: Path
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=30)
-
-
-def _issue(directory: Path, name: str, subject: str, extensions: str) -> None:
-    (directory / f"{name}.ext").write_text(extensions)
-    _openssl(
-        "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-        "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", subject,
-        cwd=directory,
-    )  # fmt: skip
-    _openssl(
-        "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-        "-CAcreateserial", "-days", "1", "-out", f"{name}.pem", "-extfile", f"{name}.ext",
-        cwd=directory,
-    )  # fmt: skip
+    stranger_cert: Path
+    stranger_key: Path
 
 
 @pytest.fixture(scope="session")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
-    """Certificates made with the openssl CLI (the `cryptography` package is not installed)."""
-    directory = tmp_path_factory.mktemp("certs")
-    _openssl(
-        "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-        "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=nonomad test CA",
-        "-addext", "basicConstraints=critical,CA:TRUE",
-        "-addext", "keyUsage=critical,keyCertSign,cRLSign",
-        cwd=directory,
-    )  # fmt: skip
-    _issue(
-        directory,
-        "server",
-        "/CN=localhost",
-        "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n",
-    )
-    _issue(directory, "client", "/CN=test-client", "extendedKeyUsage=clientAuth\n")
+    ca = ClusterCA.ensure(tmp_path_factory.mktemp("certs"))
+    server, client = ca.issue("server"), ca.issue("test-client")
+    stranger = ClusterCA.ensure(tmp_path_factory.mktemp("stranger")).issue("test-client")
     return Certs(
-        ca=directory / "ca.pem",
-        server_cert=directory / "server.pem",
-        server_key=directory / "server.key",
-        client_cert=directory / "client.pem",
-        client_key=directory / "client.key",
+        ca=ca.path,
+        server_cert=server.cert,
+        server_key=server.key,
+        client_cert=client.cert,
+        client_key=client.key,
+        stranger_cert=stranger.cert,
+        stranger_key=stranger.key,
     )

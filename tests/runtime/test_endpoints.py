@@ -1,4 +1,4 @@
-"""Bearer-token authentication and the Prometheus endpoint of a Service."""
+"""The cluster listener (who calls, by certificate) and the Prometheus endpoint of a Service."""
 
 from __future__ import annotations
 
@@ -10,67 +10,83 @@ from pathlib import Path
 import grpc
 import grpc.aio
 import pytest
-from google.protobuf import wrappers_pb2
-from grpc_health.v1 import health_pb2
 from prometheus_client import Counter
 
-from runtime import ServiceSettings, SettingsError, aio_channel, load_settings
+from runtime import (
+    CLUSTER_NAME,
+    CLUSTER_PREFIX,
+    ChannelTLS,
+    ServiceSettings,
+    SettingsError,
+    aio_channel,
+    load_settings,
+)
+from runtime.pki import ClusterCA
 from tests.runtime import _echo
 from tests.runtime._support import running
+from tests.runtime.conftest import Certs
 from tests.runtime.test_server import SERVING, echo_service, health_status
 
 
-def _say(channel: grpc.aio.Channel) -> grpc.aio.UnaryUnaryMultiCallable:
-    return channel.unary_unary(
-        f"/{_echo.SERVICE_NAME}/Say",
-        request_serializer=wrappers_pb2.StringValue.SerializeToString,
-        response_deserializer=wrappers_pb2.StringValue.FromString,
+async def test_cluster_listener_serves_only_the_clusters_certificates(
+    certs: Certs, capsys: pytest.CaptureFixture[str]
+) -> None:
+    service, _ = echo_service(
+        tls_cert=certs.server_cert,
+        tls_key=certs.server_key,
+        cluster_ca=certs.ca,
+        cluster_listen="127.0.0.1:0",
     )
+    member = ChannelTLS(
+        ca=certs.ca, cert=certs.client_cert, key=certs.client_key, server_name=CLUSTER_NAME
+    )
+    stranger = ChannelTLS(
+        ca=certs.ca, cert=certs.stranger_cert, key=certs.stranger_key, server_name=CLUSTER_NAME
+    )
+    async with running(service):
+        cluster = service.cluster_address
+        assert cluster is not None
+        assert f"{CLUSTER_PREFIX} test {cluster}" in capsys.readouterr().out
+        # The public port asks nobody for a certificate: the caller is anonymous.
+        async with aio_channel(service.address, tls=ChannelTLS(ca=certs.ca)) as public:
+            assert await _echo.EchoClient(public).say("whoami") == "anonymous"
+        # The cluster port serves the same services, to holders of the cluster's certificates.
+        async with aio_channel(cluster, tls=member) as channel:
+            assert await _echo.EchoClient(channel).say("whoami") == "test-client"
+            assert await health_status(channel) == SERVING
+        for tls in (ChannelTLS(ca=certs.ca, server_name=CLUSTER_NAME), stranger):
+            async with aio_channel(cluster, tls=tls) as refused:
+                with pytest.raises(grpc.aio.AioRpcError) as raised:
+                    await _echo.EchoClient(refused).say("whoami", deadline=2)
+                assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-@pytest.fixture
-def token_file(tmp_path: Path) -> Path:
-    path = tmp_path / "token"
-    path.write_text("s3cret\n")
-    return path
-
-
-async def test_token_is_required_except_for_health(token_file: Path) -> None:
-    service, _ = echo_service(auth_token_file=token_file)
-    async with running(service), aio_channel(service.address) as channel:
-        say = _say(channel)
-        request = wrappers_pb2.StringValue(value="hi")
-        reply = await say(request, timeout=5, metadata=(("authorization", "Bearer s3cret"),))
-        assert reply.value == "hi"
-
-        for metadata, detail in (
-            ((), "missing authorization metadata"),
-            ((("authorization", "Bearer nope"),), "invalid bearer token"),
-            ((("authorization", "s3cret"),), "invalid bearer token"),
-        ):
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await say(request, timeout=5, metadata=metadata)
-            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            assert detail in (info.value.details() or "")
-
-        # Streams are refused the same way.
-        count = _echo.EchoClient(channel).stream_count("3")
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await anext(count)
-        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-
-        assert await health_status(channel) == SERVING == health_pb2.HealthCheckResponse.SERVING
-
-
-def test_empty_or_missing_token_file_is_a_named_setting_error(tmp_path: Path) -> None:
-    empty = tmp_path / "empty"
-    empty.write_text("  \n")
-    with pytest.raises(SettingsError, match="auth_token_file: token file is empty"):
-        load_settings(ServiceSettings, ["--auth-token-file", str(empty)], prog="svc")
-    with pytest.raises(SettingsError, match="auth_token_file: file not found"):
-        load_settings(ServiceSettings, ["--auth-token-file", str(tmp_path / "x")], prog="svc")
+def test_cluster_settings_name_what_is_missing(tmp_path: Path, certs: Certs) -> None:
+    ca = str(certs.ca)
+    with pytest.raises(SettingsError, match="cluster_listen: needs cluster_ca"):
+        load_settings(ServiceSettings, ["--cluster-listen", "127.0.0.1:0"], prog="svc")
+    with pytest.raises(SettingsError, match="cluster_ca: the cluster's services want a client"):
+        load_settings(ServiceSettings, ["--cluster-ca", ca], prog="svc")
+    with pytest.raises(SettingsError, match="cluster_ca: file not found"):
+        load_settings(
+            ServiceSettings,
+            ["--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
+             "--cluster-ca", str(tmp_path / "nope.pem")],
+            prog="svc",
+        )  # fmt: skip
     with pytest.raises(SettingsError, match="metrics_listen"):
         load_settings(ServiceSettings, ["--metrics-listen", "nope"], prog="svc")
+    plain = load_settings(ServiceSettings, [], prog="svc")
+    assert plain.cluster_tls is None
+    member = load_settings(
+        ServiceSettings,
+        ["--tls-cert", str(certs.client_cert), "--tls-key", str(certs.client_key),
+         "--cluster-ca", ca],
+        prog="svc",
+    )  # fmt: skip
+    assert member.cluster_tls == ChannelTLS(
+        ca=certs.ca, cert=certs.client_cert, key=certs.client_key, server_name=CLUSTER_NAME
+    )
 
 
 _probe = Counter("nonomad_test_endpoint_probes", "Counted by the metrics endpoint test.")
@@ -94,3 +110,19 @@ async def test_metrics_endpoint_serves_the_registry(capsys: pytest.CaptureFixtur
         await asyncio.to_thread(
             lambda: urllib.request.urlopen(f"http://{address}/metrics", timeout=2).read()
         )
+
+
+def test_cluster_ca_reuses_what_it_signed_and_keeps_keys_private(tmp_path: Path) -> None:
+    ca = ClusterCA.ensure(tmp_path / "tls")
+    first = ca.issue("flaps")
+    pem = first.cert.read_bytes()
+    assert ClusterCA.ensure(tmp_path / "tls").issue("flaps") == first
+    assert first.cert.read_bytes() == pem
+    for path in (ca.path, tmp_path / "tls" / "ca.key", first.cert, first.key):
+        assert path.stat().st_mode & 0o777 == 0o600, path
+    # A certificate another CA signed is replaced, not trusted.
+    other = ClusterCA.ensure(tmp_path / "other")
+    (tmp_path / "other" / "flaps.pem").write_bytes(first.cert.read_bytes())
+    (tmp_path / "other" / "flaps.key").write_bytes(first.key.read_bytes())
+    reissued = other.issue("flaps")
+    assert reissued.cert.read_bytes() != first.cert.read_bytes()

@@ -1,0 +1,290 @@
+"""What security costs a CreateMachine: token verification plus TLS on every hop, on and off.
+
+One process holds two exchanges over the same workers, which differ only in that: *plain*
+(the client, flaps and the workers talk plaintext; flaps checks no token) and *secure* (the
+client calls flaps over TLS with a deploy token that flaps verifies; flaps and the replica
+call the workers over mutual TLS with the cluster's certificates; the workers serve only
+those). The SDK's client creates machines through each in turn, so both sides see the same
+noise, and the cost added is read as the median of the paired differences (and, as a check,
+the difference of the medians). The workers are flyd's own Worker on fakes (a fake driver,
+the in-memory log): their time is the same on both sides and stays out of the difference.
+
+Also, on their own: the verification of a token the first time flaps sees it (its signature)
+and after (its digest is known; its expiry is checked again), and a connection's first call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from bench import report
+from bench.procs import progress
+from bench.report import Results, percentile
+from flaps import auth, placement
+from flaps.auth import Authorizer
+from flaps.errors import map_error
+from flaps.service import Exchange, MachinesServicer, Workers
+from flaps.tokens import caveats
+from flaps.v1 import machines_pb2, machines_pb2_grpc
+from flyd import fsm
+from flyd.fakes import FakeDriver, FakeHost
+from flyd.images.build import build_image
+from flyd.images.cache import ImageCache
+from flyd.images.source import ImageSource
+from flyd.service import WorkerServicer
+from flyd.service import map_error as flyd_map_error
+from flyd.settings import CapacitySettings
+from flyd.store import MemoryMachineLog
+from flyd.v1 import machine_pb2 as pb
+from flyd.v1 import worker_pb2, worker_pb2_grpc
+from flyd.worker import Identity, Worker
+from nonomad.client import Client, GuestConfig, MachineConfig
+from nonomad.security import ClusterSecurity, provision
+from registry.replica import Replica
+from registry.view import ALIVE
+from runtime import Service, ServiceSettings, aio_channel, configure_logging
+from runtime.clock import SystemClock
+from runtime.pki import ClusterMembers
+
+WORKERS = 4
+TARGET_MS = 0.3
+RUN_DEADLINE = 300.0
+
+
+def _config() -> MachineConfig:
+    config = MachineConfig(
+        image="app:v1", guest=GuestConfig(cpu_millicores=10, memory_mib=1), entrypoint=["app"]
+    )
+    config.secrets["BENCH_SECRET"] = "a value the bench never prints"
+    return config
+
+
+def _worker(root: Path, worker_id: str, source: ImageSource) -> Worker:
+    worker: Worker | None = None
+
+    def on_exit(machine_id: str, handle: object, status: object) -> None:
+        if worker is not None:
+            worker.on_exit(machine_id, handle, status)  # type: ignore[arg-type]
+
+    clock = SystemClock()
+    worker = Worker(
+        identity=Identity(worker_id, "ams", "", {}, f"boot-{worker_id}"),
+        store=MemoryMachineLog(),
+        driver=FakeDriver(on_exit=on_exit, host=FakeHost(clock)),
+        images=ImageCache(root / worker_id, source, max_bytes=1 << 30),
+        capacity=CapacitySettings(
+            cpu_millicores=10**8, memory_mib=10**8, disk_mib=0, machines=100_000
+        ),
+        ports=range(30000, 30001),
+        machine_host="127.0.0.1",
+        clock=clock,
+        policy=fsm.Policy(),
+    )
+    worker.recover()
+    return worker
+
+
+@contextlib.asynccontextmanager
+async def _serving(service: Service) -> AsyncIterator[str]:
+    task = asyncio.create_task(service.run(handle_signals=False))
+    try:
+        async with asyncio.timeout(30):
+            address = await service.wait_ready()
+        yield address
+    finally:
+        service.request_shutdown()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+def _worker_service(worker: Worker, settings: ServiceSettings) -> Service:
+    service = Service(worker.identity.worker_id, settings)
+    service.add(
+        WorkerServicer(worker, heartbeat_interval=0.2, draining=service.draining),
+        worker_pb2_grpc.add_WorkerServiceServicer_to_server,
+        worker_pb2.DESCRIPTOR.services_by_name["WorkerService"],
+        flyd_map_error,
+    )
+    return service
+
+
+def _flaps(
+    replica: Replica, workers: Workers, settings: ServiceSettings, authorizer: Authorizer | None
+) -> Service:
+    servicer = MachinesServicer(Exchange(replica, workers, placement.Pipeline()))
+    descriptor = machines_pb2.DESCRIPTOR.services_by_name["MachinesService"]
+    if authorizer is not None:
+        auth.guard(servicer, descriptor, authorizer)
+    service = Service("flaps", settings)
+    service.add(
+        servicer, machines_pb2_grpc.add_MachinesServiceServicer_to_server, descriptor, map_error
+    )
+    return service
+
+
+async def _alive(replica: Replica) -> None:
+    def all_alive() -> bool:
+        return sum(v.status == ALIVE for v in replica.workers()) == WORKERS
+
+    if not await replica.wait_for(all_alive, 30):
+        raise RuntimeError("the replica did not see every worker alive within 30 s")
+
+
+async def _measure(root: Path, security: ClusterSecurity, n: int, results: Results) -> None:
+    build_image(root / "src", root / "images", name="app", tag="v1", entrypoint=["app"])
+    source = ImageSource(root / "images")
+    workers = [_worker(root, f"w{i}", source) for i in range(WORKERS)]
+    flyd_cert, flaps_cert = security.cert("flyd"), security.cert("flaps")
+    member = security.member_tls("flaps")
+    keys = security.keyring()
+    token = keys.mint(caveats(apps=["bench"], ops=["deploy"]))
+    async with contextlib.AsyncExitStack() as stack:
+        plain, secure = Replica(), Replica(channel=lambda a: aio_channel(a, tls=member))
+        for worker in workers:
+            plain_address = await stack.enter_async_context(
+                _serving(_worker_service(worker, ServiceSettings(grace_period=1)))
+            )
+            mutual = ServiceSettings(
+                grace_period=1,
+                tls_cert=flyd_cert.cert,
+                tls_key=flyd_cert.key,
+                tls_client_ca=security.ca,
+            )
+            secure_address = await stack.enter_async_context(
+                _serving(_worker_service(worker, mutual))
+            )
+            for replica, address in ((plain, plain_address), (secure, secure_address)):
+                info = pb.WorkerInfo()
+                info.CopyFrom(worker.info())
+                info.address = address
+                replica.add_worker(info)
+        for replica in (plain, secure):
+            task = asyncio.create_task(replica.run(asyncio.Event()))
+            stack.callback(task.cancel)
+            await _alive(replica)
+        plain_workers, secure_workers = Workers(plain), Workers(secure, tls=member)
+        stack.push_async_callback(plain_workers.close)
+        stack.push_async_callback(secure_workers.close)
+        authorizer = Authorizer(
+            lambda: keys,
+            Exchange(secure, secure_workers, placement.Pipeline()).app_of,
+            ClusterMembers(security.ca),
+        )
+        plain_flaps = await stack.enter_async_context(
+            _serving(_flaps(plain, plain_workers, ServiceSettings(grace_period=1), None))
+        )
+        tls_settings = ServiceSettings(
+            grace_period=1, tls_cert=flaps_cert.cert, tls_key=flaps_cert.key
+        )
+        secure_flaps = await stack.enter_async_context(
+            _serving(_flaps(secure, secure_workers, tls_settings, authorizer))
+        )
+        config = _config()
+        clients = {
+            "plain": Client(plain_flaps, timeout=10),
+            "secure": Client(secure_flaps, tls=security.client_tls(), token=token, timeout=10),
+        }
+        for client in clients.values():
+            stack.push_async_callback(client.close)
+
+        # The first call of each: its connection, and for the secure side its TLS handshake.
+        first: dict[str, float] = {}
+        for side, client in clients.items():
+            t0 = time.perf_counter()
+            await client.create_machine("bench", config, region="ams")
+            first[side] = (time.perf_counter() - t0) * 1000
+        for _ in range(max(20, n // 10)):  # warm up both
+            for client in clients.values():
+                await client.create_machine("bench", config, region="ams")
+
+        samples: dict[str, list[float]] = {"plain": [], "secure": []}
+        pairs: list[float] = []
+        progress(f"auth: {n} CreateMachine calls each way, interleaved")
+        for i in range(n):
+            order = ("plain", "secure") if i % 2 == 0 else ("secure", "plain")
+            took: dict[str, float] = {}
+            for side in order:
+                t0 = time.perf_counter()
+                await clients[side].create_machine("bench", config, region="ams")
+                took[side] = (time.perf_counter() - t0) * 1000
+                samples[side].append(took[side])
+            pairs.append(took["secure"] - took["plain"])
+
+    rounds = 2000
+    fresh = [keys.mint(caveats(apps=["bench"], ops=["deploy"])) for _ in range(rounds)]
+    t0 = time.perf_counter()
+    for each in fresh:  # each seen for the first time: the signature checked
+        keys.verify(each)
+    first_us = (time.perf_counter() - t0) / rounds * 1e6
+    t0 = time.perf_counter()
+    for each in fresh:  # seen before: known by its digest, its expiry checked
+        keys.verify(each)
+    again_us = (time.perf_counter() - t0) / rounds * 1e6
+
+    added = statistics.median(pairs)
+    results.add(
+        "added per CreateMachine, p50 (paired)",
+        round(added, 3),
+        "ms",
+        ("<=", TARGET_MS),
+        note="median of (secure - plain) over interleaved pairs",
+    )
+    results.add(
+        "added per CreateMachine, p50 difference",
+        round(percentile(samples["secure"], 50) - percentile(samples["plain"], 50), 3),
+        "ms",
+    )
+    for side in ("plain", "secure"):
+        for pct in (50, 90, 99):
+            results.add(f"CreateMachine {side} p{pct}", percentile(samples[side], pct), "ms")
+    results.add("token verification alone, first sight", round(first_us, 1), "us")
+    results.add("token verification alone, seen before", round(again_us, 1), "us")
+    results.add("first call, plain (connect)", round(first["plain"], 2), "ms")
+    results.add("first call, secure (connect + TLS handshakes)", round(first["secure"], 2), "ms")
+    results.details = {
+        "n": n,
+        "workers": WORKERS,
+        "samples_ms": {side: [round(v, 4) for v in s] for side, s in samples.items()},
+    }
+
+
+def run(*, quick: bool = False, out: Path | None = None, strict: bool = False) -> int:
+    """Run the benchmark, print its table; write JSON to `out` when given."""
+    n = 200 if quick else 1000
+    results = Results(
+        f"auth: CreateMachine with and without tokens + TLS ({WORKERS} fake workers, "
+        "everything in one process)"
+    )
+    configure_logging("auth-bench", "warning")
+    with tempfile.TemporaryDirectory(prefix="nonomad-auth-bench-") as tmp:
+        root = Path(tmp)
+        (root / "src").mkdir()
+        (root / "src" / "app").write_text("#!/bin/sh\n")
+        security = provision(root / "security", ["flaps", "flyd"])
+
+        async def bounded() -> None:
+            async with asyncio.timeout(RUN_DEADLINE):
+                await _measure(root, security, n, results)
+
+        try:
+            # The services' ready lines are for harnesses; the table is what this prints.
+            with contextlib.redirect_stdout(io.StringIO()):
+                asyncio.run(bounded())
+        except Exception as err:
+            results.errors.append(f"{type(err).__name__}: {err}")
+    return report.finish(results, out, strict)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return report.main(run, "auth_bench", __doc__, "200 creates each way instead of 1000", argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

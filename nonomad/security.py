@@ -1,0 +1,109 @@
+"""A cluster's secrets on disk: its CA and certificates, token root keys and an admin token.
+
+`provision(directory, parts)` makes what is missing and reuses what is there (so tokens and
+certificates stay valid across restarts of `nonomad up`); every file is mode 0600. Then
+`flaps_args()`, `worker_args(name)`, ... are the flags that make each service serve mutual TLS
+with its own certificate, check tokens, and call the others over the cluster's TLS:
+
+    tls/ca.pem, tls/ca.key        the cluster CA (runtime.pki)
+    tls/<part>.pem, tls/<part>.key  one certificate per part (flaps, proxy, flyd-ams-1, cli)
+    token-keys                    token root keys (flaps.tokens), the first mints
+    admin.token                   a token that may do everything
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from flaps.tokens import InvalidToken, Keyring, caveats, new_key_line, read_token
+from runtime.pki import CertPaths, ClusterCA, write_private
+from runtime.tracing import CLUSTER_NAME, ChannelTLS
+
+__all__ = ["CLI_PART", "ClusterSecurity", "provision"]
+
+CLI_PART = "cli"
+"""The certificate of the operator's CLI (`nonomad status` asks workers directly)."""
+
+
+@dataclass(frozen=True)
+class ClusterSecurity:
+    """Where one cluster's CA, certificates, root keys and admin token are."""
+
+    root: Path
+
+    @property
+    def ca(self) -> Path:
+        return self.root / "tls" / "ca.pem"
+
+    @property
+    def token_keys(self) -> Path:
+        return self.root / "token-keys"
+
+    @property
+    def admin_token(self) -> Path:
+        return self.root / "admin.token"
+
+    def cert(self, part: str) -> CertPaths:
+        tls = self.root / "tls"
+        return CertPaths(tls / f"{part}.pem", tls / f"{part}.key")
+
+    def keyring(self) -> Keyring:
+        return Keyring.load(self.token_keys)
+
+    def client_tls(self) -> ChannelTLS:
+        """How a client (CLI, SDK) verifies flaps: the CA, no certificate of its own."""
+        return ChannelTLS(ca=self.ca)
+
+    def member_tls(self, part: str = CLI_PART) -> ChannelTLS:
+        """How `part` reaches a worker, a proxy or flaps' cluster port: mutual TLS."""
+        cert = self.cert(part)
+        return ChannelTLS(ca=self.ca, cert=cert.cert, key=cert.key, server_name=CLUSTER_NAME)
+
+    def _serve(self, part: str, *, mutual: bool) -> list[str]:
+        cert = self.cert(part)
+        args = ["--tls-cert", str(cert.cert), "--tls-key", str(cert.key)]
+        if mutual:
+            args += ["--tls-client-ca", str(self.ca)]
+        return [*args, "--cluster-ca", str(self.ca)]
+
+    def worker_args(self, part: str) -> list[str]:
+        """flyd: serves the cluster's certificates only, announces over mutual TLS."""
+        return self._serve(part, mutual=True)
+
+    def flaps_args(self, cluster_listen: str = "127.0.0.1:0") -> list[str]:
+        """flaps: TLS and tokens on its listen port, the cluster's parts on `cluster_listen`."""
+        return [
+            *self._serve("flaps", mutual=False),
+            "--cluster-listen",
+            cluster_listen,
+            "--token-keys",
+            str(self.token_keys),
+        ]
+
+    def proxy_args(self) -> list[str]:
+        """The proxy: its gRPC (admin, registry) for the cluster's certificates only; tokens
+        for the machine-pinning header."""
+        return [*self._serve("proxy", mutual=True), "--token-keys", str(self.token_keys)]
+
+    def registry_args(self) -> list[str]:
+        return self._serve("registry", mutual=True)
+
+
+def provision(directory: Path, parts: Iterable[str]) -> ClusterSecurity:
+    """The cluster's security in `directory`, with a certificate for each of `parts` (and the
+    CLI's): made where missing, reused where present."""
+    security = ClusterSecurity(directory)
+    ca = ClusterCA.ensure(directory / "tls")
+    for part in dict.fromkeys([*parts, CLI_PART]):
+        ca.issue(part)
+    if not security.token_keys.exists():
+        write_private(security.token_keys, f"{new_key_line('k1')}\n".encode())
+    keyring = security.keyring()
+    try:
+        keyring.verify(read_token(security.admin_token))
+    except (OSError, InvalidToken):  # none yet, or its key was rotated away
+        token = keyring.mint(caveats(apps=["*"], ops=["*"]))
+        write_private(security.admin_token, f"{token}\n".encode())
+    return security

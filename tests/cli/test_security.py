@@ -1,0 +1,165 @@
+"""`nonomad tokens` and `nonomad secrets` as a user runs them, against the CLI tests' fleet
+(flaps over TLS, checking tokens signed by the session's keys)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import re
+import secrets
+from pathlib import Path
+
+from flaps.tokens import new_key_line
+from runtime.pki import write_private
+from tests.cli.conftest import CliFleet, nonomad
+from tests.cli.test_machines import one_line_error
+from tests.flaps.conftest import eventually
+from tests.harness import clean_env
+
+# Prints the SHA-256 of $API_KEY: the log shows the machine has it, never what it is.
+HASHER = 'echo "key:$(printf %s "$API_KEY" | sha256sum | cut -c1-64)"; exec sleep 1000'
+
+
+async def test_tokens_are_minted_narrowed_read_and_enforced(
+    cli_fleet: CliFleet, tmp_path: Path
+) -> None:
+    keys = ["--keys", str(cli_fleet.security.token_keys)]
+    reader = (
+        await nonomad("tokens", "create", *keys, "--app", "web", "--ops", "read", "--json")
+    ).json()
+    assert reader["caveats"] == ["apps = web", "ops = read"]
+    token = tmp_path / "web.token"
+    token.write_text(reader["token"] + "\n")
+    as_reader = ["--token-file", str(token), *cli_fleet.tls]
+
+    listed, refused, other_app, narrowed, *usage = await asyncio.gather(
+        nonomad("machines", "list", "web", "--json", *as_reader, env=cli_fleet.env),
+        nonomad("machines", "run", "web", "--image", "demo:v1", "--region", "ams",
+                *as_reader, env=cli_fleet.env),
+        nonomad("machines", "list", "api", *as_reader, env=cli_fleet.env),
+        nonomad("tokens", "attenuate", "--token-file", str(token), "--expires", "1h",
+                "--machine", "m-1"),
+        nonomad("tokens", "create", *keys, "--ops", "read"),
+        nonomad("tokens", "create", *keys, "--app", "web", "--ops", "fly"),
+        nonomad("tokens", "attenuate", "--token-file", str(token)),
+        nonomad("tokens", "create", "--keys", str(tmp_path / "none"), "--all-apps"),
+    )  # fmt: skip
+    assert listed.json() == []
+    one_line_error(refused, 1, "PERMISSION_DENIED", 'token caveat "ops = read"', "operation create")
+    one_line_error(other_app, 1, "PERMISSION_DENIED", 'token caveat "apps = web"', "app api")
+    for result, fragment in zip(
+        usage,
+        ["--app APP (repeatable) or --all-apps", "unknown operation 'fly'", "nothing to add",
+         "no keys file"],
+        strict=True,
+    ):  # fmt: skip
+        one_line_error(result, 2, fragment)
+
+    assert narrowed.code == 0, narrowed.err
+    (tmp_path / "narrow.token").write_text(narrowed.out)
+    shown = (
+        await nonomad("tokens", "show", "--token-file", str(tmp_path / "narrow.token"), "--json")
+    ).json()
+    assert shown["token_id"] == reader["token_id"]  # the same token, narrowed
+    assert shown["caveats"][:2] == ["apps = web", "ops = read"]
+    assert shown["caveats"][2].startswith("expires = ")
+    assert shown["caveats"][3] == "machines = m-1"
+
+
+async def test_a_key_rotates_without_downtime(cli_fleet: CliFleet, tmp_path: Path) -> None:
+    keys = tmp_path / "token-keys"
+    write_private(keys, f"{new_key_line('k1')}\n".encode())
+    flaps = cli_fleet.fleet.add_flaps("--token-keys", str(keys))  # its own keys, re-read
+    kf = ["--keys", str(keys)]
+
+    async def mint() -> Path:
+        made = await nonomad("tokens", "create", *kf, "--all-apps", "--ops", "admin")
+        assert made.code == 0, made.err
+        path = tmp_path / f"{secrets.token_hex(4)}.token"
+        path.write_text(made.out)
+        return path
+
+    async def works(token: Path) -> bool:
+        result = await nonomad(
+            "regions", "--flaps", flaps.address, "--token-file", str(token), *cli_fleet.tls
+        )
+        return result.code == 0
+
+    old = await mint()
+    assert await works(old)
+    added = await nonomad("tokens", "keygen", *kf)
+    assert added.out.startswith("k2 now mints new tokens"), added.err
+    new = await mint()
+    await eventually(lambda: works(new), 10, "flaps accepting the new key's tokens")
+    assert await works(old)  # both, while they rotate
+    retired = await nonomad("tokens", "retire", *kf, "k1")
+    assert retired.code == 0, retired.err
+
+    async def old_refused() -> bool:
+        return not await works(old)
+
+    await eventually(old_refused, 10, "flaps refusing the retired key's tokens")
+    assert await works(new)
+    one_line_error(await nonomad("tokens", "retire", *kf, "k2"), 2, "the only key")
+
+
+async def test_secrets_reach_every_machine_of_the_app_and_are_never_shown(
+    cli_fleet: CliFleet,
+) -> None:
+    value = f"s3cret-{secrets.token_hex(8)}"
+    digest = hashlib.sha256(value.encode()).hexdigest()
+    primary = (
+        await cli_fleet(
+            "machines", "run", "web", "--image", "demo:v1", "--region", "ams", "--memory", "64",
+            "--secret", "OTHER=first", "--json", "--", "sh", "-c", HASHER,
+        )
+    ).json()  # fmt: skip
+    assert primary["config"]["secrets"] == {"OTHER": "<redacted>"}
+    standby = (
+        await cli_fleet(
+            "machines", "run", "web", "--image", "demo:v1", "--region", "ams", "--memory", "64",
+            "--standby-for", primary["id"], "--json", "--", "sh", "-c", HASHER,
+        )
+    ).json()  # fmt: skip
+    async with cli_fleet.client() as flaps:
+        await eventually(
+            lambda: _listed(flaps, {primary["id"], standby["id"]}), 10, "both machines listed"
+        )
+
+    put = await cli_fleet("secrets", "set", "web", f"API_KEY={value}", "OTHER=x", "--json")
+    outcome = {r["machine_id"]: (r["state"], r["result"]) for r in put.json()}
+    assert outcome == {
+        primary["id"]: ("started", "updated"),  # restarted with it
+        standby["id"]: ("created", "updated"),  # still waiting, now with it
+    }
+    listed = (await cli_fleet("secrets", "list", "web", "--json")).json()
+    assert listed == {name: sorted(outcome) for name in ("API_KEY", "OTHER")}
+    show = await cli_fleet("machines", "show", primary["id"])
+    assert re.search(r"^secrets\s+API_KEY, OTHER$", show.out, re.M), show.out
+
+    async with cli_fleet.client() as flaps:
+
+        async def hashed() -> bool:
+            lines = [line async for line in flaps.machine_logs(primary["id"], tail_lines=50)]
+            return f"key:{digest}" in lines
+
+        await eventually(hashed, 15, "the restarted machine logging its key's hash")
+
+    gone = await cli_fleet("secrets", "unset", "web", "OTHER", "NOPE")
+    assert gone.code == 0, gone.err
+    assert (await cli_fleet("secrets", "list", "web", "--json")).json() == {
+        "API_KEY": sorted(outcome)
+    }
+    # Whatever the CLI printed, the value was never in it.
+    for result in (put, show, gone, await cli_fleet("machines", "show", primary["id"], "--json")):
+        assert value not in result.out + result.err
+    machine = json.loads((await cli_fleet("machines", "show", primary["id"], "--json")).out)
+    assert machine["config"]["secrets"] == {"API_KEY": "<redacted>"}
+    usage = await nonomad("secrets", "set", "web", "NOEQUALS", env=clean_env())
+    one_line_error(usage, 2, "'NOEQUALS' is not KEY=VALUE")
+
+
+async def _listed(flaps: object, ids: set[str]) -> bool:
+    machines = await flaps.list_machines("web")  # type: ignore[attr-defined]
+    return {m.id for m in machines} == ids

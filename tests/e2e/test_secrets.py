@@ -1,0 +1,243 @@
+"""A secret set on a machine reaches the machine's environment and nowhere else.
+
+The whole secure fleet runs as processes (two workers, flaps, the proxy, a standalone
+registry), logging at debug level and exporting spans to a real OTLP receiver. A machine gets a
+secret; the test then calls every RPC that could show it (flaps' Machines and Platform APIs, the
+workers', the registry's, the proxy's admin API), changes the machine (update, stop, start,
+restart, leases, bad requests), reaches it through the edge, and destroys it. Then it searches
+everything: each RPC's answer and error text, every exported span, and every file the run left
+(service logs, the workers' LMDB logs, the machines' own files). The secret's value must be in
+none of them, while the machine proves it had it (it answers with its hash). The admin token
+is searched for the same way: its id may be logged, the token never.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from collections.abc import Iterator
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import grpc
+import pytest
+from google.protobuf.message import Message
+
+from flaps.tokens import inspect, read_token
+from flaps.v1 import machines_pb2 as m
+from flaps.v1 import platform_pb2, platform_pb2_grpc
+from flyd.v1 import machine_pb2 as pb
+from flyd.v1 import worker_pb2 as w
+from flyd.validate import REDACTED
+from proxy.v1 import proxy_pb2 as p
+from registry.v1 import registry_pb2, registry_pb2_grpc
+from tests.e2e.otlp import OtlpReceiver
+from tests.harness import ServiceProcess, channel, clean_env
+from tests.proxy.support import T, get, proxy_fleet
+from tests.servicers import seconds
+
+CANARY = f"nonomad-canary-{secrets.token_hex(12)}"
+OTHER = f"{CANARY}-second"
+# The machine answers every GET with the SHA-256 of its API_KEY and its plain PLAIN variable.
+APP = """\
+import hashlib, http.server, os
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        key = os.environ.get("API_KEY", "").encode()
+        body = (hashlib.sha256(key).hexdigest() + " " + os.environ.get("PLAIN", "")).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+print("listening", flush=True)
+http.server.ThreadingHTTPServer(("127.0.0.1", int(os.environ["PORT"])), H).serve_forever()
+"""
+DEBUG = {f"{svc}_LOG_LEVEL": "debug" for svc in ("FLYD", "FLAPS", "PROXY", "REGISTRY")}
+
+
+def config(**secret_values: str) -> pb.MachineConfig:
+    return pb.MachineConfig(
+        image="demo:v1",
+        guest=pb.GuestConfig(cpu_millicores=100, memory_mib=64),
+        services=[pb.ServiceConfig(internal_port=8080, autostart=True)],
+        entrypoint=["python3", "-u", "-c", APP],
+        env={"PLAIN": "visible"},
+        secrets=secret_values,
+    )
+
+
+class Seen:
+    """Everything the test was shown: answers, error texts, stream messages."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def __call__(self, message: Message) -> Message:
+        self.parts.append(message.SerializeToString())
+        return message
+
+    async def refused(self, call: object, code: grpc.StatusCode) -> None:
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await call  # type: ignore[misc]
+        assert raised.value.code() == code, raised.value.details()
+        self.parts.append(str(raised.value).encode())
+
+    def has(self, needle: str) -> bool:
+        return any(needle.encode() in part for part in self.parts)
+
+
+def files(root: Path, skip: Path) -> Iterator[Path]:
+    for path in root.rglob("*"):
+        if path.is_file() and not path.is_symlink() and skip not in path.parents:
+            yield path
+
+
+async def test_a_secret_reaches_its_machine_and_nowhere_else(
+    tmp_path: Path, image_source: Path, otlp: OtlpReceiver
+) -> None:
+    env = otlp.env(**DEBUG)
+    seen = Seen()
+    async with proxy_fleet(tmp_path, image_source, env=env) as fleet, AsyncExitStack() as stack:
+        security = fleet.security
+        assert security is not None
+        await fleet.add_workers("w1", "w2")
+        fleet.start_flaps()
+        await fleet.until_alive()
+        proxy = fleet.add_proxy()
+        follow = [a for worker in fleet.workers.values() for a in ("--workers", worker.address)]
+        registry = ServiceProcess(
+            "registry",
+            ["--listen", "127.0.0.1:0", "--grace-period", "2", *follow, *security.registry_args()],
+            tmp_path / "registry.log",
+            env=clean_env(**env),
+        ).start()
+        stack.callback(registry.kill)  # the fleet stops its own; this one too, whatever happens
+        machines = fleet.machines()
+        assert fleet.flaps is not None
+        platform = platform_pb2_grpc.PlatformServiceStub(
+            fleet._channel(fleet.flaps.address, flaps=True)
+        )
+
+        # The machine, created with a secret (and created again: the same idempotent create).
+        create = m.CreateMachineRequest(
+            app="vault", region="ams", config=config(API_KEY=CANARY), idempotency_key="v-1"
+        )
+        made = seen(await machines.CreateMachine(create, timeout=T)).machine
+        assert dict(made.config.secrets) == {"API_KEY": REDACTED}
+        assert seen(await machines.CreateMachine(create, timeout=T)).machine.id == made.id
+        mid = made.id
+        wait = m.WaitMachineRequest(
+            machine_id=mid, state=pb.MACHINE_STATE_STARTED, timeout=seconds(20)
+        )
+        seen(await machines.WaitMachine(wait, timeout=30))
+
+        # It has the value: it answers with its hash, through the edge.
+        await fleet.until_routed("vault", 1)
+        expected = f"{hashlib.sha256(CANARY.encode()).hexdigest()} visible"
+        reply = await get(proxy.http, "vault")
+        assert (reply.status, reply.body.decode()) == (200, expected)
+
+        # Every read, of flaps and of the fleet.
+        seen(await machines.GetMachine(m.GetMachineRequest(machine_id=mid), timeout=T))
+        seen(await machines.ListMachines(m.ListMachinesRequest(app="vault"), timeout=T))
+        seen(await machines.ListMachines(m.ListMachinesRequest(), timeout=T))
+        events = m.ListMachineEventsRequest(machine_id=mid)
+        seen(await machines.ListMachineEvents(events, timeout=T))
+        async for line in machines.GetMachineLogs(
+            m.GetMachineLogsRequest(machine_id=mid, tail_lines=100), timeout=T
+        ):
+            seen(line)
+        seen(await platform.ListRegions(platform_pb2.ListRegionsRequest(), timeout=T))
+        seen(await platform.ListWorkers(platform_pb2.ListWorkersRequest(), timeout=T))
+        simulate = platform_pb2.SimulatePlacementRequest(
+            app="vault", region="ams", config=config(API_KEY=CANARY)
+        )
+        seen(await platform.SimulatePlacement(simulate, timeout=T))
+        lease = seen(
+            await machines.AcquireLease(
+                m.AcquireLeaseRequest(machine_id=mid, ttl=seconds(30), owner="test"), timeout=T
+            )
+        ).lease
+        seen(await machines.ReleaseLease(m.ReleaseLeaseRequest(machine_id=mid, nonce=lease.nonce)))
+
+        # Changes: the secret kept (redacted in), another added; bad requests that name it.
+        update = m.UpdateMachineRequest(
+            machine_id=mid, config=config(API_KEY=REDACTED, SECOND=OTHER)
+        )
+        updated = seen(await machines.UpdateMachine(update, timeout=60)).machine
+        assert dict(updated.config.secrets) == {"API_KEY": REDACTED, "SECOND": REDACTED}
+        wait.instance_id = updated.instance_id
+        seen(await machines.WaitMachine(wait, timeout=30))
+        await seen.refused(
+            machines.UpdateMachine(
+                m.UpdateMachineRequest(machine_id=mid, config=config(PLAIN=CANARY)), timeout=T
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        )
+        await seen.refused(
+            machines.CreateMachine(
+                m.CreateMachineRequest(
+                    app="vault", region="ams", config=config(API_KEY=CANARY + "\x00")
+                ),
+                timeout=T,
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        )
+        seen(await machines.RestartMachine(m.RestartMachineRequest(machine_id=mid), timeout=60))
+        seen(await machines.WaitMachine(wait, timeout=30))
+        seen(await machines.SignalMachine(m.SignalMachineRequest(machine_id=mid, signal="SIGHUP")))
+        seen(await machines.StopMachine(m.StopMachineRequest(machine_id=mid), timeout=60))
+        stopped = m.WaitMachineRequest(
+            machine_id=mid, state=pb.MACHINE_STATE_STOPPED, timeout=seconds(20)
+        )
+        seen(await machines.WaitMachine(stopped, timeout=30))
+        seen(await machines.StartMachine(m.StartMachineRequest(machine_id=mid), timeout=60))
+        seen(await machines.WaitMachine(wait, timeout=30))
+        await fleet.until_routed("vault", 1)
+        reply = await get(proxy.http, "vault")
+        assert reply.body.decode() == expected
+
+        # The workers', the registry's and the proxy's own APIs.
+        worker = fleet.worker(made.worker_id)
+        seen(await worker.GetMachine(w.GetMachineRequest(machine_id=mid), timeout=T))
+        seen(await worker.ListMachines(w.ListMachinesRequest(), timeout=T))
+        watch = worker.WatchEvents(w.WatchEventsRequest(from_seq=0), timeout=T)
+        seen(await watch.read())  # the snapshot: every row
+        watch.cancel()
+        follow_stub = registry_pb2_grpc.RegistryServiceStub(
+            channel(registry.address, security.member_tls())
+        )
+        follow_call = follow_stub.Follow(registry_pb2.FollowRequest(), timeout=T)
+        seen(await follow_call.read())
+        follow_call.cancel()
+        admin = fleet.admin()
+        seen(await admin.ListRoutes(p.ListRoutesRequest(), timeout=T))
+        seen(await admin.GetStats(p.GetStatsRequest(), timeout=T))
+
+        seen(
+            await machines.DestroyMachine(
+                m.DestroyMachineRequest(machine_id=mid, force=True), timeout=60
+            )
+        )
+        # Stopped gracefully, so every span is exported and every log line written.
+        for proc in [registry, *fleet.proxies, fleet.flaps, *fleet.workers.values()]:
+            assert proc.terminate() == 0, proc.stderr_tail()
+
+    token = read_token(security.admin_token)
+    token_id = inspect(token).token_id
+    spans = b"".join(otlp.raw)
+    # The search would find what is there: the plain variable in answers, spans at all, the
+    # token's id in flaps' spans and log.
+    assert seen.has("visible")
+    assert any(s.attributes.get("nonomad.token_id") == token_id for s in otlp.spans)
+    assert token_id in (tmp_path / "flaps.log").read_text()
+    # And the secrets are nowhere: not in an answer, a span, a log, the LMDB files, anything.
+    for value in (CANARY, OTHER):
+        assert not seen.has(value)
+        assert value.encode() not in spans
+    for path in files(tmp_path, skip=tmp_path / "security"):
+        data = path.read_bytes()
+        for needle in (CANARY, OTHER, token):
+            assert needle.encode() not in data, f"{needle[:24]}... found in {path}"

@@ -1,0 +1,399 @@
+"""Who may call flaps for what: every Machines and Platform RPC against every kind of token.
+
+flaps runs in-process as flaps.main wires it (servicers guarded by flaps.auth, then wrapped
+by map_error), over TLS with a cluster port, in front of the fake fleet of
+tests/flaps/support.py. App `a` has machine A and app `b` machine B. Each request in `CALLS`
+is harmless when allowed (an unknown signal, a bad config, destroying a started machine
+without force...): what is checked is whether the call got past the token, not what it did.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from pymacaroons import Macaroon
+
+from flaps import auth, placement
+from flaps.auth import Authorizer, KeySource
+from flaps.errors import map_error
+from flaps.service import Exchange, MachinesServicer, PlatformServicer, Workers
+from flaps.tokens import InvalidToken, Keyring, attenuate, caveats, new_key_line
+from flaps.v1 import machines_pb2 as m
+from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
+from flyd.v1 import machine_pb2 as pb
+from nonomad.security import ClusterSecurity
+from registry.replica import Replica
+from registry.service import serve_replica
+from registry.v1 import registry_pb2, registry_pb2_grpc
+from runtime import Service, ServiceSettings
+from runtime.pki import ClusterCA, ClusterMembers, write_private
+from tests.flaps.support import FakeFleet, fake_fleet
+from tests.flyd.support import config
+from tests.harness import channel, error_info
+from tests.servicers import T, seconds, serving
+
+DENIED = grpc.StatusCode.PERMISSION_DENIED
+UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
+KEY = new_key_line("k1")
+OTHER_KEY = new_key_line("k1")  # same id, another secret: a forged signature
+ROTATED = new_key_line("k2")
+
+
+@dataclass
+class Flaps:
+    """flaps in-process: its addresses, the fleet behind it, machines A (app a) and B (b)."""
+
+    address: str
+    cluster_address: str
+    fleet: FakeFleet
+    security: ClusterSecurity
+    keyring: list[Keyring]  # [the keys flaps verifies with]: a test may rotate them
+    a: str = ""
+    b: str = ""
+
+    def mint(self, *texts: str, keys: str = KEY) -> str:
+        return Keyring.parse(keys).mint(texts)
+
+    def stub(self, cls: Any, token: str | None) -> Any:
+        return cls(channel(self.address, self.security.client_tls(), token))
+
+
+@pytest.fixture
+async def flaps(tmp_path: Path, security: ClusterSecurity) -> AsyncIterator[Flaps]:
+    async with fake_fleet(tmp_path, {"w1": "ams", "w2": "ams"}) as fleet:
+        workers = Workers(fleet.replica)
+        exchange = Exchange(fleet.replica, workers, placement.Pipeline())
+        keyring = [Keyring.parse(KEY)]
+        authorizer = Authorizer(lambda: keyring[0], exchange.app_of, ClusterMembers(security.ca))
+        cert = security.cert("flaps")
+        service = Service(
+            "flaps",
+            ServiceSettings(
+                tls_cert=cert.cert,
+                tls_key=cert.key,
+                cluster_ca=security.ca,
+                cluster_listen="127.0.0.1:0",
+                grace_period=1,
+            ),
+        )
+        for servicer, add, descriptor in (
+            (
+                MachinesServicer(exchange),
+                machines_pb2_grpc.add_MachinesServiceServicer_to_server,
+                m.DESCRIPTOR.services_by_name["MachinesService"],
+            ),
+            (
+                PlatformServicer(exchange),
+                platform_pb2_grpc.add_PlatformServiceServicer_to_server,
+                platform_pb2.DESCRIPTOR.services_by_name["PlatformService"],
+            ),
+        ):
+            auth.guard(servicer, descriptor, authorizer)
+            service.add(servicer, add, descriptor, map_error)
+        serve_replica(
+            service,
+            Replica(),
+            [],
+            lambda servicer, descriptor: auth.guard(servicer, descriptor, authorizer),
+        )
+        async with serving(service) as address:
+            assert service.cluster_address is not None
+            f = Flaps(address, service.cluster_address, fleet, security, keyring)
+            admin = f.stub(machines_pb2_grpc.MachinesServiceStub, f.mint())
+            for app in ("a", "b"):
+                request = m.CreateMachineRequest(app=app, region="ams", config=config())
+                made = await admin.CreateMachine(request, timeout=T)
+                setattr(f, app, made.machine.id)
+                await fleet.seen(made.machine.id)
+            yield f
+        await workers.close()
+
+
+# -- the table: every RPC, a harmless request on app a's or app b's machine ----------------------
+
+Call = tuple[str, str, Callable[[str, str], Any]]  # (service, rpc, request(machine id, app))
+MACHINES, PLATFORM = "machines", "platform"
+BAD_SIGNAL = "SIGNOPE"
+
+CALLS: list[Call] = [
+    (MACHINES, "CreateMachine", lambda mid, app: m.CreateMachineRequest(
+        app=app, region="ams", config=config(memory=-1))),
+    (MACHINES, "GetMachine", lambda mid, app: m.GetMachineRequest(machine_id=mid)),
+    (MACHINES, "ListMachines", lambda mid, app: m.ListMachinesRequest(app=app)),
+    (MACHINES, "UpdateMachine", lambda mid, app: m.UpdateMachineRequest(
+        machine_id=mid, config=config(memory=-1))),
+    (MACHINES, "StartMachine", lambda mid, app: m.StartMachineRequest(machine_id=mid)),
+    (MACHINES, "StopMachine", lambda mid, app: m.StopMachineRequest(
+        machine_id=mid, signal=BAD_SIGNAL)),
+    (MACHINES, "RestartMachine", lambda mid, app: m.RestartMachineRequest(
+        machine_id=mid, signal=BAD_SIGNAL)),
+    (MACHINES, "SignalMachine", lambda mid, app: m.SignalMachineRequest(
+        machine_id=mid, signal=BAD_SIGNAL)),
+    (MACHINES, "DestroyMachine", lambda mid, app: m.DestroyMachineRequest(machine_id=mid)),
+    (MACHINES, "WaitMachine", lambda mid, app: m.WaitMachineRequest(
+        machine_id=mid, state=pb.MACHINE_STATE_STARTED, timeout=seconds(1))),
+    (MACHINES, "AcquireLease", lambda mid, app: m.AcquireLeaseRequest(
+        machine_id=mid, ttl=seconds(-1))),
+    (MACHINES, "ReleaseLease", lambda mid, app: m.ReleaseLeaseRequest(
+        machine_id=mid, nonce="not-the-nonce")),
+    (MACHINES, "ListMachineEvents", lambda mid, app: m.ListMachineEventsRequest(machine_id=mid)),
+    (MACHINES, "GetMachineLogs", lambda mid, app: m.GetMachineLogsRequest(machine_id=mid)),
+    (PLATFORM, "ListRegions", lambda mid, app: platform_pb2.ListRegionsRequest()),
+    (PLATFORM, "ListWorkers", lambda mid, app: platform_pb2.ListWorkersRequest()),
+    (PLATFORM, "SimulatePlacement", lambda mid, app: platform_pb2.SimulatePlacementRequest(
+        app=app, region="ams", config=config())),
+]  # fmt: skip
+READS = {"GetMachine", "ListMachines", "WaitMachine", "ListMachineEvents", "GetMachineLogs"}
+FLEET = {"ListRegions": "regions", "ListWorkers": "workers"}
+
+
+def test_the_table_covers_every_rpc_and_every_rpc_has_a_rule() -> None:
+    served = {
+        f"/{d.full_name}/{method.name}"
+        for d in (
+            m.DESCRIPTOR.services_by_name["MachinesService"],
+            platform_pb2.DESCRIPTOR.services_by_name["PlatformService"],
+        )
+        for method in d.methods
+    }
+    assert {rpc for _, rpc, _ in CALLS} == {name.rsplit("/", 1)[1] for name in served}
+    assert set(auth.RULES) == served
+
+
+async def outcome(f: Flaps, call: Call, token: str | None, app: str) -> grpc.aio.AioRpcError | None:
+    """Make the call on app `app` (its machine) with `token`: None if it got past the token,
+    else the error that stopped it there (UNAUTHENTICATED or PERMISSION_DENIED)."""
+    service, rpc, request = call
+    cls = (
+        machines_pb2_grpc.MachinesServiceStub
+        if service == MACHINES
+        else platform_pb2_grpc.PlatformServiceStub
+    )
+    stub = f.stub(cls, token)
+    mid = f.a if app == "a" else f.b
+    try:
+        answer = getattr(stub, rpc)(request(mid, app), timeout=T)
+        if isinstance(answer, grpc.aio.UnaryStreamCall):
+            await answer.read()
+            answer.cancel()
+        else:
+            await answer
+    except grpc.aio.AioRpcError as err:
+        if err.code() in (UNAUTHENTICATED, DENIED):
+            return err
+    return None
+
+
+def denied_by(err: grpc.aio.AioRpcError | None, caveat: str) -> bool:
+    if err is None or err.code() != DENIED:
+        return False
+    info = error_info(err)
+    assert info is not None
+    assert info[0] == "TOKEN_CAVEAT"
+    assert caveat in (err.details() or "")
+    return info[2]["caveat"] == caveat
+
+
+async def test_a_token_for_app_a_cannot_read_or_change_app_b(flaps: Flaps) -> None:
+    token = flaps.mint("apps = a", "ops = deploy")
+    for call in CALLS:
+        rpc = call[1]
+        if rpc in FLEET:  # the fleet is no app's: an app token without `admin` has no view
+            assert denied_by(await outcome(flaps, call, token, "a"), "ops = deploy"), rpc
+            continue
+        assert await outcome(flaps, call, token, "a") is None, rpc
+        assert denied_by(await outcome(flaps, call, token, "b"), "apps = a"), rpc
+
+
+async def test_a_read_only_token_reads_and_cannot_write(flaps: Flaps) -> None:
+    token = flaps.mint("apps = a,b", "ops = read")
+    for call in CALLS:
+        rpc = call[1]
+        got = await outcome(flaps, call, token, "a")
+        if rpc in READS:
+            assert got is None, rpc
+        else:
+            assert denied_by(got, "ops = read"), rpc
+
+
+async def test_the_admin_operations_are_the_fleets(flaps: Flaps) -> None:
+    token = flaps.mint("ops = admin")
+    for call in CALLS:
+        got = await outcome(flaps, call, token, "b")
+        if call[1] in FLEET:
+            assert got is None, call[1]
+        else:
+            assert denied_by(got, "ops = admin"), call[1]
+
+
+def tampered(token: str) -> str:
+    raw = bytearray(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
+    raw[-5] ^= 0x01  # a bit of the signature
+    return base64.urlsafe_b64encode(bytes(raw)).decode().rstrip("=")
+
+
+BAD_TOKENS: list[tuple[str, Callable[[Flaps], str | None], str]] = [
+    ("missing", lambda f: None, "missing `authorization: Bearer"),
+    ("garbage", lambda f: "not-a-macaroon", "not a nonomad token"),
+    ("expired", lambda f: f.mint(f"expires = {int(time.time()) - 1}"), "expired at"),
+    ("tampered", lambda f: tampered(f.mint("apps = a")), "bad signature"),
+    ("wrong key", lambda f: f.mint(keys=OTHER_KEY), "bad signature"),
+    ("unknown key", lambda f: f.mint(keys=ROTATED), "a key this flaps does not hold"),
+    # A caveat flaps does not understand fails closed, whoever added it.
+    ("unknown caveat", lambda f: with_caveat(f.mint(), "region = ams"), "unknown key 'region'"),
+]
+
+
+def with_caveat(token: str, text: str) -> str:
+    """Add any caveat, as pymacaroons lets a holder do (flaps.tokens.attenuate checks them)."""
+    macaroon = Macaroon.deserialize(token)
+    macaroon.add_first_party_caveat(text)
+    return str(macaroon.serialize())
+
+
+@pytest.mark.parametrize(("case", "make", "message"), BAD_TOKENS, ids=[c[0] for c in BAD_TOKENS])
+async def test_bad_tokens_are_unauthenticated_on_every_rpc(
+    flaps: Flaps, case: str, make: Callable[[Flaps], str | None], message: str
+) -> None:
+    token = make(flaps)
+    for call in CALLS:
+        err = await outcome(flaps, call, token, "a")
+        assert err is not None, (case, call[1])
+        assert err.code() == UNAUTHENTICATED, (case, call[1], err.details())
+        assert message in (err.details() or ""), (case, err.details())
+
+
+async def test_attenuation_only_narrows(flaps: Flaps) -> None:
+    admin = flaps.mint()
+    narrowed = attenuate(admin, caveats(apps=["a"], ops=["read"]))
+    widened = attenuate(narrowed, caveats(apps=["*"], ops=["*"]))  # cannot undo the first
+    one_machine = attenuate(admin, caveats(machines=[flaps.a]))
+    get, create = CALLS[1], CALLS[0]
+    assert await outcome(flaps, get, narrowed, "a") is None
+    assert denied_by(await outcome(flaps, get, narrowed, "b"), "apps = a")
+    assert denied_by(await outcome(flaps, CALLS[4], widened, "a"), "ops = read")
+    assert denied_by(await outcome(flaps, get, widened, "b"), "apps = a")
+    assert await outcome(flaps, get, one_machine, "a") is None
+    assert denied_by(await outcome(flaps, get, one_machine, "b"), f"machines = {flaps.a}")
+    assert denied_by(await outcome(flaps, create, one_machine, "a"), f"machines = {flaps.a}")
+
+
+async def test_lists_return_only_what_the_token_may_read(flaps: Flaps) -> None:
+    only_a = flaps.stub(machines_pb2_grpc.MachinesServiceStub, flaps.mint("apps = a"))
+    listed = await only_a.ListMachines(m.ListMachinesRequest(), timeout=T)
+    assert [mm.id for mm in listed.machines] == [flaps.a]
+    admin = flaps.stub(machines_pb2_grpc.MachinesServiceStub, flaps.mint())
+    everything = await admin.ListMachines(m.ListMachinesRequest(), timeout=T)
+    assert {mm.id for mm in everything.machines} == {flaps.a, flaps.b}
+    one = flaps.stub(machines_pb2_grpc.MachinesServiceStub, flaps.mint(f"machines = {flaps.b}"))
+    listed = await one.ListMachines(m.ListMachinesRequest(), timeout=T)
+    assert [mm.id for mm in listed.machines] == [flaps.b]
+
+
+async def test_rotation_accepts_old_and_new_keys_until_the_old_one_goes(flaps: Flaps) -> None:
+    get = CALLS[1]
+    old = flaps.mint()
+    # The new key goes first: it mints; the old one still verifies.
+    flaps.keyring[0] = Keyring.parse(f"{ROTATED}\n{KEY}")
+    new = flaps.keyring[0].mint([])
+    assert await outcome(flaps, get, old, "a") is None
+    assert await outcome(flaps, get, new, "a") is None
+    # The old key is dropped: its tokens stop working, the new ones go on.
+    flaps.keyring[0] = Keyring.parse(ROTATED)
+    err = await outcome(flaps, get, old, "a")
+    assert err is not None
+    assert err.code() == UNAUTHENTICATED
+    assert await outcome(flaps, get, new, "a") is None
+
+
+def test_the_keys_file_is_read_again_when_it_changes(tmp_path: Path) -> None:
+    path = tmp_path / "token-keys"
+    write_private(path, f"{KEY}\n".encode())
+    source = KeySource(path)
+    assert source.keyring.ids == ["k1"]
+    assert not source.reload()
+    write_private(path, f"{ROTATED}\n{KEY}\n".encode())
+    assert source.reload()
+    assert (source.keyring.current, source.keyring.ids) == ("k2", ["k2", "k1"])
+    # A broken file does not take the keys away.
+    write_private(path, b"k3 too-short\n")
+    assert not source.reload()
+    assert source.keyring.ids == ["k2", "k1"]
+    path.chmod(0o644)
+    with pytest.raises(ValueError, match="readable by others"):
+        KeySource(path)
+
+
+async def test_the_registry_is_for_the_clusters_parts_only(flaps: Flaps) -> None:
+    request = registry_pb2.ListMembersRequest()
+    public = registry_pb2_grpc.RegistryServiceStub(
+        channel(flaps.address, flaps.security.client_tls(), flaps.mint())
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await public.ListMembers(request, timeout=T)
+    assert raised.value.code() == DENIED
+    assert "cluster" in (raised.value.details() or "")
+    member = registry_pb2_grpc.RegistryServiceStub(
+        channel(flaps.cluster_address, flaps.security.member_tls())
+    )
+    await member.ListMembers(request, timeout=T)
+    # A part of the cluster may use the Machines API too, with no token.
+    machines = machines_pb2_grpc.MachinesServiceStub(
+        channel(flaps.cluster_address, flaps.security.member_tls())
+    )
+    got = await machines.GetMachine(m.GetMachineRequest(machine_id=flaps.b), timeout=T)
+    assert got.machine.app == "b"
+
+
+async def test_a_machine_the_view_has_not_seen_is_checked_with_its_worker(
+    flaps: Flaps,
+) -> None:
+    # A replica that knows the workers but follows none of them: it has no machines.
+    blind = Replica()
+    for worker_id in ("w1", "w2"):
+        blind.add_worker(flaps.fleet.workers[worker_id].worker.info())
+    workers = Workers(blind)
+    try:
+        exchange = Exchange(blind, workers, placement.Pipeline())
+        assert blind.machine(flaps.b) is None
+        assert await exchange.app_of(flaps.b) == "b"
+    finally:
+        await workers.close()
+
+
+class _Context:
+    def __init__(self, pem: bytes | None) -> None:
+        self._auth = {"x509_pem_cert": [pem]} if pem else {}
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return self._auth
+
+
+def test_only_the_cluster_cas_certificates_make_a_part_of_the_cluster(
+    security: ClusterSecurity, tmp_path: Path
+) -> None:
+    members = ClusterMembers(security.ca)
+    proxy = security.cert("proxy").cert.read_bytes()
+    stranger = ClusterCA.ensure(tmp_path / "other").issue("proxy").cert.read_bytes()
+    assert members.name_of(_Context(proxy)) == "proxy"
+    assert members.name_of(_Context(proxy)) == "proxy"  # remembered
+    assert members.name_of(_Context(stranger)) is None  # another CA, the same name
+    assert members.name_of(_Context(None)) is None
+
+
+def test_a_token_known_by_its_digest_still_expires() -> None:
+    keys = Keyring.parse(KEY)
+    token = keys.mint([f"expires = {int(time.time()) + 60}"])
+    assert keys.verify(token).token_id == keys.verify(token).token_id  # the second: known
+    with pytest.raises(InvalidToken, match="expired at"):
+        keys.verify(token, now=time.time() + 120)
+    # A token one character off is another token: its signature is checked, and fails.
+    with pytest.raises(InvalidToken):
+        keys.verify(tampered(token))
