@@ -26,6 +26,7 @@ import pytest
 from flaps.v1 import machines_pb2 as m
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
+from nonomad.security import provision
 from tests.conftest import DEMO_APP
 from tests.harness import REPO_ROOT, clean_env
 from tests.proxy.support import (
@@ -139,26 +140,30 @@ async def settled(fleet: ProxyFleet, primary: str, standby: str) -> bool:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, image_source: Path) -> Iterator[ProxyFleet]:
-    """w1 (side a) and w2 (side b) announcing to flaps, and two proxies following both."""
+    """w1 (side a) and w2 (side b) announcing to flaps, and two proxies following both; secure
+    as `nonomad up` runs it (mutual TLS between the parts: a returning worker asks flaps and
+    the other worker over it)."""
     import uuid
 
     tmp = tmp_path_factory.mktemp("fencing")
-    fleet = ProxyFleet(tmp, image_source, prefix=f"nonomad-test-{uuid.uuid4().hex[:8]}")
+    security = provision(tmp / "security", ["flaps", "proxy", "registry", "flyd"])
+    prefix = f"nonomad-test-{uuid.uuid4().hex[:8]}"
+    fleet = ProxyFleet(tmp, image_source, prefix=prefix, security=security)
     try:
-        fleet.start_flaps()
+        flaps = fleet.start_flaps()
         for worker_id, side in (("w1", "a"), ("w2", "b")):
             fleet.add_worker(
                 worker_id,
                 "--labels",
                 f"side={side}",
                 "--announce",
-                fleet.flaps_address,
+                flaps.cluster_address,
                 "--announce-interval",
                 "0.5",
             )
         follow = [arg for wp in fleet.workers.values() for arg in ("--workers", wp.address)]
         for _ in range(2):
-            fleet.add_proxy(*follow, "--peers", fleet.flaps_address)
+            fleet.add_proxy(*follow, "--peers", flaps.cluster_address)
         yield fleet
     finally:
         asyncio.run(fleet.close())
@@ -232,7 +237,7 @@ async def test_the_superseded_copy_never_serves_again(cluster: ProxyFleet, fault
 async def _alive(fleet: ProxyFleet) -> bool:
     from flaps.v1 import platform_pb2, platform_pb2_grpc
 
-    stub = platform_pb2_grpc.PlatformServiceStub(fleet._channel(fleet.flaps_address))
+    stub = platform_pb2_grpc.PlatformServiceStub(fleet._channel(fleet.flaps_address, flaps=True))
     resp = await stub.ListWorkers(platform_pb2.ListWorkersRequest(), timeout=T)
     up = {x.info.id for x in resp.workers if x.status == platform_pb2.WORKER_STATUS_ALIVE}
     return up == set(fleet.workers)
@@ -284,12 +289,22 @@ async def test_a_worker_told_it_is_outranked_stops_its_copy(cluster: ProxyFleet)
 # it once the standby serves, and stops once the slot has settled. Prints the history as JSON.
 PARTITION_CLIENT = r"""
 import http.client, json, subprocess, sys, time
+from pathlib import Path
 import grpc
 from flaps.v1 import machines_pb2 as m, machines_pb2_grpc
 from flyd.v1 import machine_pb2 as pb
+from nonomad.security import ClusterSecurity
 from proxy.v1 import proxy_pb2 as p, proxy_pb2_grpc
+from runtime import CLUSTER_NAME
 
-flaps, proxy_grpc, proxy_http, dev, app_code = sys.argv[1:6]
+flaps, proxy_grpc, proxy_http, dev, app_code, security_dir = sys.argv[1:7]
+security = ClusterSecurity(Path(security_dir))
+ca = security.ca.read_bytes()
+cli = security.cert("cli")
+token = security.admin_token.read_text().strip()
+flaps_tls = grpc.composite_channel_credentials(
+    grpc.ssl_channel_credentials(ca), grpc.access_token_call_credentials(token))
+member_tls = grpc.ssl_channel_credentials(ca, cli.key.read_bytes(), cli.cert.read_bytes())
 
 def config(side, code=""):
     c = pb.MachineConfig(
@@ -316,7 +331,8 @@ def get():
         return [sent, time.monotonic(), 0, repr(err)]
 
 out = {"history": []}
-with grpc.insecure_channel(flaps) as ch, grpc.insecure_channel(proxy_grpc) as pch:
+with grpc.secure_channel(flaps, flaps_tls) as ch, grpc.secure_channel(
+        proxy_grpc, member_tls, options=[("grpc.ssl_target_name_override", CLUSTER_NAME)]) as pch:
     machines = machines_pb2_grpc.MachinesServiceStub(ch)
     admin = proxy_pb2_grpc.ProxyServiceStub(pch)
     primary = machines.CreateMachine(m.CreateMachineRequest(
@@ -398,6 +414,7 @@ async def test_a_partitioned_primary_is_superseded_when_the_link_heals(
                 proxy.http,
                 ns.b_dev,
                 app_code,
+                str(fleet.tmp / "security"),
                 cwd=REPO_ROOT,
                 env=clean_env(),
                 stdout=asyncio.subprocess.PIPE,
