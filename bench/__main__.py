@@ -1,5 +1,5 @@
-"""`python -m bench [--quick] [--only flyd|registry|proxy|auth|fencing]`: run the benchmarks, print
-tables, write JSON to bench/results/."""
+"""`python -m bench [--quick] [--full] [--only flyd|registry|proxy|auth|flaps|fencing]`: run
+the benchmarks, print tables, write JSON to bench/results/."""
 
 from __future__ import annotations
 
@@ -7,7 +7,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from bench import auth_bench, fencing_bench, proxy_bench, proxy_control_bench, registry_bench
+from bench import (
+    auth_bench,
+    fencing_bench,
+    flaps_bench,
+    proxy_bench,
+    proxy_control_bench,
+    registry_bench,
+)
 from bench.flyd_bench import run
 
 
@@ -32,8 +39,13 @@ def main(argv: list[str] | None = None) -> int:
         "run caches flyd's bytecode in its temp dir, as an installed flyd would have it)",
     )
     parser.add_argument(
+        "--full",
+        action="store_true",
+        help="the flaps benchmark's simulated workers hold 100 machines each instead of 20",
+    )
+    parser.add_argument(
         "--only",
-        choices=["flyd", "registry", "proxy", "auth", "fencing"],
+        choices=["flyd", "registry", "proxy", "auth", "flaps", "fencing"],
         help="run one group of benchmarks",
     )
     args = parser.parse_args(argv)
@@ -74,6 +86,15 @@ def main(argv: list[str] | None = None) -> int:
         codes.append(
             auth_bench.run(
                 quick=args.quick, out=args.out.with_name("auth.json"), strict=args.strict
+            )
+        )
+    if args.only in (None, "flaps"):
+        codes.append(
+            flaps_bench.run(
+                quick=args.quick,
+                full=args.full,
+                out=args.out.with_name("flaps.json"),
+                strict=args.strict,
             )
         )
     return max(codes)

@@ -291,6 +291,9 @@ class FlydProcess:
     log_dir: Path
     capacity: dict[str, int]
     pycache_prefix: Path | None = None
+    worker_id: str = "w1"
+    region: str = "ams"
+    extra_args: list[str] = field(default_factory=list)
     proc: subprocess.Popen[bytes] | None = None
     address: str = ""
     runs: int = 0
@@ -315,9 +318,9 @@ class FlydProcess:
             "--image-source",
             str(self.image_source),
             "--worker-id",
-            "w1",
+            self.worker_id,
             "--region",
-            "ams",
+            self.region,
             "--cgroup-prefix",
             self.cgroup_prefix,
             "--ports",
@@ -328,7 +331,7 @@ class FlydProcess:
         ]
         for key, value in self.capacity.items():
             args += [f"--capacity.{key.replace('_', '-')}", str(value)]
-        return args
+        return args + self.extra_args
 
     def start(self) -> None:
         """Spawn flyd (stderr to a log file per run); `wait_ready` then finds its address."""

@@ -1,11 +1,25 @@
 """Placement: a pipeline of small named stages, assembled per request (flaps holds no state).
 
-Feasibility stages each reject a worker for one named reason, which is counted, so a refusal
-explains itself ("3 insufficient_memory, 1 dead"). Ranking stages each add one named
-sub-score. Large regions are not scored whole: workers are visited in random order (seeded by
-the idempotency key when there is one, so a retry ranks the same way) and only the first
-`sample_size` feasible ones are ranked: the power of d choices keeps decision cost flat as the
-fleet grows. The ranked list is a proposal; the worker's answer to the claim is final.
+Feasibility has two kinds of stage, and a worker is rejected once, for the first reason:
+
+- index stages, answered for a whole region at once from the replica's `registry.supply.Supply`
+  (counts it keeps as rows and heartbeats arrive, never a pass over the region): liveness
+  (`dead`, `suspect`, `unknown`), `cordoned`, `missing_label`, `machine_limit`,
+  `insufficient_memory`, `insufficient_cpu`;
+- candidate stages (`CANDIDATE_CHECKS`), run on each worker that fits the index stages as it
+  is drawn: `insufficient_disk`, `standby_conflict`, `app_spread_limit`.
+
+The workers that fit are drawn uniformly at random, without a scan (seeded by the idempotency
+key when there is one, so a retry draws the same way), until `sample_size` of them pass the
+candidate stages: the power of d choices keeps a decision's cost flat as the fleet grows. The
+draw goes on until the sample is full or every fitting worker was drawn, so if any worker of
+the region can take the machine, the decision has a candidate; a refusal's rejections are then
+exact counts. Ranking stages each add one named sub-score to the drawn candidates.
+
+One key, one machine: with an idempotency key, the first candidate is the worker the key itself
+picks, the first that fits on the pool's hash ring from the key's point. Two flaps racing the
+same key claim on that same worker first, and the worker holds a key for one machine. The
+ranked list is a proposal; the worker's answer to the claim is final.
 """
 
 from __future__ import annotations
@@ -15,26 +29,15 @@ import itertools
 import math
 import random
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from flyd.v1 import machine_pb2 as pb
+from registry.supply import Pool, Supplier, Supply, key_point
+from registry.view import ALIVE, status_name
 
-
-@dataclass(frozen=True)
-class WorkerState:
-    """What placement knows of a worker, taken from the registry view."""
-
-    id: str
-    region: str
-    status: str  # "alive", "suspect" or "dead"
-    cordoned: bool
-    total: pb.Resources
-    free: pb.Resources
-    labels: dict[str, str]
-    images: frozenset[str]  # refs and digests it has cached
-    machine_ids: frozenset[str]  # machines (not destroyed) it holds
-    app_machines: Counter[str]  # machines (not destroyed) per app
+# How many candidates a simulation ranks per region.
+SIMULATE_SAMPLE = 64
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,8 @@ class Request:
     placement: pb.PlacementConfig
     standby_for: frozenset[str] = frozenset()
     seed: str | None = None  # the idempotency key, for a repeatable order
+    primaries: Mapping[str, str] = field(default_factory=dict)
+    """Worker id -> a primary of `standby_for` it holds: where a standby must not go."""
 
     @property
     def image_keys(self) -> frozenset[str]:
@@ -73,93 +78,66 @@ class Candidate:
 
 @dataclass
 class Decision:
-    """The outcome for one region: ranked candidates and every rejection, by reason."""
+    """The outcome for one region: ranked candidates and the rejections, by reason."""
 
     region: str
     candidates: list[Candidate] = field(default_factory=list)
     rejections: list[Rejection] = field(default_factory=list)
+    """Workers drawn and rejected by a candidate stage, and claims refused (named)."""
+    counted: Counter[str] = field(default_factory=Counter)
+    """Workers the index stages rejected, by reason (counted, not named)."""
     examined: int = 0
+    """Workers drawn."""
 
     def counts(self) -> Counter[str]:
-        return Counter(r.reason for r in self.rejections)
+        return self.counted + Counter(r.reason for r in self.rejections)
 
 
-# --- feasibility -------------------------------------------------------------
+# --- feasibility: the candidate stages ----------------------------------------------------------
 
 # A stage returns None (feasible) or (reason, detail).
-Check = Callable[[WorkerState, Request], tuple[str, str] | None]
+Check = Callable[[Supplier, Request], tuple[str, str] | None]
 
 
-def alive(w: WorkerState, r: Request) -> tuple[str, str] | None:
-    """Only workers whose heartbeats arrive on time can take work now."""
-    if w.status != "alive":
-        return w.status, f"worker is {w.status}"
-    return None
-
-
-def not_cordoned(w: WorkerState, r: Request) -> tuple[str, str] | None:
-    """A cordoned worker refuses new machines; asking would only waste a round trip."""
-    return ("cordoned", "worker is cordoned") if w.cordoned else None
-
-
-def _fits(resource: str, need: int, free: int, unit: str) -> tuple[str, str] | None:
+def has_disk(w: Supplier, r: Request) -> tuple[str, str] | None:
+    need, free = r.guest.disk_mib, w.free.disk_mib
     if need > free:
-        return f"insufficient_{resource}", f"needs {need} {unit}, {free} free"
+        return "insufficient_disk", f"needs {need} MiB, {free} free"
     return None
 
 
-def has_cpu(w: WorkerState, r: Request) -> tuple[str, str] | None:
-    return _fits("cpu", r.guest.cpu_millicores, w.free.cpu_millicores, "millicores")
-
-
-def has_memory(w: WorkerState, r: Request) -> tuple[str, str] | None:
-    return _fits("memory", r.guest.memory_mib, w.free.memory_mib, "MiB")
-
-
-def has_disk(w: WorkerState, r: Request) -> tuple[str, str] | None:
-    return _fits("disk", r.guest.disk_mib, w.free.disk_mib, "MiB")
-
-
-def has_machine_slot(w: WorkerState, r: Request) -> tuple[str, str] | None:
-    if w.free.machines < 1:
-        return "machine_limit", f"holds its most machines ({w.total.machines})"
-    return None
-
-
-def has_labels(w: WorkerState, r: Request) -> tuple[str, str] | None:
-    """Required labels are constraints, not preferences."""
-    for key, value in r.placement.required_labels.items():
-        if w.labels.get(key) != value:
-            return "missing_label", f"needs label {key}={value}"
-    return None
-
-
-def not_with_primary(w: WorkerState, r: Request) -> tuple[str, str] | None:
+def not_with_primary(w: Supplier, r: Request) -> tuple[str, str] | None:
     """A standby on its primary's worker would die with it: the one thing it must not do."""
-    clash = r.standby_for & w.machine_ids
-    if clash:
-        return "standby_conflict", f"holds primary {sorted(clash)[0]}"
-    return None
+    clash = r.primaries.get(w.id)
+    return ("standby_conflict", f"holds primary {clash}") if clash else None
 
 
-def under_app_limit(w: WorkerState, r: Request) -> tuple[str, str] | None:
-    limit, held = r.placement.max_per_worker, w.app_machines[r.app]
+def under_app_limit(w: Supplier, r: Request) -> tuple[str, str] | None:
+    limit, held = r.placement.max_per_worker, w.apps.get(r.app, 0)
     if limit and held >= limit:
         return "app_spread_limit", f"already has {held} machines of {r.app} (limit {limit})"
     return None
 
 
-FEASIBILITY: list[Check] = [
-    alive,
-    not_cordoned,
-    has_cpu,
-    has_memory,
-    has_disk,
-    has_machine_slot,
-    has_labels,
-    not_with_primary,
-    under_app_limit,
-]
+CANDIDATE_CHECKS: list[Check] = [has_disk, not_with_primary, under_app_limit]
+
+
+# --- feasibility: the index stages --------------------------------------------------------------
+
+
+def count_rejections(base: Pool, pool: Pool, with_memory: int, fitting: int) -> Counter[str]:
+    """What the index stages reject in a region, by reason, in stage order. `base` is the
+    region's pool, `pool` the one of its workers with the required labels."""
+    counted: Counter[str] = Counter()
+    for status, n in base.by_status.items():
+        if status != ALIVE and n:
+            counted[status_name(status)] += n
+    counted["cordoned"] += base.cordoned
+    counted["missing_label"] += base.ready - pool.ready
+    counted["machine_limit"] += pool.full
+    counted["insufficient_memory"] += pool.open - with_memory
+    counted["insufficient_cpu"] += with_memory - fitting
+    return +counted  # without the zeros
 
 
 # --- ranking -------------------------------------------------------------------
@@ -209,7 +187,7 @@ def _utilization(total: int, free: int, need: int) -> float:
     return 1.0 if total <= 0 else min(1.0, (total - free + need) / total)
 
 
-def score(w: WorkerState, r: Request, curve: Curve, weights: Weights) -> Candidate:
+def score(w: Supplier, r: Request, curve: Curve, weights: Weights) -> Candidate:
     subs = {
         "cpu": weights.cpu
         * curve(
@@ -221,32 +199,44 @@ def score(w: WorkerState, r: Request, curve: Curve, weights: Weights) -> Candida
         "image_cached": weights.image_cached if r.image_keys & w.images else 0.0,
     }
     if r.placement.spread:
-        subs["spread"] = -weights.spread * w.app_machines[r.app]
+        subs["spread"] = -weights.spread * w.apps.get(r.app, 0)
     return Candidate(w.id, w.region, round(sum(subs.values()), 6), subs)
 
 
 # --- the pipeline ----------------------------------------------------------------
+
+_RNG = random.Random()
 
 
 @dataclass(frozen=True)
 class Pipeline:
     """The stages for one request; cheap to build, so built per request."""
 
-    checks: Sequence[Check] = tuple(FEASIBILITY)
+    checks: Sequence[Check] = tuple(CANDIDATE_CHECKS)
     curve: Curve = DEFAULT_CURVE
     weights: Weights = Weights()
     sample_size: int = 8
 
-    def decide(self, workers: Sequence[WorkerState], request: Request, region: str) -> Decision:
-        """Rank a bounded sample of the region's feasible workers; record every rejection."""
+    def decide(self, supply: Supply, request: Request, region: str) -> Decision:
+        """Rank a random sample of the region's workers that can take the machine."""
         decision = Decision(region)
-        pool = [w for w in workers if w.region == region]
-        rng = random.Random(f"{request.app}/{request.seed}") if request.seed else random.Random()
-        rng.shuffle(pool)
-        feasible: list[WorkerState] = []
-        for worker in pool:
+        base = supply.pool(region)
+        pool = supply.pool(region, dict(request.placement.required_labels))
+        if base is None or pool is None:
+            return decision
+        guest = request.guest
+        fit = pool.fit(guest.memory_mib, guest.cpu_millicores)
+        decision.counted = count_rejections(base, pool, fit.with_memory, fit.fitting)
+        home = self._home(supply, pool, request) if request.seed else None
+        feasible = [] if home is None else [home]
+        seed = request.seed
+        rng = random.Random(f"{request.app}/{seed}") if seed else _RNG
+        for slot in fit.draw(rng):
             if len(feasible) >= self.sample_size:
                 break
+            worker = supply.at(slot)
+            if worker is home:
+                continue
             decision.examined += 1
             for check in self.checks:
                 rejected = check(worker, request)
@@ -256,6 +246,21 @@ class Pipeline:
             else:
                 feasible.append(worker)
         ranked = [score(w, request, self.curve, self.weights) for w in feasible]
-        # Ties keep the (random) visiting order, so equal workers share the load.
-        decision.candidates = sorted(ranked, key=lambda c: -c.score)
+        first = ranked[:1] if home is not None else []
+        # Ties keep the (random) drawing order, so equal workers share the load.
+        decision.candidates = first + sorted(ranked[len(first) :], key=lambda c: -c.score)
         return decision
+
+    def _home(self, supply: Supply, pool: Pool, request: Request) -> Supplier | None:
+        """The worker an idempotency key picks: the first on the ring from the key's point
+        that passes every stage (within a bounded walk)."""
+        assert request.seed is not None
+        guest = request.guest
+        for slot in pool.walk(key_point(request.app, request.seed)):
+            worker = supply.at(slot)
+            free = worker.free
+            if free.memory_mib < guest.memory_mib or free.cpu_millicores < guest.cpu_millicores:
+                continue
+            if all(check(worker, request) is None for check in self.checks):
+                return worker
+        return None

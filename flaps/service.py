@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import hashlib
 import secrets
 from collections import Counter
@@ -42,8 +43,10 @@ from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
 from flyd.validate import CONFIG_LIMITS, check_config
-from registry.replica import Replica, WorkerView
+from registry.replica import Replica
+from registry.supply import Resources
 from registry.v1 import registry_pb2
+from registry.view import ALIVE
 from runtime import ChannelTLS, abort_with_details, aio_channel, time_left
 from runtime.limits import DEFAULT_LIMITS, Limits
 from runtime.validate import check_name, duration_seconds, quote
@@ -60,6 +63,9 @@ CLAIM_TIMEOUT = 10.0
 RPC_TIMEOUT = 10.0
 MAX_WAIT = 60.0
 MAX_LEASE = 3600.0
+# Workers per page of ListWorkers: by default, and at most.
+PAGE_SIZE = 500
+MAX_PAGE_SIZE = 5000
 LIMITS = DEFAULT_LIMITS.merged(
     CONFIG_LIMITS,
     Limits(
@@ -102,16 +108,18 @@ class Workers:
         self.replica = replica
         self.tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, worker_pb2_grpc.WorkerServiceStub] = {}
 
     def stub(self, worker_id: str) -> worker_pb2_grpc.WorkerServiceStub:
         view = self.replica.worker(worker_id)
         if view is None:
             raise Unavailable(f"worker {worker_id} is not known to this flaps")
         address = view.info.address
-        channel = self._channels.get(address)
-        if channel is None:
+        stub = self._stubs.get(address)
+        if stub is None:
             channel = self._channels[address] = aio_channel(address, tls=self.tls)
-        return worker_pb2_grpc.WorkerServiceStub(channel)
+            stub = self._stubs[address] = worker_pb2_grpc.WorkerServiceStub(channel)
+        return stub
 
     def owner(self, machine_id: str) -> str:
         """The worker that owns a machine: named in its id, or known to the registry."""
@@ -130,32 +138,7 @@ class Workers:
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
-
-
-def worker_states(replica: Replica) -> list[placement.WorkerState]:
-    """The registry view as placement input: one pass over the machines."""
-    machines: dict[str, list[pb.Machine]] = {}
-    for machine in replica.machines():
-        if machine.state != S.MACHINE_STATE_DESTROYED:
-            machines.setdefault(machine.worker_id, []).append(machine)
-    return [_state(view, machines.get(view.info.id, [])) for view in replica.workers()]
-
-
-def _state(view: WorkerView, machines: list[pb.Machine]) -> placement.WorkerState:
-    cap = view.capacity
-    images = frozenset(x for img in cap.images for x in (img.ref, img.digest) if x)
-    return placement.WorkerState(
-        id=view.info.id,
-        region=view.info.region,
-        status=STATUS_NAMES.get(view.status, "unknown"),
-        cordoned=cap.cordoned,
-        total=cap.total,
-        free=cap.free,
-        labels=dict(view.info.labels),
-        images=images,
-        machine_ids=frozenset(mm.id for mm in machines),
-        app_machines=Counter(mm.app for mm in machines),
-    )
+        self._stubs.clear()
 
 
 def _conclude(
@@ -174,6 +157,7 @@ def _conclude(
             "outcome": outcome,
             "winner": winner or "",
             "examined": decision.examined,
+            "rejections_by_reason": [f"{k}={n}" for k, n in sorted(decision.counts().items())],
             "candidates": [f"{c.worker_id}={c.score}" for c in decision.candidates],
             "sub_scores": [
                 f"{c.worker_id}:" + ",".join(f"{k}={v:.3f}" for k, v in c.sub_scores.items())
@@ -238,7 +222,18 @@ class Exchange:
             placement=config.placement,
             standby_for=frozenset(standby_for),
             seed=seed,
+            primaries=self.primaries(standby_for),
         )
+
+    def primaries(self, standby_for: Iterable[str]) -> dict[str, str]:
+        """Worker id -> a primary it holds (not destroyed), for each primary named."""
+        out: dict[str, str] = {}
+        for primary in standby_for:
+            row = self.replica.row(primary)
+            owner = self.replica.owner(primary)
+            if row is not None and owner is not None and row.state != S.MACHINE_STATE_DESTROYED:
+                out.setdefault(owner, primary)
+        return out
 
 
 class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
@@ -276,7 +271,7 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
         )
         suffix = machine_suffix(request.app, request.idempotency_key)
         if request.idempotency_key:
-            existing = await self._existing(request.app, suffix)
+            existing = await self._existing(request.app, request.idempotency_key)
             if existing is not None:
                 return m.CreateMachineResponse(machine=existing)
         config = pb.MachineConfig()
@@ -285,11 +280,19 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
         for i, primary in enumerate(request.standby_for):
             check_name(f"standby_for[{i}]", primary)
             try:
-                await self._call(primary, "GetMachine", w.GetMachineRequest(machine_id=primary))
+                got = await self._call(
+                    primary, "GetMachine", w.GetMachineRequest(machine_id=primary)
+                )
             except (NotFound, Upstream) as err:
                 if isinstance(err, Upstream) and err.code != grpc.StatusCode.NOT_FOUND:
                     raise
                 raise InvalidArgument(f"standby_for[{i}]", f"machine {primary} not found") from None
+            assert isinstance(got, w.GetMachineResponse)
+            if got.machine.app != request.app:
+                # A slot is one app's: the edge finds a primary's standbys among its app's.
+                raise InvalidArgument(
+                    f"standby_for[{i}]", f"machine {primary} is of app {got.machine.app!r}"
+                )
             if primary not in config.standbys:
                 config.standbys.append(primary)
             skip_launch = True  # a standby waits, stopped, for its primary's worker to die
@@ -297,11 +300,10 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
             request.app, regions, config, request.standby_for, request.idempotency_key or None
         )
         counts: Counter[str] = Counter()
-        states = worker_states(self.x.replica)  # one pass over the view for every region
         for i, region in enumerate(regions):
             if i:
                 metrics.fell_back("next_region")
-            decision = self.x.pipeline.decide(states, bid, region)
+            decision = self.x.pipeline.decide(self.x.replica.supply, bid, region)
             try:
                 placed = await self._claim_best(decision, suffix, request, config, skip_launch)
             except Upstream:
@@ -418,6 +420,7 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
                     app=request.app,
                     config=config,
                     skip_launch=skip_launch,
+                    idempotency_key=request.idempotency_key,
                 ),
                 # No more than our caller has left: the worker does not commit a machine
                 # it could not answer for in time.
@@ -444,15 +447,14 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
         metrics.claimed("accepted")
         return resp.machine
 
-    async def _existing(self, app: str, suffix: str) -> pb.Machine | None:
-        for machine in self.x.replica.machines(app=app):
-            if machine.id.endswith(f"-{suffix}"):
-                got = await self._call(
-                    machine.id, "GetMachine", w.GetMachineRequest(machine_id=machine.id)
-                )
-                assert isinstance(got, w.GetMachineResponse)
-                return got.machine
-        return None
+    async def _existing(self, app: str, key: str) -> pb.Machine | None:
+        """The machine a key of the app created, as its worker has it now; None if none."""
+        machine = self.x.replica.by_key(app, key)
+        if machine is None:
+            return None
+        got = await self._call(machine.id, "GetMachine", w.GetMachineRequest(machine_id=machine.id))
+        assert isinstance(got, w.GetMachineResponse)
+        return got.machine
 
     async def _forward(self, rpc: str, request: Any, *, timeout: float = RPC_TIMEOUT) -> Any:
         """Send a call on a machine to its worker, field by field name, and return the worker's
@@ -616,31 +618,30 @@ class PlatformServicer(platform_pb2_grpc.PlatformServiceServicer):
         sized = request.HasField("guest")
         if sized and (guest.cpu_millicores < 0 or guest.memory_mib < 0 or guest.disk_mib < 0):
             raise InvalidArgument("guest", "sizes must not be negative")
-        regions: dict[str, platform_pb2.Region] = {}
-        for state in worker_states(self.x.replica):
-            region = regions.setdefault(state.region, platform_pb2.Region(name=state.region))
-            region.workers += 1
-            if state.status != "alive":
-                continue
-            region.alive_workers += 1
-            if state.cordoned:
-                continue
-            for total, part in ((region.total, state.total), (region.free, state.free)):
-                total.cpu_millicores += part.cpu_millicores
-                total.memory_mib += part.memory_mib
-                total.disk_mib += part.disk_mib
-                total.machines += part.machines
+        out = []
+        for name, pool in sorted(self.x.replica.supply.regions().items()):
+            region = platform_pb2.Region(
+                name=name, workers=pool.workers, alive_workers=pool.by_status[ALIVE]
+            )
+            for total, sums in ((region.total, pool.total), (region.free, pool.free)):
+                total.cpu_millicores, total.memory_mib, total.disk_mib, total.machines = sums
             if sized:
-                region.fits += _fits(state.free, guest)
-        return platform_pb2.ListRegionsResponse(regions=[regions[name] for name in sorted(regions)])
+                # One term per distinct free shape, not per worker.
+                region.fits = sum(n * _fits(shape, guest) for shape, n in pool.shapes.items())
+            out.append(region)
+        return platform_pb2.ListRegionsResponse(regions=out)
 
     async def ListWorkers(
         self, request: platform_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext
     ) -> platform_pb2.ListWorkersResponse:
         if request.region:
             self.x.regions_of(request.region, [])
+        size = request.page_size or PAGE_SIZE
+        if not 0 < size <= MAX_PAGE_SIZE:
+            raise InvalidArgument("page_size", f"must be between 1 and {MAX_PAGE_SIZE}")
+        views, after = self.x.replica.worker_page(request.region or None, request.page_token, size)
         out = []
-        for view in sorted(self.x.replica.workers(request.region or None), key=lambda v: v.info.id):
+        for view in views:
             worker = platform_pb2.Worker(
                 info=view.info,
                 status=view.status,  # type: ignore[arg-type]
@@ -649,7 +650,7 @@ class PlatformServicer(platform_pb2_grpc.PlatformServiceServicer):
             )
             worker.last_heartbeat.FromNanoseconds(int(view.last_heartbeat * 1e9))
             out.append(worker)
-        return platform_pb2.ListWorkersResponse(workers=out)
+        return platform_pb2.ListWorkersResponse(workers=out, next_page_token=after)
 
     async def SimulatePlacement(
         self, request: platform_pb2.SimulatePlacementRequest, context: grpc.aio.ServicerContext
@@ -658,28 +659,25 @@ class PlatformServicer(platform_pb2_grpc.PlatformServiceServicer):
         regions = self.x.regions_of(request.region, request.regions)
         check_config(request.config)
         bid = self.x.request(request.app, regions, request.config, request.standby_for, None)
-        # Simulation scores every feasible worker so it can explain all of them.
-        whole = placement.Pipeline(
-            checks=self.x.pipeline.checks,
-            curve=self.x.pipeline.curve,
-            weights=self.x.pipeline.weights,
-            sample_size=1 << 30,
+        # A larger sample than a create ranks; the rest are explained by the counts.
+        pipeline = dataclasses.replace(
+            self.x.pipeline, sample_size=max(self.x.pipeline.sample_size, placement.SIMULATE_SAMPLE)
         )
         out = platform_pb2.SimulatePlacementResponse()
-        states = worker_states(self.x.replica)
         for region in regions:
-            decision = whole.decide(states, bid, region)
+            decision = pipeline.decide(self.x.replica.supply, bid, region)
             for c in decision.candidates:
                 out.candidates.add(
                     worker_id=c.worker_id, region=c.region, score=c.score, sub_scores=c.sub_scores
                 )
             for r in decision.rejections:
                 out.rejections.add(worker_id=r.worker_id, reason=r.reason, detail=r.detail)
-                out.rejections_by_reason[r.reason] = out.rejections_by_reason[r.reason] + 1
+            for reason, n in decision.counts().items():
+                out.rejections_by_reason[reason] += n
         return out
 
 
-def _fits(free: pb.Resources, guest: pb.GuestConfig) -> int:
+def _fits(free: Resources, guest: pb.GuestConfig) -> int:
     limits = [free.machines]
     if guest.cpu_millicores > 0:
         limits.append(free.cpu_millicores // guest.cpu_millicores)

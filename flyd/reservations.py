@@ -72,15 +72,25 @@ class Reservations:
         self._by_state: collections.Counter[int] = collections.Counter()
         # Machines being created: reserved (and their ports taken) before their first commit.
         self.pending: dict[str, pb.Machine] = {}
+        # (app, idempotency key) -> the machine it created (or is creating): one key, one
+        # machine. Durable as the rows are: rebuilt from them, forgotten with a dropped row.
+        self.keys: dict[tuple[str, str], str] = {}
 
     def account(self, old: fsm.Row | None, new: fsm.Row | None) -> None:
-        """Keep the running totals (reservations, machines by state) in step with the rows."""
+        """Keep the running totals (reservations, machines by state) and the keys held in
+        step with the rows."""
         for row, sign in ((old, -1), (new, 1)):
             if row is None:
                 continue
             self._by_state[row.state] += sign
             if row.state != S.MACHINE_STATE_DESTROYED:
                 self._used.add(row.machine.config.guest, sign)
+            if row.machine.idempotency_key:
+                key = (row.machine.app, row.machine.idempotency_key)
+                if sign > 0:
+                    self.keys[key] = row.machine.id
+                elif self.keys.get(key) == row.machine.id:
+                    del self.keys[key]
 
     def reserved(self) -> pb.Resources:
         """What the machines that are not destroyed reserve, plus creates under way."""

@@ -61,6 +61,7 @@ LIMITS = DEFAULT_LIMITS.merged(
         texts={
             "flyd.v1.AcquireLeaseRequest.owner": 256,
             "flyd.v1.CreateMachineRequest.name": 63,
+            "flyd.v1.CreateMachineRequest.idempotency_key": 256,
             "flyd.v1.StopMachineRequest.signal": 16,
             "flyd.v1.RestartMachineRequest.signal": 16,
             "flyd.v1.SignalMachineRequest.signal": 16,
@@ -102,6 +103,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             app=request.app,
             config=request.config,
             skip_launch=request.skip_launch,
+            idempotency_key=request.idempotency_key,
             deadline=None if remaining is None else asyncio.get_running_loop().time() + remaining,
         )
         return w.CreateMachineResponse(machine=machine)

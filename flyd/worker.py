@@ -53,6 +53,8 @@ log = structlog.get_logger("flyd.worker")
 # How long before its caller's deadline a create must commit, for its answer to reach them.
 COMMIT_MARGIN = 0.005
 S = pb.MachineState
+# The longest idempotency key a create may carry (as flaps' and the wire's bound).
+MAX_KEY = 256
 
 
 @dataclass
@@ -204,9 +206,13 @@ class Worker:
         app: str,
         config: pb.MachineConfig,
         skip_launch: bool,
+        idempotency_key: str = "",
         deadline: float | None = None,
     ) -> pb.Machine:
         """Create a machine and, unless skip_launch, start it; returns it at rest (STARTED).
+
+        A create of `app` under an `idempotency_key` this worker holds returns the key's
+        machine (whatever `machine_id` says, room or not); one under way is waited for.
 
         `deadline` (loop time): the caller's. Nothing is committed later than `COMMIT_MARGIN`
         before it (DeadlineExceeded: no machine), and a create committed for a caller who
@@ -215,12 +221,18 @@ class Worker:
         """
         t0 = time.perf_counter()
         check_name("machine_id", machine_id, required=False)
+        if len(idempotency_key) > MAX_KEY:
+            raise InvalidArgument("idempotency_key", f"must be at most {MAX_KEY} characters")
         mid = machine_id or secrets.token_hex(7)
+        if idempotency_key:
+            mid = self.reservations.keys.get((app, idempotency_key), mid)
         machine = await self._traced(
             "create",
             mid,
             app,
-            lambda op_span: self._create(mid, name, app, config, skip_launch, op_span, deadline),
+            lambda op_span: self._create(
+                mid, name, app, config, skip_launch, idempotency_key, op_span, deadline
+            ),
         )
         CREATE_SECONDS.observe(time.perf_counter() - t0)
         return machine
@@ -256,6 +268,7 @@ class Worker:
         app: str,
         config: pb.MachineConfig,
         skip_launch: bool,
+        key: str,
         op_span: tuple[str, OpSpan] | None,
         deadline: float | None = None,
     ) -> pb.Machine:
@@ -265,6 +278,12 @@ class Worker:
         check_config(config)
         if (existing := self._existing(machine_id, app, config)) is not None:
             return existing
+        if machine_id in self.reservations.pending:
+            # The same create is under way (a retry, or another flaps with the same key): its
+            # outcome is ours, whatever room is left once it has reserved its own.
+            async with self.runner.lock(machine_id):
+                if (existing := self._existing(machine_id, app, config)) is not None:
+                    return existing
         if self.cordoned or self.closing:
             raise Unavailable(
                 f"worker {self.identity.worker_id} is "
@@ -277,6 +296,14 @@ class Worker:
         try:
             if not argv(config, image):
                 raise InvalidArgument("config.cmd", "the image has no entrypoint or cmd; set one")
+            # Another machine took the key while the image was pulled: its outcome is ours.
+            held = self.reservations.keys.get((app, key), machine_id) if key else machine_id
+            if held != machine_id:
+                async with self.runner.lock(held):
+                    existing = self._existing(held, app, config)
+                if existing is not None:
+                    self.images.release(image.digest)
+                    return existing
             async with self.runner.lock(machine_id):
                 if (existing := self._existing(machine_id, app, config)) is not None:
                     self.images.release(image.digest)
@@ -294,6 +321,7 @@ class Worker:
                     worker_id=self.identity.worker_id,
                     config=kept,
                     instance_id=mine,
+                    idempotency_key=key,
                 )
                 for svc, port in zip(config.services, ports, strict=True):
                     machine.ports.add(
@@ -307,6 +335,8 @@ class Worker:
                     secrets=sealed,
                 )
                 self.reservations.pending[machine_id] = machine
+                if key:
+                    self.reservations.keys[(app, key)] = machine_id
                 try:
                     # The pending start goes on in the same operation: its spawn comes before
                     # the first commit, which records the creation, the start and the process.
@@ -323,6 +353,8 @@ class Worker:
             row = self.rows.get(machine_id)
             if row is None:
                 self.images.release(image.digest)
+                if self.reservations.keys.get((app, key)) == machine_id:
+                    del self.reservations.keys[(app, key)]
             elif isinstance(err, asyncio.CancelledError) and row.machine.instance_id == mine:
                 # Committed by this call, but its caller is gone (deadline, cancel): it never
                 # hears of the machine.

@@ -572,10 +572,18 @@ class Client:
     async def list_workers(
         self, *, region: str = "", timeout: float | None = None
     ) -> list[platform_pb2.Worker]:
-        """The workers flaps knows, with liveness and capacity."""
-        request = platform_pb2.ListWorkersRequest(region=region)
-        response = await self._unary(self._platform.ListWorkers, "ListWorkers", request, timeout)
-        return list(response.workers)
+        """The workers flaps knows, with liveness and capacity (every page of them)."""
+        workers: list[platform_pb2.Worker] = []
+        token = ""
+        while True:
+            request = platform_pb2.ListWorkersRequest(region=region, page_token=token)
+            response = await self._unary(
+                self._platform.ListWorkers, "ListWorkers", request, timeout
+            )
+            workers += response.workers
+            token = response.next_page_token
+            if not token:
+                return workers
 
     async def simulate_placement(
         self,

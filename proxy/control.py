@@ -320,7 +320,9 @@ class RegistryReads(Protocol):
 
     def worker(self, worker_id: str) -> WorkerView | None: ...
 
-    def machines(self, *, worker_id: str | None = None) -> list[pb.Machine]: ...
+    def machines(
+        self, *, app: str | None = None, worker_id: str | None = None
+    ) -> list[pb.Machine]: ...
 
 
 class RouteTable(Protocol):
@@ -623,21 +625,28 @@ class WorkerWatch:
         generation. Synchronous, so the router can mark the chosen standbys as starting before
         any request looks."""
         registry = self.router.registry
-        everything = registry.machines()
-        by_slot: dict[str, list[pb.Machine]] = {}
-        for m in everything:
-            by_slot.setdefault(slots.slot_of(m).id, []).append(m)
+        # A slot's members are machines of one app: the cost is the app's, not the fleet's.
+        apps: dict[str, dict[str, list[pb.Machine]]] = {}
+
+        def members_of(m: pb.Machine) -> list[pb.Machine]:
+            by_slot = apps.get(m.app)
+            if by_slot is None:
+                by_slot = apps[m.app] = {}
+                for sibling in registry.machines(app=m.app):
+                    by_slot.setdefault(slots.slot_of(sibling).id, []).append(sibling)
+            return by_slot.get(slots.slot_of(m).id, [m])
+
         lost = sorted(
             (
                 m
                 for m in registry.machines(worker_id=worker_id)
-                if m.state in RUNNING and _serves(m, by_slot[slots.slot_of(m).id])
+                if m.state in RUNNING and _serves(m, members_of(m))
             ),
             key=lambda m: m.id,
         )
         out = []
         for primary in lost:
-            members = by_slot[slots.slot_of(primary).id]
+            members = members_of(primary)
             running, stopped = standby_candidates(primary, members, self.router.standby_usable)
             if running is not None:
                 log.info("standby_already_running", primary=primary.id, standby=running)

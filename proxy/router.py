@@ -92,6 +92,8 @@ class Router:
         self.clock: Clock = clock if clock is not None else SystemClock()
         self._apps: dict[str, AppState] = {}
         self._routes: dict[str, Route] = {}
+        # Worker id -> its routes: losing a worker costs its machines, not the fleet's.
+        self._by_worker: dict[str, dict[str, Route]] = {}
         self._workers: dict[str, WorkerState] = {}
         self.slots = SlotIndex()
         self.picker = Picker(
@@ -291,11 +293,10 @@ class Router:
         self.stats.worker_dead()
         log.warning("worker_declared_dead", worker=worker_id, reason=reason)
         lost = []
-        for r in self._routes.values():
-            if r.worker_id == worker_id:
-                self._stop_watching(r)
-                r.ready = False
-                lost.append(r.id)
+        for r in self._by_worker.get(worker_id, {}).values():
+            self._stop_watching(r)
+            r.ready = False
+            lost.append(r.id)
         plan = self.watch.plan(worker_id)
         now = self.clock.now()
         for takeover in plan:
@@ -304,9 +305,7 @@ class Router:
             if standby is not None and self.flaps is not None:
                 standby.start_requested = now
         self._pulse_worker(worker_id)
-        for slot in self.slots.slots_of(
-            [r for r in self._routes.values() if r.worker_id == worker_id]
-        ):
+        for slot in self.slots.slots_of(list(self._by_worker.get(worker_id, {}).values())):
             self._judge(slot)  # a fenced member elsewhere may now have nobody to confirm with
         if plan or self.watch.tracer is not None:  # (traced even when there is nothing to start)
             self._spawn(
@@ -455,9 +454,11 @@ class Router:
                 log.info("app_known", app=machine.app)
             state.routes[machine_id] = r
             self._routes[machine_id] = r
+            self._by_worker.setdefault(r.worker_id, {})[machine_id] = r
             was, old_instance = None, ""
         else:
-            if r.app != machine.app:  # never happens with flyd; keep the index right anyway
+            # Never happens with flyd; keep the indexes right anyway.
+            if r.app != machine.app or r.worker_id != machine.worker_id:
                 self._remove(r)
                 self._on_machine(machine_id, machine)
                 return
@@ -574,6 +575,11 @@ class Router:
         if r.slot:
             self._judge(r.slot)
         self._routes.pop(r.id, None)
+        held = self._by_worker.get(r.worker_id)
+        if held is not None:
+            held.pop(r.id, None)
+            if not held:
+                del self._by_worker[r.worker_id]
         state = self._apps.get(r.app)
         if state is None:
             return
@@ -613,7 +619,7 @@ class Router:
                     self.watch.probe(worker_id, self._shutdown), f"probe {worker_id}"
                 )
         elif view.status == ALIVE and (w.dead or was != ALIVE):
-            mine = [r for r in self._routes.values() if r.worker_id == worker_id]
+            mine = list(self._by_worker.get(worker_id, {}).values())
             if w.dead:
                 # Back after it was declared dead: its machines get traffic again once their
                 # checks pass (and only a member that still serves its slot: proxy.fencing).
@@ -628,7 +634,7 @@ class Router:
             self._pulse_worker(worker_id)
 
     def _pulse_worker(self, worker_id: str) -> None:
-        for app in {r.app for r in self._routes.values() if r.worker_id == worker_id}:
+        for app in {r.app for r in self._by_worker.get(worker_id, {}).values()}:
             self._apps[app].pulse()
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:

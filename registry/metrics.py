@@ -97,9 +97,9 @@ class _WorkersByStatus(Collector):
         counts: dict[tuple[str, str], int] = {}
         # Scrapes run on the metrics thread: copy the set and each view's rows before reading.
         for view in list(self.views):
-            for region, status in view.liveness():
+            for region, status, n in view.liveness():
                 named = (region, status_name(status))
-                counts[named] = counts.get(named, 0) + 1
+                counts[named] = counts.get(named, 0) + n
         for labels, n in sorted(counts.items()):
             family.add_metric(list(labels), n)
         yield family

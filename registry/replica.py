@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
 import grpc
@@ -27,12 +27,14 @@ from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2, worker_pb2_grpc
 from registry import metrics
 from registry.errors import InvalidArgument, LogRestarted, RegistryError, Unavailable
+from registry.supply import Supply
 from registry.v1 import registry_pb2, registry_pb2_grpc
 from registry.view import (
     ALIVE,
     DEAD,
     RESYNC,
     ReplicaEvent,
+    Row,
     View,
     WorkerView,
     check_worker_info,
@@ -70,6 +72,9 @@ RPC_TIMEOUT = 2.0
 MIN_STREAM_IDLE = 2.0
 # Items a Follow stream may queue for its downstream before it is resynced from a snapshot.
 FOLLOW_QUEUE = 4096
+# How long the upstream stream may apply items it already has before it lets the loop run
+# something else: a burst of thousands of heartbeats must not hold every other call up.
+APPLY_SLICE = 0.0005
 
 
 class SubscriptionClosed(Unavailable):
@@ -209,8 +214,11 @@ class Replica:
         self._channel = channel
         # Seconds without a heartbeat after which a worker's stream is reopened.
         self._stream_idle = max(MIN_STREAM_IDLE, 2 * dead_after)
-        # Open streams: worker id -> (the follower task streaming, clock time it opened).
-        self._streams: dict[str, tuple[asyncio.Task[Any] | None, float]] = {}
+        # Open streams: worker id -> (the follower task streaming, clock time of its last sign
+        # of life: opening, or a heartbeat), the longest silent first.
+        self._streams: collections.OrderedDict[str, tuple[asyncio.Task[Any] | None, float]] = (
+            collections.OrderedDict()
+        )
         self._subscribers: set[Subscription[ReplicaEvent]] = set()
         self._feeds: set[Subscription[registry_pb2.FollowResponse]] = set()
         self._changed = asyncio.Event()
@@ -261,6 +269,12 @@ class Replica:
     def worker(self, worker_id: str) -> WorkerView | None:
         return self._view.worker(worker_id)
 
+    def worker_page(
+        self, region: str | None, after: str, limit: int
+    ) -> tuple[list[WorkerView], str]:
+        """A page of workers by id (see `View.worker_page`)."""
+        return self._view.worker_page(region, after, limit)
+
     def regions(self) -> set[str]:
         return self._view.regions()
 
@@ -283,6 +297,24 @@ class Replica:
             if view is not None:
                 out.append((machine, view))
         return out
+
+    def row(self, machine_id: str) -> Row | None:
+        """The machine's row as kept (app, state, bytes): no parse."""
+        return self._view.row(machine_id)
+
+    def owner(self, machine_id: str) -> str | None:
+        """The worker that holds the machine's row."""
+        return self._view.owner(machine_id)
+
+    def by_key(self, app: str, key: str) -> pb.Machine | None:
+        """The machine an idempotency key of the app created, if a row has it."""
+        return self._view.by_key(app, key)
+
+    @property
+    def supply(self) -> Supply:
+        """Every worker's free resources, liveness and machines per app, indexed for placement;
+        kept up to date as items are applied. Read it between awaits."""
+        return self._view.supply
 
     # -- being told ----------------------------------------------------------------------------
 
@@ -331,9 +363,12 @@ class Replica:
             self._feeds.add(feed)
         return feed
 
-    def follow_items(self) -> list[registry_pb2.FollowResponse]:
-        """The whole view as Follow items: each worker's snapshot and last heartbeat."""
-        return list(self._view.follow_items())
+    def follow_items(self) -> Iterator[registry_pb2.FollowResponse]:
+        """The whole view as Follow items: each worker's snapshot and last heartbeat, built
+        lazily (one worker at a time, so a stream can yield between them): every item the
+        feed gets after `follow()` is newer than the snapshot it follows, or a repeat the
+        downstream ignores by seq."""
+        return self._view.follow_items()
 
     # -- running -------------------------------------------------------------------------------
 
@@ -424,6 +459,10 @@ class Replica:
     def _apply(self, worker_id: str, item: worker_pb2.WatchEventsResponse) -> None:
         now = self.clock.now()
         applied = self._view.apply(worker_id, item, now)
+        stream = self._streams.get(worker_id)
+        if stream is not None and item.HasField("heartbeat"):
+            del self._streams[worker_id]
+            self._streams[worker_id] = (stream[0], now)
         if applied.relay:
             metrics.applied(worker_id, item, now)
         self._publish(applied.events, (worker_id, item) if applied.relay else None)
@@ -493,6 +532,7 @@ class Replica:
     ) -> None:
         """One WatchEvents stream, applied item by item until it ends or breaks."""
         me = asyncio.current_task()
+        self._streams.pop(worker_id, None)
         self._streams[worker_id] = (me, self.clock.now())
         channel = self._channel(address)
         try:
@@ -558,15 +598,14 @@ class Replica:
         self._publish(events)
 
     def _reopen_silent_streams(self, now: float) -> None:
-        for worker_id, (_, opened) in list(self._streams.items()):
-            view = self._view.worker(worker_id)
-            if view is None:
-                continue
-            silent_since = max(opened, view.last_heartbeat)
-            if now - silent_since >= self._stream_idle:
-                log.info("stream_silent", worker=worker_id, seconds=round(now - silent_since, 3))
-                del self._streams[worker_id]
-                self._start_follower(worker_id)
+        """Reopen the streams silent for too long: only the longest silent are looked at."""
+        while self._streams:
+            worker_id, (_, since) = next(iter(self._streams.items()))
+            if now - since < self._stream_idle:
+                return
+            log.info("stream_silent", worker=worker_id, seconds=round(now - since, 3))
+            del self._streams[worker_id]
+            self._start_follower(worker_id)
 
     # -- membership ----------------------------------------------------------------------------
 
@@ -653,7 +692,12 @@ class Replica:
                 call = registry_pb2_grpc.RegistryServiceStub(channel).Follow(
                     registry_pb2.FollowRequest()
                 )
+                loop = asyncio.get_running_loop()
+                slice_end = loop.time() + APPLY_SLICE
                 async for resp in call:
+                    if loop.time() > slice_end:
+                        await asyncio.sleep(0)
+                        slice_end = loop.time() + APPLY_SLICE
                     if not got_any:
                         got_any = True
                         backoff = RETRY_MIN

@@ -99,9 +99,10 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
     async def Follow(
         self, request: r.FollowRequest, context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[r.FollowResponse, None]:
-        # No await between subscribing and reading the view: the feed starts where it ends.
+        # The feed starts before the view is read: what it queues meanwhile is newer than, or
+        # a repeat of, the snapshots (built one worker at a time, between yields).
         feed = self.replica.follow(self.follow_queue)
-        items = self.replica.follow_items()
+        items: Iterable[r.FollowResponse] = self.replica.follow_items()
         drained = None
         if self.draining is not None:
             drained = asyncio.ensure_future(self.draining.wait())

@@ -12,14 +12,27 @@ worker ever touches another worker's rows. A worker whose log starts over (its d
 wiped: a heartbeat names another log epoch, or a new boot with a lower sequence) is reset and
 followed from a new snapshot (`LogRestarted`): its rows are replaced, never merged. A worker
 dead for longer than `forget_after` is dropped with its rows (`forget`).
+
+Nothing here costs a pass over the fleet per change: rows are kept by id and by app, the
+`registry.supply.Supply` that placement reads is updated in O(log n) as heartbeats and rows
+arrive, and liveness is judged only for the workers whose silence just crossed a threshold
+(they are kept in the order they were last heard from).
+
+What a row costs: the replica keeps each machine as the bytes its worker sent, without the
+event tail and the log tail (`events`, `log_tail`: reads of those go to the worker), plus its
+app and state. A reader gets a fresh `pb.Machine` parsed from those bytes.
 """
 
 from __future__ import annotations
 
+import bisect
+import hashlib
 import re
+import sys
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Literal, TypeAlias
+from typing import Literal, NamedTuple, TypeAlias
 
 import structlog
 
@@ -33,6 +46,7 @@ from registry.errors import (
     SequenceGap,
     WrongWorker,
 )
+from registry.supply import Resources, Supply
 from registry.v1 import registry_pb2
 from runtime import parse_host_port
 from runtime.validate import is_name, quote
@@ -46,6 +60,33 @@ SUSPECT: Status = registry_pb2.MEMBER_STATUS_SUSPECT
 DEAD: Status = registry_pb2.MEMBER_STATUS_DEAD
 
 _BOOT_ID_RE = re.compile(r"^[A-Za-z0-9._-]{0,64}$")
+DESTROYED = pb.MACHINE_STATE_DESTROYED
+
+
+class Row(NamedTuple):
+    """A machine row as the replica keeps it."""
+
+    app: str
+    state: int
+    key: int
+    """`key_hash` of its app and idempotency key; 0 without a key."""
+    data: bytes
+    """The machine, serialized, without `events` and `log_tail`."""
+
+    def machine(self) -> pb.Machine:
+        return pb.Machine.FromString(self.data)
+
+
+# Rows are kept as plain tuples laid out as `Row`: a tuple of strings, ints and bytes is
+# untracked by the garbage collector, and a full collection over 200,000 tracked rows would
+# hold the loop for a tenth of a second or more.
+_Kept: TypeAlias = tuple[str, int, int, bytes]
+
+
+def key_hash(app: str, key: str) -> int:
+    """A row's idempotency key as a small int (rows are found by it; a hit is checked)."""
+    digest = hashlib.blake2b(f"{app}\0{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") | 1  # never 0, which means "no key"
 
 
 _STATUS_NAMES: dict[int, str] = {ALIVE: "alive", SUSPECT: "suspect", DEAD: "dead"}
@@ -150,7 +191,7 @@ class _Member:
     capacity: pb.Capacity = field(default_factory=pb.Capacity)
     seq: int = 0
     connected: bool = False
-    rows: dict[str, pb.Machine] = field(default_factory=dict)
+    rows: dict[str, _Kept] = field(default_factory=dict)
     snapshots: int = 0
     # Upstream mode: the status the upstream replica reports.
     upstream_status: Status = UNKNOWN
@@ -217,7 +258,19 @@ class View:
         self._members: dict[str, _Member] = {}
         # machine id -> owning worker id, and app -> machine ids: reads by id and app are O(1).
         self._owner: dict[str, str] = {}
-        self._by_app: dict[str, set[str]] = {}
+        # (Dicts of strings, not sets: the garbage collector does not walk them.)
+        self._by_app: dict[str, dict[str, None]] = {}
+        self._by_key: dict[int, str] = {}
+        # Workers by when they were last heard from, oldest first: those whose silence says
+        # alive (or not heard yet) and those it says suspect. `tick` looks only at the heads.
+        self._fresh: OrderedDict[str, _Member] = OrderedDict()
+        self._suspect: OrderedDict[str, _Member] = OrderedDict()
+        # And those it says dead, for `forget`.
+        self._dead: OrderedDict[str, _Member] = OrderedDict()
+        # Worker ids, sorted, of the fleet (key None) and of each region: pages of workers.
+        self._ids: dict[str | None, list[str]] = {None: []}
+        self.supply = Supply()
+        """Free resources, liveness and machines per app of every worker, for placement."""
 
     # -- membership ----------------------------------------------------------------------------
 
@@ -231,14 +284,13 @@ class View:
         check_worker_info(info)
         m = self._members.get(info.id)
         if m is None:
-            m = _Member(info=_copy(info), added=now, heard=now)
-            self._members[info.id] = m
+            m = self._new_member(info, now)
             log.info("worker_added", worker=info.id, region=info.region, address=info.address)
             return Added(new=True, refollow=True, events=[self._worker_event(m)])
         moved = info.address != m.info.address
         rebooted = bool(info.boot_id) and info.boot_id != m.info.boot_id
         if moved or rebooted:
-            m.info = _copy(info)
+            self._set_info(m, _copy(info))
             log.info(
                 "worker_updated",
                 worker=info.id,
@@ -248,7 +300,7 @@ class View:
             )
             return Added(new=False, refollow=True, events=[self._worker_event(m)])
         if info.region != m.info.region or dict(info.labels) != dict(m.info.labels):
-            m.info = _copy(info, boot_id=m.info.boot_id)
+            self._set_info(m, _copy(info, boot_id=m.info.boot_id))
             return Added(new=False, refollow=False, events=[self._worker_event(m)])
         return Added(new=False, refollow=False, events=[])
 
@@ -269,26 +321,39 @@ class View:
 
     def forget(self, now: float) -> tuple[list[ReplicaEvent], list[str]]:
         """Drop the workers dead for longer than `forget_after`, with their rows: (the events,
-        the ids dropped). One that comes back is learned of again (it announces itself)."""
+        the ids dropped). One that comes back is learned of again (it announces itself). Only
+        the longest dead are looked at (`_dead` is in the order they were last heard from)."""
         events: list[ReplicaEvent] = []
-        gone = [
-            m
-            for m in self._members.values()
-            if m.status == DEAD and now - m.heard >= self.forget_after
-        ]
-        for m in gone:
+        gone: list[str] = []
+        while self._dead:
+            m = next(iter(self._dead.values()))
+            if now - m.heard < self.forget_after:
+                break
+            del self._dead[m.info.id]
+            if m.status != DEAD:
+                continue  # (an upstream vouches for it: not ours to forget)
             for machine_id in list(m.rows):
                 self._drop_row(m, machine_id)
                 events.append(self._machine_event(m, machine_id, None))
             del self._members[m.info.id]
+            self._fresh.pop(m.info.id, None)
+            self._suspect.pop(m.info.id, None)
+            for key in (None, m.info.region):
+                ids = self._ids.get(key)
+                if ids is not None and m.info.id in ids:
+                    ids.remove(m.info.id)
+                    if key is not None and not ids:
+                        del self._ids[key]
+            self.supply.remove(m.info.id)
             events.append(self._worker_event(m))
+            gone.append(m.info.id)
             log.warning(
                 "worker_forgotten",
                 worker=m.info.id,
                 region=m.info.region,
                 dead_for=round(now - m.heard, 3),
             )
-        return events, [m.info.id for m in gone]
+        return events, gone
 
     def set_connected(self, worker_id: str, connected: bool) -> list[ReplicaEvent]:
         m = self._members.get(worker_id)
@@ -326,18 +391,17 @@ class View:
             except InvalidArgument as err:
                 log.warning("upstream_worker_invalid", worker=resp.worker_id, error=str(err))
                 return _IGNORED
-            m = _Member(info=_copy(resp.worker), added=now, heard=now)
-            self._members[resp.worker_id] = m
+            m = self._new_member(resp.worker, now)
             events.append(self._worker_event(m))
         elif resp.HasField("worker") and resp.worker != m.info:
             if resp.worker.boot_id and resp.worker.boot_id != m.info.boot_id:
                 # A restarted (maybe wiped) worker: the upstream's next snapshot of it is the truth.
                 m.force_snapshot = True
-            m.info = _copy(resp.worker)
+            self._set_info(m, _copy(resp.worker))
             events.append(self._worker_event(m))
         m.upstream_status = resp.status
-        if resp.status == ALIVE:
-            m.heard = max(m.heard, now)  # the upstream vouches for it right now
+        if resp.status == ALIVE and now > m.heard:
+            self._heard(m, now)  # the upstream vouches for it right now
         if not m.connected:
             m.connected = True
             events.append(self._worker_event(m))
@@ -390,8 +454,7 @@ class View:
             self._drop_row(m, machine_id)
             events.append(self._machine_event(m, machine_id, None))
         for machine_id, machine in rows.items():
-            if m.rows.get(machine_id) != machine:
-                self._put_row(m, machine)
+            if self._put_row(m, machine):
                 events.append(self._machine_event(m, machine_id, machine))
         m.seq = snap.seq
         m.snapshots += 1
@@ -428,7 +491,7 @@ class View:
         events: list[ReplicaEvent] = []
         m.capacity = hb.capacity
         m.last_heartbeat = now
-        m.heard = now
+        self._heard(m, now)
         if hb.HasField("worker"):
             # The worker is the truth about itself, except for the address we reach it at.
             theirs = hb.worker
@@ -443,19 +506,42 @@ class View:
                 except InvalidArgument as err:
                     log.warning("heartbeat_worker_invalid", worker=m.info.id, error=str(err))
                 else:
-                    m.info = updated
+                    self._set_info(m, updated)
                     events.append(self._worker_event(m))
         events += self._update_status(m, now)
+        self._supply(m)
         return Applied(_dedupe_worker_events(events), relay=True)
 
     # -- liveness ------------------------------------------------------------------------------
 
     def tick(self, now: float) -> list[ReplicaEvent]:
-        """Re-judge every worker's liveness at `now`; events for those whose status changed."""
+        """Re-judge liveness at `now`; events for the workers whose status changed.
+
+        Only the workers whose silence crossed `suspect_after` or `dead_after` since the last
+        tick are looked at: the oldest-heard heads of `_fresh` and `_suspect`.
+        """
         events: list[ReplicaEvent] = []
-        for m in self._members.values():
-            events += self._update_status(m, now)
+        for queue, limit in ((self._fresh, self.suspect_after), (self._suspect, self.dead_after)):
+            while queue:
+                m = next(iter(queue.values()))
+                age = now - m.heard
+                if age < limit:
+                    break
+                del queue[m.info.id]
+                if age < self.dead_after:
+                    self._suspect[m.info.id] = m
+                else:
+                    self._dead[m.info.id] = m
+                events += self._update_status(m, now)
         return events
+
+    def _heard(self, m: _Member, now: float) -> None:
+        """The worker was heard from at `now` (the latest time yet): it goes to the back."""
+        m.heard = now
+        self._suspect.pop(m.info.id, None)
+        self._dead.pop(m.info.id, None)
+        self._fresh.pop(m.info.id, None)
+        self._fresh[m.info.id] = m
 
     def _age_status(self, m: _Member, now: float) -> Status:
         age = now - m.heard
@@ -480,7 +566,42 @@ class View:
             silent_for=round(now - m.heard, 3),
         )
         m.status = status
+        self._supply(m)
         return [self._worker_event(m)]
+
+    # -- the supply ----------------------------------------------------------------------------
+
+    def _new_member(self, info: pb.WorkerInfo, now: float) -> _Member:
+        m = _Member(info=_copy(info), added=now, heard=now)
+        self._members[info.id] = m
+        self._fresh[info.id] = m
+        bisect.insort(self._ids[None], info.id)
+        bisect.insort(self._ids.setdefault(info.region, []), info.id)
+        self._supply(m)
+        return m
+
+    def _set_info(self, m: _Member, info: pb.WorkerInfo) -> None:
+        if info.region != m.info.region:
+            self._ids[m.info.region].remove(m.info.id)
+            if not self._ids[m.info.region]:
+                del self._ids[m.info.region]
+            bisect.insort(self._ids.setdefault(info.region, []), info.id)
+        m.info = info
+        self._supply(m)
+
+    def _supply(self, m: _Member) -> None:
+        """Tell the supply what it knows of the worker now (it ignores what did not change)."""
+        cap = m.capacity
+        self.supply.update(
+            m.info.id,
+            region=m.info.region,
+            labels=dict(m.info.labels),
+            status=m.status,
+            cordoned=cap.cordoned,
+            total=Resources.of(cap.total),
+            free=Resources.of(cap.free),
+            images=frozenset(x for img in cap.images for x in (img.ref, img.digest) if x),
+        )
 
     # -- reads ---------------------------------------------------------------------------------
 
@@ -499,18 +620,50 @@ class View:
             m.view() for m in self._members.values() if region is None or m.info.region == region
         ]
 
-    def regions(self) -> set[str]:
-        return {m.info.region for m in self._members.values()}
+    def worker_page(
+        self, region: str | None, after: str, limit: int
+    ) -> tuple[list[WorkerView], str]:
+        """Up to `limit` workers (of `region`) by id, after the id `after`; and the id to go
+        on after, or "" when none are left. Costs the page, not the fleet."""
+        ids = self._ids.get(region, [])
+        start = bisect.bisect_right(ids, after) if after else 0
+        page = ids[start : start + limit]
+        more = start + limit < len(ids)
+        return [self._members[i].view() for i in page], page[-1] if more and page else ""
 
-    def liveness(self) -> list[tuple[str, Status]]:
-        """(region, status) of every worker; safe to call from another thread (for metrics)."""
-        return [(m.info.region, m.status) for m in list(self._members.values())]
+    def regions(self) -> set[str]:
+        return set(self.supply.regions())
+
+    def liveness(self) -> list[tuple[str, Status, int]]:
+        """(region, status, how many workers) from the supply's counts; safe to call from
+        another thread (for metrics)."""
+        return [
+            (region, status, n)  # type: ignore[misc]
+            for region, pool in list(self.supply.regions().items())
+            for status, n in list(pool.by_status.items())
+            if n
+        ]
+
+    def owner(self, machine_id: str) -> str | None:
+        """The worker that holds the machine's row."""
+        return self._owner.get(machine_id)
+
+    def row(self, machine_id: str) -> Row | None:
+        owner = self._owner.get(machine_id)
+        kept = None if owner is None else self._members[owner].rows.get(machine_id)
+        return None if kept is None else Row(*kept)
 
     def machine(self, machine_id: str) -> pb.Machine | None:
-        owner = self._owner.get(machine_id)
-        if owner is None:
+        row = self.row(machine_id)
+        return None if row is None else row.machine()
+
+    def by_key(self, app: str, key: str) -> pb.Machine | None:
+        """The machine an idempotency key of the app created, in any worker's rows."""
+        machine_id = self._by_key.get(key_hash(app, key))
+        machine = None if machine_id is None else self.machine(machine_id)
+        if machine is None or machine.app != app or machine.idempotency_key != key:
             return None
-        return self._members[owner].rows.get(machine_id)
+        return machine
 
     def machines(
         self, *, app: str | None = None, region: str | None = None, worker_id: str | None = None
@@ -523,7 +676,7 @@ class View:
         if region is not None:
             members = [m for m in members if m.info.region == region]
         if app is None:
-            return [row for m in members for row in m.rows.values()]
+            return [pb.Machine.FromString(row[3]) for m in members for row in m.rows.values()]
         wanted = {m.info.id for m in members}
         out = []
         for machine_id in self._by_app.get(app, ()):
@@ -531,14 +684,21 @@ class View:
             if owner in wanted:
                 row = self._members[owner].rows.get(machine_id)
                 if row is not None:
-                    out.append(row)
+                    out.append(pb.Machine.FromString(row[3]))
         return out
 
     def follow_items(self) -> Iterator[registry_pb2.FollowResponse]:
         """The whole view as Follow stream items: per worker a snapshot (in parts), then its last
-        heartbeat (so a downstream learns capacity at once), each with status and info."""
-        for m in self._members.values():
-            for part in snapshot_parts(m.seq, "requested", m.rows.values()):
+        heartbeat (so a downstream learns capacity at once), each with status and info.
+
+        Lazily, worker by worker, so a caller can yield between them; the workers are those
+        known when it was called."""
+        for worker_id in list(self._members):
+            m = self._members.get(worker_id)
+            if m is None:
+                continue  # forgotten meanwhile
+            rows = (pb.Machine.FromString(row[3]) for row in m.rows.values())
+            for part in snapshot_parts(m.seq, "requested", rows):
                 part.log_epoch = m.log_epoch
                 yield registry_pb2.FollowResponse(
                     worker_id=m.info.id,
@@ -570,30 +730,59 @@ class View:
 
     # -- rows ----------------------------------------------------------------------------------
 
-    def _put_row(self, m: _Member, machine: pb.Machine) -> None:
+    def _put_row(self, m: _Member, machine: pb.Machine) -> bool:
+        """Keep `machine` (stripped of its event and log tails); False if nothing changed."""
         machine_id = machine.id
-        old = m.rows.get(machine_id)
-        if old is not None and old.app != machine.app:
-            self._unindex_app(old.app, machine_id)
+        if machine.events or machine.log_tail:
+            machine.ClearField("events")
+            machine.ClearField("log_tail")
+        data = machine.SerializeToString(deterministic=True)
+        kept = m.rows.get(machine_id)
+        if kept is not None and kept[3] == data:
+            return False
+        old = None if kept is None else Row(*kept)
+        app = sys.intern(machine.app)
+        key = key_hash(app, machine.idempotency_key) if machine.idempotency_key else 0
+        row = Row(app, machine.state, key, data)
+        m.rows[machine_id] = tuple(row)  # type: ignore[assignment]
+        self._count(m, old, -1)
+        self._count(m, row, 1)
         owner = self._owner.get(machine_id)
-        if owner is not None and owner != m.info.id:
+        if owner == m.info.id:
+            assert old is not None
+            self._unfile(machine_id, old)
+        elif owner is not None:
             log.warning("machine_id_conflict", machine_id=machine_id, owner=owner, other=m.info.id)
-        m.rows[machine_id] = machine
+            self._unfile(machine_id, Row(*self._members[owner].rows[machine_id]))
         self._owner[machine_id] = m.info.id
-        self._by_app.setdefault(machine.app, set()).add(machine_id)
+        self._file(machine_id, row)
+        return True
 
     def _drop_row(self, m: _Member, machine_id: str) -> None:
-        old = m.rows.pop(machine_id)
+        old = Row(*m.rows.pop(machine_id))
+        self._count(m, old, -1)
         if self._owner.get(machine_id) == m.info.id:
+            self._unfile(machine_id, old)
             del self._owner[machine_id]
-            self._unindex_app(old.app, machine_id)
 
-    def _unindex_app(self, app: str, machine_id: str) -> None:
-        ids = self._by_app.get(app)
+    def _count(self, m: _Member, row: Row | None, sign: int) -> None:
+        """The supply counts each worker's machines (not destroyed) per app."""
+        if row is not None and row.state != DESTROYED:
+            self.supply.count(m.info.id, row.app, sign)
+
+    def _file(self, machine_id: str, row: Row) -> None:
+        self._by_app.setdefault(row.app, {})[machine_id] = None
+        if row.key:
+            self._by_key[row.key] = machine_id
+
+    def _unfile(self, machine_id: str, row: Row) -> None:
+        ids = self._by_app.get(row.app)
         if ids is not None:
-            ids.discard(machine_id)
+            ids.pop(machine_id, None)
             if not ids:
-                del self._by_app[app]
+                del self._by_app[row.app]
+        if row.key and self._by_key.get(row.key) == machine_id:
+            del self._by_key[row.key]
 
     def _machine_event(
         self, m: _Member, machine_id: str, machine: pb.Machine | None
@@ -633,9 +822,11 @@ __all__ = [
     "Added",
     "Applied",
     "ReplicaEvent",
+    "Row",
     "Status",
     "View",
     "WorkerView",
     "check_worker_info",
+    "key_hash",
     "status_name",
 ]

@@ -43,6 +43,7 @@ from runtime import tracing
 from runtime.endpoints import METRICS_PREFIX, MetricsEndpoint
 from runtime.errors import InvalidArgument
 from runtime.limits import DEFAULT_LIMITS, Limits, check
+from runtime.looplag import watch_loop
 from runtime.settings import ServiceSettings, SettingsError, parse_host_port
 
 __all__ = [
@@ -526,6 +527,9 @@ class Service:
         try:
             try:
                 await self._start_server()
+                interval = self.settings.loop_lag_interval
+                if interval is not None:
+                    self.spawn("loop-lag", functools.partial(watch_loop, interval))
                 for name, coro_fn in self._pending:
                     self._start_task(name, coro_fn)
                 self._pending.clear()

@@ -166,6 +166,13 @@ class ServiceSettings(BaseSettings):
         description="host:port serving Prometheus metrics at /metrics over HTTP; port 0 picks one",
     )
 
+    loop_lag_interval: float | None = Field(
+        default=None,
+        gt=0,
+        description="seconds between wake-ups of a timer that measures how late the event loop "
+        "runs (nonomad_event_loop_lag_seconds); off when unset",
+    )
+
     @field_validator("listen")
     @classmethod
     def _check_listen(cls, value: str) -> str:

@@ -68,16 +68,18 @@ class PlatformServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListWorkers(self, request, context):
-        """Lists workers (optionally of one region) with liveness and capacity.
-        INVALID_ARGUMENT for an unknown region.
+        """Lists workers (optionally of one region) with liveness and capacity, a
+        page at a time (a page costs its own size, not the fleet's).
+        INVALID_ARGUMENT for an unknown region or a bad page_size.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def SimulatePlacement(self, request, context):
-        """Runs placement for a would-be machine and returns the ranked candidates
-        and why every other worker was rejected, claiming nothing.
+        """Runs placement for a would-be machine and returns a ranked sample of the
+        candidates (at most 64 per region), the workers drawn but rejected, and
+        how many workers were rejected for each reason; claims nothing.
         INVALID_ARGUMENT as CreateMachine.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

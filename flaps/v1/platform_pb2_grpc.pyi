@@ -41,12 +41,14 @@ class PlatformServiceStub:
     INVALID_ARGUMENT for a negative size.
     """
     ListWorkers: _grpc.UnaryUnaryMultiCallable[_platform_pb2.ListWorkersRequest, _platform_pb2.ListWorkersResponse]
-    """Lists workers (optionally of one region) with liveness and capacity.
-    INVALID_ARGUMENT for an unknown region.
+    """Lists workers (optionally of one region) with liveness and capacity, a
+    page at a time (a page costs its own size, not the fleet's).
+    INVALID_ARGUMENT for an unknown region or a bad page_size.
     """
     SimulatePlacement: _grpc.UnaryUnaryMultiCallable[_platform_pb2.SimulatePlacementRequest, _platform_pb2.SimulatePlacementResponse]
-    """Runs placement for a would-be machine and returns the ranked candidates
-    and why every other worker was rejected, claiming nothing.
+    """Runs placement for a would-be machine and returns a ranked sample of the
+    candidates (at most 64 per region), the workers drawn but rejected, and
+    how many workers were rejected for each reason; claims nothing.
     INVALID_ARGUMENT as CreateMachine.
     """
 
@@ -63,12 +65,14 @@ class PlatformServiceAsyncStub(PlatformServiceStub):
     INVALID_ARGUMENT for a negative size.
     """
     ListWorkers: _aio.UnaryUnaryMultiCallable[_platform_pb2.ListWorkersRequest, _platform_pb2.ListWorkersResponse]  # type: ignore[assignment]
-    """Lists workers (optionally of one region) with liveness and capacity.
-    INVALID_ARGUMENT for an unknown region.
+    """Lists workers (optionally of one region) with liveness and capacity, a
+    page at a time (a page costs its own size, not the fleet's).
+    INVALID_ARGUMENT for an unknown region or a bad page_size.
     """
     SimulatePlacement: _aio.UnaryUnaryMultiCallable[_platform_pb2.SimulatePlacementRequest, _platform_pb2.SimulatePlacementResponse]  # type: ignore[assignment]
-    """Runs placement for a would-be machine and returns the ranked candidates
-    and why every other worker was rejected, claiming nothing.
+    """Runs placement for a would-be machine and returns a ranked sample of the
+    candidates (at most 64 per region), the workers drawn but rejected, and
+    how many workers were rejected for each reason; claims nothing.
     INVALID_ARGUMENT as CreateMachine.
     """
 
@@ -94,8 +98,9 @@ class PlatformServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _platform_pb2.ListWorkersRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_platform_pb2.ListWorkersResponse, _abc.Awaitable[_platform_pb2.ListWorkersResponse]]:
-        """Lists workers (optionally of one region) with liveness and capacity.
-        INVALID_ARGUMENT for an unknown region.
+        """Lists workers (optionally of one region) with liveness and capacity, a
+        page at a time (a page costs its own size, not the fleet's).
+        INVALID_ARGUMENT for an unknown region or a bad page_size.
         """
 
     @_abc_1.abstractmethod
@@ -104,8 +109,9 @@ class PlatformServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _platform_pb2.SimulatePlacementRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_platform_pb2.SimulatePlacementResponse, _abc.Awaitable[_platform_pb2.SimulatePlacementResponse]]:
-        """Runs placement for a would-be machine and returns the ranked candidates
-        and why every other worker was rejected, claiming nothing.
+        """Runs placement for a would-be machine and returns a ranked sample of the
+        candidates (at most 64 per region), the workers drawn but rejected, and
+        how many workers were rejected for each reason; claims nothing.
         INVALID_ARGUMENT as CreateMachine.
         """
 

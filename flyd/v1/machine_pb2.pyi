@@ -648,6 +648,7 @@ class Machine(_message.Message):
     RESTART_COUNT_FIELD_NUMBER: _builtins.int
     LOG_TAIL_FIELD_NUMBER: _builtins.int
     LEASE_FIELD_NUMBER: _builtins.int
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
     SLOT_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Unique across the fleet; never reused."""
@@ -660,6 +661,10 @@ class Machine(_message.Message):
     """Changes on every config update; a wait can name it."""
     restart_count: _builtins.int
     """Restarts done by the restart policy in the current window."""
+    idempotency_key: _builtins.str
+    """The idempotency key of the create that made it, if it had one. A worker
+    holds each key of an app for one machine: see CreateMachineRequest.
+    """
     @_builtins.property
     def config(self) -> Global___MachineConfig: ...
     @_builtins.property
@@ -707,11 +712,12 @@ class Machine(_message.Message):
         restart_count: _builtins.int = ...,
         log_tail: _abc.Iterable[_builtins.str] | None = ...,
         lease: Global___Lease | None = ...,
+        idempotency_key: _builtins.str = ...,
         slot: Global___SlotState | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "created_at", b"created_at", "last_exit", b"last_exit", "lease", b"lease", "slot", b"slot", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["app", b"app", "config", b"config", "created_at", b"created_at", "events", b"events", "id", b"id", "instance_id", b"instance_id", "last_exit", b"last_exit", "lease", b"lease", "log_tail", b"log_tail", "name", b"name", "ports", b"ports", "region", b"region", "restart_count", b"restart_count", "slot", b"slot", "state", b"state", "updated_at", b"updated_at", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["app", b"app", "config", b"config", "created_at", b"created_at", "events", b"events", "id", b"id", "idempotency_key", b"idempotency_key", "instance_id", b"instance_id", "last_exit", b"last_exit", "lease", b"lease", "log_tail", b"log_tail", "name", b"name", "ports", b"ports", "region", b"region", "restart_count", b"restart_count", "slot", b"slot", "state", b"state", "updated_at", b"updated_at", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

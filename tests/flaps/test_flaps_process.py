@@ -446,3 +446,37 @@ async def test_two_flaps_racing_into_a_nearly_full_region_never_oversubscribe(
         listed = await worker.ListMachines(w.ListMachinesRequest(app="race"), timeout=T)
         on_workers += [mm.id for mm in listed.machines]
     assert sorted(on_workers) == sorted(mm.id for mm in made)  # none lost
+
+
+async def test_two_flaps_racing_the_same_key_create_one_machine(fleet: Fleet) -> None:
+    # Four workers whose free room changes with every round, seen by two flaps whose views
+    # are never quite in step: each round, both are asked for the same key at once.
+    for i in range(4):
+        fleet.add_worker(f"ams-{i}", "ams", "--capacity.memory-mib", "65536")
+    fleet.add_flaps()
+    fleet.add_flaps()
+    for i in range(2):
+        await fleet.until_alive(i)
+    a, b = fleet.machines(0), fleet.machines(1)
+
+    async def create(flaps: Any, key: str, memory_mib: int) -> pb.Machine:
+        request = m.CreateMachineRequest(
+            app="race",
+            region="ams",
+            config=config(memory_mib),
+            idempotency_key=key,
+            skip_launch=True,
+        )
+        return (await flaps.CreateMachine(request, timeout=T)).machine
+
+    for i in range(100):
+        key, size = f"key-{i}", 16 + 16 * (i % 7)
+        first, second = await asyncio.gather(create(a, key, size), create(b, key, size))
+        assert first.id == second.id, f"round {i}: two machines for one key"
+    held: list[str] = []
+    for worker_id in fleet.workers:
+        listed = await fleet.worker(worker_id).ListMachines(
+            w.ListMachinesRequest(app="race"), timeout=T
+        )
+        held += [machine.idempotency_key for machine in listed.machines]
+    assert sorted(held) == sorted(f"key-{i}" for i in range(100))

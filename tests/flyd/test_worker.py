@@ -28,7 +28,7 @@ from flyd.settings import CapacitySettings
 from flyd.store import LmdbMachineLog, MachineLog, MemoryMachineLog
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
-from flyd.worker import Worker
+from flyd.worker import MAX_KEY, Worker
 from runtime.clock import ManualClock
 from tests.flyd.support import (
     DEADLINE,
@@ -111,6 +111,7 @@ async def create(
     *,
     app: str = "web",
     skip_launch: bool = False,
+    key: str = "",
 ) -> pb.Machine:
     return await worker.create(
         machine_id=machine_id,
@@ -118,6 +119,7 @@ async def create(
         app=app,
         config=cfg if cfg is not None else config(),
         skip_launch=skip_launch,
+        idempotency_key=key,
     )
 
 
@@ -200,6 +202,46 @@ async def test_create_is_idempotent_by_id(flyd: Flyd) -> None:
     with pytest.raises(AlreadyExists, match="m1"):
         await create(w, "m1", config("fake:exit_code=0"), app="other")
     assert image_refs(w.images) == 1
+
+
+async def test_a_key_names_one_machine_on_this_worker(start_flyd: Boot) -> None:
+    flyd = start_flyd(capacity=ONE)  # room for one machine
+    w = flyd.worker
+    first = await create(w, "m1", key="k1")
+    assert first.idempotency_key == "k1"
+    # Another id under the same key, with no room left: the key's machine, nothing new.
+    again = await create(w, "m2", key="k1")
+    assert (again.id, again.instance_id) == ("m1", first.instance_id)
+    assert (len(flyd.driver.starts), "m2" in w.rows) == (1, False)
+    # The key is per app, and a held key with another config is a conflict.
+    with pytest.raises(ResourceExhausted):
+        await create(w, "m3", app="other", key="k1")
+    with pytest.raises(AlreadyExists, match="m1"):
+        await create(w, "m2", config(cpu=200), key="k1")
+    # It is durable: a flyd started again on the same store still holds it.
+    await w.close()
+    w = start_flyd(capacity=ONE).worker
+    assert (await create(w, "m9", key="k1")).id == "m1"
+
+
+@pytest.mark.parametrize("key", ["", "k1"], ids=["same-id", "same-key"])
+async def test_a_second_create_under_way_waits_for_the_first(start_flyd: Boot, key: str) -> None:
+    # Room for one: the second of two racing creates of the same machine must not be refused
+    # for the room the first just reserved, or its flaps would try another worker.
+    flyd = start_flyd(capacity=ONE)
+    a, b = await asyncio.gather(
+        create(flyd.worker, "m1", key=key), create(flyd.worker, "m1" if not key else "m2", key=key)
+    )
+    assert a.id == b.id == "m1"
+    assert a.instance_id == b.instance_id
+    assert len(flyd.driver.starts) == 1
+
+
+async def test_a_key_longer_than_allowed_changes_nothing(flyd: Flyd) -> None:
+    seq = flyd.store.last_seq()
+    with pytest.raises(InvalidArgument, match="idempotency_key"):
+        await create(flyd.worker, "m1", key="k" * (MAX_KEY + 1))
+    assert (flyd.store.last_seq(), "m1" in flyd.worker.rows) == (seq, False)
 
 
 # --- capacity --------------------------------------------------------------------------------

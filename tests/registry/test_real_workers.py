@@ -39,9 +39,11 @@ def fast_replica(upstream: str | None = None) -> Replica:
 
 
 async def create(stub: Stub, app: str = "web") -> pb.Machine:
+    """The machine as the replica keeps it: without the event tail (read from the worker)."""
     resp = await stub.CreateMachine(
         w.CreateMachineRequest(app=app, config=CONFIG, skip_launch=True), timeout=30
     )
+    resp.machine.ClearField("events")
     return resp.machine
 
 
