@@ -373,6 +373,8 @@ def test_a_worker_dead_past_forget_after_is_dropped_with_its_rows() -> None:
     assert view.worker("w1") is None
     assert view.machine("m1") is None
     assert [m.id for m in view.machines()] == ["m2"]
+    assert view.supply.supplier("w1") is None  # placement no longer sees it either
+    assert [w.info.id for w in view.workers()] == ["w2"]
     with pytest.raises(ValueError, match="forget_after"):
         View(suspect_after=0.6, dead_after=1.0, forget_after=1.0)
 
