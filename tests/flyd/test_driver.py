@@ -284,9 +284,15 @@ async def test_machine_sees_default_signal_dispositions(make_driver, workdir: Pa
     assert int(fields["SigCgt"], 16) == 0
 
 
+def spare_dirs(run_root: Path) -> list[Path]:
+    """The spare run dirs (none while a driver has not made its first)."""
+    spare = run_root / ".spare"
+    return list(spare.iterdir()) if spare.is_dir() else []
+
+
 def spares(run_root: Path, prefix: str) -> tuple[int, list[int]]:
     """How many spare run dirs there are, and spare cgroups per controller."""
-    dirs = len(list((run_root / ".spare").iterdir())) if (run_root / ".spare").is_dir() else 0
+    dirs = len(spare_dirs(run_root))
     cgroups = [len(list((CGROUP_ROOT / c / prefix).glob(".spare-*"))) for c in CONTROLLERS]
     return dirs, cgroups
 
@@ -329,9 +335,7 @@ async def test_a_new_driver_replaces_the_spares_a_dead_one_left(
     await run_machine(second, spec("m2", ["sleep", "1000"], workdir))
     # The dead driver's spares are swept in the new one's worker thread, its own made there too.
     await wait_until(
-        lambda: (
-            spares(run_root, prefix) == full and not left & set((run_root / ".spare").iterdir())
-        ),
+        lambda: spares(run_root, prefix) == full and not left & set(spare_dirs(run_root)),
         "the old spares to be swept and new ones made",
     )
     await second.stop("m2", signal.SIGKILL, timeout=1)
