@@ -1,4 +1,4 @@
-"""`python -m bench [--quick] [--full] [--only flyd|registry|proxy|auth|flaps]
+"""`python -m bench [--quick] [--full] [--only flyd|registry|proxy|auth|flaps|fencing]
 [--drivers process,oci]`: run the benchmarks, print tables (flyd's and the proxy control
 plane's with both drivers side by side), write JSON to bench/results/."""
 
@@ -8,7 +8,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from bench import auth_bench, flaps_bench, proxy_bench, proxy_control_bench, registry_bench
+from bench import (
+    auth_bench,
+    fencing_bench,
+    flaps_bench,
+    proxy_bench,
+    proxy_control_bench,
+    registry_bench,
+)
 from bench.flyd_bench import run
 
 
@@ -39,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--only",
-        choices=["flyd", "registry", "proxy", "auth", "flaps"],
+        choices=["flyd", "registry", "proxy", "auth", "flaps", "fencing"],
         help="run one group of benchmarks",
     )
     parser.add_argument(
@@ -80,6 +87,12 @@ def main(argv: list[str] | None = None) -> int:
                 out=args.out.with_name("proxy-control.json"),
                 strict=args.strict,
                 drivers=drivers,
+            )
+        )
+    if args.only in (None, "fencing"):
+        codes.append(
+            fencing_bench.run(
+                quick=args.quick, out=args.out.with_name("fencing.json"), strict=args.strict
             )
         )
     if args.only in (None, "auth"):

@@ -100,6 +100,8 @@ RULES: dict[str, Rule] = {
     "/flaps.v1.MachinesService/ReleaseLease": _machine("lease"),
     "/flaps.v1.MachinesService/ListMachineEvents": _machine("read"),
     "/flaps.v1.MachinesService/GetMachineLogs": _machine("read"),
+    # Telling a machine it was outranked can stop it: what stopping it needs.
+    "/flaps.v1.MachinesService/SupersedeMachine": _machine("stop"),
     "/flaps.v1.PlatformService/ListRegions": _fleet("regions"),
     "/flaps.v1.PlatformService/ListWorkers": _fleet("workers"),
     "/flaps.v1.PlatformService/SimulatePlacement": _app("create"),

@@ -37,6 +37,7 @@ from flaps.errors import (
 )
 from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
+from flyd import slots
 from flyd.pages import page
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
@@ -507,7 +508,23 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
     async def StartMachine(
         self, request: m.StartMachineRequest, context: grpc.aio.ServicerContext
     ) -> m.StartMachineResponse:
+        if not request.generation:
+            known = self.x.replica.machine(request.machine_id)
+            if known is not None and not slots.is_primary(known):
+                # Starting a standby is promoting it: at the next generation of its slot.
+                members = [
+                    mm
+                    for mm in self.x.replica.machines(app=known.app)
+                    if slots.slot_of(mm).id == slots.slot_of(known).id
+                ]
+                best = slots.top(members)
+                request.generation = (best[0] if best is not None else 0) + 1
         return await self._forward("StartMachine", request)
+
+    async def SupersedeMachine(
+        self, request: m.SupersedeMachineRequest, context: grpc.aio.ServicerContext
+    ) -> m.SupersedeMachineResponse:
+        return await self._forward("SupersedeMachine", request)
 
     async def StopMachine(
         self, request: m.StopMachineRequest, context: grpc.aio.ServicerContext

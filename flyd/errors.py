@@ -13,6 +13,8 @@ LEASED = "LEASE_HELD"
 DESTROYED = "MACHINE_DESTROYED"
 REPLACED = "INSTANCE_REPLACED"
 WRONG_STATE = "WRONG_STATE"
+STANDBY = "STANDBY"
+SUPERSEDED = "SUPERSEDED"
 
 
 class FlydError(Exception):
@@ -55,6 +57,9 @@ class FailedPrecondition(FlydError):
     - MACHINE_DESTROYED: the machine is destroyed or being destroyed; it never comes back.
     - INSTANCE_REPLACED: the machine was updated to another instance than the one waited for.
     - WRONG_STATE: the operation needs another state (a signal needs a started machine).
+    - STANDBY: the machine stands by for another member of its slot; only a promotion (a start
+      naming a generation) starts it.
+    - SUPERSEDED: the promotion names a generation its slot already holds for another member.
     """
 
     def __init__(self, message: str, reason: str = WRONG_STATE) -> None:

@@ -15,6 +15,9 @@ Operations and their steps:
     policy_restart  backoff -> spawn -> release -> (STARTED)   after a crash
     signal          send -> (unchanged)
     destroy         [kill ->] cleanup [-> retry after a backoff ...] -> (DESTROYED)
+    promote         a start naming a generation: the slot claim, then as start
+    supersede       the slot claim, then as stop                 (outranked by another member)
+    fence           (unchanged) fenced / unfenced                (its worker came back)
 
 Spawning is two-phase (spawn holds the process before it runs anything,
 release lets it go) so that the process handle is committed before the
@@ -36,7 +39,16 @@ from typing import Any, Literal
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from flyd.errors import BUSY, DESTROYED, LEASED, WRONG_STATE, CorruptLog, FailedPrecondition
+from flyd import slots
+from flyd.errors import (
+    BUSY,
+    DESTROYED,
+    LEASED,
+    STANDBY,
+    WRONG_STATE,
+    CorruptLog,
+    FailedPrecondition,
+)
 from flyd.v1 import machine_pb2 as pb
 
 S = pb.MachineState
@@ -99,7 +111,32 @@ class Row:
 
 @dataclass(frozen=True)
 class StartRequested:
-    pass
+    generation: int = 0  # > 0: a promotion to this slot generation (see flyd.slots)
+
+
+@dataclass(frozen=True)
+class Fence:
+    """The worker came back: not routable until it confirms its slot claim (docs/fencing.md)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Confirm:
+    """No other member of the slot outranks the claim at `generation`: routable again."""
+
+    generation: int
+
+
+@dataclass(frozen=True)
+class Supersede:
+    """`primary` serves the slot at `generation`; when that outranks this row's claim, the
+    machine stops (with its stop signal and timeout) and stands by for `primary`."""
+
+    generation: int
+    primary: str
+    signal: int = int(signals.SIGTERM)
+    timeout: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -208,6 +245,9 @@ Event = (
     | TimerFired
     | Exited
     | Resume
+    | Fence
+    | Confirm
+    | Supersede
 )
 
 # --- effects (outputs) ------------------------------------------------------
@@ -327,8 +367,15 @@ def step(row: Row, event: Event, *, now: float, policy: Policy) -> Transition | 
     Raises FailedPrecondition when the event is not allowed in the current state.
     """
     match event:
-        case StartRequested():
-            return _start(row, now)
+        case StartRequested(generation=generation):
+            return _start(row, now, generation)
+        case Fence(reason=why):
+            return _slot_change(row, now, slots.fenced(row.machine), f"fenced: {why}")
+        case Confirm(generation=generation):
+            why = f"fence lifted: no member of its slot outranks generation {generation}"
+            return _slot_change(row, now, slots.lifted(row.machine, generation), why)
+        case Supersede():
+            return _supersede(row, event, now)
         case StopRequested(signal=sig, timeout=timeout):
             return _stop(row, now, sig, timeout)
         case RestartRequested(signal=sig, timeout=timeout):
@@ -403,7 +450,46 @@ def step(row: Row, event: Event, *, now: float, policy: Policy) -> Transition | 
     raise TypeError(f"unknown event {event!r}")
 
 
-def _start(row: Row, now: float) -> Transition | None:
+def _start(row: Row, now: float, generation: int) -> Transition | None:
+    """A plain start, or a promotion naming a generation (flyd.slots.promotion)."""
+    promoted = slots.promotion(row.machine, generation)
+    if promoted is None:
+        return _start_plain(row, now)
+    row = _in_slot(row, promoted)
+    why = f"promoted to generation {generation} of slot {promoted.id}"
+    started = _start_plain(row, now)  # (refuses a destroyed or stopping machine)
+    if started is None:  # running already (a fenced primary): the claim is the whole change
+        return _Builder(row, now, "promote").to(row.state, why)
+    return replace(started, type="promote", reason=f"{why}; {started.reason}")
+
+
+def _in_slot(row: Row, slot: pb.SlotState) -> Row:
+    return replace(row, machine=slots.with_slot(row.machine, slot))
+
+
+def _slot_change(row: Row, now: float, slot: pb.SlotState | None, why: str) -> Transition | None:
+    """Only the slot's claim or fence changes (None: nothing does)."""
+    if slot is None:
+        return None
+    return _Builder(_in_slot(row, slot), now, "fence").to(row.state, why)
+
+
+def _supersede(row: Row, ev: Supersede, now: float) -> Transition | None:
+    new = slots.superseded(row.machine, ev.generation, ev.primary)
+    if new is None or row.state == S.MACHINE_STATE_DESTROYED:
+        return None
+    was_primary = slots.is_primary(row.machine)
+    row = _in_slot(row, new)
+    why = f"{ev.primary} serves slot {new.id} at generation {ev.generation}"
+    stop = None
+    if was_primary and row.state != S.MACHINE_STATE_DESTROYING:
+        stop = _stop(row, now, ev.signal, ev.timeout)  # the superseded copy stands by
+    if stop is None:
+        return _Builder(row, now, "supersede").to(row.state, why)
+    return replace(stop, type="supersede", reason=f"superseded: {why}; {stop.reason}")
+
+
+def _start_plain(row: Row, now: float) -> Transition | None:
     state = row.state
     if state in (S.MACHINE_STATE_DESTROYING, S.MACHINE_STATE_DESTROYED):
         raise FailedPrecondition(f"cannot start a {state_name(state)} machine", DESTROYED)
@@ -462,6 +548,12 @@ def _destroy(row: Row, now: float, force: bool) -> Transition | None:
 def _update(row: Row, ev: UpdateRequested, now: float) -> Transition:
     if row.state in (S.MACHINE_STATE_DESTROYING, S.MACHINE_STATE_DESTROYED):
         raise FailedPrecondition(f"cannot update a {state_name(row.state)} machine", DESTROYED)
+    if ev.launch and not slots.is_primary(row.machine):
+        raise FailedPrecondition(
+            f"machine {row.machine.id} stands by in slot {slots.slot_of(row.machine).id}: "
+            "update it with skip_launch (only a promotion starts a standby)",
+            STANDBY,
+        )
     if row.op is not None and row.op.kind != "policy_restart":
         raise FailedPrecondition(f"machine is busy ({row.op.kind}); retry when it settles", BUSY)
     machine = pb.Machine()
@@ -778,13 +870,15 @@ def create(
     now: float,
     secrets: dict[str, str] | None = None,
 ) -> Transition:
-    """The first step of a machine: CREATED, with its start pending unless skip_launch;
-    `secrets` sealed (flyd.secrets)."""
+    """The first step of a machine: CREATED, with its start pending unless skip_launch (a
+    standby is always created stopped: only a promotion starts it); `secrets` sealed
+    (flyd.secrets)."""
     m = pb.Machine()
     m.CopyFrom(machine)
     m.state = S.MACHINE_STATE_CREATED
     m.created_at.CopyFrom(timestamp(now))
     m.updated_at.CopyFrom(timestamp(now))
-    op = None if skip_launch else Op("start", "begin")
+    m.slot.CopyFrom(slots.new_slot(m.id, m.config))
+    op = None if skip_launch or not slots.is_primary(m) else Op("start", "begin")
     row = Row(m, image_digest, op=op, secrets=dict(secrets or {}))
     return Transition(row, "create", "created", S.MACHINE_STATE_UNSPECIFIED)

@@ -7,6 +7,7 @@ import contextlib
 import secrets
 import signal
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import grpc
@@ -19,6 +20,7 @@ from flyd.drivers.oci import OciDriver
 from flyd.drivers.oci import probe as oci_probe
 from flyd.drivers.process import ProcessDriver
 from flyd.errors import Unavailable
+from flyd.fencing import GrpcPeers
 from flyd.images.cache import ImageCache
 from flyd.images.source import ImageSource
 from flyd.metrics import register_worker
@@ -141,6 +143,11 @@ async def build(argv: list[str]) -> Service:
         op_tracer=OpTracer(trace.get_tracer("flyd"), settings.worker_id)
         if tracing_enabled()
         else None,
+        # A returning worker asks the replicas it announces to who else is in its slots.
+        peers=GrpcPeers(settings.announce, partial(aio_channel, tls=settings.cluster_tls))
+        if settings.announce
+        else None,
+        fence_after=settings.fence_after,
         # Machine secrets stay sealed in the log with this worker's own key.
         secret_box=SecretBox.load(data / "secrets.key"),
     )
@@ -208,7 +215,12 @@ async def build(argv: list[str]) -> Service:
         images.flush()
         store.close()
 
+    async def fencing(shutdown: asyncio.Event) -> None:
+        assert worker is not None
+        await asyncio.gather(worker.fencing.run(shutdown), worker.fencing.tick(shutdown))
+
     service.spawn("worker", run_worker)
+    service.spawn("fencing", fencing)
     if settings.announce:
         service.spawn("announce", announce)
     service.on_shutdown(close)

@@ -27,6 +27,8 @@ from flyd.v1 import machine_pb2 as pb
 __all__ = [
     "CLEANUP_FAILURES",
     "CREATE_SECONDS",
+    "FENCED",
+    "SUPERSEDED",
     "WorkerCollector",
     "WorkerTotals",
     "count_transition",
@@ -47,6 +49,16 @@ CREATE_SECONDS = Histogram(
 CLEANUP_FAILURES = Counter(
     "nonomad_flyd_cleanup_failures",
     "Cleanups after a destroy that failed (each is retried with a backoff, then given up).",
+)
+
+FENCED = Counter(
+    "nonomad_flyd_fenced",
+    "Slot primaries fenced because the worker came back (a restart, a freeze): unroutable until "
+    "the other members confirmed them.",
+)
+SUPERSEDED = Counter(
+    "nonomad_flyd_superseded",
+    "Machines found outranked in their slot (the standby took over): stopped and made standbys.",
 )
 
 _transition_children: dict[tuple[int, int], Counter] = {}

@@ -363,6 +363,7 @@ class Runner:
                 to_state=t.to_state,  # type: ignore[arg-type]
                 reason=t.reason,
                 time=machine.updated_at,
+                generation=machine.slot.generation,
             )
             if t.from_state != t.to_state:
                 machine.events.append(event)

@@ -111,8 +111,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def StartMachine(
         self, request: w.StartMachineRequest, context: grpc.aio.ServicerContext
     ) -> w.StartMachineResponse:
-        machine = await self.worker.start(request.machine_id, lease_nonce=request.lease_nonce)
+        machine = await self.worker.start(
+            request.machine_id, lease_nonce=request.lease_nonce, generation=request.generation
+        )
         return w.StartMachineResponse(machine=machine)
+
+    async def SupersedeMachine(
+        self, request: w.SupersedeMachineRequest, context: grpc.aio.ServicerContext
+    ) -> w.SupersedeMachineResponse:
+        machine = await self.worker.supersede(
+            request.machine_id, request.generation, request.primary
+        )
+        return w.SupersedeMachineResponse(machine=machine)
 
     def _stop_args(
         self, request: w.StopMachineRequest | w.RestartMachineRequest
@@ -212,7 +222,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self, request: w.WatchEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[w.WatchEventsResponse]:
         async for item in self.worker.watch(
-            request.from_seq, heartbeat_interval=self.heartbeat_interval, stop=self.draining
+            request.from_seq,
+            heartbeat_interval=self.heartbeat_interval,
+            stop=self.draining,
+            log_epoch=request.log_epoch,
         ):
             yield item
 

@@ -80,6 +80,12 @@ class FlydSettings(ServiceSettings):
     cgroup_root: Path = Field(default=Path("/sys/fs/cgroup"), description="cgroup v1 mount")
     cgroup_prefix: str = Field(default="nonomad", description="cgroup folder for machines")
     heartbeat_interval: float = Field(default=0.2, gt=0, description="WatchEvents heartbeat, s")
+    fence_after: float = Field(
+        default=0.5,
+        gt=0,
+        description="s away (frozen, starved) after which flyd fences its slot primaries until "
+        "the other members confirm them; at most the proxies' suspect_after",
+    )
     restart_window: float = Field(default=300.0, gt=0, description="restart counting window, s")
     restart_max_retries: int = Field(default=10, gt=0, description="default on-failure retries")
     log_max_bytes: int = Field(default=1 << 20, gt=0, description="machine log size to rotate at")

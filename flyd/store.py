@@ -12,6 +12,7 @@ for unit tests, and one test suite runs against both.
 
 from __future__ import annotations
 
+import secrets
 import struct
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -96,6 +97,11 @@ class Snapshot:
 class MachineLog(Protocol):
     """What flyd needs from its storage. Each call is atomic."""
 
+    def epoch(self) -> str:
+        """Chosen when the log was created: tells this log from another (a wiped data dir)
+        whose sequence numbers happen to overlap."""
+        ...
+
     def last_seq(self) -> int:
         """Sequence number of the newest record (0 when empty)."""
         ...
@@ -140,10 +146,14 @@ class MemoryMachineLog:
     """In-memory MachineLog with the LMDB store's semantics, for unit tests."""
 
     def __init__(self) -> None:
+        self._epoch = secrets.token_hex(8)
         self._log: dict[int, bytes] = {}
         self._rows: dict[str, bytes] = {}
         self._first = 1
         self._last = 0
+
+    def epoch(self) -> str:
+        return self._epoch
 
     def last_seq(self) -> int:
         return self._last
@@ -196,6 +206,7 @@ class MemoryMachineLog:
 _U64 = struct.Struct(">Q")
 _META_FIRST = b"first_seq"
 _META_FORMAT = b"format"
+_META_EPOCH = b"epoch"
 _FORMAT = b"nonomad-flyd-log-1"
 
 
@@ -219,6 +230,11 @@ class LmdbMachineLog:
                 txn.put(_META_FIRST, _U64.pack(1), db=self._meta)
             elif fmt != _FORMAT:
                 raise CorruptLog(f"{path}: unknown store format {fmt!r}")
+            epoch = txn.get(_META_EPOCH, db=self._meta)
+            if epoch is None:  # a new log (or one from before epochs: it gets one now)
+                epoch = secrets.token_hex(8).encode()
+                txn.put(_META_EPOCH, epoch, db=self._meta)
+            self._epoch = bytes(epoch).decode()
             self._last = self._read_last(txn)
             self._first = self._read_first(txn)
         if self._last and self._first > self._last + 1:
@@ -237,6 +253,9 @@ class LmdbMachineLog:
         if raw is None:
             raise CorruptLog("machine log has no first_seq")
         return int(_U64.unpack(raw)[0])
+
+    def epoch(self) -> str:
+        return self._epoch
 
     def last_seq(self) -> int:
         return self._last

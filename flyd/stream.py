@@ -5,13 +5,18 @@ position (or starts from a snapshot), then follows live changes through a bounde
 with heartbeats between them; one that falls too far behind, or behind a compaction, catches
 up from the log or a new snapshot (in parts: flyd.pages). Waiters (WaitMachine) wake on each
 published change.
+
+Before each heartbeat the worker may commit changes of its own (`before_heartbeat`: the fences
+of a worker that was away, flyd.fencing); those go out first, so a follower never hears the
+worker alive again before it hears of the fences. A follower names the log its position counts
+in (`log_epoch`); a position in another log (the worker's data was wiped) gets a snapshot.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 from flyd import fsm
 from flyd.errors import InvalidArgument
@@ -35,6 +40,8 @@ class EventStream:
         self._subscribers: set[asyncio.Queue[object]] = set()
         self._tick: asyncio.Future[None] | None = None
         self.closed = False
+        self.before_heartbeat: Callable[[], Awaitable[bool]] | None = None
+        """Run before each heartbeat; True when it committed changes that must go out first."""
 
     def close(self) -> None:
         """End every watch (waits run on to their own deadlines)."""
@@ -71,15 +78,28 @@ class EventStream:
         """Every row at the log's last seq, as the stream items of a snapshot in parts."""
         snap = self.store.snapshot()
         machines = (fsm.decode_row(raw).machine for raw in snap.rows.values())
-        return [
-            worker_pb2.WatchEventsResponse(snapshot=part)
-            for part in snapshot_parts(snap.seq, reason, machines)
-        ]
+        epoch = self.store.epoch()
+        out = []
+        for part in snapshot_parts(snap.seq, reason, machines):
+            part.log_epoch = epoch
+            out.append(worker_pb2.WatchEventsResponse(snapshot=part))
+        return out
 
     async def watch(
-        self, from_seq: int, *, heartbeat_interval: float, stop: asyncio.Event
+        self,
+        from_seq: int,
+        *,
+        heartbeat_interval: float,
+        stop: asyncio.Event,
+        log_epoch: str = "",
     ) -> AsyncIterator[worker_pb2.WatchEventsResponse]:
-        """Every change after from_seq (or a snapshot first), then live, with heartbeats."""
+        """Every change after from_seq (or a snapshot first), then live, with heartbeats.
+
+        `log_epoch` is the log from_seq counts in ("" when the follower does not know): a
+        position in another log starts with a snapshot (reason "epoch")."""
+        reason = "requested"
+        if from_seq and log_epoch and log_epoch != self.store.epoch():
+            from_seq, reason = 0, "epoch"
         if from_seq > self.store.last_seq():
             raise InvalidArgument(
                 "from_seq", f"{from_seq} is ahead of this worker's log ({self.store.last_seq()})"
@@ -89,7 +109,7 @@ class EventStream:
         try:
             pos = from_seq
             if from_seq == 0:
-                for item in self.snapshot("requested"):
+                for item in self.snapshot(reason):
                     pos = item.snapshot.seq
                     yield item
             loop = asyncio.get_running_loop()
@@ -108,6 +128,9 @@ class EventStream:
                         continue
                     caught_up = True
                 if loop.time() >= next_beat:
+                    if self.before_heartbeat is not None and await self.before_heartbeat():
+                        caught_up = False  # what it committed goes out before the heartbeat
+                        continue
                     yield worker_pb2.WatchEventsResponse(heartbeat=self._heartbeat())
                     next_beat = loop.time() + heartbeat_interval
                 try:

@@ -32,6 +32,7 @@ from flyd.errors import (
     NotFound,
     Unavailable,
 )
+from flyd.fencing import Fencing, SlotPeers
 from flyd.images.cache import ImageCache
 from flyd.metrics import CREATE_SECONDS
 from flyd.reservations import Reservations
@@ -83,11 +84,16 @@ class Worker:
         log_keep: int = 10_000,
         state_dir: Path | None = None,
         op_tracer: OpTracer | None = None,
+        peers: SlotPeers | None = None,
+        fence_after: float = 0.5,
+        monotonic: Callable[[], float] = time.monotonic,
         secret_box: SecretBox | None = None,
     ) -> None:
         """`op_tracer`: spans of machine operations; None (tracing off) costs nothing.
-        `secret_box`: seals machine secrets (flyd.main's is the worker's key file; without
-        one, a key of this Worker's own that is never stored)."""
+        `peers`: how a returning worker confirms its slots (flyd.fencing); `fence_after`: how
+        long away (frozen, starved) counts as having been away. `secret_box`: seals machine
+        secrets (flyd.main's is the worker's key file; without one, a key of this Worker's own
+        that is never stored)."""
         self.identity = identity
         self.store = store
         self.driver = driver
@@ -99,6 +105,7 @@ class Worker:
         self._op_tracer = op_tracer
         self.secret_box = secret_box or SecretBox.ephemeral()
         self.rows: dict[str, fsm.Row] = {}
+        self.stream = EventStream(store, self.heartbeat)
         self.reservations = Reservations(
             worker_id=identity.worker_id,
             total=capacity,
@@ -107,7 +114,6 @@ class Worker:
             machine_host=machine_host,
             hold_ports=driver.hold_ports,
         )
-        self.stream = EventStream(store, self.heartbeat)
         self.runner = Runner(
             rows=self.rows,
             store=store,
@@ -121,13 +127,30 @@ class Worker:
             op_tracer=op_tracer,
             secret_box=self.secret_box,
         )
+        self.fencing = Fencing(
+            self.runner,
+            clock,
+            peers=peers,
+            fence_after=fence_after,
+            stop_params=lambda row: self._stop_params(row, None, None),
+            monotonic=monotonic,
+        )
+        self.stream.before_heartbeat = self.fencing.check_awake
+        self._recovered = asyncio.Event()
         self.cordoned = bool(state_dir and (state_dir / "cordoned").exists())
 
     # --- start and stop ---------------------------------------------------
 
     def recover(self) -> int:
-        """Load every row and resume unfinished operations. Returns how many were resumed."""
-        return self.runner.recover()
+        """Load every row, resume unfinished operations and fence every slot primary it runs
+        (flyd.fencing): it may have been superseded while flyd was down. Until this ran,
+        watchers wait. Returns how many operations were resumed."""
+        resumed = self.runner.recover()
+        fenced = self.fencing.fence_recovered()
+        if fenced:
+            log.info("fenced_on_start", machines=fenced)
+        self._recovered.set()
+        return resumed
 
     async def close(self) -> None:
         """Stop background work; machines keep running."""
@@ -391,7 +414,7 @@ class Worker:
         return row.machine
 
     async def _operate(
-        self, op: str, machine_id: str, event: fsm.Event, lease_nonce: str
+        self, op: str, machine_id: str, event: fsm.Event, lease_nonce: str | None
     ) -> pb.Machine:
         """Run one requested operation on a machine; traced as `flyd.<op>` when tracing is on."""
 
@@ -401,8 +424,27 @@ class Worker:
 
         return await self._traced(op, machine_id, self.get(machine_id).machine.app, run)
 
-    async def start(self, machine_id: str, *, lease_nonce: str = "") -> pb.Machine:
+    async def start(
+        self, machine_id: str, *, lease_nonce: str = "", generation: int = 0
+    ) -> pb.Machine:
+        """Start the machine; with a generation, promote it in its slot first (a failover is
+        not held up by a lease: the lease's holder cannot serve the slot either)."""
+        if generation:
+            event = fsm.StartRequested(generation)
+            return await self._operate("promote", machine_id, event, None)
         return await self._operate("start", machine_id, fsm.StartRequested(), lease_nonce)
+
+    async def supersede(self, machine_id: str, generation: int, primary: str) -> pb.Machine:
+        """`primary` serves the machine's slot at `generation`: if that outranks the machine's
+        claim, it stops and stands by (flyd.slots). Not held up by a lease."""
+        if generation < 1:
+            raise InvalidArgument("generation", "must be at least 1")
+        check_name("primary", primary)
+        sig, timeout = self._stop_params(self.get(machine_id), None, None)
+        event = fsm.Supersede(generation, primary, sig, timeout)
+        machine = await self._operate("supersede", machine_id, event, None)
+        self.fencing.poke()
+        return machine
 
     async def stop(
         self, machine_id: str, sig: int | None, timeout: float | None, *, lease_nonce: str = ""
@@ -595,7 +637,10 @@ class Worker:
 
     def heartbeat(self) -> worker_pb2.Heartbeat:
         hb = worker_pb2.Heartbeat(
-            seq=self.store.last_seq(), worker=self.info(), capacity=self.capacity()
+            seq=self.store.last_seq(),
+            worker=self.info(),
+            capacity=self.capacity(),
+            log_epoch=self.store.epoch(),
         )
         hb.time.FromNanoseconds(int(self.clock.now() * 1e9))
         return hb
@@ -610,11 +655,23 @@ class Worker:
             boot_id=ident.boot_id,
         )
 
-    def watch(
-        self, from_seq: int, *, heartbeat_interval: float, stop: asyncio.Event
+    async def watch(
+        self,
+        from_seq: int,
+        *,
+        heartbeat_interval: float,
+        stop: asyncio.Event,
+        log_epoch: str = "",
     ) -> AsyncIterator[worker_pb2.WatchEventsResponse]:
-        """Every change after from_seq (or a snapshot first), then live, with heartbeats."""
-        return self.stream.watch(from_seq, heartbeat_interval=heartbeat_interval, stop=stop)
+        """Every change after from_seq (or a snapshot first), then live, with heartbeats.
+
+        Waits until the worker has recovered (and fenced what it runs): a follower must not
+        hear a heartbeat before the fences."""
+        await self._recovered.wait()
+        async for item in self.stream.watch(
+            from_seq, heartbeat_interval=heartbeat_interval, stop=stop, log_epoch=log_epoch
+        ):
+            yield item
 
     def events(self, machine_id: str) -> Iterator[pb.MachineEvent]:
         """The machine's state changes still in the log, oldest first."""

@@ -210,8 +210,21 @@ def add_platform(
     regions.add_argument("--memory", type=positive_int, metavar="MIB", help="machine size: MiB")
     regions.set_defaults(func="nonomad.cli_platform:cmd_regions")
 
-    workers = sub.add_parser("workers", parents=[conn, out], help="the workers flaps knows")
+    workers = sub.add_parser(
+        "workers",
+        parents=[conn, out],
+        help="the workers flaps knows; kill|pause|resume|restart ID: faults on the local cluster",
+        description=WORKERS_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     workers.add_argument("--region", help="only this region")
+    workers.add_argument(
+        "action", nargs="?", choices=["kill", "pause", "resume", "restart"], help=argparse.SUPPRESS
+    )
+    workers.add_argument("worker_id", nargs="?", metavar="ID", help=argparse.SUPPRESS)
+    workers.add_argument(
+        "--with-machines", action="store_true", help="kill: its machines too (the host dies)"
+    )
     workers.set_defaults(func="nonomad.cli_platform:cmd_workers")
 
 
@@ -238,6 +251,19 @@ def add_deploy(
     )
     deploy.set_defaults(func="nonomad.cli_deploy:cmd_deploy")
 
+
+WORKERS_DESCRIPTION = """\
+The workers flaps knows, or a fault on one worker of the local cluster `nonomad up` runs:
+
+  nonomad workers                     every worker: region, status, free capacity
+  nonomad workers kill ID             SIGKILL its flyd (its machines run on: a daemon crash)
+  nonomad workers kill ID --with-machines   its machines die too (the host died)
+  nonomad workers pause ID            SIGSTOP its flyd (a hang); `resume ID` SIGCONTs it
+  nonomad workers restart ID          start its flyd again on its data dir
+
+A killed or paused worker's machines fail over to their standbys; when it comes back, its
+machines whose standby took over stop and stand by in turn (docs/fencing.md).
+"""
 
 DEPLOY_DESCRIPTION = """\
 Make an app's machines match its spec: create what is missing (each with a standby on another

@@ -39,6 +39,7 @@ from nonomad.cli_common import (
     pid_alive,
     table,
 )
+from nonomad.cli_workers import WORKERS_FILE, process_state, request_done, restart_requests
 from nonomad.client import ApiError, Client
 from nonomad.security import ClusterSecurity, provision
 from runtime import CLUSTER_PREFIX, READY_PREFIX, ChannelTLS, aio_channel, read_announcements
@@ -58,7 +59,9 @@ class WorkerProc:
     log: str
 
 
-def _start(state: Path, name: str, module: str, *args: str) -> subprocess.Popen[bytes]:
+def _start(
+    state: Path, name: str, module: str, *args: str, listen: str = "127.0.0.1:0"
+) -> subprocess.Popen[bytes]:
     """Start one service of the cluster with its log under the state dir."""
     logs = state / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -69,7 +72,7 @@ def _start(state: Path, name: str, module: str, *args: str) -> subprocess.Popen[
                 "-c",
                 f"from {module}.main import main; main()",
                 "--listen",
-                "127.0.0.1:0",
+                listen,
                 *args,
             ],
             stdin=subprocess.DEVNULL,
@@ -182,6 +185,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(f"built image demo:v1 ({digest[:19]})")
 
     procs: list[tuple[WorkerProc, subprocess.Popen[bytes]]] = []
+    worker_args: dict[str, list[str]] = {}
     machine_ids: list[str] = []
     flaps_address = ""
     stopping = False
@@ -236,10 +240,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                 worker_id = f"{region}-{i + 1}"
                 base = args.base_port + 100 * n
                 n += 1
-                proc = _start(
-                    state,
-                    worker_id,
-                    "flyd",
+                worker_args[worker_id] = [
                     "--worker-id",
                     worker_id,
                     "--region",
@@ -262,7 +263,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                     "--announce-interval",
                     "2",
                     *security.worker_args(f"flyd-{worker_id}"),
-                )
+                ]
+                proc = _start(state, worker_id, "flyd", *worker_args[worker_id])
                 address = _read_ready(proc, worker_id)
                 procs.append(
                     (
@@ -276,8 +278,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                         proc,
                     )
                 )
-        workers = [p for p, _ in procs if p.region != "-"]
-        (state / "workers.json").write_text(json.dumps([asdict(p) for p in workers], indent=2))
+        _save_workers(state, procs)
         # Where `nonomad machines ...` and `image build` find this cluster by default.
         LocalCluster(
             flaps=flaps_address,
@@ -288,7 +289,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             token_file=str(security.admin_token),
         ).save(state)
         pid_file.write_text(str(os.getpid()))
-        asyncio.run(_until_alive(flaps_address, security, len(workers)))
+        asyncio.run(_until_alive(flaps_address, security, len(worker_args)))
         print(
             table(
                 [[p.worker_id, p.region, p.address, p.log] for p, _ in procs],
@@ -340,12 +341,14 @@ def cmd_up(args: argparse.Namespace) -> int:
             ]:
                 print(f"  {g} {auth} -d '{body}' {f} {rpc}")
             print(f"\ntokens for one app: nonomad{here} tokens create --app demo --ops read")
-        print("\nrunning; Ctrl-C stops everything", flush=True)
-        while not stopping and all(p.poll() is None for _, p in procs):
+        print(
+            "\nrunning; Ctrl-C stops everything. Try a failover: "
+            "nonomad workers kill|pause|resume|restart WORKER",
+            flush=True,
+        )
+        watch = _Watch(state, procs, worker_args)
+        while not stopping and watch.step():
             time.sleep(0.2)
-        if not stopping:
-            dead = [w.worker_id for w, p in procs if p.poll() is not None]
-            print(f"{', '.join(dead)} exited; stopping", file=sys.stderr)
     finally:
         print("stopping...", flush=True)
         if flaps_address and machine_ids:
@@ -370,6 +373,104 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _save_workers(state: Path, procs: list[tuple[WorkerProc, subprocess.Popen[bytes]]]) -> None:
+    workers = [p for p, _ in procs if p.region != "-"]
+    (state / WORKERS_FILE).write_text(json.dumps([asdict(p) for p in workers], indent=2))
+
+
+def _how(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+class _Watch:
+    """What `up` does while the cluster runs: say what becomes of each worker (exited, paused,
+    resumed) and carry out `nonomad workers restart`. A worker that dies leaves the cluster
+    running (its machines fail over to their standbys); flaps or the proxy dying stops it."""
+
+    def __init__(
+        self,
+        state: Path,
+        procs: list[tuple[WorkerProc, subprocess.Popen[bytes]]],
+        worker_args: dict[str, list[str]],
+    ) -> None:
+        self.state = state
+        self.procs = procs
+        self.worker_args = worker_args
+        self.seen: dict[str, str] = {wp.worker_id: "running" for wp, _ in procs}
+
+    def step(self) -> bool:
+        """Look once; False when the cluster must stop (flaps or the proxy exited)."""
+        for wp, proc in self.procs:
+            code = proc.poll()
+            if wp.region == "-":
+                if code is not None:
+                    print(f"{wp.worker_id} exited ({_how(code)}); stopping", file=sys.stderr)
+                    return False
+                continue
+            now = (
+                "exited"
+                if code is not None
+                else ("paused" if process_state(proc.pid) == "T" else "running")
+            )
+            if now != self.seen[wp.worker_id]:
+                self._say(wp, now, code)
+                self.seen[wp.worker_id] = now
+        for worker_id in restart_requests(self.state):
+            self._restart(worker_id)
+            request_done(self.state, worker_id)
+        return True
+
+    def _say(self, wp: WorkerProc, now: str, code: int | None) -> None:
+        name = wp.worker_id
+        if now == "exited":
+            print(
+                f"{name} exited ({_how(code or 0)}); the cluster keeps running without it "
+                f"(its machines fail over to their standbys): `nonomad workers restart {name}`",
+                flush=True,
+            )
+        elif now == "paused":
+            print(f"{name} is paused (SIGSTOP): `nonomad workers resume {name}`", flush=True)
+        else:
+            print(f"{name} runs again", flush=True)
+
+    def _restart(self, worker_id: str) -> None:
+        at = next((i for i, (wp, _) in enumerate(self.procs) if wp.worker_id == worker_id), None)
+        if at is None or worker_id not in self.worker_args:
+            return
+        wp, old = self.procs[at]
+        if old.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                old.send_signal(signal.SIGCONT)  # (a paused one cannot stop)
+                old.send_signal(signal.SIGTERM)
+            try:
+                old.wait(15)
+            except subprocess.TimeoutExpired:
+                old.kill()
+                old.wait()
+        if old.stdout is not None:
+            old.stdout.close()
+        proc = _start(
+            self.state, worker_id, "flyd", *self.worker_args[worker_id], listen=wp.address
+        )
+        try:
+            address = _read_ready(proc, worker_id)
+        except CliError as err:
+            print(f"restart of {worker_id} failed: {err}", file=sys.stderr, flush=True)
+            self.procs[at] = (wp, proc)
+            return
+        self.procs[at] = (WorkerProc(worker_id, wp.region, address, proc.pid, wp.log), proc)
+        _save_workers(self.state, self.procs)
+        self.seen[worker_id] = "running"
+        print(
+            f"{worker_id} started again on its data dir (pid {proc.pid}, {address}): it fences "
+            "its machines until their standbys confirm who serves",
+            flush=True,
+        )
+
+
 def _grpcurl() -> str:
     """How to run grpcurl here: from PATH, or the one the project installs in its venv."""
     found = shutil.which("grpcurl")
@@ -380,7 +481,7 @@ def _grpcurl() -> str:
 
 
 def _workers(state: Path) -> list[WorkerProc]:
-    path = state / "workers.json"
+    path = state / WORKERS_FILE
     pid_file = state / PID_FILE
     if not path.exists() or not pid_file.exists():
         raise CliError(f"no cluster runs from {state}; start one with `nonomad up`")

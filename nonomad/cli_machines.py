@@ -9,6 +9,7 @@ import json
 import shlex
 import signal
 
+from flyd.slots import slot_of
 from nonomad.cli_common import (
     UsageError,
     emit,
@@ -38,12 +39,22 @@ def ports(machine: Machine) -> str:
     return ", ".join(f"{p.internal_port}->{p.host}:{p.host_port}" for p in machine.ports) or "-"
 
 
+def role(machine: Machine) -> str:
+    """Its place in its slot: primary or standby, the generation once promoted, fenced."""
+    slot = slot_of(machine)
+    text = "primary" if slot.primary == machine.id else "standby"
+    if slot.generation:
+        text += f" g{slot.generation}"
+    return text + (" fenced" if slot.fenced else "")
+
+
 def machines_table(machines: list[Machine]) -> str:
     rows = [
         [
             m.id,
             display_name(m),
             state_name(m.state),
+            role(m),
             m.region,
             m.worker_id,
             m.config.image,
@@ -53,7 +64,18 @@ def machines_table(machines: list[Machine]) -> str:
         ]
         for m in machines
     ]
-    header = ["ID", "NAME", "STATE", "REGION", "WORKER", "IMAGE", "SIZE", "PORTS", "CREATED"]
+    header = [
+        "ID",
+        "NAME",
+        "STATE",
+        "ROLE",
+        "REGION",
+        "WORKER",
+        "IMAGE",
+        "SIZE",
+        "PORTS",
+        "CREATED",
+    ]
     return table(rows, header)
 
 
@@ -97,6 +119,7 @@ def show_text(machine: Machine) -> str:
         ("secrets", ", ".join(sorted(c.secrets)) or "-"),  # names: values never leave workers
         ("services", ", ".join(str(s.internal_port) for s in c.services) or "-"),
         ("standby for", ", ".join(c.standbys) or "-"),
+        ("slot", slot_text(machine)),
         ("restarts", machine.restart_count),
         ("last exit", last_exit(machine)),
         ("lease", f"{lease.owner or '?'} until {when(lease.expires_at)}" if lease.nonce else "-"),
@@ -109,6 +132,12 @@ def show_text(machine: Machine) -> str:
         out += ["", "PORTS", table(rows, ["INTERNAL", "HOST"])]
     out += ["", "EVENTS", events_table(list(machine.events))]
     return "\n".join(out)
+
+
+def slot_text(machine: Machine) -> str:
+    slot = slot_of(machine)
+    text = f"{slot.id}, generation {slot.generation}, served by {slot.primary}"
+    return text + (" (fenced: its worker is confirming it)" if slot.fenced else "")
 
 
 def events_table(events: list[Event]) -> str:

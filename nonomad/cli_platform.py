@@ -61,6 +61,15 @@ def cmd_regions(args: argparse.Namespace) -> int:
 
 
 def cmd_workers(args: argparse.Namespace) -> int:
+    if args.action is not None:
+        if args.worker_id is None:
+            raise UsageError(f"workers {args.action} needs a worker ID")
+        from nonomad.cli_workers import cmd_fault
+
+        return cmd_fault(args)
+    if args.with_machines:
+        raise UsageError("--with-machines goes with `workers kill ID`")
+
     async def body(flaps: Client) -> int:
         workers = await flaps.list_workers(region=args.region or "")
         emit(args, workers, lambda: workers_table(workers) if workers else "no workers")

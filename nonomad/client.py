@@ -388,11 +388,29 @@ class Client:
         return await self._machine_call("UpdateMachine", request, timeout)
 
     async def start_machine(
-        self, machine_id: str, *, lease_nonce: str = "", timeout: float | None = None
+        self,
+        machine_id: str,
+        *,
+        lease_nonce: str = "",
+        generation: int = 0,
+        timeout: float | None = None,
     ) -> pb.Machine:
-        """Start a stopped or created machine."""
-        request = m.StartMachineRequest(machine_id=machine_id, lease_nonce=lease_nonce)
+        """Start a stopped or created machine; a standby is promoted in its slot (at
+        `generation`, or the next one flaps knows of: docs/fencing.md)."""
+        request = m.StartMachineRequest(
+            machine_id=machine_id, lease_nonce=lease_nonce, generation=generation
+        )
         return await self._machine_call("StartMachine", request, timeout)
+
+    async def supersede_machine(
+        self, machine_id: str, generation: int, primary: str, *, timeout: float | None = None
+    ) -> pb.Machine:
+        """Tell the machine's worker that `primary` serves its slot at `generation`: when that
+        outranks the machine's claim, it stops and stands by for `primary`."""
+        request = m.SupersedeMachineRequest(
+            machine_id=machine_id, generation=generation, primary=primary
+        )
+        return await self._machine_call("SupersedeMachine", request, timeout)
 
     async def stop_machine(
         self,

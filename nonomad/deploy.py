@@ -33,6 +33,7 @@ from typing import Any
 
 import structlog
 
+from flyd import slots
 from flyd.v1 import machine_pb2 as pb
 from flyd.validate import REDACTED
 from nonomad.client import (
@@ -640,7 +641,9 @@ class _Deployer:
                 continue
             assert p.machine is not None
             machine = p.machine
-            gated = p.role == PRIMARY or machine.state in RUNNING  # a standby in service too
+            # The primary, and a standby in service; not a primary that stands by since its
+            # standby took over (flyd starts a standby only when it is promoted).
+            gated = machine.state in RUNNING or (p.role == PRIMARY and slots.is_primary(machine))
             config = self.config_for(p)
             for name in machine.config.secrets:  # `nonomad secrets set`'s: kept as they are
                 config.secrets[name] = REDACTED

@@ -9,9 +9,10 @@ router only as the Protocols `RouteTable` and `MachineRoute` (it never imports p
   `NetProbes`);
 - the decisions, as pure functions over the table: `checks_of` (what to check on a machine),
   `autostop_victims` (which idle machines to stop without going below min_machines_running),
-  `standby_candidates` (which standby takes over a lost primary: the same one on every proxy);
+  `standby_candidates` (which standby takes over a lost primary, at which generation: the same
+  on every proxy);
 - the loops that act on them: `HealthChecks.watch` (one per started machine), `WorkerWatch`
-  (probe a silent worker, declare it dead, start one standby per lost primary).
+  (probe a silent worker, declare it dead, promote one standby per lost primary).
 
 Every loop takes the shutdown event and sleeps on the injected clock, so tests drive time.
 """
@@ -31,11 +32,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.trace import SpanKind, Tracer
 
 from flaps.v1 import machines_pb2, machines_pb2_grpc
+from flyd import slots
 from flyd.v1 import machine_pb2 as pb
 from proxy.errors import ProxyError
 from registry.replica import WorkerView
 from registry.view import Status
-from runtime import ChannelTLS, aio_channel
+from runtime import ChannelTLS, aio_channel, error_info
 from runtime.clock import Clock
 
 log = structlog.get_logger("proxy.control")
@@ -66,28 +68,40 @@ _RETRYABLE = {
 
 
 class FlapsFailed(ProxyError):
-    """flaps (or the worker behind it) refused or failed a start or stop; 503 to a client."""
+    """flaps (or the worker behind it) refused or failed a start or stop; 503 to a client.
+
+    `superseded`: a promotion was refused because the slot moved on already (someone else
+    promoted a member): nothing to retry, and no other standby to try."""
 
     status = 503
 
-    def __init__(self, message: str, *, code: grpc.StatusCode | None = None) -> None:
+    def __init__(
+        self, message: str, *, code: grpc.StatusCode | None = None, reason: str = ""
+    ) -> None:
         super().__init__(message)
         self.code = code
-        self.retryable = code is None or code in _RETRYABLE
+        self.superseded = reason == "SUPERSEDED"
+        self.retryable = (code is None or code in _RETRYABLE) and not self.superseded
 
 
 # -- the edges ---------------------------------------------------------------------------------
 
 
 class Flaps(Protocol):
-    """The part of the Machines API the proxy uses. Both calls are idempotent."""
+    """The part of the Machines API the proxy uses. Every call is idempotent."""
 
-    async def start(self, machine_id: str) -> pb.Machine:
-        """Start a stopped or created machine (a started one: no-op); raises FlapsFailed."""
+    async def start(self, machine_id: str, generation: int = 0) -> pb.Machine:
+        """Start a stopped or created machine (a started one: no-op); with a generation,
+        promote it in its slot (flyd.slots). Raises FlapsFailed."""
         ...
 
     async def stop(self, machine_id: str) -> pb.Machine:
         """Stop a machine; raises FlapsFailed."""
+        ...
+
+    async def supersede(self, machine_id: str, generation: int, primary: str) -> pb.Machine:
+        """Tell the machine's worker that `primary` serves its slot at `generation` (an
+        outranked copy stops and stands by). Raises FlapsFailed."""
         ...
 
 
@@ -108,13 +122,26 @@ class FlapsClient:
         self._channel = channel(address) if channel else _flaps_channel(address, tls)
         self._stub = machines_pb2_grpc.MachinesServiceStub(self._channel)
 
-    async def start(self, machine_id: str) -> pb.Machine:
+    async def start(self, machine_id: str, generation: int = 0) -> pb.Machine:
         try:
             resp = await self._stub.StartMachine(
-                machines_pb2.StartMachineRequest(machine_id=machine_id), timeout=self.timeout
+                machines_pb2.StartMachineRequest(machine_id=machine_id, generation=generation),
+                timeout=self.timeout,
             )
         except grpc.aio.AioRpcError as err:
             raise _failed("start", machine_id, err) from None
+        return resp.machine
+
+    async def supersede(self, machine_id: str, generation: int, primary: str) -> pb.Machine:
+        try:
+            resp = await self._stub.SupersedeMachine(
+                machines_pb2.SupersedeMachineRequest(
+                    machine_id=machine_id, generation=generation, primary=primary
+                ),
+                timeout=self.timeout,
+            )
+        except grpc.aio.AioRpcError as err:
+            raise _failed("supersede", machine_id, err) from None
         return resp.machine
 
     async def stop(self, machine_id: str) -> pb.Machine:
@@ -145,9 +172,11 @@ def _flaps_channel(address: str, tls: ChannelTLS | None) -> grpc.aio.Channel:
 
 def _failed(verb: str, machine_id: str, err: grpc.aio.AioRpcError) -> FlapsFailed:
     code = err.code()
+    info = error_info(err)
     return FlapsFailed(
         f"could not {verb} machine {machine_id}: {code.name}: {err.details() or ''}".rstrip(": "),
         code=code,
+        reason=info.reason if info is not None else "",
     )
 
 
@@ -401,17 +430,18 @@ _STARTABLE = frozenset({S.MACHINE_STATE_STOPPED, S.MACHINE_STATE_CREATED})
 def standby_candidates(
     primary: pb.Machine, machines: Iterable[pb.Machine], usable: Callable[[str], bool]
 ) -> tuple[str | None, list[str]]:
-    """For a lost primary: (a standby of it already running, if any; the stopped standbys on
-    usable workers, in the order to try them).
+    """For a lost primary: (another member of its slot already running, if any; the stopped
+    members on usable workers, in the order to try them).
 
     The order is by machine id, and every proxy sees the same rows, so every proxy that
-    notices the loss picks the same standby; StartMachine is idempotent, so they converge on
-    exactly one started standby.
+    notices the loss picks the same standby (and the same generation: `promotion_generation`);
+    a repeated promotion is idempotent, so they converge on exactly one promoted standby.
     """
+    slot = slots.slot_of(primary).id
     running = None
     stopped = []
     for m in machines:
-        if primary.id not in m.config.standbys or m.worker_id == primary.worker_id:
+        if m.id == primary.id or slots.slot_of(m).id != slot or m.worker_id == primary.worker_id:
             continue
         if not usable(m.worker_id):
             continue
@@ -420,6 +450,14 @@ def standby_candidates(
         elif m.state in _STARTABLE:
             stopped.append(m.id)
     return running, sorted(stopped)
+
+
+def promotion_generation(primary: pb.Machine, machines: Iterable[pb.Machine]) -> int:
+    """The generation a standby of `primary`'s slot is promoted to: one above the highest
+    any member's row records."""
+    slot = slots.slot_of(primary).id
+    best = slots.top(m for m in machines if slots.slot_of(m).id == slot)
+    return (best[0] if best is not None else 0) + 1
 
 
 # -- loops -------------------------------------------------------------------------------------
@@ -581,35 +619,45 @@ class WorkerWatch:
             if not await sleep_until(self.clock, self.clock.now() + self.probe_interval, shutdown):
                 return
 
-    def plan(self, worker_id: str) -> list[tuple[pb.Machine, list[str]]]:
-        """For each machine that was running on the lost worker and has no standby running:
-        the stopped standbys to try, best first. Synchronous, so the router can mark the
-        chosen standbys as starting before any request looks."""
+    def plan(self, worker_id: str) -> list[Takeover]:
+        """For each slot the lost worker served (a running member holding the slot's top claim)
+        with no other member running: the stopped members to promote, best first, and the
+        generation. Synchronous, so the router can mark the chosen standbys as starting before
+        any request looks."""
         registry = self.router.registry
+        # A slot's members are machines of one app: the cost is the app's, not the fleet's.
+        apps: dict[str, dict[str, list[pb.Machine]]] = {}
+
+        def members_of(m: pb.Machine) -> list[pb.Machine]:
+            by_slot = apps.get(m.app)
+            if by_slot is None:
+                by_slot = apps[m.app] = {}
+                for sibling in registry.machines(app=m.app):
+                    by_slot.setdefault(slots.slot_of(sibling).id, []).append(sibling)
+            return by_slot.get(slots.slot_of(m).id, [m])
+
         lost = sorted(
-            (m for m in registry.machines(worker_id=worker_id) if m.state in RUNNING),
+            (
+                m
+                for m in registry.machines(worker_id=worker_id)
+                if m.state in RUNNING and _serves(m, members_of(m))
+            ),
             key=lambda m: m.id,
         )
         out = []
-        apps: dict[str, list[pb.Machine]] = {}
         for primary in lost:
-            # A standby is a machine of its primary's app: the cost is the app's, not the fleet's.
-            siblings = apps.get(primary.app)
-            if siblings is None:
-                siblings = apps[primary.app] = registry.machines(app=primary.app)
-            running, stopped = standby_candidates(primary, siblings, self.router.standby_usable)
+            members = members_of(primary)
+            running, stopped = standby_candidates(primary, members, self.router.standby_usable)
             if running is not None:
                 log.info("standby_already_running", primary=primary.id, standby=running)
             elif stopped:
-                out.append((primary, stopped))
-            elif any(primary.id in m.config.standbys for m in siblings):
+                out.append(Takeover(primary, stopped, promotion_generation(primary, members)))
+            elif len(members) > 1:
                 log.warning("no_usable_standby", primary=primary.id)
         return out
 
-    async def failover(
-        self, worker_id: str, plan: list[tuple[pb.Machine, list[str]]], shutdown: asyncio.Event
-    ) -> None:
-        """Start one standby for each lost primary of `plan` (the machines of `worker_id`).
+    async def failover(self, worker_id: str, plan: list[Takeover], shutdown: asyncio.Event) -> None:
+        """Promote one standby for each lost primary of `plan` (the machines of `worker_id`).
 
         With tracing on, this is the INTERNAL span `proxy.failover`, and the flaps calls that
         start the standbys are its children."""
@@ -617,7 +665,7 @@ class WorkerWatch:
             await self._failover(plan, shutdown)
             return
         view = self.router.registry.worker(worker_id)
-        region = view.info.region if view is not None else plan[0][0].region if plan else ""
+        region = view.info.region if view is not None else plan[0].primary.region if plan else ""
         with self.tracer.start_as_current_span(
             "proxy.failover",
             kind=SpanKind.INTERNAL,
@@ -626,35 +674,36 @@ class WorkerWatch:
             started = await self._failover(plan, shutdown)
             span.set_attribute("nonomad.standbys_started", started)
 
-    async def _failover(
-        self, plan: list[tuple[pb.Machine, list[str]]], shutdown: asyncio.Event
-    ) -> int:
+    async def _failover(self, plan: list[Takeover], shutdown: asyncio.Event) -> int:
         started = 0
-        for primary, stopped in plan:
-            if shutdown.is_set() or not self.router.is_dead(primary.worker_id):
+        for takeover in plan:
+            if shutdown.is_set() or not self.router.is_dead(takeover.primary.worker_id):
                 break  # stopping, or the worker came back meanwhile
-            if await self._replace(primary, stopped, shutdown):
+            if await self._replace(takeover, shutdown):
                 started += 1
         return started
 
-    async def _replace(
-        self, primary: pb.Machine, stopped: list[str], shutdown: asyncio.Event
-    ) -> bool:
-        """Start one of `stopped` in place of `primary`; whether one started."""
+    async def _replace(self, takeover: Takeover, shutdown: asyncio.Event) -> bool:
+        """Promote one of the takeover's standbys in place of its primary; whether one was."""
+        primary = takeover.primary
         if self.flaps is None:
-            log.warning("failover_without_flaps", primary=primary.id, standby=stopped[0])
+            log.warning("failover_without_flaps", primary=primary.id, standby=takeover.standbys[0])
             return False
         tries = 0
-        for standby in stopped:
+        for standby in takeover.standbys:
             while tries < self.attempts:
                 tries += 1
                 try:
-                    await self.flaps.start(standby)
+                    await self.flaps.start(standby, takeover.generation)
                 except FlapsFailed as err:
                     self.stats.standby_failed()
                     log.warning(
                         "standby_start_failed", primary=primary.id, standby=standby, error=str(err)
                     )
+                    if err.superseded:
+                        # Promoted already (by a proxy that saw more): no second promotion.
+                        self.router.standby_failed(standby)
+                        return False
                     if not err.retryable:
                         break  # this one cannot start (destroyed, gone): the next one
                     if not await sleep_until(
@@ -663,8 +712,29 @@ class WorkerWatch:
                         return False
                     continue
                 self.stats.failover()
-                log.info("failover", primary=primary.id, worker=primary.worker_id, standby=standby)
+                log.info(
+                    "failover",
+                    primary=primary.id,
+                    worker=primary.worker_id,
+                    standby=standby,
+                    generation=takeover.generation,
+                )
                 return True
             self.router.standby_failed(standby)
         log.error("failover_failed", primary=primary.id, tried=tries)
         return False
+
+
+def _serves(machine: pb.Machine, members: list[pb.Machine]) -> bool:
+    serving = slots.serving(members)
+    return serving is not None and serving.id == machine.id
+
+
+@dataclass(frozen=True)
+class Takeover:
+    """A lost primary, the members of its slot to promote in its place (best first), and the
+    generation to promote them to."""
+
+    primary: pb.Machine
+    standbys: list[str]
+    generation: int

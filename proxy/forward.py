@@ -8,8 +8,8 @@ ends in `Client.exchange_done`, still in the callback: it releases the machine, 
 connection and goes on with the next request. A GET or HEAD without a body or a pinned machine
 is sent again where that is safe: to another machine when its connection is refused, once more
 on a fresh connection when a pooled one turns out dead, once elsewhere when its machine is lost
-before answering. Otherwise a request its machine did not answer gets an error of the proxy's
-own.
+(or drops the connection) before answering. Otherwise a request its machine did not answer gets
+an error of the proxy's own.
 
 Why a protocol and not streams: each event-loop turn costs about as much as all the HTTP work
 of a request, so a request should take as few as possible. Through the task it costs one
@@ -263,15 +263,16 @@ class Client(ClientConnection):
             self._wake()
             return
         if (
-            outcome == O_MACHINE_LOST
+            outcome in (O_MACHINE_LOST, O_LOST)
             and not up.got_head
             and req.retryable
             and req.complete
             and not req.moved
             and not self.closed
         ):
-            # A safe request whose machine was lost before it answered: send it once more,
-            # to whatever the router picks now (the lost machine's standby, once started).
+            # A safe request whose machine was lost, or dropped a fresh connection, before it
+            # answered (a machine killed with its host): send it once more, to whatever the
+            # router picks now (the lost machine's standby, once promoted).
             up.abort()
             self.backend = None
             proxy.router.release(backend, ok=False)

@@ -34,7 +34,7 @@ from proxy.routes import (
     under_hard,
     under_soft,
 )
-from registry.view import DEAD
+from registry.view import ALIVE, DEAD, SUSPECT
 from runtime.clock import Clock
 
 log = structlog.get_logger("proxy.router")
@@ -57,8 +57,10 @@ class Picker:
         clock: Clock,
         rng: random.Random,
         spawn: Spawn,
+        members: Callable[[str], list[Route]] = lambda slot: [],
     ) -> None:
-        """`workers`: the router's view of workers, read only. `spawn` runs the starts."""
+        """`workers`: the router's view of workers, read only. `spawn` runs the starts.
+        `members(slot)`: the routes of a slot (proxy.fencing.SlotIndex)."""
         self.workers = workers
         self.registry = registry
         self.flaps = flaps
@@ -67,6 +69,7 @@ class Picker:
         self.clock = clock
         self._rng = rng
         self._spawn = spawn
+        self.members = members
 
     def choose(
         self, app: str, state: AppState, pinned: str | None, exclude: frozenset[str]
@@ -155,6 +158,10 @@ class Picker:
             return "on a dead worker"
         if w is not None and w.draining:
             return "on a draining worker"
+        if r.fenced:
+            return "fenced (its worker is confirming its slot)"
+        if not r.serving:
+            return "outranked in its slot"
         if r.stopping:
             return "being stopped (idle)"
         if not r.port:
@@ -184,18 +191,49 @@ class Picker:
             and now < r.start_requested + self.config.cold_start_timeout
         )
 
+    def _failing_over(self, r: Route, now: float) -> bool:
+        """Whether `r` serves a slot with standbys and cannot take requests for a reason that
+        its worker's fence check or a failover resolves (it is fenced, or it refused
+        connections or its worker went silent and a standby can take over): requests wait for
+        that, as for a cold start."""
+        if not r.peers or not r.serving or r.state != STARTED:
+            return False
+        if r.fenced:
+            return True
+        view = self.registry.worker(r.worker_id)
+        silent = view is not None and view.status in (SUSPECT, DEAD)
+        if not silent and now >= r.penalty_until:
+            return False
+        return any(
+            o is not r
+            and (o.state in STARTABLE or o.state in (S.MACHINE_STATE_STARTING, STARTED))
+            and self.worker_usable(o.worker_id)
+            and self._alive(o.worker_id)
+            for o in self.members(r.slot)
+        )
+
+    def _alive(self, worker_id: str) -> bool:
+        view = self.registry.worker(worker_id)
+        return view is not None and view.status == ALIVE
+
     def _warming(self, state: AppState, now: float) -> str | None:
         if state.starting is not None:
             return state.starting
         for r in state.routes.values():
-            if self._is_warming(r, now):
+            if self._is_warming(r, now) or self._failing_over(r, now):
                 return r.id
             if (r.stopping or r.state == S.MACHINE_STATE_STOPPING) and self._can_autostart(r):
                 return r.id  # stopping for idleness: startable again in a moment
         return None
 
     def _can_autostart(self, r: Route) -> bool:
-        return r.autostart and not r.is_standby and self.worker_usable(r.worker_id)
+        return (
+            r.autostart
+            and r.serving
+            and not r.is_standby
+            and not r.fenced
+            and self.worker_usable(r.worker_id)
+        )
 
     def _startable(self, r: Route, now: float) -> bool:
         if r.state not in STARTABLE or not self._can_autostart(r):

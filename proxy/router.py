@@ -11,7 +11,9 @@ hard limit (`queue_wait`), and for a machine being started (`cold_start_timeout`
 zero, one start per app however many requests wait for it; proxy.picking starts it). The
 loops that change machines (health checks, autostop, worker death and failover) are in
 proxy.control; `run` runs them, and the hooks they call back (`declare_dead`,
-`standby_failed`, `autostop_once`) are here.
+`standby_failed`, `autostop_once`) are here. Of each slot (a primary and its standbys) only the
+member holding the top claim is routed to (proxy.fencing); a copy that stops serving has its
+requests in flight ended, and one outranked but still running is reported to its worker.
 
 An app is known while the registry has a machine of it (not destroyed) with a service.
 """
@@ -39,6 +41,7 @@ from proxy.control import (
     sleep_until,
 )
 from proxy.errors import NoBackend, UnknownApp
+from proxy.fencing import Judged, SlotIndex
 from proxy.picking import Picker
 from proxy.routes import (
     STARTED,
@@ -92,6 +95,7 @@ class Router:
         # Worker id -> its routes: losing a worker costs its machines, not the fleet's.
         self._by_worker: dict[str, dict[str, Route]] = {}
         self._workers: dict[str, WorkerState] = {}
+        self.slots = SlotIndex()
         self.picker = Picker(
             workers=self._workers,
             registry=registry,
@@ -101,6 +105,7 @@ class Router:
             clock=self.clock,
             rng=rng if rng is not None else random.Random(),
             spawn=self._spawn,
+            members=self.slots.members,
         )
         self._tasks: set[asyncio.Task[None]] = set()
         self._stop_slots = asyncio.Semaphore(STOP_CONCURRENCY)
@@ -222,9 +227,14 @@ class Router:
                         in_flight=r.in_flight,
                         healthy=r.state == STARTED
                         and r.ready
+                        and r.serving
+                        and not r.fenced
                         and now >= r.penalty_until
                         and not self.is_dead(r.worker_id),
                         draining=w is not None and w.draining,
+                        generation=r.machine.slot.generation,
+                        superseded=not r.serving and not r.is_standby,
+                        fenced=r.machine.slot.fenced,
                     )
                 )
             out.append((name, infos))
@@ -289,24 +299,28 @@ class Router:
             lost.append(r.id)
         plan = self.watch.plan(worker_id)
         now = self.clock.now()
-        for _, standbys in plan:
+        for takeover in plan:
             # Requests wait for the standby about to start instead of failing meanwhile.
-            standby = self._routes.get(standbys[0])
+            standby = self._routes.get(takeover.standbys[0])
             if standby is not None and self.flaps is not None:
                 standby.start_requested = now
         self._pulse_worker(worker_id)
+        for slot in self.slots.slots_of(list(self._by_worker.get(worker_id, {}).values())):
+            self._judge(slot)  # a fenced member elsewhere may now have nobody to confirm with
         if plan or self.watch.tracer is not None:  # (traced even when there is nothing to start)
             self._spawn(
                 self.watch.failover(worker_id, plan, self._shutdown), f"failover {worker_id}"
             )
         if lost:
-            machines = frozenset(lost)
-            why = f"its worker {worker_id} was declared dead ({reason})"
-            for listener in self._lost_listeners:
-                try:
-                    listener(machines, why)
-                except Exception:
-                    log.exception("machines_lost_listener_failed", worker=worker_id)
+            self._lose(frozenset(lost), f"its worker {worker_id} was declared dead ({reason})")
+
+    def _lose(self, machines: frozenset[str], why: str) -> None:
+        """End the requests in flight to `machines` (the lost-machine listeners)."""
+        for listener in self._lost_listeners:
+            try:
+                listener(machines, why)
+            except Exception:
+                log.exception("machines_lost_listener_failed", machines=sorted(machines))
 
     def standby_failed(self, machine_id: str) -> None:
         """A standby could not be started: requests stop waiting for it."""
@@ -450,6 +464,10 @@ class Router:
                 return
             was, old_instance = r.state, r.machine.instance_id
         r.refresh(machine, self._worker_host(machine.worker_id))
+        left = self.slots.place(r)
+        if left is not None:
+            self._judge(left)
+        self._judge(r.slot)
         if machine.state == STARTED:
             r.start_requested = None
             r.start_error = None
@@ -472,8 +490,90 @@ class Router:
         host = view.info.address.rpartition(":")[0]
         return host.strip("[]") or "127.0.0.1"
 
+    def _judge(self, slot: str) -> None:
+        """Re-judge who serves `slot`: end the requests of a member that stopped serving, and
+        tell the workers of outranked copies that still run."""
+        judged = self.slots.judge(slot)
+        for r in judged.demoted:
+            top = judged.top
+            log.warning(
+                "machine_outranked",
+                machine_id=r.id,
+                slot=slot,
+                generation=top[0] if top else 0,
+                primary=top[1] if top else "",
+            )
+            self._lose(frozenset({r.id}), f"slot {slot} moved on to {top[1] if top else '?'}")
+            state = self._apps.get(r.app)
+            if state is not None:
+                state.pulse()
+        if judged.outranked:
+            self._tell_outranked(judged)
+        if judged.serving is not None and judged.serving.fenced:
+            self._promote_fenced(judged.serving, judged)
+
+    def _promote_fenced(self, r: Route, judged: Judged) -> None:
+        """A fenced primary whose worker cannot reach the other members, all on workers this
+        proxy declared dead: promote it (its claim rises, the fence goes), or nothing serves."""
+        if (
+            self.flaps is None
+            or judged.top is None
+            or not r.peers
+            or r.state != STARTED
+            or not self._running
+            or self._closed
+        ):
+            return
+        view = self.registry.worker(r.worker_id)
+        if view is None or view.status != ALIVE or self.is_dead(r.worker_id):
+            return
+        others = [o for o in self.slots.members(r.slot) if o is not r]
+        if not all(self.is_dead(o.worker_id) for o in others):
+            return  # they can answer its worker: let it confirm
+        now = self.clock.now()
+        if now < r.supersede_after:
+            return
+        r.supersede_after = now + self.config.supersede_retry
+        generation = judged.top[0] + 1
+        log.warning("promoting_fenced", machine_id=r.id, slot=r.slot, generation=generation)
+        self._spawn(self._start_fenced(r.id, generation), f"promote {r.id}")
+
+    async def _start_fenced(self, machine_id: str, generation: int) -> None:
+        assert self.flaps is not None
+        try:
+            await self.flaps.start(machine_id, generation)
+        except FlapsFailed as err:
+            log.warning("promotion_failed", machine_id=machine_id, error=str(err))
+
+    def _tell_outranked(self, judged: Judged) -> None:
+        """Ask flaps to supersede each outranked copy running on a live worker (flyd stops it
+        and makes it a standby): after a partition heals, nobody else would."""
+        if self.flaps is None or judged.top is None or self._closed or not self._running:
+            return
+        generation, primary = judged.top
+        now = self.clock.now()
+        for r in judged.outranked:
+            view = self.registry.worker(r.worker_id)
+            if view is None or view.status != ALIVE or self.is_dead(r.worker_id):
+                continue  # its worker hears nothing now; it fences itself when it comes back
+            if now < r.supersede_after:
+                continue
+            r.supersede_after = now + self.config.supersede_retry
+            self._spawn(self._supersede(r, generation, primary), f"supersede {r.id}")
+
+    async def _supersede(self, r: Route, generation: int, primary: str) -> None:
+        assert self.flaps is not None
+        log.info("superseding", machine_id=r.id, generation=generation, primary=primary)
+        try:
+            await self.flaps.supersede(r.id, generation, primary)
+        except FlapsFailed as err:
+            log.warning("supersede_failed", machine_id=r.id, error=str(err))
+
     def _remove(self, r: Route) -> None:
         self._stop_watching(r)
+        self.slots.remove(r)
+        if r.slot:
+            self._judge(r.slot)
         self._routes.pop(r.id, None)
         held = self._by_worker.get(r.worker_id)
         if held is not None:
@@ -511,21 +611,26 @@ class Router:
         if view is None:
             return
         w = self._workers.setdefault(worker_id, WorkerState(worker_id))
+        was, w.status = w.status, view.status
         if self.silent(view.status):
             if not w.dead and (w.probe is None or w.probe.done()) and not self._closed:
                 log.info("worker_silent", worker=worker_id, status=int(view.status))
                 w.probe = self._spawn(
                     self.watch.probe(worker_id, self._shutdown), f"probe {worker_id}"
                 )
-        elif view.status == ALIVE and w.dead:
-            # Back after it was declared dead: its machines get traffic again once their
-            # checks pass.
-            w.dead = False
-            log.info("worker_back", worker=worker_id)
-            now = self.clock.now()
-            for r in self._by_worker.get(worker_id, {}).values():
-                if r.state == STARTED:
-                    self._watch(r, now)
+        elif view.status == ALIVE and (w.dead or was != ALIVE):
+            mine = list(self._by_worker.get(worker_id, {}).values())
+            if w.dead:
+                # Back after it was declared dead: its machines get traffic again once their
+                # checks pass (and only a member that still serves its slot: proxy.fencing).
+                w.dead = False
+                log.info("worker_back", worker=worker_id)
+                now = self.clock.now()
+                for r in mine:
+                    if r.state == STARTED:
+                        self._watch(r, now)
+            for slot in self.slots.slots_of(mine):
+                self._judge(slot)  # a copy outranked while it was away: tell it now
             self._pulse_worker(worker_id)
 
     def _pulse_worker(self, worker_id: str) -> None:

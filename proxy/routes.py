@@ -13,6 +13,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from flyd import slots
 from flyd.v1 import machine_pb2 as pb
 from proxy.errors import ProxyError
 from proxy.routing import Backend
@@ -73,6 +74,8 @@ class RouterConfig:
     """A machine whose start failed is not tried again for this long."""
     failover_attempts: int = 5
     """flaps calls tried per lost primary before giving up."""
+    supersede_retry: float = 2.0
+    """An outranked copy still running on a live worker is reported to it again after this."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -84,6 +87,7 @@ class RouterConfig:
             "probe_timeout",
             "probe_interval",
             "start_retry_after",
+            "supersede_retry",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
@@ -117,6 +121,14 @@ class Route:
     start_error: tuple[float, str] | None = None
     """(until when it is not tried again, why its last start failed)."""
     watcher: asyncio.Task[None] | None = None
+    slot: str = ""
+    """The slot its row names (proxy.fencing.SlotIndex keeps it)."""
+    serving: bool = True
+    """Its row holds its slot's top claim: the only member of the slot that gets requests."""
+    peers: int = 0
+    """How many other members its slot has (0: it stands alone)."""
+    supersede_after: float = 0.0
+    """Its worker was told it is outranked; not again before this."""
 
     @property
     def id(self) -> str:
@@ -164,8 +176,15 @@ class Route:
 
     @property
     def is_standby(self) -> bool:
-        """Standbys start only when their primary's worker is lost, never on demand."""
-        return len(self.machine.config.standbys) > 0
+        """Standbys start only when promoted (their primary's worker is lost), never on demand."""
+        return not slots.is_primary(self.machine)
+
+    @property
+    def fenced(self) -> bool:
+        """Its worker came back and has not confirmed its claim yet (flyd.fencing), and its
+        slot has another member that may have taken over: a machine alone in its slot has
+        nobody to be superseded by, so its fence does not keep requests from it."""
+        return self.machine.slot.fenced and self.peers > 0
 
     def refresh(self, machine: pb.Machine, fallback_host: str) -> None:
         """Take a new row of the machine: the address may change with its config."""
@@ -194,6 +213,8 @@ class WorkerState:
     draining: bool = False
     """An operator asked (DrainWorker) for no new requests to its machines."""
     probe: asyncio.Task[None] | None = None
+    status: int = 0
+    """Its registry status when the router last looked (registry.v1 MemberStatus)."""
 
 
 @dataclass(eq=False)
@@ -230,6 +251,9 @@ class RouteInfo:
     in_flight: int
     healthy: bool
     draining: bool
+    generation: int = 0
+    superseded: bool = False
+    fenced: bool = False
 
 
 def state_name(state: int) -> str:

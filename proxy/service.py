@@ -54,6 +54,9 @@ class ProxyServicer(proxy_pb2_grpc.ProxyServiceServicer):
                     in_flight=info.in_flight,
                     healthy=info.healthy,
                     draining=info.draining,
+                    generation=info.generation,
+                    superseded=info.superseded,
+                    fenced=info.fenced,
                 )
         return out
 

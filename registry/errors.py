@@ -68,3 +68,14 @@ class BrokenSnapshot(RegistryError):
     def __init__(self, worker_id: str, detail: str) -> None:
         super().__init__(f"worker {worker_id}: snapshot in parts broken: {detail}")
         self.worker_id = worker_id
+
+
+class LogRestarted(RegistryError):
+    """The worker's log started over (its data was wiped: another log epoch, or a new boot with
+    a lower sequence): its rows are replaced from a fresh snapshot, never merged."""
+
+    retryable = True
+
+    def __init__(self, worker_id: str, why: str) -> None:
+        super().__init__(f"worker {worker_id}: its log started over ({why})")
+        self.worker_id = worker_id

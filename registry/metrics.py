@@ -10,6 +10,10 @@ by the registry, and by flaps and proxy, which embed a replica).
         from the worker. Clock skew between hosts shows up here; negative values count as 0.
     nonomad_registry_replication_lag_last_seconds{worker}
         The same, for the last change applied from each worker.
+    nonomad_registry_workers_forgotten_total
+        Workers dropped with their rows after being dead longer than `forget_after`.
+    nonomad_registry_log_restarts_total
+        Workers whose log started over (a wiped data dir): their rows were replaced.
     nonomad_registry_workers{region, status}
         Workers known, by liveness (`alive`, `suspect`, `dead`, `unknown`: not heard from yet),
         read from the running replicas at scrape time (one per process outside tests; several
@@ -28,7 +32,7 @@ from prometheus_client.registry import Collector
 from flyd.v1 import worker_pb2
 from registry.view import View, status_name
 
-__all__ = ["applied", "track", "untrack"]
+__all__ = ["FORGOTTEN", "LOG_RESTARTS", "applied", "track", "untrack"]
 
 EVENTS_APPLIED = Counter(
     "nonomad_registry_events_applied",
@@ -40,6 +44,14 @@ REPLICATION_LAG = Histogram(
     "nonomad_registry_replication_lag_seconds",
     "From a machine change's time on its worker to this replica applying it.",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+)
+FORGOTTEN = Counter(
+    "nonomad_registry_workers_forgotten",
+    "Workers dropped with their rows after being dead longer than forget_after.",
+)
+LOG_RESTARTS = Counter(
+    "nonomad_registry_log_restarts",
+    "Workers whose log started over (a wiped data dir): their rows were replaced.",
 )
 LAST_LAG = Gauge(
     "nonomad_registry_replication_lag_last_seconds",

@@ -22,10 +22,11 @@ import grpc
 import grpc.aio
 import structlog
 
+from flyd.slots import slot_of
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2, worker_pb2_grpc
 from registry import metrics
-from registry.errors import InvalidArgument, RegistryError, Unavailable
+from registry.errors import InvalidArgument, LogRestarted, RegistryError, Unavailable
 from registry.supply import Supply
 from registry.v1 import registry_pb2, registry_pb2_grpc
 from registry.view import (
@@ -190,9 +191,13 @@ class Replica:
         upstream: str | None = None,
         peers: Sequence[str] = (),
         retry_max: float = 2.0,
+        forget_after: float = 600.0,
     ) -> None:
         self._view = View(
-            suspect_after=suspect_after, dead_after=dead_after, upstream=upstream is not None
+            suspect_after=suspect_after,
+            dead_after=dead_after,
+            upstream=upstream is not None,
+            forget_after=forget_after,
         )
         if not retry_max >= RETRY_MIN:
             raise ValueError(f"retry_max must be at least {RETRY_MIN}s, got {retry_max!r}")
@@ -281,6 +286,17 @@ class Replica:
 
     def machine(self, machine_id: str) -> pb.Machine | None:
         return self._view.machine(machine_id)
+
+    def slot(self, app: str, slot: str) -> list[tuple[pb.Machine, WorkerView]]:
+        """The members of a slot (the app's rows whose slot is `slot`), each with its worker."""
+        out = []
+        for machine in self._view.machines(app=app):
+            if slot_of(machine).id != slot:
+                continue
+            view = self._view.worker(machine.worker_id)
+            if view is not None:
+                out.append((machine, view))
+        return out
 
     def row(self, machine_id: str) -> Row | None:
         """The machine's row as kept (app, state, bytes): no parse."""
@@ -480,15 +496,20 @@ class Replica:
             if view is None:
                 return
             from_seq = self._view.resume_seq(worker_id)
+            epoch = self._view.resume_epoch(worker_id)
             try:
-                await self._stream_worker(worker_id, view.info.address, from_seq)
+                await self._stream_worker(worker_id, view.info.address, from_seq, epoch)
                 reason = "stream ended"
             except grpc.aio.AioRpcError as err:
                 code = err.code()
                 if code == grpc.StatusCode.INVALID_ARGUMENT and from_seq > 0:
                     # "from_seq is ahead of this worker's log": its log restarted from scratch.
                     self._view.reset(worker_id)
+                    metrics.LOG_RESTARTS.inc()
                 reason = f"{code.name}: {err.details()}"
+            except LogRestarted as err:
+                metrics.LOG_RESTARTS.inc()
+                reason = str(err)
             except RegistryError as err:  # a gap, or the wrong worker at this address
                 reason = str(err)
             except Exception as err:  # a bug must not stop this worker from being followed
@@ -506,7 +527,9 @@ class Replica:
             await self._sleep(backoff)
             backoff = min(backoff * 2, self.retry_max)
 
-    async def _stream_worker(self, worker_id: str, address: str, from_seq: int) -> None:
+    async def _stream_worker(
+        self, worker_id: str, address: str, from_seq: int, log_epoch: str = ""
+    ) -> None:
         """One WatchEvents stream, applied item by item until it ends or breaks."""
         me = asyncio.current_task()
         self._streams.pop(worker_id, None)
@@ -514,7 +537,9 @@ class Replica:
         channel = self._channel(address)
         try:
             stub = worker_pb2_grpc.WorkerServiceStub(channel)
-            call = stub.WatchEvents(worker_pb2.WatchEventsRequest(from_seq=from_seq))
+            call = stub.WatchEvents(
+                worker_pb2.WatchEventsRequest(from_seq=from_seq, log_epoch=log_epoch)
+            )
             first = True
             async for item in call:
                 if first:
@@ -558,8 +583,19 @@ class Replica:
         while self._running:
             now = self.clock.now()
             self._publish(self._view.tick(now))
+            self._forget_dead(now)
             self._reopen_silent_streams(now)
             await self.clock.sleep_until(now + LIVENESS_TICK)
+
+    def _forget_dead(self, now: float) -> None:
+        events, gone = self._view.forget(now)
+        for worker_id in gone:
+            metrics.FORGOTTEN.inc()
+            follower = self._followers.pop(worker_id, None)
+            if follower is not None:
+                follower.cancel()
+            self._streams.pop(worker_id, None)
+        self._publish(events)
 
     def _reopen_silent_streams(self, now: float) -> None:
         """Reopen the streams silent for too long: only the longest silent are looked at."""
@@ -606,6 +642,8 @@ class Replica:
         for member in members:
             info = member.worker
             mine = self._view.worker(info.id)
+            if mine is None and member.status == DEAD:
+                continue  # (one we forgot, or would: not worth following)
             if mine is not None and not (
                 mine.status == DEAD
                 and member.status == ALIVE

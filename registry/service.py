@@ -24,6 +24,7 @@ from registry.replica import FOLLOW_QUEUE, FOLLOW_RESYNC, Replica, SubscriptionC
 from registry.v1 import registry_pb2 as r
 from registry.v1 import registry_pb2_grpc
 from runtime import Service
+from runtime.validate import check_name
 
 # Checked in order: the first matching class decides (subclasses before their bases).
 _CODES: list[tuple[type[RegistryError], grpc.StatusCode]] = [
@@ -82,6 +83,18 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
                 member.last_heartbeat.CopyFrom(_timestamp(view.last_heartbeat))
             members.append(member)
         return r.ListMembersResponse(members=members)
+
+    async def ListSlot(
+        self, request: r.ListSlotRequest, context: grpc.aio.ServicerContext
+    ) -> r.ListSlotResponse:
+        check_name("app", request.app)
+        check_name("slot", request.slot)
+        return r.ListSlotResponse(
+            members=[
+                r.SlotMember(machine=machine, worker=view.info, status=view.status)
+                for machine, view in self.replica.slot(request.app, request.slot)
+            ]
+        )
 
     async def Follow(
         self, request: r.FollowRequest, context: grpc.aio.ServicerContext

@@ -36,6 +36,11 @@ class ReplicaSettings(ServiceSettings):
         default=1.0, gt=0, description="seconds without a heartbeat before a worker is dead"
     )
     retry_max: float = Field(default=2.0, ge=0.05, description="longest reconnect backoff, seconds")
+    forget_after: float = Field(
+        default=600.0,
+        gt=0,
+        description="seconds a worker stays dead before it is forgotten with its rows",
+    )
 
     @field_validator("workers", "peers")
     @classmethod
@@ -60,6 +65,14 @@ class ReplicaSettings(ServiceSettings):
             raise ValueError(f"must be greater than suspect_after ({suspect:g}s)")
         return value
 
+    @field_validator("forget_after")
+    @classmethod
+    def _forget_after(cls, value: float, info: ValidationInfo) -> float:
+        dead = info.data.get("dead_after")
+        if dead is not None and value <= dead:
+            raise ValueError(f"must be greater than dead_after ({dead:g}s)")
+        return value
+
     def replica(self) -> Replica:
         """A Replica with these settings; `registry.service.serve_replica` adds the workers.
         With cluster_ca, it reaches workers and other replicas over the cluster's mutual TLS."""
@@ -71,6 +84,7 @@ class ReplicaSettings(ServiceSettings):
             upstream=self.upstream,
             peers=self.peers,
             retry_max=self.retry_max,
+            forget_after=self.forget_after,
         )
 
 

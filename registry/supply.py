@@ -387,6 +387,15 @@ class Supply:
         self._join(s)
         return s
 
+    def remove(self, worker_id: str) -> None:
+        """Forget a worker (the replica dropped it: dead too long); its slot is reused."""
+        s = self._suppliers.pop(worker_id, None)
+        if s is None:
+            return
+        self._leave(s)
+        self._slots[s.slot] = None
+        self._free_slots.append(s.slot)
+
     def count(self, worker_id: str, app: str, delta: int) -> None:
         """`delta` more machines (not destroyed) of `app` on the worker."""
         s = self._suppliers[worker_id]

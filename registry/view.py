@@ -8,7 +8,10 @@ Every row has one writer, the worker that owns it, so applying is simple: a work
 applied in its own sequence order (a change at or below the applied seq is a repeat and is
 ignored; a change that skips one is a `SequenceGap`), a snapshot replaces the worker's rows
 once its last part has arrived (a large one comes in parts: flyd.pages), and nothing from one
-worker ever touches another worker's rows.
+worker ever touches another worker's rows. A worker whose log starts over (its data dir was
+wiped: a heartbeat names another log epoch, or a new boot with a lower sequence) is reset and
+followed from a new snapshot (`LogRestarted`): its rows are replaced, never merged. A worker
+dead for longer than `forget_after` is dropped with its rows (`forget`).
 
 Nothing here costs a pass over the fleet per change: rows are kept by id and by app, the
 `registry.supply.Supply` that placement reads is updated in O(log n) as heartbeats and rows
@@ -36,7 +39,13 @@ import structlog
 from flyd.pages import snapshot_parts
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
-from registry.errors import BrokenSnapshot, InvalidArgument, SequenceGap, WrongWorker
+from registry.errors import (
+    BrokenSnapshot,
+    InvalidArgument,
+    LogRestarted,
+    SequenceGap,
+    WrongWorker,
+)
 from registry.supply import Resources, Supply
 from registry.v1 import registry_pb2
 from runtime import parse_host_port
@@ -190,6 +199,8 @@ class _Member:
     force_snapshot: bool = False
     # The parts of a snapshot received so far, until its last part arrives.
     partial: worker_pb2.Snapshot | None = None
+    # The log our seq counts in, as its snapshots and heartbeats name it ("": not said yet).
+    log_epoch: str = ""
 
     def view(self) -> WorkerView:
         return WorkerView(
@@ -220,7 +231,14 @@ class View:
     lost upstream shows its workers as suspect, then dead, instead of frozen as alive).
     """
 
-    def __init__(self, *, suspect_after: float, dead_after: float, upstream: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        suspect_after: float,
+        dead_after: float,
+        upstream: bool = False,
+        forget_after: float = 600.0,
+    ) -> None:
         if not suspect_after > 0:
             raise ValueError(f"suspect_after must be > 0 seconds, got {suspect_after!r}")
         if not dead_after > suspect_after:
@@ -228,8 +246,14 @@ class View:
                 f"dead_after ({dead_after!r}s) must be greater than "
                 f"suspect_after ({suspect_after!r}s)"
             )
+        if not forget_after > dead_after:
+            raise ValueError(
+                f"forget_after ({forget_after!r}s) must be greater than "
+                f"dead_after ({dead_after!r}s)"
+            )
         self.suspect_after = suspect_after
         self.dead_after = dead_after
+        self.forget_after = forget_after
         self.upstream = upstream
         self._members: dict[str, _Member] = {}
         # machine id -> owning worker id, and app -> machine ids: reads by id and app are O(1).
@@ -241,6 +265,8 @@ class View:
         # alive (or not heard yet) and those it says suspect. `tick` looks only at the heads.
         self._fresh: OrderedDict[str, _Member] = OrderedDict()
         self._suspect: OrderedDict[str, _Member] = OrderedDict()
+        # And those it says dead, for `forget`.
+        self._dead: OrderedDict[str, _Member] = OrderedDict()
         # Worker ids, sorted, of the fleet (key None) and of each region: pages of workers.
         self._ids: dict[str | None, list[str]] = {None: []}
         self.supply = Supply()
@@ -281,10 +307,53 @@ class View:
     def reset(self, worker_id: str) -> None:
         """The worker's log is behind what we applied (it was wiped): take its next snapshot
         whatever its seq, and ask for one by following from 0."""
-        m = self._members[worker_id]
-        log.warning("worker_log_reset", worker=worker_id, applied_seq=m.seq)
+        self._reset(self._members[worker_id], "its log is behind the applied seq")
+
+    def _reset(self, m: _Member, why: str) -> None:
+        log.warning("worker_log_reset", worker=m.info.id, applied_seq=m.seq, why=why)
         m.seq = 0
         m.force_snapshot = True
+        m.log_epoch = ""
+
+    def resume_epoch(self, worker_id: str) -> str:
+        """The log `resume_seq` counts in ("" when unknown)."""
+        return self._members[worker_id].log_epoch
+
+    def forget(self, now: float) -> tuple[list[ReplicaEvent], list[str]]:
+        """Drop the workers dead for longer than `forget_after`, with their rows: (the events,
+        the ids dropped). One that comes back is learned of again (it announces itself). Only
+        the longest dead are looked at (`_dead` is in the order they were last heard from)."""
+        events: list[ReplicaEvent] = []
+        gone: list[str] = []
+        while self._dead:
+            m = next(iter(self._dead.values()))
+            if now - m.heard < self.forget_after:
+                break
+            del self._dead[m.info.id]
+            if m.status != DEAD:
+                continue  # (an upstream vouches for it: not ours to forget)
+            for machine_id in list(m.rows):
+                self._drop_row(m, machine_id)
+                events.append(self._machine_event(m, machine_id, None))
+            del self._members[m.info.id]
+            self._fresh.pop(m.info.id, None)
+            self._suspect.pop(m.info.id, None)
+            for key in (None, m.info.region):
+                ids = self._ids.get(key)
+                if ids is not None and m.info.id in ids:
+                    ids.remove(m.info.id)
+                    if key is not None and not ids:
+                        del self._ids[key]
+            self.supply.remove(m.info.id)
+            events.append(self._worker_event(m))
+            gone.append(m.info.id)
+            log.warning(
+                "worker_forgotten",
+                worker=m.info.id,
+                region=m.info.region,
+                dead_for=round(now - m.heard, 3),
+            )
+        return events, gone
 
     def set_connected(self, worker_id: str, connected: bool) -> list[ReplicaEvent]:
         m = self._members.get(worker_id)
@@ -358,8 +427,10 @@ class View:
         elif m.partial is None or part.seq != m.partial.seq or part.part != m.partial.part + 1:
             m.partial = None
             raise BrokenSnapshot(m.info.id, f"part {part.part} of seq {part.seq} out of order")
-        # Older than what we have: a lagging source. Decided by the seq, the same for every part.
-        stale = part.seq < m.seq and not m.force_snapshot
+        # Older than what we have: a lagging source (unless it is another log, which replaces
+        # ours whatever its seq). Decided by seq and epoch, the same for every part.
+        other_log = bool(part.log_epoch and m.log_epoch and part.log_epoch != m.log_epoch)
+        stale = part.seq < m.seq and not m.force_snapshot and not other_log
         if not stale:
             for machine in part.machines:
                 _check_owner(m, machine)
@@ -375,6 +446,8 @@ class View:
         if stale:
             return _IGNORED
         m.force_snapshot = False
+        if snap.log_epoch:
+            m.log_epoch = snap.log_epoch
         rows = {machine.id: machine for machine in snap.machines}
         events: list[ReplicaEvent] = []
         for machine_id in [mid for mid in m.rows if mid not in rows]:
@@ -405,6 +478,16 @@ class View:
     def _apply_heartbeat(self, m: _Member, hb: worker_pb2.Heartbeat, now: float) -> Applied:
         if hb.worker.id and hb.worker.id != m.info.id:
             raise WrongWorker(m.info.id, hb.worker.id)
+        restarted = ""
+        if hb.log_epoch and m.log_epoch and hb.log_epoch != m.log_epoch:
+            restarted = f"log epoch {hb.log_epoch}, not {m.log_epoch}"
+        elif hb.worker.boot_id and hb.worker.boot_id != m.info.boot_id and hb.seq < m.seq:
+            restarted = f"new boot {hb.worker.boot_id} at seq {hb.seq} < {m.seq}"
+        if restarted:
+            self._reset(m, restarted)
+            if not self.upstream:
+                raise LogRestarted(m.info.id, restarted)  # follow it again, from a snapshot
+            return _IGNORED  # the upstream sends its new snapshot
         events: list[ReplicaEvent] = []
         m.capacity = hb.capacity
         m.last_heartbeat = now
@@ -447,6 +530,8 @@ class View:
                 del queue[m.info.id]
                 if age < self.dead_after:
                     self._suspect[m.info.id] = m
+                else:
+                    self._dead[m.info.id] = m
                 events += self._update_status(m, now)
         return events
 
@@ -454,6 +539,7 @@ class View:
         """The worker was heard from at `now` (the latest time yet): it goes to the back."""
         m.heard = now
         self._suspect.pop(m.info.id, None)
+        self._dead.pop(m.info.id, None)
         self._fresh.pop(m.info.id, None)
         self._fresh[m.info.id] = m
 
@@ -608,9 +694,12 @@ class View:
         Lazily, worker by worker, so a caller can yield between them; the workers are those
         known when it was called."""
         for worker_id in list(self._members):
-            m = self._members[worker_id]
+            m = self._members.get(worker_id)
+            if m is None:
+                continue  # forgotten meanwhile
             rows = (pb.Machine.FromString(row[3]) for row in m.rows.values())
             for part in snapshot_parts(m.seq, "requested", rows):
+                part.log_epoch = m.log_epoch
                 yield registry_pb2.FollowResponse(
                     worker_id=m.info.id,
                     status=m.status,
@@ -618,7 +707,9 @@ class View:
                     item=worker_pb2.WatchEventsResponse(snapshot=part),
                 )
             if m.last_heartbeat:
-                hb = worker_pb2.Heartbeat(seq=m.seq, worker=m.info, capacity=m.capacity)
+                hb = worker_pb2.Heartbeat(
+                    seq=m.seq, worker=m.info, capacity=m.capacity, log_epoch=m.log_epoch
+                )
                 hb.time.FromNanoseconds(int(m.last_heartbeat * 1e9))
                 yield registry_pb2.FollowResponse(
                     worker_id=m.info.id,

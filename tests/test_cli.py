@@ -11,6 +11,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.harness import REPO_ROOT, clean_env
@@ -39,18 +40,44 @@ def alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
-def through_proxy(address: str, host: str) -> str:
-    """GET / through the proxy; its registry may need a moment to learn the machine."""
+def through_proxy(address: str, host: str, served_by: str = "") -> str:
+    """GET / through the proxy; its registry may need a moment to learn the machine (and,
+    with `served_by`, until that machine answers)."""
     deadline = time.monotonic() + 30
     while True:
         request = urllib.request.Request(f"http://{address}/", headers={"Host": host})
         try:
             with urllib.request.urlopen(request, timeout=10) as resp:
-                return str(resp.read().decode())
+                body = str(resp.read().decode())
+                if served_by in body or time.monotonic() > deadline:
+                    return body
         except urllib.error.HTTPError as err:
             if err.code not in (404, 503) or time.monotonic() > deadline:
                 raise
         time.sleep(0.05)
+
+
+def read_until(up: subprocess.Popen[str], text: str) -> str:
+    """`up`'s output lines until one contains `text` (the line)."""
+    assert up.stdout is not None
+    seen = []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        line = up.stdout.readline()
+        assert line, "".join(seen)
+        seen.append(line)
+        if text in line:
+            return line
+    raise AssertionError(f"`up` never said {text!r}: {''.join(seen)}")
+
+
+def eventually_true(check: Callable[[], bool], deadline: float = 30.0) -> bool:
+    end = time.monotonic() + deadline
+    while not check():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def test_up_serves_the_demo_app_and_down_leaves_nothing_behind(tmp_path: Path) -> None:
@@ -142,6 +169,38 @@ def test_up_serves_the_demo_app_and_down_leaves_nothing_behind(tmp_path: Path) -
         deployed = json.loads(again.stdout)
         assert (deployed["created"], deployed["updated"]) == ([], [])
         assert sorted(deployed["unchanged"]) == sorted(m["id"] for m in demo)
+
+        # A failover to watch: the primary's worker is killed; `up` says so and keeps running,
+        # the standby answers through the edge, and after a restart the roles have swapped.
+        [primary] = [m for m in demo if m["state"] == "MACHINE_STATE_STARTED"]
+        [standby] = [m for m in demo if m["id"] != primary["id"]]
+        victim = str(primary["worker_id"])
+        killed = nonomad("--state-dir", str(state), "workers", "kill", victim)
+        assert killed.returncode == 0, killed.stderr
+        assert killed.stdout.startswith(f"{victim} killed (SIGKILL, pid ")
+        assert f"{victim} exited (killed by SIGKILL); the cluster keeps running" in read_until(
+            up, f"{victim} exited"
+        )
+        assert f"hello from machine {standby['id']}" in through_proxy(
+            edge.group(2), edge.group(1), served_by=str(standby["id"])
+        )
+        restarted = nonomad("--state-dir", str(state), "workers", "restart", victim)
+        assert restarted.returncode == 0, restarted.stderr
+        assert f"{victim} restarted on its data dir" in restarted.stdout
+
+        def swapped() -> bool:
+            rows = {m["id"]: m for m in listed_until(state, "demo", 2)}
+            old, new = rows[primary["id"]], rows[standby["id"]]
+            return (
+                old["state"] == "MACHINE_STATE_STOPPED"
+                and old["slot"]["primary"] == new["id"]
+                and new["state"] == "MACHINE_STATE_STARTED"
+            )
+
+        assert eventually_true(swapped)
+        listed = nonomad("--state-dir", str(state), "machines", "list", "demo")
+        roles = {line.split()[0]: line.split()[3:5] for line in listed.stdout.splitlines()[1:]}
+        assert roles == {primary["id"]: ["standby", "g1"], standby["id"]: ["primary", "g1"]}
 
         workers = json.loads((state / "workers.json").read_text())
         down = nonomad("--state-dir", str(state), "down")

@@ -265,17 +265,23 @@ class StartMachineRequest(_message.Message):
 
     MACHINE_ID_FIELD_NUMBER: _builtins.int
     LEASE_NONCE_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
     machine_id: _builtins.str
     lease_nonce: _builtins.str
+    generation: _builtins.int
+    """Promote a standby at this generation (0: a plain start; for a standby, the next
+    generation of its slot).
+    """
     def __init__(
         self,
         *,
         machine_id: _builtins.str = ...,
         lease_nonce: _builtins.str = ...,
+        generation: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_nonce", b"lease_nonce", "machine_id", b"machine_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "lease_nonce", b"lease_nonce", "machine_id", b"machine_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -716,3 +722,48 @@ class GetMachineLogsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetMachineLogsResponse: _TypeAlias = GetMachineLogsResponse  # noqa: Y015
+
+@_typing.final
+class SupersedeMachineRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MACHINE_ID_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    PRIMARY_FIELD_NUMBER: _builtins.int
+    machine_id: _builtins.str
+    generation: _builtins.int
+    primary: _builtins.str
+    def __init__(
+        self,
+        *,
+        machine_id: _builtins.str = ...,
+        generation: _builtins.int = ...,
+        primary: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "machine_id", b"machine_id", "primary", b"primary"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SupersedeMachineRequest: _TypeAlias = SupersedeMachineRequest  # noqa: Y015
+
+@_typing.final
+class SupersedeMachineResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MACHINE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def machine(self) -> _machine_pb2.Machine: ...
+    def __init__(
+        self,
+        *,
+        machine: _machine_pb2.Machine | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["machine", b"machine"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["machine", b"machine"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SupersedeMachineResponse: _TypeAlias = SupersedeMachineResponse  # noqa: Y015

@@ -113,6 +113,11 @@ class MachinesServiceStub:
                 request_serializer=flaps_dot_v1_dot_machines__pb2.GetMachineLogsRequest.SerializeToString,
                 response_deserializer=flaps_dot_v1_dot_machines__pb2.GetMachineLogsResponse.FromString,
                 _registered_method=True)
+        self.SupersedeMachine = channel.unary_unary(
+                '/flaps.v1.MachinesService/SupersedeMachine',
+                request_serializer=flaps_dot_v1_dot_machines__pb2.SupersedeMachineRequest.SerializeToString,
+                response_deserializer=flaps_dot_v1_dot_machines__pb2.SupersedeMachineResponse.FromString,
+                _registered_method=True)
 
 
 class MachinesServiceServicer:
@@ -166,7 +171,9 @@ class MachinesServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def StartMachine(self, request, context):
-        """Starts a stopped or created machine. FAILED_PRECONDITION when destroyed.
+        """Starts a stopped or created machine. FAILED_PRECONDITION when destroyed. Starting a
+        standby promotes it: at the generation named, or else at the next one flaps knows of for
+        its slot (FAILED_PRECONDITION, reason SUPERSEDED, when that is taken already).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -244,6 +251,15 @@ class MachinesServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SupersedeMachine(self, request, context):
+        """Tells the machine's worker that its slot moved on to `primary` at `generation` (see
+        flyd.v1.WorkerService.SupersedeMachine): a copy outranked stops and stands by.
+        INVALID_ARGUMENT for a generation of 0 or a malformed primary id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MachinesServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -316,6 +332,11 @@ def add_MachinesServiceServicer_to_server(servicer, server):
                     servicer.GetMachineLogs,
                     request_deserializer=flaps_dot_v1_dot_machines__pb2.GetMachineLogsRequest.FromString,
                     response_serializer=flaps_dot_v1_dot_machines__pb2.GetMachineLogsResponse.SerializeToString,
+            ),
+            'SupersedeMachine': grpc.unary_unary_rpc_method_handler(
+                    servicer.SupersedeMachine,
+                    request_deserializer=flaps_dot_v1_dot_machines__pb2.SupersedeMachineRequest.FromString,
+                    response_serializer=flaps_dot_v1_dot_machines__pb2.SupersedeMachineResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -705,6 +726,33 @@ class MachinesService:
             '/flaps.v1.MachinesService/GetMachineLogs',
             flaps_dot_v1_dot_machines__pb2.GetMachineLogsRequest.SerializeToString,
             flaps_dot_v1_dot_machines__pb2.GetMachineLogsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SupersedeMachine(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flaps.v1.MachinesService/SupersedeMachine',
+            flaps_dot_v1_dot_machines__pb2.SupersedeMachineRequest.SerializeToString,
+            flaps_dot_v1_dot_machines__pb2.SupersedeMachineResponse.FromString,
             options,
             channel_credentials,
             insecure,

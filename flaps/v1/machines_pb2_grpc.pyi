@@ -64,7 +64,10 @@ class MachinesServiceStub:
     cannot fit the new size.
     """
     StartMachine: _grpc.UnaryUnaryMultiCallable[_machines_pb2.StartMachineRequest, _machines_pb2.StartMachineResponse]
-    """Starts a stopped or created machine. FAILED_PRECONDITION when destroyed."""
+    """Starts a stopped or created machine. FAILED_PRECONDITION when destroyed. Starting a
+    standby promotes it: at the generation named, or else at the next one flaps knows of for
+    its slot (FAILED_PRECONDITION, reason SUPERSEDED, when that is taken already).
+    """
     StopMachine: _grpc.UnaryUnaryMultiCallable[_machines_pb2.StopMachineRequest, _machines_pb2.StopMachineResponse]
     """Stops a machine (signal, timeout, then kill). FAILED_PRECONDITION when
     destroyed; INVALID_ARGUMENT for an unknown signal name.
@@ -97,6 +100,11 @@ class MachinesServiceStub:
     streaming new lines until the client cancels or the machine is destroyed.
     NOT_FOUND for an unknown id, INVALID_ARGUMENT for tail_lines outside
     0..10000.
+    """
+    SupersedeMachine: _grpc.UnaryUnaryMultiCallable[_machines_pb2.SupersedeMachineRequest, _machines_pb2.SupersedeMachineResponse]
+    """Tells the machine's worker that its slot moved on to `primary` at `generation` (see
+    flyd.v1.WorkerService.SupersedeMachine): a copy outranked stops and stands by.
+    INVALID_ARGUMENT for a generation of 0 or a malformed primary id.
     """
 
 @_typing.type_check_only
@@ -135,7 +143,10 @@ class MachinesServiceAsyncStub(MachinesServiceStub):
     cannot fit the new size.
     """
     StartMachine: _aio.UnaryUnaryMultiCallable[_machines_pb2.StartMachineRequest, _machines_pb2.StartMachineResponse]  # type: ignore[assignment]
-    """Starts a stopped or created machine. FAILED_PRECONDITION when destroyed."""
+    """Starts a stopped or created machine. FAILED_PRECONDITION when destroyed. Starting a
+    standby promotes it: at the generation named, or else at the next one flaps knows of for
+    its slot (FAILED_PRECONDITION, reason SUPERSEDED, when that is taken already).
+    """
     StopMachine: _aio.UnaryUnaryMultiCallable[_machines_pb2.StopMachineRequest, _machines_pb2.StopMachineResponse]  # type: ignore[assignment]
     """Stops a machine (signal, timeout, then kill). FAILED_PRECONDITION when
     destroyed; INVALID_ARGUMENT for an unknown signal name.
@@ -168,6 +179,11 @@ class MachinesServiceAsyncStub(MachinesServiceStub):
     streaming new lines until the client cancels or the machine is destroyed.
     NOT_FOUND for an unknown id, INVALID_ARGUMENT for tail_lines outside
     0..10000.
+    """
+    SupersedeMachine: _aio.UnaryUnaryMultiCallable[_machines_pb2.SupersedeMachineRequest, _machines_pb2.SupersedeMachineResponse]  # type: ignore[assignment]
+    """Tells the machine's worker that its slot moved on to `primary` at `generation` (see
+    flyd.v1.WorkerService.SupersedeMachine): a copy outranked stops and stands by.
+    INVALID_ARGUMENT for a generation of 0 or a malformed primary id.
     """
 
 class MachinesServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -233,7 +249,10 @@ class MachinesServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _machines_pb2.StartMachineRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_machines_pb2.StartMachineResponse, _abc.Awaitable[_machines_pb2.StartMachineResponse]]:
-        """Starts a stopped or created machine. FAILED_PRECONDITION when destroyed."""
+        """Starts a stopped or created machine. FAILED_PRECONDITION when destroyed. Starting a
+        standby promotes it: at the generation named, or else at the next one flaps knows of for
+        its slot (FAILED_PRECONDITION, reason SUPERSEDED, when that is taken already).
+        """
 
     @_abc_1.abstractmethod
     def StopMachine(
@@ -320,6 +339,17 @@ class MachinesServiceServicer(metaclass=_abc_1.ABCMeta):
         streaming new lines until the client cancels or the machine is destroyed.
         NOT_FOUND for an unknown id, INVALID_ARGUMENT for tail_lines outside
         0..10000.
+        """
+
+    @_abc_1.abstractmethod
+    def SupersedeMachine(
+        self,
+        request: _machines_pb2.SupersedeMachineRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_machines_pb2.SupersedeMachineResponse, _abc.Awaitable[_machines_pb2.SupersedeMachineResponse]]:
+        """Tells the machine's worker that its slot moved on to `primary` at `generation` (see
+        flyd.v1.WorkerService.SupersedeMachine): a copy outranked stops and stands by.
+        INVALID_ARGUMENT for a generation of 0 or a malformed primary id.
         """
 
 def add_MachinesServiceServicer_to_server(servicer: MachinesServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

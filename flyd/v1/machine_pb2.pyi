@@ -592,6 +592,7 @@ class MachineEvent(_message.Message):
     TO_STATE_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     TIME_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """Position in the worker's log; increases by one per change."""
     machine_id: _builtins.str
@@ -601,6 +602,8 @@ class MachineEvent(_message.Message):
     to_state: Global___MachineState.ValueType
     reason: _builtins.str
     """Why, in words: "requested by client", "exited with code 1", ..."""
+    generation: _builtins.int
+    """The machine's slot generation after the change (see SlotState)."""
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -613,10 +616,11 @@ class MachineEvent(_message.Message):
         to_state: Global___MachineState.ValueType = ...,
         reason: _builtins.str = ...,
         time: _timestamp_pb2.Timestamp | None = ...,
+        generation: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_state", b"from_state", "machine_id", b"machine_id", "reason", b"reason", "seq", b"seq", "time", b"time", "to_state", b"to_state", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_state", b"from_state", "generation", b"generation", "machine_id", b"machine_id", "reason", b"reason", "seq", b"seq", "time", b"time", "to_state", b"to_state", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -645,6 +649,7 @@ class Machine(_message.Message):
     LOG_TAIL_FIELD_NUMBER: _builtins.int
     LEASE_FIELD_NUMBER: _builtins.int
     IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
+    SLOT_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Unique across the fleet; never reused."""
     name: _builtins.str
@@ -684,6 +689,10 @@ class Machine(_message.Message):
     def lease(self) -> Global___Lease:
         """The lease held on the machine, if any (its nonce is never shown)."""
 
+    @_builtins.property
+    def slot(self) -> Global___SlotState:
+        """Its place in its slot: which member serves, at which generation (docs/fencing.md)."""
+
     def __init__(
         self,
         *,
@@ -704,14 +713,58 @@ class Machine(_message.Message):
         log_tail: _abc.Iterable[_builtins.str] | None = ...,
         lease: Global___Lease | None = ...,
         idempotency_key: _builtins.str = ...,
+        slot: Global___SlotState | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "created_at", b"created_at", "last_exit", b"last_exit", "lease", b"lease", "updated_at", b"updated_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "created_at", b"created_at", "last_exit", b"last_exit", "lease", b"lease", "slot", b"slot", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["app", b"app", "config", b"config", "created_at", b"created_at", "events", b"events", "id", b"id", "idempotency_key", b"idempotency_key", "instance_id", b"instance_id", "last_exit", b"last_exit", "lease", b"lease", "log_tail", b"log_tail", "name", b"name", "ports", b"ports", "region", b"region", "restart_count", b"restart_count", "state", b"state", "updated_at", b"updated_at", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["app", b"app", "config", b"config", "created_at", b"created_at", "events", b"events", "id", b"id", "idempotency_key", b"idempotency_key", "instance_id", b"instance_id", "last_exit", b"last_exit", "lease", b"lease", "log_tail", b"log_tail", "name", b"name", "ports", b"ports", "region", b"region", "restart_count", b"restart_count", "slot", b"slot", "state", b"state", "updated_at", b"updated_at", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Machine: _TypeAlias = Machine  # noqa: Y015
+
+@_typing.final
+class SlotState(_message.Message):
+    """A slot is a primary and the machines standing by for it. At most one member serves: the one
+    that holds the slot's highest generation. A promotion (StartMachine naming a generation)
+    raises it; each member's row is written by its own worker only.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    PRIMARY_FIELD_NUMBER: _builtins.int
+    FENCED_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """The slot: the id of the machine its members stand by for (the first entry of a standby's
+    config.standbys; a machine's own id otherwise). Set at create, never changed.
+    """
+    generation: _builtins.int
+    """The highest generation of the slot this member's worker has recorded."""
+    primary: _builtins.str
+    """The member that serves at `generation` as this row knows it: this machine's own id when it
+    is the primary, another member's when it stands by.
+    """
+    fenced: _builtins.bool
+    """Its worker came back (a restart, a freeze) and has not yet confirmed with the other
+    members' workers that none holds a higher generation: not routable until it has.
+    """
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        generation: _builtins.int = ...,
+        primary: _builtins.str = ...,
+        fenced: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fenced", b"fenced", "generation", b"generation", "id", b"id", "primary", b"primary"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SlotState: _TypeAlias = SlotState  # noqa: Y015
 
 @_typing.final
 class Lease(_message.Message):

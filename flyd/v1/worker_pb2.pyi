@@ -93,18 +93,24 @@ class StartMachineRequest(_message.Message):
 
     MACHINE_ID_FIELD_NUMBER: _builtins.int
     LEASE_NONCE_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
     machine_id: _builtins.str
     lease_nonce: _builtins.str
     """Required when a lease is held on the machine."""
+    generation: _builtins.int
+    """A promotion: the machine becomes its slot's primary at this generation (recorded before
+    it starts). 0: a plain start (refused for a standby).
+    """
     def __init__(
         self,
         *,
         machine_id: _builtins.str = ...,
         lease_nonce: _builtins.str = ...,
+        generation: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_nonce", b"lease_nonce", "machine_id", b"machine_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "lease_nonce", b"lease_nonce", "machine_id", b"machine_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -524,16 +530,22 @@ class WatchEventsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     FROM_SEQ_FIELD_NUMBER: _builtins.int
+    LOG_EPOCH_FIELD_NUMBER: _builtins.int
     from_seq: _builtins.int
     """Send changes with a sequence number greater than this. 0: snapshot first."""
+    log_epoch: _builtins.str
+    """The log from_seq counts in (a Snapshot's or Heartbeat's log_epoch). When it is not this
+    worker's log (its data was wiped and its log started over), a snapshot comes first.
+    """
     def __init__(
         self,
         *,
         from_seq: _builtins.int = ...,
+        log_epoch: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_seq", b"from_seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_seq", b"from_seq", "log_epoch", b"log_epoch"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -555,13 +567,16 @@ class Snapshot(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     PART_FIELD_NUMBER: _builtins.int
     MORE_FIELD_NUMBER: _builtins.int
+    LOG_EPOCH_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     reason: _builtins.str
-    """Why the snapshot was sent: "requested" or "compacted"."""
+    """Why the snapshot was sent: "requested", "compacted" or "epoch"."""
     part: _builtins.int
     """Which part this is, from 0."""
     more: _builtins.bool
     """More parts of this snapshot follow."""
+    log_epoch: _builtins.str
+    """Which log `seq` counts in: chosen when the worker's log was created."""
     @_builtins.property
     def machines(self) -> _containers.RepeatedCompositeFieldContainer[_machine_pb2.Machine]: ...
     def __init__(
@@ -572,10 +587,11 @@ class Snapshot(_message.Message):
         reason: _builtins.str = ...,
         part: _builtins.int = ...,
         more: _builtins.bool = ...,
+        log_epoch: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["machines", b"machines", "more", b"more", "part", b"part", "reason", b"reason", "seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["log_epoch", b"log_epoch", "machines", b"machines", "more", b"more", "part", b"part", "reason", b"reason", "seq", b"seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -615,8 +631,11 @@ class Heartbeat(_message.Message):
     TIME_FIELD_NUMBER: _builtins.int
     WORKER_FIELD_NUMBER: _builtins.int
     CAPACITY_FIELD_NUMBER: _builtins.int
+    LOG_EPOCH_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """The last sequence number in the worker's log."""
+    log_epoch: _builtins.str
+    """Which log `seq` counts in (see Snapshot.log_epoch)."""
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -630,10 +649,11 @@ class Heartbeat(_message.Message):
         time: _timestamp_pb2.Timestamp | None = ...,
         worker: _machine_pb2.WorkerInfo | None = ...,
         capacity: _machine_pb2.Capacity | None = ...,
+        log_epoch: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "time", b"time", "worker", b"worker"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "seq", b"seq", "time", b"time", "worker", b"worker"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "log_epoch", b"log_epoch", "seq", b"seq", "time", b"time", "worker", b"worker"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -936,3 +956,50 @@ class ListMachineEventsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListMachineEventsResponse: _TypeAlias = ListMachineEventsResponse  # noqa: Y015
+
+@_typing.final
+class SupersedeMachineRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MACHINE_ID_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    PRIMARY_FIELD_NUMBER: _builtins.int
+    machine_id: _builtins.str
+    generation: _builtins.int
+    """The generation the slot reached; at least 1."""
+    primary: _builtins.str
+    """The member that serves at that generation."""
+    def __init__(
+        self,
+        *,
+        machine_id: _builtins.str = ...,
+        generation: _builtins.int = ...,
+        primary: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "machine_id", b"machine_id", "primary", b"primary"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SupersedeMachineRequest: _TypeAlias = SupersedeMachineRequest  # noqa: Y015
+
+@_typing.final
+class SupersedeMachineResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MACHINE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def machine(self) -> _machine_pb2.Machine: ...
+    def __init__(
+        self,
+        *,
+        machine: _machine_pb2.Machine | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["machine", b"machine"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["machine", b"machine"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SupersedeMachineResponse: _TypeAlias = SupersedeMachineResponse  # noqa: Y015

@@ -127,6 +127,11 @@ class WorkerServiceStub:
                 request_serializer=flyd_dot_v1_dot_worker__pb2.ListMachineEventsRequest.SerializeToString,
                 response_deserializer=flyd_dot_v1_dot_worker__pb2.ListMachineEventsResponse.FromString,
                 _registered_method=True)
+        self.SupersedeMachine = channel.unary_unary(
+                '/flyd.v1.WorkerService/SupersedeMachine',
+                request_serializer=flyd_dot_v1_dot_worker__pb2.SupersedeMachineRequest.SerializeToString,
+                response_deserializer=flyd_dot_v1_dot_worker__pb2.SupersedeMachineResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -158,7 +163,9 @@ class WorkerServiceServicer:
     def StartMachine(self, request, context):
         """Starts a created, stopped or failed machine and returns once its process
         runs. A started or starting machine is returned as is. FAILED_PRECONDITION when destroyed or being
-        destroyed.
+        destroyed. A standby starts only as a promotion (generation above its slot's, committed
+        before its process runs): FAILED_PRECONDITION with reason STANDBY without one, SUPERSEDED
+        when the slot already holds that generation for another member.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -299,6 +306,16 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SupersedeMachine(self, request, context):
+        """Tells the machine's worker that its slot moved on: `primary` serves at `generation`. When
+        that outranks the machine's own claim, the machine is stopped and becomes a standby of
+        `primary` (a claim that does not outrank it changes nothing). INVALID_ARGUMENT for a
+        generation of 0 or a malformed primary id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -386,6 +403,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.ListMachineEvents,
                     request_deserializer=flyd_dot_v1_dot_worker__pb2.ListMachineEventsRequest.FromString,
                     response_serializer=flyd_dot_v1_dot_worker__pb2.ListMachineEventsResponse.SerializeToString,
+            ),
+            'SupersedeMachine': grpc.unary_unary_rpc_method_handler(
+                    servicer.SupersedeMachine,
+                    request_deserializer=flyd_dot_v1_dot_worker__pb2.SupersedeMachineRequest.FromString,
+                    response_serializer=flyd_dot_v1_dot_worker__pb2.SupersedeMachineResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -855,6 +877,33 @@ class WorkerService:
             '/flyd.v1.WorkerService/ListMachineEvents',
             flyd_dot_v1_dot_worker__pb2.ListMachineEventsRequest.SerializeToString,
             flyd_dot_v1_dot_worker__pb2.ListMachineEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SupersedeMachine(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flyd.v1.WorkerService/SupersedeMachine',
+            flyd_dot_v1_dot_worker__pb2.SupersedeMachineRequest.SerializeToString,
+            flyd_dot_v1_dot_worker__pb2.SupersedeMachineResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -55,7 +55,9 @@ class WorkerServiceStub:
     StartMachine: _grpc.UnaryUnaryMultiCallable[_worker_pb2.StartMachineRequest, _worker_pb2.StartMachineResponse]
     """Starts a created, stopped or failed machine and returns once its process
     runs. A started or starting machine is returned as is. FAILED_PRECONDITION when destroyed or being
-    destroyed.
+    destroyed. A standby starts only as a promotion (generation above its slot's, committed
+    before its process runs): FAILED_PRECONDITION with reason STANDBY without one, SUPERSEDED
+    when the slot already holds that generation for another member.
     """
     StopMachine: _grpc.UnaryUnaryMultiCallable[_worker_pb2.StopMachineRequest, _worker_pb2.StopMachineResponse]
     """Sends the stop signal, waits the stop timeout, then kills the process
@@ -131,6 +133,12 @@ class WorkerServiceStub:
     """Returns the machine's state changes still in the worker's log, oldest
     first. NOT_FOUND for an unknown id.
     """
+    SupersedeMachine: _grpc.UnaryUnaryMultiCallable[_worker_pb2.SupersedeMachineRequest, _worker_pb2.SupersedeMachineResponse]
+    """Tells the machine's worker that its slot moved on: `primary` serves at `generation`. When
+    that outranks the machine's own claim, the machine is stopped and becomes a standby of
+    `primary` (a claim that does not outrank it changes nothing). INVALID_ARGUMENT for a
+    generation of 0 or a malformed primary id.
+    """
 
 @_typing.type_check_only
 class WorkerServiceAsyncStub(WorkerServiceStub):
@@ -159,7 +167,9 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     StartMachine: _aio.UnaryUnaryMultiCallable[_worker_pb2.StartMachineRequest, _worker_pb2.StartMachineResponse]  # type: ignore[assignment]
     """Starts a created, stopped or failed machine and returns once its process
     runs. A started or starting machine is returned as is. FAILED_PRECONDITION when destroyed or being
-    destroyed.
+    destroyed. A standby starts only as a promotion (generation above its slot's, committed
+    before its process runs): FAILED_PRECONDITION with reason STANDBY without one, SUPERSEDED
+    when the slot already holds that generation for another member.
     """
     StopMachine: _aio.UnaryUnaryMultiCallable[_worker_pb2.StopMachineRequest, _worker_pb2.StopMachineResponse]  # type: ignore[assignment]
     """Sends the stop signal, waits the stop timeout, then kills the process
@@ -235,6 +245,12 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     """Returns the machine's state changes still in the worker's log, oldest
     first. NOT_FOUND for an unknown id.
     """
+    SupersedeMachine: _aio.UnaryUnaryMultiCallable[_worker_pb2.SupersedeMachineRequest, _worker_pb2.SupersedeMachineResponse]  # type: ignore[assignment]
+    """Tells the machine's worker that its slot moved on: `primary` serves at `generation`. When
+    that outranks the machine's own claim, the machine is stopped and becomes a standby of
+    `primary` (a claim that does not outrank it changes nothing). INVALID_ARGUMENT for a
+    generation of 0 or a malformed primary id.
+    """
 
 class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
     """WorkerService is flyd: the source of truth for the machines of one worker
@@ -272,7 +288,9 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_worker_pb2.StartMachineResponse, _abc.Awaitable[_worker_pb2.StartMachineResponse]]:
         """Starts a created, stopped or failed machine and returns once its process
         runs. A started or starting machine is returned as is. FAILED_PRECONDITION when destroyed or being
-        destroyed.
+        destroyed. A standby starts only as a promotion (generation above its slot's, committed
+        before its process runs): FAILED_PRECONDITION with reason STANDBY without one, SUPERSEDED
+        when the slot already holds that generation for another member.
         """
 
     @_abc_1.abstractmethod
@@ -437,6 +455,18 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_worker_pb2.ListMachineEventsResponse, _abc.Awaitable[_worker_pb2.ListMachineEventsResponse]]:
         """Returns the machine's state changes still in the worker's log, oldest
         first. NOT_FOUND for an unknown id.
+        """
+
+    @_abc_1.abstractmethod
+    def SupersedeMachine(
+        self,
+        request: _worker_pb2.SupersedeMachineRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.SupersedeMachineResponse, _abc.Awaitable[_worker_pb2.SupersedeMachineResponse]]:
+        """Tells the machine's worker that its slot moved on: `primary` serves at `generation`. When
+        that outranks the machine's own claim, the machine is stopped and becomes a standby of
+        `primary` (a claim that does not outrank it changes nothing). INVALID_ARGUMENT for a
+        generation of 0 or a malformed primary id.
         """
 
 def add_WorkerServiceServicer_to_server(servicer: WorkerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -51,6 +51,9 @@ class RouteMachine(_message.Message):
     IN_FLIGHT_FIELD_NUMBER: _builtins.int
     HEALTHY_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    SUPERSEDED_FIELD_NUMBER: _builtins.int
+    FENCED_FIELD_NUMBER: _builtins.int
     machine_id: _builtins.str
     worker_id: _builtins.str
     region: _builtins.str
@@ -60,6 +63,12 @@ class RouteMachine(_message.Message):
     in_flight: _builtins.int
     healthy: _builtins.bool
     draining: _builtins.bool
+    generation: _builtins.int
+    """Its slot's generation as this row records it."""
+    superseded: _builtins.bool
+    """Another member of its slot outranks it: it gets no requests."""
+    fenced: _builtins.bool
+    """Its worker has not yet confirmed its generation after coming back."""
     def __init__(
         self,
         *,
@@ -71,10 +80,13 @@ class RouteMachine(_message.Message):
         in_flight: _builtins.int = ...,
         healthy: _builtins.bool = ...,
         draining: _builtins.bool = ...,
+        generation: _builtins.int = ...,
+        superseded: _builtins.bool = ...,
+        fenced: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "draining", b"draining", "healthy", b"healthy", "in_flight", b"in_flight", "machine_id", b"machine_id", "region", b"region", "state", b"state", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "draining", b"draining", "fenced", b"fenced", "generation", b"generation", "healthy", b"healthy", "in_flight", b"in_flight", "machine_id", b"machine_id", "region", b"region", "state", b"state", "superseded", b"superseded", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -202,3 +202,74 @@ class FollowResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___FollowResponse: _TypeAlias = FollowResponse  # noqa: Y015
+
+@_typing.final
+class ListSlotRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    APP_FIELD_NUMBER: _builtins.int
+    SLOT_FIELD_NUMBER: _builtins.int
+    app: _builtins.str
+    slot: _builtins.str
+    def __init__(
+        self,
+        *,
+        app: _builtins.str = ...,
+        slot: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["app", b"app", "slot", b"slot"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListSlotRequest: _TypeAlias = ListSlotRequest  # noqa: Y015
+
+@_typing.final
+class SlotMember(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MACHINE_FIELD_NUMBER: _builtins.int
+    WORKER_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    status: Global___MemberStatus.ValueType
+    @_builtins.property
+    def machine(self) -> _machine_pb2.Machine: ...
+    @_builtins.property
+    def worker(self) -> _machine_pb2.WorkerInfo:
+        """Its worker as the replica knows it (address included)."""
+
+    def __init__(
+        self,
+        *,
+        machine: _machine_pb2.Machine | None = ...,
+        worker: _machine_pb2.WorkerInfo | None = ...,
+        status: Global___MemberStatus.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["machine", b"machine", "worker", b"worker"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["machine", b"machine", "status", b"status", "worker", b"worker"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SlotMember: _TypeAlias = SlotMember  # noqa: Y015
+
+@_typing.final
+class ListSlotResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MEMBERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___SlotMember]: ...
+    def __init__(
+        self,
+        *,
+        members: _abc.Iterable[Global___SlotMember] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["members", b"members"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListSlotResponse: _TypeAlias = ListSlotResponse  # noqa: Y015

@@ -55,6 +55,11 @@ class RegistryServiceStub:
                 request_serializer=registry_dot_v1_dot_registry__pb2.FollowRequest.SerializeToString,
                 response_deserializer=registry_dot_v1_dot_registry__pb2.FollowResponse.FromString,
                 _registered_method=True)
+        self.ListSlot = channel.unary_unary(
+                '/registry.v1.RegistryService/ListSlot',
+                request_serializer=registry_dot_v1_dot_registry__pb2.ListSlotRequest.SerializeToString,
+                response_deserializer=registry_dot_v1_dot_registry__pb2.ListSlotResponse.FromString,
+                _registered_method=True)
 
 
 class RegistryServiceServicer:
@@ -94,6 +99,15 @@ class RegistryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListSlot(self, request, context):
+        """The members of one slot this replica knows (the app's machines whose slot is `slot`), each
+        with its worker: how a returning worker finds whom to confirm its generation with.
+        INVALID_ARGUMENT for a malformed app or slot.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +125,11 @@ def add_RegistryServiceServicer_to_server(servicer, server):
                     servicer.Follow,
                     request_deserializer=registry_dot_v1_dot_registry__pb2.FollowRequest.FromString,
                     response_serializer=registry_dot_v1_dot_registry__pb2.FollowResponse.SerializeToString,
+            ),
+            'ListSlot': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSlot,
+                    request_deserializer=registry_dot_v1_dot_registry__pb2.ListSlotRequest.FromString,
+                    response_serializer=registry_dot_v1_dot_registry__pb2.ListSlotResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -200,6 +219,33 @@ class RegistryService:
             '/registry.v1.RegistryService/Follow',
             registry_dot_v1_dot_registry__pb2.FollowRequest.SerializeToString,
             registry_dot_v1_dot_registry__pb2.FollowResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSlot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/registry.v1.RegistryService/ListSlot',
+            registry_dot_v1_dot_registry__pb2.ListSlotRequest.SerializeToString,
+            registry_dot_v1_dot_registry__pb2.ListSlotResponse.FromString,
             options,
             channel_credentials,
             insecure,

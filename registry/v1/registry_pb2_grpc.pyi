@@ -55,6 +55,11 @@ class RegistryServiceStub:
     downstream replica follows this instead of every worker. Always OK until
     the replica shuts down (then UNAVAILABLE).
     """
+    ListSlot: _grpc.UnaryUnaryMultiCallable[_registry_pb2.ListSlotRequest, _registry_pb2.ListSlotResponse]
+    """The members of one slot this replica knows (the app's machines whose slot is `slot`), each
+    with its worker: how a returning worker finds whom to confirm its generation with.
+    INVALID_ARGUMENT for a malformed app or slot.
+    """
 
 @_typing.type_check_only
 class RegistryServiceAsyncStub(RegistryServiceStub):
@@ -82,6 +87,11 @@ class RegistryServiceAsyncStub(RegistryServiceStub):
     snapshot of each known worker, then live changes and heartbeats. A
     downstream replica follows this instead of every worker. Always OK until
     the replica shuts down (then UNAVAILABLE).
+    """
+    ListSlot: _aio.UnaryUnaryMultiCallable[_registry_pb2.ListSlotRequest, _registry_pb2.ListSlotResponse]  # type: ignore[assignment]
+    """The members of one slot this replica knows (the app's machines whose slot is `slot`), each
+    with its worker: how a returning worker finds whom to confirm its generation with.
+    INVALID_ARGUMENT for a malformed app or slot.
     """
 
 class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -125,6 +135,17 @@ class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
         snapshot of each known worker, then live changes and heartbeats. A
         downstream replica follows this instead of every worker. Always OK until
         the replica shuts down (then UNAVAILABLE).
+        """
+
+    @_abc_1.abstractmethod
+    def ListSlot(
+        self,
+        request: _registry_pb2.ListSlotRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_registry_pb2.ListSlotResponse, _abc.Awaitable[_registry_pb2.ListSlotResponse]]:
+        """The members of one slot this replica knows (the app's machines whose slot is `slot`), each
+        with its worker: how a returning worker finds whom to confirm its generation with.
+        INVALID_ARGUMENT for a malformed app or slot.
         """
 
 def add_RegistryServiceServicer_to_server(servicer: RegistryServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -92,9 +92,9 @@ async def test_a_machine_from_run_to_destroy(cli_fleet: CliFleet) -> None:
     )
     assert table.code == 0, table.err
     header, row = table.out.splitlines()
-    assert header.split()[:3] == ["ID", "NAME", "STATE"]
-    assert row.split()[:7] == [mid, "ticker", "started", "ams", created["worker_id"], "demo:v1",
-                               "100m/64MiB"]  # fmt: skip
+    assert header.split()[:4] == ["ID", "NAME", "STATE", "ROLE"]
+    assert row.split()[:8] == [mid, "ticker", "started", "primary", "ams", created["worker_id"],
+                               "demo:v1", "100m/64MiB"]  # fmt: skip
     assert [m["id"] for m in as_json.json()] == [m["id"] for m in started.json()] == [mid]
 
     assert show.code == 0, show.err

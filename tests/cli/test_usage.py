@@ -56,6 +56,12 @@ async def test_bad_input_and_an_unreachable_flaps(tmp_path: Path) -> None:
         (["machines", "list", "web", *flaps, "--token-file", str(tmp_path / "no-token")], 2,
          ["--token-file: cannot read"]),
         (["regions", "--cpu", "100", *flaps], 2, ["--cpu and --memory go together"]),
+        # faults are for the local cluster's workers
+        (["workers", "kill", *flaps], 2, ["workers kill needs a worker ID"]),
+        (["workers", "--with-machines", *flaps], 2, ["--with-machines goes with"]),
+        (["workers", "nap", "ams-1", *flaps], 2, ["invalid choice: 'nap'"]),
+        (["--state-dir", str(tmp_path / "none"), "workers", "pause", "ams-1"], 1,
+         ["no cluster runs from", "nonomad up"]),
         ([*build, "--tag", "Not A Name:v1"], 2, ["--tag", "'Not A Name:v1'"]),
         ([*build[:2], str(tmp_path / "missing"), *build[3:], "--tag", "a:v1"], 2,
          ["is not a directory"]),

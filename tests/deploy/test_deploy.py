@@ -184,6 +184,31 @@ async def test_rolling_update_keeps_ids_and_goes_one_at_a_time(fleet: Fleet) -> 
         ]
 
 
+async def test_an_update_after_a_failover_keeps_each_copy_in_its_role(fleet: Fleet) -> None:
+    """The standby took over (promoted; the old primary superseded, stopped): a rolling update
+    gates the serving copy and keeps the old primary, now a standby, stopped."""
+    async with await three_workers(fleet) as flaps:
+        spec = make_spec(regions={"ams": 1})
+        first = await deploy(flaps, spec)
+        assert first.ok, first.reason
+        before = await by_name(flaps)
+        primary, standby = before["web-ams-1"], before["web-ams-1-standby"]
+        promoted = await flaps.start_machine(standby.id)
+        assert (promoted.slot.generation, promoted.slot.primary) == (1, standby.id)
+        await flaps.supersede_machine(primary.id, 1, standby.id)
+        await flaps.wait_machine(primary.id, "stopped", wait=30)
+
+        report = await deploy(flaps, make_spec(regions={"ams": 1}, env={"GREETING": "v2"}))
+        assert report.ok, report.reason
+        after = await by_name(flaps)
+        old, new = after["web-ams-1"], after["web-ams-1-standby"]
+        assert state_name(old.state) == "stopped"
+        assert (old.slot.primary, old.config.env["GREETING"]) == (standby.id, "v2")
+        assert state_name(new.state) == "started"
+        assert new.config.env["GREETING"] == "v2"
+        assert (await http_get(new)).startswith(f"hello from {new.id}")
+
+
 async def test_a_failing_check_rolls_back_and_run_exits_1(
     fleet: Fleet, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -18,15 +18,17 @@ FLAPS_START = "/flaps.v1.MachinesService/StartMachine"
 FLYD_START = "/flyd.v1.WorkerService/StartMachine"
 
 
-async def start_chain(otlp: OtlpReceiver, parent: Span, machine_id: str, worker: str) -> None:
+async def start_chain(
+    otlp: OtlpReceiver, parent: Span, machine_id: str, worker: str, op_name: str = "flyd.start"
+) -> None:
     """Under `parent` (a proxy span): proxy -> flaps -> the machine's worker -> its start
-    operation, whose last committed step is the machine started."""
+    operation (`flyd.promote` for a standby), whose last committed step is the machine started."""
     call = await child(otlp, parent, FLAPS_START, CLIENT, "proxy")
     served = await child(otlp, call, FLAPS_START, SERVER, "flaps")
     forward = await child(otlp, served, FLYD_START, CLIENT, "flaps")
     on_worker = await child(otlp, forward, FLYD_START, SERVER, "flyd")
     assert on_worker.resource["nonomad.worker"] == worker
-    op = await child(otlp, on_worker, "flyd.start", INTERNAL, "flyd")
+    op = await child(otlp, on_worker, op_name, INTERNAL, "flyd")
     assert op.attributes["nonomad.machine_id"] == machine_id
     steps = [e.attributes for e in op.events if e.name == "step"]
     assert steps, op.events
@@ -89,9 +91,11 @@ async def test_a_killed_worker_is_one_failover_trace_ending_in_the_standby_start
         assert failover.attributes["nonomad.worker"] == primary.worker_id
         assert failover.attributes["nonomad.region"] == "ams"
         assert failover.attributes["nonomad.standbys_started"] == 1
-        await start_chain(otlp, failover, standby.id, standby.worker_id)
-        # Exactly one failover, one standby start: nothing else in the trace started a machine.
-        starts = [s for s in otlp.trace(failover.trace_id) if s.name == "flyd.start"]
+        await start_chain(otlp, failover, standby.id, standby.worker_id, "flyd.promote")
+        # Exactly one failover, one promotion: nothing else in the trace started a machine.
+        starts = [
+            s for s in otlp.trace(failover.trace_id) if s.name in ("flyd.start", "flyd.promote")
+        ]
         assert len(starts) == 1
         reply = await get(proxy.http, "db")
         assert reply.headers["nonomad-machine-id"] == standby.id

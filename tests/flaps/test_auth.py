@@ -145,6 +145,8 @@ CALLS: list[Call] = [
         machine_id=mid, nonce="not-the-nonce")),
     (MACHINES, "ListMachineEvents", lambda mid, app: m.ListMachineEventsRequest(machine_id=mid)),
     (MACHINES, "GetMachineLogs", lambda mid, app: m.GetMachineLogsRequest(machine_id=mid)),
+    (MACHINES, "SupersedeMachine", lambda mid, app: m.SupersedeMachineRequest(
+        machine_id=mid, generation=0, primary="x")),
     (PLATFORM, "ListRegions", lambda mid, app: platform_pb2.ListRegionsRequest()),
     (PLATFORM, "ListWorkers", lambda mid, app: platform_pb2.ListWorkersRequest()),
     (PLATFORM, "SimulatePlacement", lambda mid, app: platform_pb2.SimulatePlacementRequest(

@@ -141,6 +141,33 @@ class TestMachinesService:
         assert standby.worker_id != primary.machine.worker_id
         assert list(standby.config.standbys) == [primary.machine.id]
 
+    async def test_starting_a_standby_promotes_it_and_the_old_primary_can_be_told(
+        self, servicer_stub: Machines, fleet: FakeFleet
+    ) -> None:
+        primary = await servicer_stub.CreateMachine(m.CreateMachineRequest(**bid()), timeout=T)
+        pid = primary.machine.id
+        request = m.CreateMachineRequest(**bid(standby_for=[pid]))
+        standby = (await servicer_stub.CreateMachine(request, timeout=T)).machine
+        await fleet.seen(standby.id)
+        # A plain start of a standby through flaps: a promotion at the next generation.
+        start = m.StartMachineRequest(machine_id=standby.id)
+        promoted = (await servicer_stub.StartMachine(start, timeout=T)).machine
+        assert (promoted.slot.generation, promoted.slot.primary) == (1, standby.id)
+        # It is the primary now: starting it again, or repeating its promotion, changes nothing.
+        again = (await servicer_stub.StartMachine(start, timeout=T)).machine
+        assert again.slot.generation == 1
+        repeat = m.StartMachineRequest(machine_id=standby.id, generation=1)
+        assert (await servicer_stub.StartMachine(repeat, timeout=T)).machine.slot.generation == 1
+        # The old primary is told; promoting it to the generation taken is refused, with why.
+        told = m.SupersedeMachineRequest(machine_id=pid, generation=1, primary=standby.id)
+        old = (await servicer_stub.SupersedeMachine(told, timeout=T)).machine
+        assert (old.slot.generation, old.slot.primary) == (1, standby.id)
+        back = m.StartMachineRequest(machine_id=pid, generation=1)
+        err = await refused(servicer_stub.StartMachine(back, timeout=T), PRECONDITION)
+        assert (info_of(err).domain, info_of(err).reason) == (FLYD, "SUPERSEDED")
+        bad = m.SupersedeMachineRequest(machine_id=pid, generation=0, primary=standby.id)
+        await refused(servicer_stub.SupersedeMachine(bad, timeout=T), INVALID, "generation")
+
     async def test_a_full_region_fails_fast_and_moves_only_when_asked(
         self, servicer_stub: Machines, fleet: FakeFleet
     ) -> None:

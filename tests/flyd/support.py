@@ -16,6 +16,7 @@ from pathlib import Path
 from flyd import fsm
 from flyd.drivers.base import ExitStatus, Handle
 from flyd.fakes import FakeDriver, FakeHost, FakeScript, _FakeProcess
+from flyd.fencing import SlotPeers
 from flyd.images.build import build_image
 from flyd.images.cache import ImageCache
 from flyd.images.source import ImageSource
@@ -131,6 +132,9 @@ class CrashingLog:
             raise Crash(f"flyd died right after commit {self.commits} (seq {seq})")
         return seq
 
+    def epoch(self) -> str:
+        return self.inner.epoch()
+
     def last_seq(self) -> int:
         return self.inner.last_seq()
 
@@ -194,6 +198,8 @@ def boot(
     busy_ports: Iterable[int] = (),
     op_tracer: OpTracer | None = None,
     identity: Identity | None = None,
+    peers: SlotPeers | None = None,
+    monotonic: Callable[[], float] | None = None,
     secret_box: SecretBox | None = None,
 ) -> Flyd:
     """A flyd on `host`, before recover(); worker w1 in ams unless `identity` says otherwise."""
@@ -212,6 +218,8 @@ def boot(
         policy=policy or fsm.Policy(),
         log_keep=log_keep,
         op_tracer=op_tracer,
+        peers=peers,
+        monotonic=monotonic or clock.now,
         secret_box=secret_box,
     )
     relay.worker = worker

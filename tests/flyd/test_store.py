@@ -132,6 +132,16 @@ def test_state_survives_reopen(open_log: Factory) -> None:
     assert [r.body for r in log.read(1)] == [b"b"]
 
 
+def test_the_epoch_is_the_logs_own_and_survives_reopen(open_log: Factory, tmp_path: Path) -> None:
+    epoch = open_log().epoch()
+    assert len(epoch) == 16
+    assert open_log().epoch() == epoch
+    assert MemoryMachineLog().epoch() != epoch  # another log (a wiped data dir): another epoch
+    other = LmdbMachineLog(tmp_path / "wiped")
+    assert other.epoch() != epoch
+    other.close()
+
+
 # --- what only the LMDB store can show: foreign or damaged records on disk ---
 
 

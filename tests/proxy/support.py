@@ -29,6 +29,7 @@ from opentelemetry.trace import Tracer
 from flaps.tokens import read_token
 from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
+from flyd import slots
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
@@ -206,24 +207,44 @@ class FakeFlaps:
     def __init__(self, registry: FakeRegistry) -> None:
         self.registry = registry
         self.starts: list[str] = []
+        self.generations: list[int] = []
         self.stops: list[str] = []
+        self.supersedes: list[tuple[str, int, str]] = []
         self.gate = asyncio.Event()
         self.gate.set()
         self.fail: dict[str, FlapsFailed] = {}
 
-    async def start(self, machine_id: str) -> pb.Machine:
+    async def start(self, machine_id: str, generation: int = 0) -> pb.Machine:
         self.starts.append(machine_id)
+        self.generations.append(generation)
         await self.gate.wait()
         if machine_id in self.fail:
             raise self.fail[machine_id]
         row = self.registry.machine(machine_id)
         assert row is not None
+        slot = slots.slot_of(row)
+        if generation > slot.generation:  # a promotion, as flyd records it before starting
+            row = slots.with_slot(
+                row, pb.SlotState(id=slot.id, generation=generation, primary=row.id)
+            )
+            self.registry.put(row)
         if row.state == STARTED:
             return row  # idempotent, as flyd's start is
         return self.registry.set_state(machine_id, STARTED)
 
     async def stop(self, machine_id: str) -> pb.Machine:
         self.stops.append(machine_id)
+        return self.registry.set_state(machine_id, STOPPED)
+
+    async def supersede(self, machine_id: str, generation: int, primary: str) -> pb.Machine:
+        self.supersedes.append((machine_id, generation, primary))
+        row = self.registry.machine(machine_id)
+        assert row is not None
+        slot = slots.slot_of(row)
+        if not slots.outranks((generation, primary), (slot.generation, slot.primary)):
+            return row
+        row = slots.with_slot(row, pb.SlotState(id=slot.id, generation=generation, primary=primary))
+        self.registry.put(row)
         return self.registry.set_state(machine_id, STOPPED)
 
     @property
@@ -388,6 +409,22 @@ class ProxyFleet:
         self.workers[worker_id] = proc.start()
         return proc
 
+    def restart(self, worker_id: str) -> ServiceProcess:
+        """Start the worker's flyd again on its data dir and address (a crashed or killed one;
+        a running one is killed first)."""
+        old = self.workers[worker_id]
+        old.kill()
+        args = list(old.args)
+        args[args.index("--listen") + 1] = old.address
+        proc = ServiceProcess(old.name, args, old.stderr_path, env=old.env, netns=old.netns)
+        self.workers[worker_id] = proc.start()
+        return proc
+
+    def kill_host(self, worker_id: str) -> None:
+        """SIGKILL the worker's flyd and every machine it ran: the host died."""
+        self.workers[worker_id].kill()
+        _kill_machines(self.tmp / worker_id)
+
     async def add_workers(self, *worker_ids: str) -> None:
         """Start workers side by side (each takes a second or so to boot)."""
         procs = [self._worker(worker_id) for worker_id in worker_ids]
@@ -501,12 +538,14 @@ class ProxyFleet:
         standby_for: Iterable[str] = (),
         service: pb.ServiceConfig | None = None,
         entrypoint: Iterable[str] = (),
+        labels: dict[str, str] | None = None,
     ) -> pb.Machine:
         config = pb.MachineConfig(
             image="demo:v1",
             guest=pb.GuestConfig(cpu_millicores=100, memory_mib=64),
             services=[service or pb.ServiceConfig(internal_port=8080, autostart=True)],
             entrypoint=list(entrypoint),
+            placement=pb.PlacementConfig(required_labels=labels or {}),
         )
         resp = await self.machines().CreateMachine(
             m.CreateMachineRequest(

@@ -1,13 +1,12 @@
 """The proxy as a real process in front of real flyd workers and flaps: scale from zero,
-autostop, failover when a worker is killed or frozen, two proxies racing, the admin API.
+autostop, failover when a worker is killed or frozen, two proxies racing, the admin API. (A
+partition, and every fault's return: tests/e2e/test_fencing.py.)
 
 Waits are on conditions with deadlines (the assertion is that it happens, not when)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
-import sys
 from pathlib import Path
 
 import grpc
@@ -16,16 +15,13 @@ import pytest
 from flyd.v1 import machine_pb2 as pb
 from proxy.v1 import proxy_pb2 as p
 from tests.conftest import DEMO_APP
-from tests.harness import REPO_ROOT, clean_env
 from tests.proxy.support import (
     DEADLINE,
-    Netns,
     ProxyFleet,
     Reply,
     T,
     eventually,
     get,
-    netns_unavailable,
     proxy_fleet,
 )
 
@@ -234,145 +230,3 @@ async def test_two_proxies_noticing_one_death_start_exactly_one_standby(
         for s in spares:
             assert await fleet.starts(s.id) == (1 if s.id == chosen else 0)
         assert (await stats(fleet, 0)).failovers + (await stats(fleet, 1)).failovers >= 1
-
-
-# Runs inside namespace b (all traffic to the test's namespaces comes from inside them):
-# creates a primary pinned to side a and its standby on side b, checks the primary serves,
-# takes b's end of the link down, then asks until the standby answers. Prints JSON.
-PARTITION_CLIENT = r"""
-import http.client, json, subprocess, sys, time
-from pathlib import Path
-import grpc
-from flaps.v1 import machines_pb2 as m, machines_pb2_grpc
-from flyd.v1 import machine_pb2 as pb
-from nonomad.security import ClusterSecurity
-from proxy.v1 import proxy_pb2 as p, proxy_pb2_grpc
-from runtime import CLUSTER_NAME
-
-flaps, proxy_grpc, proxy_http, dev, app_code, security_dir = sys.argv[1:7]
-security = ClusterSecurity(Path(security_dir))
-ca = security.ca.read_bytes()
-cli = security.cert("cli")
-token = security.admin_token.read_text().strip()
-flaps_tls = grpc.composite_channel_credentials(
-    grpc.ssl_channel_credentials(ca), grpc.access_token_call_credentials(token))
-member_tls = grpc.ssl_channel_credentials(ca, cli.key.read_bytes(), cli.cert.read_bytes())
-
-def config(side, code=""):
-    c = pb.MachineConfig(
-        image="demo:v1",
-        guest=pb.GuestConfig(cpu_millicores=100, memory_mib=64),
-        services=[pb.ServiceConfig(internal_port=8080, autostart=True)],
-        placement=pb.PlacementConfig(required_labels={"side": side}),
-    )
-    if code:
-        c.entrypoint[:] = ["python3", "-u", "-c", code]
-    return c
-
-def get():
-    host, port = proxy_http.rsplit(":", 1)
-    try:
-        conn = http.client.HTTPConnection(host, int(port), timeout=2)
-        conn.request("GET", "/", headers={"Host": "part.nonomad.test"})
-        r = conn.getresponse()
-        r.read()
-        conn.close()
-        return [r.status, r.getheader("nonomad-machine-id")]
-    except OSError as err:
-        return [0, repr(err)]
-
-out = {}
-with grpc.secure_channel(flaps, flaps_tls) as ch, grpc.secure_channel(
-        proxy_grpc, member_tls, options=[("grpc.ssl_target_name_override", CLUSTER_NAME)]) as pch:
-    machines = machines_pb2_grpc.MachinesServiceStub(ch)
-    admin = proxy_pb2_grpc.ProxyServiceStub(pch)
-    primary = machines.CreateMachine(m.CreateMachineRequest(
-        app="part", region="ams", config=config("a", app_code)), timeout=10).machine
-    standby = machines.CreateMachine(m.CreateMachineRequest(
-        app="part", region="ams", config=config("b"), standby_for=[primary.id]),
-        timeout=10).machine
-    out.update(primary=primary.id, standby=standby.id,
-               workers=[primary.worker_id, standby.worker_id])
-    end = time.monotonic() + 15
-    while time.monotonic() < end:
-        resp = admin.ListRoutes(p.ListRoutesRequest(app="part"), timeout=5)
-        routes = {r.machine_id: r for a in resp.apps for r in a.machines}
-        if primary.id in routes and routes[primary.id].healthy and standby.id in routes:
-            break
-        time.sleep(0.05)
-    out["before"] = get()
-    subprocess.run(["ip", "link", "set", dev, "down"], check=True)
-    cut = time.monotonic()
-    out["after"] = []
-    while time.monotonic() < cut + 15:
-        reply = get()
-        out["after"].append(reply)
-        if reply[1] == standby.id:
-            break
-        time.sleep(0.02)
-    out["failover_s"] = round(time.monotonic() - cut, 3)
-    out["failovers"] = admin.GetStats(p.GetStatsRequest(), timeout=5).failovers
-print(json.dumps(out))
-"""
-
-
-async def test_a_worker_cut_off_by_a_partition_fails_over(
-    tmp_path: Path, image_source: Path
-) -> None:
-    reason = netns_unavailable()
-    if reason is not None:
-        pytest.skip(f"partition test needs network namespaces: {reason}")
-    ns = Netns.create()
-    try:
-        async with proxy_fleet(tmp_path, image_source) as fleet:
-            # Side a: the primary's worker, its machine reachable on the veth address.
-            side_a = fleet._worker(
-                "wa",
-                "--listen",
-                f"{ns.a_ip}:0",
-                "--machine-host",
-                ns.a_ip,
-                "--labels",
-                "side=a",
-                netns=ns.a,
-            )
-            side_b = fleet._worker("wb", "--labels", "side=b", netns=ns.b)
-            await asyncio.gather(asyncio.to_thread(side_a.start), asyncio.to_thread(side_b.start))
-            fleet.workers.update(wa=side_a, wb=side_b)
-            # Side b: flaps, the proxy and the client.
-            fleet.start_flaps(netns=ns.b)
-            proxy = fleet.add_proxy(netns=ns.b)
-            app_code = DEMO_APP.replace('"127.0.0.1"', '"0.0.0.0"')
-            client = await asyncio.create_subprocess_exec(
-                "nsenter",
-                f"--net=/var/run/netns/{ns.b}",
-                "--",
-                sys.executable,
-                "-c",
-                PARTITION_CLIENT,
-                fleet.flaps_address,
-                proxy.address,
-                proxy.http,
-                ns.b_dev,
-                app_code,
-                str(fleet.tmp / "security"),
-                cwd=REPO_ROOT,
-                env=clean_env(),
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-            )
-            try:
-                async with asyncio.timeout(45):
-                    out, err = await client.communicate()
-            finally:
-                if client.returncode is None:
-                    client.kill()
-                    await client.wait()
-            assert client.returncode == 0, err.decode()[-2000:]
-            result = json.loads(out)
-            assert result["workers"] == ["wa", "wb"]
-            assert result["before"] == [200, result["primary"]]
-            assert result["after"][-1] == [200, result["standby"]]
-            assert result["failovers"] == 1
-    finally:
-        ns.remove()

@@ -211,9 +211,9 @@ class TracedFlaps(FakeFlaps):
         super().__init__(registry)
         self.spans: list[int] = []
 
-    async def start(self, machine_id: str) -> pb.Machine:
+    async def start(self, machine_id: str, generation: int = 0) -> pb.Machine:
         self.spans.append(trace.get_current_span().get_span_context().span_id)
-        return await super().start(machine_id)
+        return await super().start(machine_id, generation)
 
 
 async def test_a_failover_is_an_internal_span_around_its_standby_starts(traces: Traces) -> None:

@@ -91,6 +91,31 @@ async def test_a_replica_follows_two_workers_through_a_crash_and_restart(
         assert replica.machine(first.id) == first
 
 
+async def test_a_worker_whose_data_dir_was_wiped_has_its_rows_replaced_not_merged(
+    flyd_factory: StartFlyd, stub_for: Callable[[str], Stub], tmp_path: Path
+) -> None:
+    w1 = flyd_factory(worker_id="w1")
+    replica = fast_replica()
+    replica.add_address(w1.address)
+    async with running(replica):
+        old = [await create(stub_for(w1.address)) for _ in range(2)]
+        await eventually(replica, visible(replica, old[-1]), "the first log's machines")
+        w1.kill()
+        await eventually(replica, status_is(replica, "w1", DEAD), "w1 dead")
+        # The same worker, its data dir wiped: a new log, which grows past the position the
+        # replica resumes from (elsewhere, before it is back on its address).
+        address, wiped = w1.address, tmp_path / "wiped"
+        elsewhere = flyd_factory(worker_id="w1", data_dir=wiped)
+        new = [await create(stub_for(elsewhere.address)) for _ in range(4)]
+        elsewhere.kill()
+        w1 = flyd_factory("--listen", address, worker_id="w1", data_dir=wiped)
+        await eventually(replica, status_is(replica, "w1", ALIVE), "w1 back")
+        await eventually(replica, visible(replica, new[-1]), "the new log's machines")
+        rows = replica.machines(worker_id="w1")
+        assert sorted(m.id for m in rows) == sorted(m.id for m in new)
+        assert all(replica.machine(m.id) is None for m in old)
+
+
 async def test_an_announced_worker_is_followed_here_and_by_a_downstream_replica(
     flyd_factory: StartFlyd, stub_for: Callable[[str], Stub]
 ) -> None:

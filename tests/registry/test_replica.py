@@ -254,6 +254,35 @@ async def test_a_peer_takes_over_a_worker_only_when_ours_is_dead(fake: FakeWorke
         assert view_of(replica, "w1").info.address == fake.address
 
 
+async def test_a_worker_dead_past_forget_after_is_forgotten_and_not_learned_again(
+    fake: FakeWorker,
+) -> None:
+    from registry import metrics
+
+    clock = ManualClock()
+    replica = Replica(clock=clock, forget_after=5.0)
+    replica.add_worker(fake.info)
+    fake.change("m1", S.MACHINE_STATE_STARTED)
+    async with running(replica):
+        await on_fake(fake, lambda: fake.streams > 0, "the replica to follow")
+        fake.beat()
+        await eventually(replica, lambda: replica.machine("m1") is not None, "m1 applied")
+        await fake.stop()  # the worker dies for good
+        before = metrics.FORGOTTEN._value.get()
+        clock.advance(2.0)
+        await eventually(replica, status_is(replica, "w1", DEAD), "w1 dead")
+        clock.advance(4.0)
+        await eventually(replica, lambda: replica.worker("w1") is None, "w1 forgotten")
+        assert replica.machine("m1") is None
+        assert metrics.FORGOTTEN._value.get() == before + 1
+        # A peer that still lists it dead does not bring it back; alive, it does.
+        dead = r.Member(worker=fake.info, status=DEAD)  # type: ignore[arg-type]
+        assert replica.merge_members([dead]) == 0
+        assert replica.worker("w1") is None
+        alive = r.Member(worker=fake.info, status=ALIVE)  # type: ignore[arg-type]
+        assert replica.merge_members([alive]) == 1
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

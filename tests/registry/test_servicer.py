@@ -155,3 +155,24 @@ async def test_follow_ends_unavailable_when_the_service_drains(
     draining.set()
     err = await refused(call.read(), grpc.StatusCode.UNAVAILABLE)
     assert err.details() == "the registry replica is shutting down"
+
+
+async def test_list_slot_names_each_member_with_its_worker(
+    servicer_stub: Stub, replica: Replica, fake: FakeWorker
+) -> None:
+    replica.add_worker(fake.info)
+    await eventually(replica, lambda: replica.machine("m1") is not None, "m1 in the replica")
+    resp = await servicer_stub.ListSlot(r.ListSlotRequest(app="app", slot="m1"), timeout=T)
+    [member] = resp.members
+    assert (member.machine.id, member.worker.id, member.worker.address) == (
+        "m1",
+        "w1",
+        fake.address,
+    )
+    none = await servicer_stub.ListSlot(r.ListSlotRequest(app="app", slot="m9"), timeout=T)
+    assert list(none.members) == []
+    for request, field in [
+        (r.ListSlotRequest(app="Bad App", slot="m1"), "app"),
+        (r.ListSlotRequest(app="app"), "slot"),
+    ]:
+        await refused(servicer_stub.ListSlot(request, timeout=T), INVALID, field)

@@ -8,7 +8,13 @@ import pytest
 
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
-from registry.errors import BrokenSnapshot, InvalidArgument, SequenceGap, WrongWorker
+from registry.errors import (
+    BrokenSnapshot,
+    InvalidArgument,
+    LogRestarted,
+    SequenceGap,
+    WrongWorker,
+)
 from registry.v1 import registry_pb2 as r
 from registry.view import ALIVE, DEAD, SUSPECT, UNKNOWN, Added, View, check_worker_info
 from tests.registry.support import MALFORMED_WORKERS, view_of
@@ -302,6 +308,75 @@ def test_a_stream_from_another_worker_is_refused_whole() -> None:
         view.apply("w1", heartbeat(0, info("w2")), T0)
     assert view.machines() == []
     assert view_of(view, "w1").status == UNKNOWN
+
+
+# -- logs that start over, and workers forgotten ---------------------------------------------------
+
+
+def epoch_snapshot(seq: int, epoch: str, *machines: pb.Machine) -> w.WatchEventsResponse:
+    return w.WatchEventsResponse(snapshot=w.Snapshot(seq=seq, machines=machines, log_epoch=epoch))
+
+
+def test_a_log_of_another_epoch_replaces_the_rows_never_merges_them() -> None:
+    view = view_with(info())
+    view.apply("w1", epoch_snapshot(5, "e1", machine("m1"), machine("m2")), T0)
+    assert view.resume_epoch("w1") == "e1"
+    # The worker's data was wiped and its new log grew past ours: a heartbeat says so.
+    hb = heartbeat(9)
+    hb.heartbeat.log_epoch = "e2"
+    with pytest.raises(LogRestarted, match="log epoch e2, not e1"):
+        view.apply("w1", hb, T0)
+    assert (view.resume_seq("w1"), view.resume_epoch("w1")) == (0, "")
+    # Followed again from 0: the new log's snapshot replaces every row, whatever its seq.
+    applied = view.apply("w1", epoch_snapshot(2, "e2", machine("m9")), T0)
+    assert {(e.machine_id, e.machine is None) for e in applied.events} == {
+        ("m1", True),
+        ("m2", True),
+        ("m9", False),
+    }
+    assert [m.id for m in view.machines()] == ["m9"]
+    # A snapshot of another log replaces the rows even when it comes first (lower seq).
+    applied = view.apply("w1", epoch_snapshot(1, "e3", machine("m8")), T0)
+    assert [m.id for m in view.machines()] == ["m8"]
+
+
+def test_a_new_boot_with_a_lower_seq_is_a_log_that_started_over() -> None:
+    view = view_with(info())
+    view.apply("w1", snapshot(7, machine("m1")), T0)
+    with pytest.raises(LogRestarted, match="new boot b2 at seq 3 < 7"):
+        view.apply("w1", heartbeat(3, info(boot_id="b2")), T0)
+    assert view.resume_seq("w1") == 0
+    view.apply("w1", snapshot(3, machine("m2")), T0)
+    assert [m.id for m in view.machines()] == ["m2"]
+    # Through an upstream the worker is reset too, and the upstream's snapshot replaces rows.
+    up = view_with(info(), upstream=True)
+    up.apply_upstream(follow(ALIVE, snapshot(7, machine("m1"))), T0)
+    up.apply_upstream(follow(ALIVE, heartbeat(3, info(boot_id="b2"))), T0)
+    up.apply_upstream(follow(ALIVE, snapshot(3, machine("m2"))), T0)
+    assert [m.id for m in up.machines()] == ["m2"]
+
+
+def test_a_worker_dead_past_forget_after_is_dropped_with_its_rows() -> None:
+    view = View(suspect_after=0.6, dead_after=1.0, forget_after=10.0)
+    view.add(info(), T0)
+    view.add(info("w2", address="127.0.0.1:5002"), T0)
+    view.apply("w1", snapshot(1, machine("m1")), T0)
+    view.apply("w2", snapshot(1, machine("m2", worker="w2")), T0)
+    view.apply("w1", heartbeat(1), T0)
+    view.tick(T0 + 5)
+    assert view.forget(T0 + 5) == ([], [])  # dead, not for long enough
+    view.apply("w2", heartbeat(1, info("w2", address="127.0.0.1:5002")), T0 + 10)
+    view.tick(T0 + 10.5)
+    events, gone = view.forget(T0 + 10.5)
+    assert gone == ["w1"]
+    assert [(e.kind, e.machine_id) for e in events] == [("machine", "m1"), ("worker", "")]
+    assert view.worker("w1") is None
+    assert view.machine("m1") is None
+    assert [m.id for m in view.machines()] == ["m2"]
+    assert view.supply.supplier("w1") is None  # placement no longer sees it either
+    assert [w.info.id for w in view.workers()] == ["w2"]
+    with pytest.raises(ValueError, match="forget_after"):
+        View(suspect_after=0.6, dead_after=1.0, forget_after=1.0)
 
 
 # -- snapshots in parts ----------------------------------------------------------------------
