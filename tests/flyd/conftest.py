@@ -17,13 +17,8 @@ from flyd.drivers.oci import OciDriver
 from flyd.drivers.process import ProcessDriver
 from flyd.drivers.rundir import kill_all
 from flyd.drivers.wrapped import WrappedDriver
-from tests.flyd.driver_support import (
-    CGROUP_ROOT,
-    CONTROLLERS,
-    KINDS,
-    OCI_UNAVAILABLE,
-    remove_cgroup,
-)
+from tests.conftest import remove_cgroups
+from tests.flyd.driver_support import KINDS, OCI_UNAVAILABLE
 
 
 @pytest.fixture
@@ -31,11 +26,7 @@ def prefix() -> Iterator[str]:
     """A cgroup prefix of this test's own, removed with everything in it afterwards."""
     name = f"nonomad-test-{uuid.uuid4().hex[:12]}"
     yield name
-    for controller in CONTROLLERS:
-        parent = CGROUP_ROOT / controller / name
-        if parent.is_dir():
-            for cg in [p for p in parent.iterdir() if p.is_dir()] + [parent]:
-                remove_cgroup(cg)
+    remove_cgroups(name)
 
 
 @pytest.fixture

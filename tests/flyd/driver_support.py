@@ -13,10 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import errno
-import os
-import signal
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -156,21 +152,3 @@ def machine_file(driver: Driver, machine_id: str, name: str) -> Path:
     if driver.name == "oci":
         return driver._run_dirs.path(machine_id) / "upper" / name  # type: ignore[attr-defined]
     return driver._run_dirs.root.parent / "image" / name  # type: ignore[attr-defined]
-
-
-def remove_cgroup(cg: Path) -> None:
-    for _ in range(200):
-        with contextlib.suppress(OSError):
-            for pid in (cg / "cgroup.procs").read_text().split():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(pid), signal.SIGKILL)
-        try:
-            cg.rmdir()
-            return
-        except FileNotFoundError:
-            return
-        except OSError as e:
-            if e.errno != errno.EBUSY:
-                raise
-        time.sleep(0.01)  # killed processes take a moment to leave
-    raise AssertionError(f"cgroup {cg} stays busy")
