@@ -102,9 +102,14 @@ RULES: dict[str, Rule] = {
     "/flaps.v1.MachinesService/GetMachineLogs": _machine("read"),
     # Telling a machine it was outranked can stop it: what stopping it needs.
     "/flaps.v1.MachinesService/SupersedeMachine": _machine("stop"),
+    "/flaps.v1.MachinesService/GetPlacement": _machine("read"),
     "/flaps.v1.PlatformService/ListRegions": _fleet("regions"),
     "/flaps.v1.PlatformService/ListWorkers": _fleet("workers"),
     "/flaps.v1.PlatformService/SimulatePlacement": _app("create"),
+    # Every app's decisions, as they are made: read on every app ("*"), and the fleet's view.
+    "/flaps.v1.PlatformService/WatchPlacements": lambda request: [
+        Need(("read", "regions"), app="*")
+    ],
 }
 """What each client-facing RPC needs. A method of a guarded service missing here is served
 to the cluster's parts only (the registry)."""

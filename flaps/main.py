@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import Callable
 
@@ -68,6 +69,13 @@ async def build(argv: list[str]) -> Service:
     # its cluster port, when it checks tokens on the other).
     serve_replica(service, replica, settings.workers, guard)
     service.on_shutdown(workers.close)
+
+    async def end_watches(shutdown: asyncio.Event) -> None:
+        # Draining is set as shutdown begins: watch streams end then, not after the grace.
+        await service.draining.wait()
+        exchange.watchers.close()
+
+    service.spawn("placement-watches", end_watches)
     return service
 
 

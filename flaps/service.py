@@ -25,7 +25,7 @@ from google.protobuf.duration_pb2 import Duration
 from google.rpc import error_details_pb2
 from opentelemetry import trace
 
-from flaps import metrics, placement
+from flaps import explain, metrics, placement
 from flaps.auth import current_grant
 from flaps.errors import (
     DeadlineExceeded,
@@ -176,6 +176,7 @@ class Exchange:
         self.replica = replica
         self.workers = workers
         self.pipeline = pipeline
+        self.watchers = explain.Watchers()
 
     async def app_of(self, machine_id: str) -> str:
         """The app a machine belongs to: from the registry view, else (a machine just made,
@@ -300,21 +301,25 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
             request.app, regions, config, request.standby_for, request.idempotency_key or None
         )
         counts: Counter[str] = Counter()
+        tried: list[pb.RegionPlacement] = []  # the regions exhausted, for the worker to keep
         for i, region in enumerate(regions):
             if i:
                 metrics.fell_back("next_region")
             decision = self.x.pipeline.decide(self.x.replica.supply, bid, region)
             try:
-                placed = await self._claim_best(decision, suffix, request, config, skip_launch)
+                placed = await self._claim_best(
+                    decision, suffix, request, config, skip_launch, tried
+                )
             except Upstream:
-                _conclude(decision, "failed")
+                self._conclude(request.app, decision, "failed")
                 raise
             if placed is None:
-                _conclude(decision, "exhausted")
+                self._conclude(request.app, decision, "exhausted", fallback=i + 1 < len(regions))
+                tried.append(explain.region_record(decision, "exhausted"))
                 counts.update(decision.counts())
                 continue
             machine, candidate = placed
-            _conclude(decision, "placed", candidate.worker_id)
+            self._conclude(request.app, decision, "placed", candidate, machine.id)
             log.info(
                 "placed",
                 machine_id=machine.id,
@@ -364,6 +369,22 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
         )
         raise AssertionError("abort returns only by raising")
 
+    def _conclude(
+        self,
+        app: str,
+        decision: placement.Decision,
+        outcome: metrics.Outcome,
+        winner: placement.Candidate | None = None,
+        machine_id: str = "",
+        *,
+        fallback: bool = False,
+    ) -> None:
+        """A region's decision is final: counted, on the span, and told to the watchers."""
+        _conclude(decision, outcome, winner.worker_id if winner is not None else None)
+        self.x.watchers.publish(
+            app, decision, outcome, winner=winner, machine_id=machine_id, fallback=fallback
+        )
+
     def _roll_back(self, machine_id: str) -> None:
         """Destroy a machine just created for a caller who will never hear of it, in the
         background (in a context of its own: not bound by the caller's deadline)."""
@@ -390,12 +411,17 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
         request: m.CreateMachineRequest,
         config: pb.MachineConfig,
         skip_launch: bool,
+        tried: list[pb.RegionPlacement],
     ) -> tuple[pb.Machine, placement.Candidate] | None:
-        """Claim on the candidates in rank order; the first that takes it, or None."""
+        """Claim on the candidates in rank order; the first that takes it, or None. `tried`:
+        the regions exhausted before this one (the worker keeps them with the decision)."""
         for i, candidate in enumerate(decision.candidates):
             if i:
                 metrics.fell_back("next_worker")
-            machine = await self._claim(candidate, suffix, request, config, skip_launch, decision)
+            why = explain.record(tried, decision, candidate, self.x.pipeline.sample_size)
+            machine = await self._claim(
+                candidate, suffix, request, config, skip_launch, decision, why
+            )
             if machine is not None:
                 return machine, candidate
         return None
@@ -408,8 +434,10 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
         config: pb.MachineConfig,
         skip_launch: bool,
         decision: placement.Decision,
+        why: pb.PlacementDecision,
     ) -> pb.Machine | None:
-        """Claim on one worker: its machine, or None when it refused (recorded)."""
+        """Claim on one worker: its machine, or None when it refused (recorded). `why` goes
+        with the claim: the worker keeps it with the machine."""
         machine_id = f"{candidate.worker_id}-{suffix}"
         try:
             stub = self.x.workers.stub(candidate.worker_id)
@@ -421,6 +449,7 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
                     config=config,
                     skip_launch=skip_launch,
                     idempotency_key=request.idempotency_key,
+                    placement=why,
                 ),
                 # No more than our caller has left: the worker does not commit a machine
                 # it could not answer for in time.
@@ -585,6 +614,11 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
     ) -> m.ListMachineEventsResponse:
         return await self._forward("ListMachineEvents", request)
 
+    async def GetPlacement(
+        self, request: m.GetPlacementRequest, context: grpc.aio.ServicerContext
+    ) -> m.GetPlacementResponse:
+        return await self._forward("GetPlacement", request)
+
     async def GetMachineLogs(
         self, request: m.GetMachineLogsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[m.GetMachineLogsResponse]:
@@ -675,6 +709,12 @@ class PlatformServicer(platform_pb2_grpc.PlatformServiceServicer):
             for reason, n in decision.counts().items():
                 out.rejections_by_reason[reason] += n
         return out
+
+    async def WatchPlacements(
+        self, request: platform_pb2.WatchPlacementsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[platform_pb2.WatchPlacementsResponse]:
+        async for response in self.x.watchers.watch(subscribed=context.send_initial_metadata):
+            yield response
 
 
 def _fits(free: Resources, guest: pb.GuestConfig) -> int:

@@ -31,6 +31,7 @@ live process is re-attached as running, a dead one is spawned again).
 
 from __future__ import annotations
 
+import base64
 import json
 import signal as signals
 import struct
@@ -96,6 +97,10 @@ class Row:
     # The config's secrets by name, sealed with the worker's key (flyd.secrets); the
     # machine's config has each one's name only.
     secrets: dict[str, str] = field(default_factory=dict)
+    # flaps' placement decision (a serialized pb.PlacementDecision), kept from the create on;
+    # b"" when the machine was created without one. Not part of the public row: it is read
+    # with GetPlacement, and no stream or snapshot carries it.
+    placement: bytes = b""
 
     @property
     def state(self) -> int:
@@ -427,7 +432,7 @@ def step(row: Row, event: Event, *, now: float, policy: Policy) -> Transition | 
         case CleanedUp():
             if row.op is None or row.op.step != "cleanup":
                 return None
-            b = _Builder(replace(row, machine=_tombstone(row.machine), secrets={}), now, "destroy")
+            b = _Builder(_tombstone(row), now, "destroy")
             return b.to(S.MACHINE_STATE_DESTROYED, "destroyed", op=None)
         case CleanupFailed(error=error):
             if row.op is None or row.op.step != "cleanup":
@@ -579,10 +584,12 @@ def _update(row: Row, ev: UpdateRequested, now: float) -> Transition:
     return b.to(S.MACHINE_STATE_STARTING, reason, op=Op("update", "spawn"))
 
 
-def _tombstone(machine: pb.Machine) -> pb.Machine:
+def _tombstone(row: Row) -> Row:
     """What a destroyed machine's row keeps while it stays readable: who it was, its image and
-    size, its events; not the rest of its config, its log tail nor its lease, so the rows a
-    worker keeps (and sends in snapshots) stay small whatever the machines held."""
+    size, its events; not the rest of its config, its log tail, its lease, its secrets nor its
+    placement decision, so the rows a worker keeps (and sends in snapshots) stay small whatever
+    the machines held."""
+    machine = row.machine
     out = pb.Machine()
     out.CopyFrom(machine)
     out.config.Clear()
@@ -590,7 +597,7 @@ def _tombstone(machine: pb.Machine) -> pb.Machine:
     out.config.guest.CopyFrom(machine.config.guest)
     out.ClearField("lease")
     del out.log_tail[:]
-    return out
+    return replace(row, machine=out, secrets={}, placement=b"")
 
 
 def lease_held(row: Row, now: float) -> bool:
@@ -691,7 +698,7 @@ def _retry_cleanup(row: Row, now: float, policy: Policy, error: str) -> Transiti
     assert row.op is not None
     attempts = row.op.attempts + 1
     if attempts >= MAX_CLEANUP_ATTEMPTS:
-        b = _Builder(replace(row, machine=_tombstone(row.machine), secrets={}), now, "destroy")
+        b = _Builder(_tombstone(row), now, "destroy")
         return b.to(
             S.MACHINE_STATE_DESTROYED,
             f"destroyed; cleanup failed {attempts} times, its resources may be left behind: "
@@ -840,6 +847,8 @@ def encode_row(row: Row) -> bytes:
         "lease": row.lease,
         "secrets": row.secrets,
     }
+    if row.placement:
+        internals["placement"] = base64.b64encode(row.placement).decode()
     return _ROW_HEADER.pack(ROW_VERSION, len(machine)) + machine + json.dumps(internals).encode()
 
 
@@ -859,6 +868,7 @@ def decode_row(raw: bytes) -> Row:
         restarts=tuple(internals["restarts"]),
         lease=internals.get("lease"),
         secrets=internals.get("secrets") or {},
+        placement=base64.b64decode(internals.get("placement") or ""),
     )
 
 
@@ -869,10 +879,11 @@ def create(
     skip_launch: bool,
     now: float,
     secrets: dict[str, str] | None = None,
+    placement: bytes = b"",
 ) -> Transition:
     """The first step of a machine: CREATED, with its start pending unless skip_launch (a
     standby is always created stopped: only a promotion starts it); `secrets` sealed
-    (flyd.secrets)."""
+    (flyd.secrets); `placement`: flaps' decision, serialized (Row.placement)."""
     m = pb.Machine()
     m.CopyFrom(machine)
     m.state = S.MACHINE_STATE_CREATED
@@ -880,5 +891,5 @@ def create(
     m.updated_at.CopyFrom(timestamp(now))
     m.slot.CopyFrom(slots.new_slot(m.id, m.config))
     op = None if skip_launch or not slots.is_primary(m) else Op("start", "begin")
-    row = Row(m, image_digest, op=op, secrets=dict(secrets or {}))
+    row = Row(m, image_digest, op=op, secrets=dict(secrets or {}), placement=placement)
     return Transition(row, "create", "created", S.MACHINE_STATE_UNSPECIFIED)

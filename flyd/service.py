@@ -24,7 +24,7 @@ from flyd.errors import (
 from flyd.pages import page
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
-from flyd.validate import CONFIG_LIMITS
+from flyd.validate import CONFIG_LIMITS, PLACEMENT_LIMITS
 from flyd.worker import Worker
 from runtime import Mapped
 from runtime.limits import DEFAULT_LIMITS, Limits
@@ -57,6 +57,7 @@ FREEZING_SIGNALS = frozenset(
 
 LIMITS = DEFAULT_LIMITS.merged(
     CONFIG_LIMITS,
+    PLACEMENT_LIMITS,
     Limits(
         texts={
             "flyd.v1.AcquireLeaseRequest.owner": 256,
@@ -105,6 +106,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             skip_launch=request.skip_launch,
             idempotency_key=request.idempotency_key,
             deadline=None if remaining is None else asyncio.get_running_loop().time() + remaining,
+            placement=request.placement if request.HasField("placement") else None,
         )
         return w.CreateMachineResponse(machine=machine)
 
@@ -289,3 +291,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self, request: w.ListMachineEventsRequest, context: grpc.aio.ServicerContext
     ) -> w.ListMachineEventsResponse:
         return w.ListMachineEventsResponse(events=list(self.worker.events(request.machine_id)))
+
+    async def GetPlacement(
+        self, request: w.GetPlacementRequest, context: grpc.aio.ServicerContext
+    ) -> w.GetPlacementResponse:
+        return w.GetPlacementResponse(placement=self.worker.placement(request.machine_id))

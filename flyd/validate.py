@@ -61,6 +61,37 @@ CONFIG_LIMITS = Limits(
 )
 """The bounds of a machine config, wherever a request carries one (flyd's and flaps')."""
 
+# How much of a placement decision a worker keeps with a machine (flaps trims to these).
+MAX_PLACEMENT_REGIONS = 16
+MAX_PLACEMENT_NAMED = 16
+"""Candidates, and named rejections, per region; the counts by reason cover the rest."""
+MAX_PLACEMENT_DETAIL = 160
+MAX_PLACEMENT_BYTES = 64 * 1024
+_P = "flyd.v1.RegionPlacement"
+PLACEMENT_LIMITS = Limits(
+    texts={
+        "flyd.v1.PlacementDecision.worker_id": 63,
+        f"{_P}.region": 63,
+        f"{_P}.outcome": 16,
+        f"{_P}.RejectionsByReasonEntry.key": 64,
+        "flyd.v1.PlacementCandidate.worker_id": 63,
+        "flyd.v1.PlacementCandidate.SubScoresEntry.key": 64,
+        "flyd.v1.PlacementRejection.worker_id": 63,
+        "flyd.v1.PlacementRejection.reason": 64,
+        "flyd.v1.PlacementRejection.detail": MAX_PLACEMENT_DETAIL,
+    },
+    counts={
+        "flyd.v1.PlacementDecision.regions": MAX_PLACEMENT_REGIONS,
+        f"{_P}.candidates": MAX_PLACEMENT_NAMED + 1,  # and the winner, when ranked lower
+        f"{_P}.rejections": MAX_PLACEMENT_NAMED,
+        f"{_P}.rejections_by_reason": 32,
+        "flyd.v1.PlacementCandidate.sub_scores": 8,
+    },
+    sizes={"flyd.v1.PlacementDecision": MAX_PLACEMENT_BYTES},
+)
+"""The bounds of the placement decision a create carries (`CreateMachineRequest.placement`):
+it is kept with the machine for its whole life."""
+
 
 def check_config(config: pb.MachineConfig, field: str = "config") -> None:
     """Everything about a machine config that can be checked without a worker."""

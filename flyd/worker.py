@@ -207,8 +207,11 @@ class Worker:
         skip_launch: bool,
         idempotency_key: str = "",
         deadline: float | None = None,
+        placement: pb.PlacementDecision | None = None,
     ) -> pb.Machine:
         """Create a machine and, unless skip_launch, start it; returns it at rest (STARTED).
+
+        `placement`: why flaps chose this worker, kept with the machine (`placement()`).
 
         A create of `app` under an `idempotency_key` this worker holds returns the key's
         machine (whatever `machine_id` says, room or not); one under way is waited for.
@@ -230,7 +233,15 @@ class Worker:
             mid,
             app,
             lambda op_span: self._create(
-                mid, name, app, config, skip_launch, idempotency_key, op_span, deadline
+                mid,
+                name,
+                app,
+                config,
+                skip_launch,
+                idempotency_key,
+                op_span,
+                deadline,
+                b"" if placement is None else placement.SerializeToString(),
             ),
         )
         CREATE_SECONDS.observe(time.perf_counter() - t0)
@@ -270,6 +281,7 @@ class Worker:
         key: str,
         op_span: tuple[str, OpSpan] | None,
         deadline: float | None = None,
+        placement: bytes = b"",
     ) -> pb.Machine:
         check_name("app", app)
         if len(name) > 63:
@@ -333,6 +345,7 @@ class Worker:
                         skip_launch=skip_launch,
                         now=self.clock.now(),
                         secrets=sealed,
+                        placement=placement,
                     )
                     self.reservations.pending[machine_id] = machine
                     if key:
@@ -672,6 +685,11 @@ class Worker:
             from_seq, heartbeat_interval=heartbeat_interval, stop=stop, log_epoch=log_epoch
         ):
             yield item
+
+    def placement(self, machine_id: str) -> pb.PlacementDecision | None:
+        """The placement decision kept with the machine; None when it has none."""
+        kept = self.get(machine_id).placement
+        return pb.PlacementDecision.FromString(kept) if kept else None
 
     def events(self, machine_id: str) -> Iterator[pb.MachineEvent]:
         """The machine's state changes still in the log, oldest first."""

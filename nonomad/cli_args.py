@@ -105,6 +105,14 @@ def add_machines(
     show.add_argument("id", metavar="ID", help="machine id")
     show.set_defaults(func="nonomad.cli_machines:cmd_show")
 
+    why = msub.add_parser(
+        "why",
+        parents=parents,
+        help="why a machine is on its worker: the placement decision that put it there",
+    )
+    why.add_argument("id", metavar="ID", help="machine id")
+    why.set_defaults(func="nonomad.cli_machines:cmd_why")
+
     create = msub.add_parser(
         "run",
         parents=parents,

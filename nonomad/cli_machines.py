@@ -1,4 +1,5 @@
-"""`nonomad machines ...`: list, show, run, start/stop/restart/destroy, logs and wait, via flaps."""
+"""`nonomad machines ...`: list, show, why, run, start/stop/restart/destroy, logs and wait, via
+flaps."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import signal
 
 from flyd.slots import slot_of
 from nonomad.cli_common import (
+    CliError,
     UsageError,
     emit,
     key_values,
@@ -20,7 +22,14 @@ from nonomad.cli_common import (
     wait_state,
     when,
 )
-from nonomad.client import Client, GuestConfig, Machine, MachineConfig, state_name
+from nonomad.client import (
+    Client,
+    GuestConfig,
+    Machine,
+    MachineConfig,
+    PlacementDecision,
+    state_name,
+)
 from nonomad.client import MachineEvent as Event
 
 # -- human output ------------------------------------------------------------------------------
@@ -154,6 +163,37 @@ def events_table(events: list[Event]) -> str:
     return table(rows, ["SEQ", "TIME", "TYPE", "STATE", "REASON"])
 
 
+def why_text(machine_id: str, why: PlacementDecision) -> str:
+    """A placement decision, region by region: the candidates ranked with their sub-scores
+    (the winner starred), the rejections counted by reason, and the named ones."""
+    out = [
+        f"{machine_id} is on {why.worker_id}: placed {when(why.decided_at)}, "
+        f"ranking a sample of up to {why.sample_size} workers per region"
+    ]
+    for region in why.regions:
+        out += ["", f"region {region.region}: {region.outcome} ({region.examined} drawn)"]
+        parts = sorted({k for c in region.candidates for k in c.sub_scores})
+        rows = [
+            [
+                ("* " if c.worker_id == why.worker_id else "  ") + c.worker_id,
+                f"{c.score:.3f}",
+                *(f"{c.sub_scores[k]:.3f}" if k in c.sub_scores else "-" for k in parts),
+            ]
+            for c in region.candidates
+        ]
+        if rows:
+            out.append(table(rows, ["  WORKER", "SCORE", *(k.upper() for k in parts)]))
+        else:
+            out.append("no worker could take it")
+        counted = sorted(region.rejections_by_reason.items(), key=lambda kv: (-kv[1], kv[0]))
+        if counted:
+            out.append("rejected: " + ", ".join(f"{n} {reason}" for reason, n in counted))
+        if region.rejections:
+            named = [[r.worker_id, r.reason, r.detail or "-"] for r in region.rejections]
+            out.append(table(named, ["WORKER", "REASON", "DETAIL"]))
+    return "\n".join(out)
+
+
 # -- commands ----------------------------------------------------------------------------------
 
 
@@ -179,6 +219,20 @@ def cmd_show(args: argparse.Namespace) -> int:
         del machine.events[:]
         machine.events.extend(events)
         emit(args, machine, lambda: show_text(machine))
+        return 0
+
+    return run(args, body)
+
+
+def cmd_why(args: argparse.Namespace) -> int:
+    async def body(flaps: Client) -> int:
+        why = await flaps.get_placement(args.id)
+        if why is None:
+            raise CliError(
+                f"no placement decision is kept for {args.id}: it was created straight on "
+                "its worker, or is destroyed"
+            )
+        emit(args, why, lambda: why_text(args.id, why))
         return 0
 
     return run(args, body)

@@ -18,7 +18,7 @@ Messages are the generated protobuf classes of `flyd.v1` and `flaps.v1`, re-expo
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, ClassVar
@@ -50,6 +50,8 @@ __all__ = [
     "MachineState",
     "NotFound",
     "PermissionDenied",
+    "PlacementDecision",
+    "PlacementEvent",
     "Region",
     "ResourceExhausted",
     "Unauthenticated",
@@ -68,6 +70,8 @@ MachineState = pb.MachineState
 Region = platform_pb2.Region
 Worker = platform_pb2.Worker
 Candidate = platform_pb2.Candidate
+PlacementDecision = pb.PlacementDecision
+PlacementEvent = platform_pb2.PlacementEvent
 
 DEFAULT_TIMEOUT = 30.0
 MAX_WAIT = 60.0  # flaps' WaitMachine limit
@@ -559,6 +563,16 @@ class Client:
         finally:
             call.cancel()
 
+    async def get_placement(
+        self, machine_id: str, *, timeout: float | None = None
+    ) -> pb.PlacementDecision | None:
+        """Why the machine is on its worker: the placement decision flaps made when it created
+        it (candidates and sub-scores, rejections by reason, regions tried before), as its
+        worker keeps it. None for a machine made straight on a worker, or destroyed."""
+        request = m.GetPlacementRequest(machine_id=machine_id)
+        response = await self._unary(self._machines.GetPlacement, "GetPlacement", request, timeout)
+        return response.placement if response.HasField("placement") else None
+
     # -- Platform API --------------------------------------------------------------------------
 
     async def list_regions(
@@ -607,3 +621,23 @@ class Client:
             self._platform.SimulatePlacement, "SimulatePlacement", request, timeout
         )
         return response
+
+    async def watch_placements(
+        self, *, subscribed: Callable[[], None] | None = None
+    ) -> AsyncIterator[platform_pb2.WatchPlacementsResponse]:
+        """This flaps' placement decisions from now on, one per region tried, until the caller
+        stops iterating (`dropped` on one: some before it were missed). `subscribed()` is
+        called once flaps has registered the watch: every decision after it arrives."""
+        call = self._platform.WatchPlacements(
+            platform_pb2.WatchPlacementsRequest(), metadata=self._metadata
+        )
+        try:
+            await call.initial_metadata()
+            if subscribed is not None and not call.done():
+                subscribed()
+            async for item in call:
+                yield item
+        except grpc.aio.AioRpcError as err:
+            raise ApiError.from_rpc(err, "WatchPlacements") from None
+        finally:
+            call.cancel()

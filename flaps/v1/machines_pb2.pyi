@@ -767,3 +767,42 @@ class SupersedeMachineResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SupersedeMachineResponse: _TypeAlias = SupersedeMachineResponse  # noqa: Y015
+
+@_typing.final
+class GetPlacementRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MACHINE_ID_FIELD_NUMBER: _builtins.int
+    machine_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        machine_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["machine_id", b"machine_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetPlacementRequest: _TypeAlias = GetPlacementRequest  # noqa: Y015
+
+@_typing.final
+class GetPlacementResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PLACEMENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def placement(self) -> _machine_pb2.PlacementDecision: ...
+    def __init__(
+        self,
+        *,
+        placement: _machine_pb2.PlacementDecision | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["placement", b"placement"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["placement", b"placement"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetPlacementResponse: _TypeAlias = GetPlacementResponse  # noqa: Y015

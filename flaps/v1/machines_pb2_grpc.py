@@ -118,6 +118,11 @@ class MachinesServiceStub:
                 request_serializer=flaps_dot_v1_dot_machines__pb2.SupersedeMachineRequest.SerializeToString,
                 response_deserializer=flaps_dot_v1_dot_machines__pb2.SupersedeMachineResponse.FromString,
                 _registered_method=True)
+        self.GetPlacement = channel.unary_unary(
+                '/flaps.v1.MachinesService/GetPlacement',
+                request_serializer=flaps_dot_v1_dot_machines__pb2.GetPlacementRequest.SerializeToString,
+                response_deserializer=flaps_dot_v1_dot_machines__pb2.GetPlacementResponse.FromString,
+                _registered_method=True)
 
 
 class MachinesServiceServicer:
@@ -260,6 +265,16 @@ class MachinesServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetPlacement(self, request, context):
+        """Why the machine is on its worker: the placement decision flaps made when it created the
+        machine, as its worker keeps it (candidates with their scores and sub-scores, rejections
+        by reason, the regions tried before). The response's placement is unset for a machine
+        that was created straight on its worker, or is destroyed. NOT_FOUND for an unknown id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MachinesServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -337,6 +352,11 @@ def add_MachinesServiceServicer_to_server(servicer, server):
                     servicer.SupersedeMachine,
                     request_deserializer=flaps_dot_v1_dot_machines__pb2.SupersedeMachineRequest.FromString,
                     response_serializer=flaps_dot_v1_dot_machines__pb2.SupersedeMachineResponse.SerializeToString,
+            ),
+            'GetPlacement': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPlacement,
+                    request_deserializer=flaps_dot_v1_dot_machines__pb2.GetPlacementRequest.FromString,
+                    response_serializer=flaps_dot_v1_dot_machines__pb2.GetPlacementResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -753,6 +773,33 @@ class MachinesService:
             '/flaps.v1.MachinesService/SupersedeMachine',
             flaps_dot_v1_dot_machines__pb2.SupersedeMachineRequest.SerializeToString,
             flaps_dot_v1_dot_machines__pb2.SupersedeMachineResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPlacement(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flaps.v1.MachinesService/GetPlacement',
+            flaps_dot_v1_dot_machines__pb2.GetPlacementRequest.SerializeToString,
+            flaps_dot_v1_dot_machines__pb2.GetPlacementResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -106,6 +106,12 @@ class MachinesServiceStub:
     flyd.v1.WorkerService.SupersedeMachine): a copy outranked stops and stands by.
     INVALID_ARGUMENT for a generation of 0 or a malformed primary id.
     """
+    GetPlacement: _grpc.UnaryUnaryMultiCallable[_machines_pb2.GetPlacementRequest, _machines_pb2.GetPlacementResponse]
+    """Why the machine is on its worker: the placement decision flaps made when it created the
+    machine, as its worker keeps it (candidates with their scores and sub-scores, rejections
+    by reason, the regions tried before). The response's placement is unset for a machine
+    that was created straight on its worker, or is destroyed. NOT_FOUND for an unknown id.
+    """
 
 @_typing.type_check_only
 class MachinesServiceAsyncStub(MachinesServiceStub):
@@ -184,6 +190,12 @@ class MachinesServiceAsyncStub(MachinesServiceStub):
     """Tells the machine's worker that its slot moved on to `primary` at `generation` (see
     flyd.v1.WorkerService.SupersedeMachine): a copy outranked stops and stands by.
     INVALID_ARGUMENT for a generation of 0 or a malformed primary id.
+    """
+    GetPlacement: _aio.UnaryUnaryMultiCallable[_machines_pb2.GetPlacementRequest, _machines_pb2.GetPlacementResponse]  # type: ignore[assignment]
+    """Why the machine is on its worker: the placement decision flaps made when it created the
+    machine, as its worker keeps it (candidates with their scores and sub-scores, rejections
+    by reason, the regions tried before). The response's placement is unset for a machine
+    that was created straight on its worker, or is destroyed. NOT_FOUND for an unknown id.
     """
 
 class MachinesServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -350,6 +362,18 @@ class MachinesServiceServicer(metaclass=_abc_1.ABCMeta):
         """Tells the machine's worker that its slot moved on to `primary` at `generation` (see
         flyd.v1.WorkerService.SupersedeMachine): a copy outranked stops and stands by.
         INVALID_ARGUMENT for a generation of 0 or a malformed primary id.
+        """
+
+    @_abc_1.abstractmethod
+    def GetPlacement(
+        self,
+        request: _machines_pb2.GetPlacementRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_machines_pb2.GetPlacementResponse, _abc.Awaitable[_machines_pb2.GetPlacementResponse]]:
+        """Why the machine is on its worker: the placement decision flaps made when it created the
+        machine, as its worker keeps it (candidates with their scores and sub-scores, rejections
+        by reason, the regions tried before). The response's placement is unset for a machine
+        that was created straight on its worker, or is destroyed. NOT_FOUND for an unknown id.
         """
 
 def add_MachinesServiceServicer_to_server(servicer: MachinesServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

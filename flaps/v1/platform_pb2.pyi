@@ -369,3 +369,121 @@ class SimulatePlacementResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SimulatePlacementResponse: _TypeAlias = SimulatePlacementResponse  # noqa: Y015
+
+@_typing.final
+class WatchPlacementsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchPlacementsRequest: _TypeAlias = WatchPlacementsRequest  # noqa: Y015
+
+@_typing.final
+class PlacementEvent(_message.Message):
+    """One region's placement decision for one create."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class RejectionsByReasonEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    TIME_FIELD_NUMBER: _builtins.int
+    APP_FIELD_NUMBER: _builtins.int
+    REGION_FIELD_NUMBER: _builtins.int
+    OUTCOME_FIELD_NUMBER: _builtins.int
+    MACHINE_ID_FIELD_NUMBER: _builtins.int
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    SCORE_FIELD_NUMBER: _builtins.int
+    CANDIDATES_FIELD_NUMBER: _builtins.int
+    REJECTIONS_BY_REASON_FIELD_NUMBER: _builtins.int
+    FALLBACK_FIELD_NUMBER: _builtins.int
+    app: _builtins.str
+    region: _builtins.str
+    outcome: _builtins.str
+    """"placed", "exhausted" (no worker of the region took it) or "failed" (a claim failed in a
+    way that is not a refusal; the create failed).
+    """
+    machine_id: _builtins.str
+    """Placed: the machine and the worker it went to."""
+    worker_id: _builtins.str
+    score: _builtins.float
+    """The winner's score (placed)."""
+    candidates: _builtins.int
+    """How many candidates were ranked."""
+    fallback: _builtins.bool
+    """Exhausted with another region of the request still to try."""
+    @_builtins.property
+    def time(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def rejections_by_reason(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """The workers of the region that could not take it, by reason."""
+
+    def __init__(
+        self,
+        *,
+        time: _timestamp_pb2.Timestamp | None = ...,
+        app: _builtins.str = ...,
+        region: _builtins.str = ...,
+        outcome: _builtins.str = ...,
+        machine_id: _builtins.str = ...,
+        worker_id: _builtins.str = ...,
+        score: _builtins.float = ...,
+        candidates: _builtins.int = ...,
+        rejections_by_reason: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        fallback: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["time", b"time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["app", b"app", "candidates", b"candidates", "fallback", b"fallback", "machine_id", b"machine_id", "outcome", b"outcome", "region", b"region", "rejections_by_reason", b"rejections_by_reason", "score", b"score", "time", b"time", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlacementEvent: _TypeAlias = PlacementEvent  # noqa: Y015
+
+@_typing.final
+class WatchPlacementsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENT_FIELD_NUMBER: _builtins.int
+    DROPPED_FIELD_NUMBER: _builtins.int
+    dropped: _builtins.bool
+    """Decisions were dropped before this one: the watcher fell behind."""
+    @_builtins.property
+    def event(self) -> Global___PlacementEvent: ...
+    def __init__(
+        self,
+        *,
+        event: Global___PlacementEvent | None = ...,
+        dropped: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped", b"dropped", "event", b"event"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchPlacementsResponse: _TypeAlias = WatchPlacementsResponse  # noqa: Y015

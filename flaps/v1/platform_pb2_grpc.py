@@ -51,6 +51,11 @@ class PlatformServiceStub:
                 request_serializer=flaps_dot_v1_dot_platform__pb2.SimulatePlacementRequest.SerializeToString,
                 response_deserializer=flaps_dot_v1_dot_platform__pb2.SimulatePlacementResponse.FromString,
                 _registered_method=True)
+        self.WatchPlacements = channel.unary_stream(
+                '/flaps.v1.PlatformService/WatchPlacements',
+                request_serializer=flaps_dot_v1_dot_platform__pb2.WatchPlacementsRequest.SerializeToString,
+                response_deserializer=flaps_dot_v1_dot_platform__pb2.WatchPlacementsResponse.FromString,
+                _registered_method=True)
 
 
 class PlatformServiceServicer:
@@ -86,6 +91,18 @@ class PlatformServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchPlacements(self, request, context):
+        """Streams the placement decisions this flaps instance concludes from now on, one per
+        region tried: a machine placed, a region exhausted (no worker took it: the refusal, or a
+        fallback to the next region named) or a claim that failed. Each flaps streams its own;
+        nothing is kept for later. A watcher that falls behind misses decisions and is told so
+        (`dropped`). The token must allow read and regions on every app (PERMISSION_DENIED
+        otherwise); the stream ends with UNAVAILABLE when flaps shuts down.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PlatformServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -103,6 +120,11 @@ def add_PlatformServiceServicer_to_server(servicer, server):
                     servicer.SimulatePlacement,
                     request_deserializer=flaps_dot_v1_dot_platform__pb2.SimulatePlacementRequest.FromString,
                     response_serializer=flaps_dot_v1_dot_platform__pb2.SimulatePlacementResponse.SerializeToString,
+            ),
+            'WatchPlacements': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchPlacements,
+                    request_deserializer=flaps_dot_v1_dot_platform__pb2.WatchPlacementsRequest.FromString,
+                    response_serializer=flaps_dot_v1_dot_platform__pb2.WatchPlacementsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -188,6 +210,33 @@ class PlatformService:
             '/flaps.v1.PlatformService/SimulatePlacement',
             flaps_dot_v1_dot_platform__pb2.SimulatePlacementRequest.SerializeToString,
             flaps_dot_v1_dot_platform__pb2.SimulatePlacementResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchPlacements(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/flaps.v1.PlatformService/WatchPlacements',
+            flaps_dot_v1_dot_platform__pb2.WatchPlacementsRequest.SerializeToString,
+            flaps_dot_v1_dot_platform__pb2.WatchPlacementsResponse.FromString,
             options,
             channel_credentials,
             insecure,

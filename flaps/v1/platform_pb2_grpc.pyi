@@ -51,6 +51,14 @@ class PlatformServiceStub:
     how many workers were rejected for each reason; claims nothing.
     INVALID_ARGUMENT as CreateMachine.
     """
+    WatchPlacements: _grpc.UnaryStreamMultiCallable[_platform_pb2.WatchPlacementsRequest, _platform_pb2.WatchPlacementsResponse]
+    """Streams the placement decisions this flaps instance concludes from now on, one per
+    region tried: a machine placed, a region exhausted (no worker took it: the refusal, or a
+    fallback to the next region named) or a claim that failed. Each flaps streams its own;
+    nothing is kept for later. A watcher that falls behind misses decisions and is told so
+    (`dropped`). The token must allow read and regions on every app (PERMISSION_DENIED
+    otherwise); the stream ends with UNAVAILABLE when flaps shuts down.
+    """
 
 @_typing.type_check_only
 class PlatformServiceAsyncStub(PlatformServiceStub):
@@ -74,6 +82,14 @@ class PlatformServiceAsyncStub(PlatformServiceStub):
     candidates (at most 64 per region), the workers drawn but rejected, and
     how many workers were rejected for each reason; claims nothing.
     INVALID_ARGUMENT as CreateMachine.
+    """
+    WatchPlacements: _aio.UnaryStreamMultiCallable[_platform_pb2.WatchPlacementsRequest, _platform_pb2.WatchPlacementsResponse]  # type: ignore[assignment]
+    """Streams the placement decisions this flaps instance concludes from now on, one per
+    region tried: a machine placed, a region exhausted (no worker took it: the refusal, or a
+    fallback to the next region named) or a claim that failed. Each flaps streams its own;
+    nothing is kept for later. A watcher that falls behind misses decisions and is told so
+    (`dropped`). The token must allow read and regions on every app (PERMISSION_DENIED
+    otherwise); the stream ends with UNAVAILABLE when flaps shuts down.
     """
 
 class PlatformServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -113,6 +129,20 @@ class PlatformServiceServicer(metaclass=_abc_1.ABCMeta):
         candidates (at most 64 per region), the workers drawn but rejected, and
         how many workers were rejected for each reason; claims nothing.
         INVALID_ARGUMENT as CreateMachine.
+        """
+
+    @_abc_1.abstractmethod
+    def WatchPlacements(
+        self,
+        request: _platform_pb2.WatchPlacementsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_platform_pb2.WatchPlacementsResponse], _abc.AsyncIterator[_platform_pb2.WatchPlacementsResponse]]:
+        """Streams the placement decisions this flaps instance concludes from now on, one per
+        region tried: a machine placed, a region exhausted (no worker took it: the refusal, or a
+        fallback to the next region named) or a claim that failed. Each flaps streams its own;
+        nothing is kept for later. A watcher that falls behind misses decisions and is told so
+        (`dropped`). The token must allow read and regions on every app (PERMISSION_DENIED
+        otherwise); the stream ends with UNAVAILABLE when flaps shuts down.
         """
 
 def add_PlatformServiceServicer_to_server(servicer: PlatformServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

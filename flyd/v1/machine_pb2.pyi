@@ -971,3 +971,193 @@ class WorkerInfo(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WorkerInfo: _TypeAlias = WorkerInfo  # noqa: Y015
+
+@_typing.final
+class PlacementDecision(_message.Message):
+    """Why a machine is on its worker: the decision flaps made when it placed the machine, kept by
+    the worker with the machine's row for its whole life (flaps passes it with the create; a
+    destroyed machine's row drops it). Bounded: at most 16 regions, and per region at most 16
+    candidates and 16 named rejections (the counts cover every worker).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REGIONS_FIELD_NUMBER: _builtins.int
+    SAMPLE_SIZE_FIELD_NUMBER: _builtins.int
+    DECIDED_AT_FIELD_NUMBER: _builtins.int
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    sample_size: _builtins.int
+    """How many candidates placement ranks per region (flaps' sample size)."""
+    worker_id: _builtins.str
+    """The worker the machine was placed on (the first candidate of the last region that took it)."""
+    @_builtins.property
+    def regions(self) -> _containers.RepeatedCompositeFieldContainer[Global___RegionPlacement]:
+        """The regions tried, in order. Every one but the last had no worker that took the machine
+        (a region fallback); the last is where it was placed.
+        """
+
+    @_builtins.property
+    def decided_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        regions: _abc.Iterable[Global___RegionPlacement] | None = ...,
+        sample_size: _builtins.int = ...,
+        decided_at: _timestamp_pb2.Timestamp | None = ...,
+        worker_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["decided_at", b"decided_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decided_at", b"decided_at", "regions", b"regions", "sample_size", b"sample_size", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlacementDecision: _TypeAlias = PlacementDecision  # noqa: Y015
+
+@_typing.final
+class RegionPlacement(_message.Message):
+    """Placement's outcome in one region."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class RejectionsByReasonEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    REGION_FIELD_NUMBER: _builtins.int
+    CANDIDATES_FIELD_NUMBER: _builtins.int
+    REJECTIONS_FIELD_NUMBER: _builtins.int
+    REJECTIONS_BY_REASON_FIELD_NUMBER: _builtins.int
+    EXAMINED_FIELD_NUMBER: _builtins.int
+    OUTCOME_FIELD_NUMBER: _builtins.int
+    region: _builtins.str
+    examined: _builtins.int
+    """How many workers were drawn for the sample."""
+    outcome: _builtins.str
+    """"placed" (the machine went to a worker of this region) or "exhausted" (none took it)."""
+    @_builtins.property
+    def candidates(self) -> _containers.RepeatedCompositeFieldContainer[Global___PlacementCandidate]:
+        """The workers that could take the machine, best first, as far as the sample went: flaps
+        claimed on them in this order.
+        """
+
+    @_builtins.property
+    def rejections(self) -> _containers.RepeatedCompositeFieldContainer[Global___PlacementRejection]:
+        """Workers drawn and rejected by a candidate stage, and workers that refused the claim, each
+        with its reason.
+        """
+
+    @_builtins.property
+    def rejections_by_reason(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Every worker of the region that could not take the machine, by reason ("dead",
+        "cordoned", "insufficient_memory", "refused", ...): the named ones and those the
+        placement index counted without naming them.
+        """
+
+    def __init__(
+        self,
+        *,
+        region: _builtins.str = ...,
+        candidates: _abc.Iterable[Global___PlacementCandidate] | None = ...,
+        rejections: _abc.Iterable[Global___PlacementRejection] | None = ...,
+        rejections_by_reason: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        examined: _builtins.int = ...,
+        outcome: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidates", b"candidates", "examined", b"examined", "outcome", b"outcome", "region", b"region", "rejections", b"rejections", "rejections_by_reason", b"rejections_by_reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RegionPlacement: _TypeAlias = RegionPlacement  # noqa: Y015
+
+@_typing.final
+class PlacementCandidate(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class SubScoresEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    SCORE_FIELD_NUMBER: _builtins.int
+    SUB_SCORES_FIELD_NUMBER: _builtins.int
+    worker_id: _builtins.str
+    score: _builtins.float
+    @_builtins.property
+    def sub_scores(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """Named parts of the score: "cpu", "memory", "image_cached", "spread"."""
+
+    def __init__(
+        self,
+        *,
+        worker_id: _builtins.str = ...,
+        score: _builtins.float = ...,
+        sub_scores: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["score", b"score", "sub_scores", b"sub_scores", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlacementCandidate: _TypeAlias = PlacementCandidate  # noqa: Y015
+
+@_typing.final
+class PlacementRejection(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    worker_id: _builtins.str
+    reason: _builtins.str
+    """Short reason name: "insufficient_disk", "standby_conflict", "refused", ..."""
+    detail: _builtins.str
+    def __init__(
+        self,
+        *,
+        worker_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        detail: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "reason", b"reason", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlacementRejection: _TypeAlias = PlacementRejection  # noqa: Y015

@@ -127,6 +127,11 @@ class WorkerServiceStub:
                 request_serializer=flyd_dot_v1_dot_worker__pb2.ListMachineEventsRequest.SerializeToString,
                 response_deserializer=flyd_dot_v1_dot_worker__pb2.ListMachineEventsResponse.FromString,
                 _registered_method=True)
+        self.GetPlacement = channel.unary_unary(
+                '/flyd.v1.WorkerService/GetPlacement',
+                request_serializer=flyd_dot_v1_dot_worker__pb2.GetPlacementRequest.SerializeToString,
+                response_deserializer=flyd_dot_v1_dot_worker__pb2.GetPlacementResponse.FromString,
+                _registered_method=True)
         self.SupersedeMachine = channel.unary_unary(
                 '/flyd.v1.WorkerService/SupersedeMachine',
                 request_serializer=flyd_dot_v1_dot_worker__pb2.SupersedeMachineRequest.SerializeToString,
@@ -306,6 +311,15 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetPlacement(self, request, context):
+        """Returns the placement decision kept with the machine (CreateMachineRequest.placement):
+        absent when it was created without one (straight on the worker) or is destroyed.
+        NOT_FOUND for an unknown id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SupersedeMachine(self, request, context):
         """Tells the machine's worker that its slot moved on: `primary` serves at `generation`. When
         that outranks the machine's own claim, the machine is stopped and becomes a standby of
@@ -403,6 +417,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.ListMachineEvents,
                     request_deserializer=flyd_dot_v1_dot_worker__pb2.ListMachineEventsRequest.FromString,
                     response_serializer=flyd_dot_v1_dot_worker__pb2.ListMachineEventsResponse.SerializeToString,
+            ),
+            'GetPlacement': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPlacement,
+                    request_deserializer=flyd_dot_v1_dot_worker__pb2.GetPlacementRequest.FromString,
+                    response_serializer=flyd_dot_v1_dot_worker__pb2.GetPlacementResponse.SerializeToString,
             ),
             'SupersedeMachine': grpc.unary_unary_rpc_method_handler(
                     servicer.SupersedeMachine,
@@ -877,6 +896,33 @@ class WorkerService:
             '/flyd.v1.WorkerService/ListMachineEvents',
             flyd_dot_v1_dot_worker__pb2.ListMachineEventsRequest.SerializeToString,
             flyd_dot_v1_dot_worker__pb2.ListMachineEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPlacement(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flyd.v1.WorkerService/GetPlacement',
+            flyd_dot_v1_dot_worker__pb2.GetPlacementRequest.SerializeToString,
+            flyd_dot_v1_dot_worker__pb2.GetPlacementResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -133,6 +133,11 @@ class WorkerServiceStub:
     """Returns the machine's state changes still in the worker's log, oldest
     first. NOT_FOUND for an unknown id.
     """
+    GetPlacement: _grpc.UnaryUnaryMultiCallable[_worker_pb2.GetPlacementRequest, _worker_pb2.GetPlacementResponse]
+    """Returns the placement decision kept with the machine (CreateMachineRequest.placement):
+    absent when it was created without one (straight on the worker) or is destroyed.
+    NOT_FOUND for an unknown id.
+    """
     SupersedeMachine: _grpc.UnaryUnaryMultiCallable[_worker_pb2.SupersedeMachineRequest, _worker_pb2.SupersedeMachineResponse]
     """Tells the machine's worker that its slot moved on: `primary` serves at `generation`. When
     that outranks the machine's own claim, the machine is stopped and becomes a standby of
@@ -244,6 +249,11 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     ListMachineEvents: _aio.UnaryUnaryMultiCallable[_worker_pb2.ListMachineEventsRequest, _worker_pb2.ListMachineEventsResponse]  # type: ignore[assignment]
     """Returns the machine's state changes still in the worker's log, oldest
     first. NOT_FOUND for an unknown id.
+    """
+    GetPlacement: _aio.UnaryUnaryMultiCallable[_worker_pb2.GetPlacementRequest, _worker_pb2.GetPlacementResponse]  # type: ignore[assignment]
+    """Returns the placement decision kept with the machine (CreateMachineRequest.placement):
+    absent when it was created without one (straight on the worker) or is destroyed.
+    NOT_FOUND for an unknown id.
     """
     SupersedeMachine: _aio.UnaryUnaryMultiCallable[_worker_pb2.SupersedeMachineRequest, _worker_pb2.SupersedeMachineResponse]  # type: ignore[assignment]
     """Tells the machine's worker that its slot moved on: `primary` serves at `generation`. When
@@ -455,6 +465,17 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_worker_pb2.ListMachineEventsResponse, _abc.Awaitable[_worker_pb2.ListMachineEventsResponse]]:
         """Returns the machine's state changes still in the worker's log, oldest
         first. NOT_FOUND for an unknown id.
+        """
+
+    @_abc_1.abstractmethod
+    def GetPlacement(
+        self,
+        request: _worker_pb2.GetPlacementRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.GetPlacementResponse, _abc.Awaitable[_worker_pb2.GetPlacementResponse]]:
+        """Returns the placement decision kept with the machine (CreateMachineRequest.placement):
+        absent when it was created without one (straight on the worker) or is destroyed.
+        NOT_FOUND for an unknown id.
         """
 
     @_abc_1.abstractmethod

@@ -25,13 +25,15 @@ _sym_db = _symbol_database.Default()
 from flyd.v1 import machine_pb2 as flyd_dot_v1_dot_machine__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14proxy/v1/proxy.proto\x12\x08proxy.v1\x1a\x15\x66lyd/v1/machine.proto\" \n\x11ListRoutesRequest\x12\x0b\n\x03\x61pp\x18\x01 \x01(\t\"\xea\x01\n\x0cRouteMachine\x12\x12\n\nmachine_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0e\n\x06region\x18\x03 \x01(\t\x12$\n\x05state\x18\x04 \x01(\x0e\x32\x15.flyd.v1.MachineState\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\x12\x11\n\tin_flight\x18\x06 \x01(\x05\x12\x0f\n\x07healthy\x18\x07 \x01(\x08\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\x12\n\ngeneration\x18\t \x01(\x04\x12\x12\n\nsuperseded\x18\n \x01(\x08\x12\x0e\n\x06\x66\x65nced\x18\x0b \x01(\x08\"A\n\x08\x41ppRoute\x12\x0b\n\x03\x61pp\x18\x01 \x01(\t\x12(\n\x08machines\x18\x02 \x03(\x0b\x32\x16.proxy.v1.RouteMachine\"6\n\x12ListRoutesResponse\x12 \n\x04\x61pps\x18\x01 \x03(\x0b\x32\x12.proxy.v1.AppRoute\"\x11\n\x0fGetStatsRequest\"D\n\x12LatencyPercentiles\x12\x0e\n\x06p50_ms\x18\x01 \x01(\x01\x12\x0e\n\x06p90_ms\x18\x02 \x01(\x01\x12\x0e\n\x06p99_ms\x18\x03 \x01(\x01\"\x88\x02\n\x10GetStatsResponse\x12L\n\x12requests_by_status\x18\x01 \x03(\x0b\x32\x30.proxy.v1.GetStatsResponse.RequestsByStatusEntry\x12\x13\n\x0b\x63old_starts\x18\x02 \x01(\x04\x12\x11\n\tfailovers\x18\x03 \x01(\x04\x12-\n\x07latency\x18\x04 \x01(\x0b\x32\x1c.proxy.v1.LatencyPercentiles\x12\x16\n\x0erequests_total\x18\x05 \x01(\x04\x1a\x37\n\x15RequestsByStatusEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"8\n\x12\x44rainWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07undrain\x18\x02 \x01(\x08\":\n\x13\x44rainWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08\x64raining\x18\x02 \x01(\x08\x32\xe6\x01\n\x0cProxyService\x12G\n\nListRoutes\x12\x1b.proxy.v1.ListRoutesRequest\x1a\x1c.proxy.v1.ListRoutesResponse\x12\x41\n\x08GetStats\x12\x19.proxy.v1.GetStatsRequest\x1a\x1a.proxy.v1.GetStatsResponse\x12J\n\x0b\x44rainWorker\x12\x1c.proxy.v1.DrainWorkerRequest\x1a\x1d.proxy.v1.DrainWorkerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14proxy/v1/proxy.proto\x12\x08proxy.v1\x1a\x15\x66lyd/v1/machine.proto\" \n\x11ListRoutesRequest\x12\x0b\n\x03\x61pp\x18\x01 \x01(\t\"\xea\x01\n\x0cRouteMachine\x12\x12\n\nmachine_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0e\n\x06region\x18\x03 \x01(\t\x12$\n\x05state\x18\x04 \x01(\x0e\x32\x15.flyd.v1.MachineState\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\x12\x11\n\tin_flight\x18\x06 \x01(\x05\x12\x0f\n\x07healthy\x18\x07 \x01(\x08\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\x12\n\ngeneration\x18\t \x01(\x04\x12\x12\n\nsuperseded\x18\n \x01(\x08\x12\x0e\n\x06\x66\x65nced\x18\x0b \x01(\x08\"A\n\x08\x41ppRoute\x12\x0b\n\x03\x61pp\x18\x01 \x01(\t\x12(\n\x08machines\x18\x02 \x03(\x0b\x32\x16.proxy.v1.RouteMachine\"6\n\x12ListRoutesResponse\x12 \n\x04\x61pps\x18\x01 \x03(\x0b\x32\x12.proxy.v1.AppRoute\"\x1e\n\x0fGetStatsRequest\x12\x0b\n\x03\x61pp\x18\x01 \x01(\t\"-\n\rLatencyBucket\x12\r\n\x05le_ms\x18\x01 \x01(\x01\x12\r\n\x05\x63ount\x18\x02 \x01(\x04\"\xf0\x01\n\x08\x41ppStats\x12\x0b\n\x03\x61pp\x18\x01 \x01(\t\x12\x44\n\x12requests_by_status\x18\x02 \x03(\x0b\x32(.proxy.v1.AppStats.RequestsByStatusEntry\x12\x16\n\x0erequests_total\x18\x03 \x01(\x04\x12(\n\x07latency\x18\x04 \x03(\x0b\x32\x17.proxy.v1.LatencyBucket\x12\x16\n\x0elatency_sum_ms\x18\x05 \x01(\x01\x1a\x37\n\x15RequestsByStatusEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"D\n\x12LatencyPercentiles\x12\x0e\n\x06p50_ms\x18\x01 \x01(\x01\x12\x0e\n\x06p90_ms\x18\x02 \x01(\x01\x12\x0e\n\x06p99_ms\x18\x03 \x01(\x01\"\xaa\x02\n\x10GetStatsResponse\x12L\n\x12requests_by_status\x18\x01 \x03(\x0b\x32\x30.proxy.v1.GetStatsResponse.RequestsByStatusEntry\x12\x13\n\x0b\x63old_starts\x18\x02 \x01(\x04\x12\x11\n\tfailovers\x18\x03 \x01(\x04\x12-\n\x07latency\x18\x04 \x01(\x0b\x32\x1c.proxy.v1.LatencyPercentiles\x12\x16\n\x0erequests_total\x18\x05 \x01(\x04\x12 \n\x04\x61pps\x18\x06 \x03(\x0b\x32\x12.proxy.v1.AppStats\x1a\x37\n\x15RequestsByStatusEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"8\n\x12\x44rainWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07undrain\x18\x02 \x01(\x08\":\n\x13\x44rainWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08\x64raining\x18\x02 \x01(\x08\x32\xe6\x01\n\x0cProxyService\x12G\n\nListRoutes\x12\x1b.proxy.v1.ListRoutesRequest\x1a\x1c.proxy.v1.ListRoutesResponse\x12\x41\n\x08GetStats\x12\x19.proxy.v1.GetStatsRequest\x1a\x1a.proxy.v1.GetStatsResponse\x12J\n\x0b\x44rainWorker\x12\x1c.proxy.v1.DrainWorkerRequest\x1a\x1d.proxy.v1.DrainWorkerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proxy.v1.proxy_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_APPSTATS_REQUESTSBYSTATUSENTRY']._loaded_options = None
+  _globals['_APPSTATS_REQUESTSBYSTATUSENTRY']._serialized_options = b'8\001'
   _globals['_GETSTATSRESPONSE_REQUESTSBYSTATUSENTRY']._loaded_options = None
   _globals['_GETSTATSRESPONSE_REQUESTSBYSTATUSENTRY']._serialized_options = b'8\001'
   _globals['_LISTROUTESREQUEST']._serialized_start=57
@@ -43,17 +45,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTROUTESRESPONSE']._serialized_start=395
   _globals['_LISTROUTESRESPONSE']._serialized_end=449
   _globals['_GETSTATSREQUEST']._serialized_start=451
-  _globals['_GETSTATSREQUEST']._serialized_end=468
-  _globals['_LATENCYPERCENTILES']._serialized_start=470
-  _globals['_LATENCYPERCENTILES']._serialized_end=538
-  _globals['_GETSTATSRESPONSE']._serialized_start=541
-  _globals['_GETSTATSRESPONSE']._serialized_end=805
-  _globals['_GETSTATSRESPONSE_REQUESTSBYSTATUSENTRY']._serialized_start=750
-  _globals['_GETSTATSRESPONSE_REQUESTSBYSTATUSENTRY']._serialized_end=805
-  _globals['_DRAINWORKERREQUEST']._serialized_start=807
-  _globals['_DRAINWORKERREQUEST']._serialized_end=863
-  _globals['_DRAINWORKERRESPONSE']._serialized_start=865
-  _globals['_DRAINWORKERRESPONSE']._serialized_end=923
-  _globals['_PROXYSERVICE']._serialized_start=926
-  _globals['_PROXYSERVICE']._serialized_end=1156
+  _globals['_GETSTATSREQUEST']._serialized_end=481
+  _globals['_LATENCYBUCKET']._serialized_start=483
+  _globals['_LATENCYBUCKET']._serialized_end=528
+  _globals['_APPSTATS']._serialized_start=531
+  _globals['_APPSTATS']._serialized_end=771
+  _globals['_APPSTATS_REQUESTSBYSTATUSENTRY']._serialized_start=716
+  _globals['_APPSTATS_REQUESTSBYSTATUSENTRY']._serialized_end=771
+  _globals['_LATENCYPERCENTILES']._serialized_start=773
+  _globals['_LATENCYPERCENTILES']._serialized_end=841
+  _globals['_GETSTATSRESPONSE']._serialized_start=844
+  _globals['_GETSTATSRESPONSE']._serialized_end=1142
+  _globals['_GETSTATSRESPONSE_REQUESTSBYSTATUSENTRY']._serialized_start=716
+  _globals['_GETSTATSRESPONSE_REQUESTSBYSTATUSENTRY']._serialized_end=771
+  _globals['_DRAINWORKERREQUEST']._serialized_start=1144
+  _globals['_DRAINWORKERREQUEST']._serialized_end=1200
+  _globals['_DRAINWORKERRESPONSE']._serialized_start=1202
+  _globals['_DRAINWORKERRESPONSE']._serialized_end=1260
+  _globals['_PROXYSERVICE']._serialized_start=1263
+  _globals['_PROXYSERVICE']._serialized_end=1493
 # @@protoc_insertion_point(module_scope)

@@ -139,16 +139,104 @@ Global___ListRoutesResponse: _TypeAlias = ListRoutesResponse  # noqa: Y015
 class GetStatsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    APP_FIELD_NUMBER: _builtins.int
+    app: _builtins.str
+    """Only this app in `apps` when set (the totals are always the whole proxy's)."""
     def __init__(
         self,
+        *,
+        app: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["app", b"app"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetStatsRequest: _TypeAlias = GetStatsRequest  # noqa: Y015
+
+@_typing.final
+class LatencyBucket(_message.Message):
+    """One bucket of a cumulative latency histogram."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LE_MS_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    le_ms: _builtins.float
+    """Upper bound in ms; the last bucket's is +Inf."""
+    count: _builtins.int
+    """Requests that took at most le_ms, since the proxy started."""
+    def __init__(
+        self,
+        *,
+        le_ms: _builtins.float = ...,
+        count: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "le_ms", b"le_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LatencyBucket: _TypeAlias = LatencyBucket  # noqa: Y015
+
+@_typing.final
+class AppStats(_message.Message):
+    """What the proxy answered for one app since it started. Two snapshots a while apart give the
+    request rate and the latency percentiles over that while.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class RequestsByStatusEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    APP_FIELD_NUMBER: _builtins.int
+    REQUESTS_BY_STATUS_FIELD_NUMBER: _builtins.int
+    REQUESTS_TOTAL_FIELD_NUMBER: _builtins.int
+    LATENCY_FIELD_NUMBER: _builtins.int
+    LATENCY_SUM_MS_FIELD_NUMBER: _builtins.int
+    app: _builtins.str
+    requests_total: _builtins.int
+    latency_sum_ms: _builtins.float
+    @_builtins.property
+    def requests_by_status(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
+    @_builtins.property
+    def latency(self) -> _containers.RepeatedCompositeFieldContainer[Global___LatencyBucket]: ...
+    def __init__(
+        self,
+        *,
+        app: _builtins.str = ...,
+        requests_by_status: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        requests_total: _builtins.int = ...,
+        latency: _abc.Iterable[Global___LatencyBucket] | None = ...,
+        latency_sum_ms: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["app", b"app", "latency", b"latency", "latency_sum_ms", b"latency_sum_ms", "requests_by_status", b"requests_by_status", "requests_total", b"requests_total"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AppStats: _TypeAlias = AppStats  # noqa: Y015
 
 @_typing.final
 class LatencyPercentiles(_message.Message):
@@ -204,6 +292,7 @@ class GetStatsResponse(_message.Message):
     FAILOVERS_FIELD_NUMBER: _builtins.int
     LATENCY_FIELD_NUMBER: _builtins.int
     REQUESTS_TOTAL_FIELD_NUMBER: _builtins.int
+    APPS_FIELD_NUMBER: _builtins.int
     cold_starts: _builtins.int
     failovers: _builtins.int
     requests_total: _builtins.int
@@ -213,6 +302,10 @@ class GetStatsResponse(_message.Message):
 
     @_builtins.property
     def latency(self) -> Global___LatencyPercentiles: ...
+    @_builtins.property
+    def apps(self) -> _containers.RepeatedCompositeFieldContainer[Global___AppStats]:
+        """Per app (only `app`'s when the request names one)."""
+
     def __init__(
         self,
         *,
@@ -221,10 +314,11 @@ class GetStatsResponse(_message.Message):
         failovers: _builtins.int = ...,
         latency: Global___LatencyPercentiles | None = ...,
         requests_total: _builtins.int = ...,
+        apps: _abc.Iterable[Global___AppStats] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["latency", b"latency"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cold_starts", b"cold_starts", "failovers", b"failovers", "latency", b"latency", "requests_by_status", b"requests_by_status", "requests_total", b"requests_total"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["apps", b"apps", "cold_starts", b"cold_starts", "failovers", b"failovers", "latency", b"latency", "requests_by_status", b"requests_by_status", "requests_total", b"requests_total"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

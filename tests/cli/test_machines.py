@@ -81,7 +81,7 @@ async def test_a_machine_from_run_to_destroy(cli_fleet: CliFleet) -> None:
 
         await eventually(ticked, 15, "three ticks logged")
 
-    table, as_json, started, show, show_json, logs, logs_json = await asyncio.gather(
+    table, as_json, started, show, show_json, logs, logs_json, why, why_json = await asyncio.gather(
         cli_fleet("machines", "list", "web"),
         cli_fleet("machines", "list", "web", "--json"),
         cli_fleet("machines", "list", "web", "--state", "started", "--region", "ams", "--json"),
@@ -89,6 +89,8 @@ async def test_a_machine_from_run_to_destroy(cli_fleet: CliFleet) -> None:
         cli_fleet("machines", "show", mid, "--json"),
         cli_fleet("machines", "logs", mid, "--tail", "1000"),
         cli_fleet("machines", "logs", mid, "--tail", "1000", "--json"),
+        cli_fleet("machines", "why", mid),
+        cli_fleet("machines", "why", mid, "--json"),
     )
     assert table.code == 0, table.err
     header, row = table.out.splitlines()
@@ -105,6 +107,19 @@ async def test_a_machine_from_run_to_destroy(cli_fleet: CliFleet) -> None:
     detail = show_json.json()
     assert detail["id"] == mid
     assert "create" in [e["type"] for e in detail["events"]]
+
+    # Why here: the decision that placed it, as its worker keeps it.
+    worker = created["worker_id"]
+    assert why.code == 0, why.err
+    assert why.out.startswith(f"{mid} is on {worker}: placed "), why.out
+    assert re.search(r"^region ams: placed \(2 drawn\)$", why.out, re.M), why.out
+    assert re.search(r"^\s*WORKER\s+SCORE\s+CPU\s+IMAGE_CACHED\s+MEMORY$", why.out, re.M)
+    assert re.search(rf"^\* {worker}\s+\d\.\d{{3}}\s", why.out, re.M), why.out
+    decision = why_json.json()
+    assert decision["worker_id"] == worker
+    [ams] = decision["regions"]
+    assert (ams["region"], ams["outcome"], ams["examined"]) == ("ams", "placed", 2)
+    assert {c["worker_id"] for c in ams["candidates"]} == {"ams-1", "ams-2"}
 
     assert logs.code == 0, logs.err
     assert logs.out.splitlines()[:2] == ["hello-hi", "tick-1"]
@@ -141,8 +156,9 @@ async def test_a_machine_from_run_to_destroy(cli_fleet: CliFleet) -> None:
         cli_fleet("machines", "run", "web", "--image", "demo:v1", "--region", "nowhere"),
         nonomad("machines", "list", "web", *cli_fleet.tls, env=cli_fleet.env),  # no token
         cli_fleet("machines", "wait", mid, "stopped", "--timeout", "0.5"),
+        cli_fleet("machines", "why", "ams-1-000000000000"),
     )  # fmt: skip
-    standby, idle, not_forced, unknown, no_room, no_region, anonymous, too_soon = results
+    standby, idle, not_forced, unknown, no_room, no_region, anonymous, too_soon, no_why = results
     spare = standby.json()
     assert spare["worker_id"] != created["worker_id"]
     assert spare["state"] == "MACHINE_STATE_CREATED"
@@ -154,6 +170,7 @@ async def test_a_machine_from_run_to_destroy(cli_fleet: CliFleet) -> None:
     one_line_error(no_region, 1, "INVALID_ARGUMENT", "nowhere")
     one_line_error(anonymous, 1, "UNAUTHENTICATED")
     one_line_error(too_soon, 1, "DEADLINE_EXCEEDED", "started, not stopped")
+    one_line_error(no_why, 1, "NOT_FOUND", "ams-1-000000000000")
 
     destroyed, spare_gone = await asyncio.gather(
         cli_fleet("machines", "destroy", mid, "--force", "--wait", "--json"),

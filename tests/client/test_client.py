@@ -98,6 +98,19 @@ async def test_leases_standbys_and_platform_calls(fleet: Fleet) -> None:
         plan = await flaps.simulate_placement("web", config(), region="ams")
         assert {c.worker_id for c in plan.candidates} == {"ams-1", "ams-2"}
 
+        watching = asyncio.Event()
+        decisions = flaps.watch_placements(subscribed=watching.set)
+        first = asyncio.create_task(anext(decisions))
+        await asyncio.wait_for(watching.wait(), 20)
+        placed = await flaps.create_machine("why", config(), region="ams")
+        seen = (await asyncio.wait_for(first, 20)).event
+        await decisions.aclose()
+        assert (seen.app, seen.outcome, seen.machine_id) == ("why", "placed", placed.id)
+        why = await flaps.get_placement(placed.id)
+        assert why is not None
+        assert (why.worker_id, [r.region for r in why.regions]) == (placed.worker_id, ["ams"])
+        await flaps.destroy_machine(placed.id, force=True)
+
         primary, lease = await flaps.create_machine_with_lease(
             "web", config(), 60, region="ams", skip_launch=True
         )

@@ -147,13 +147,24 @@ CALLS: list[Call] = [
     (MACHINES, "GetMachineLogs", lambda mid, app: m.GetMachineLogsRequest(machine_id=mid)),
     (MACHINES, "SupersedeMachine", lambda mid, app: m.SupersedeMachineRequest(
         machine_id=mid, generation=0, primary="x")),
+    (MACHINES, "GetPlacement", lambda mid, app: m.GetPlacementRequest(machine_id=mid)),
     (PLATFORM, "ListRegions", lambda mid, app: platform_pb2.ListRegionsRequest()),
     (PLATFORM, "ListWorkers", lambda mid, app: platform_pb2.ListWorkersRequest()),
     (PLATFORM, "SimulatePlacement", lambda mid, app: platform_pb2.SimulatePlacementRequest(
         app=app, region="ams", config=config())),
+    (PLATFORM, "WatchPlacements", lambda mid, app: platform_pb2.WatchPlacementsRequest()),
 ]  # fmt: skip
-READS = {"GetMachine", "ListMachines", "WaitMachine", "ListMachineEvents", "GetMachineLogs"}
+READS = {
+    "GetMachine",
+    "ListMachines",
+    "WaitMachine",
+    "ListMachineEvents",
+    "GetMachineLogs",
+    "GetPlacement",
+}
 FLEET = {"ListRegions": "regions", "ListWorkers": "workers"}
+WATCH = "WatchPlacements"
+"""Every app's decisions: read and regions on every app."""
 
 
 def test_the_table_covers_every_rpc_and_every_rpc_has_a_rule() -> None:
@@ -182,7 +193,12 @@ async def outcome(f: Flaps, call: Call, token: str | None, app: str) -> grpc.aio
     mid = f.a if app == "a" else f.b
     try:
         answer = getattr(stub, rpc)(request(mid, app), timeout=T)
-        if isinstance(answer, grpc.aio.UnaryStreamCall):
+        if rpc == WATCH:  # endless; its headers come once it is subscribed, or its refusal
+            await answer.initial_metadata()
+            if answer.done():
+                await answer.read()  # raises its error
+            answer.cancel()
+        elif isinstance(answer, grpc.aio.UnaryStreamCall):
             await answer.read()
             answer.cancel()
         else:
@@ -207,7 +223,7 @@ async def test_a_token_for_app_a_cannot_read_or_change_app_b(flaps: Flaps) -> No
     token = flaps.mint("apps = a", "ops = deploy")
     for call in CALLS:
         rpc = call[1]
-        if rpc in FLEET:  # the fleet is no app's: an app token without `admin` has no view
+        if rpc in FLEET or rpc == WATCH:  # the fleet is no app's: an app token has no view
             assert denied_by(await outcome(flaps, call, token, "a"), "ops = deploy"), rpc
             continue
         assert await outcome(flaps, call, token, "a") is None, rpc
@@ -233,6 +249,13 @@ async def test_the_admin_operations_are_the_fleets(flaps: Flaps) -> None:
             assert got is None, call[1]
         else:
             assert denied_by(got, "ops = admin"), call[1]
+
+
+async def test_watching_placements_takes_read_and_regions_on_every_app(flaps: Flaps) -> None:
+    watch = next(call for call in CALLS if call[1] == WATCH)
+    assert await outcome(flaps, watch, flaps.mint("ops = read,regions"), "a") is None
+    only_a = flaps.mint("apps = a", "ops = read,regions")
+    assert denied_by(await outcome(flaps, watch, only_a, "a"), "apps = a")
 
 
 def tampered(token: str) -> str:

@@ -568,6 +568,24 @@ def test_row_round_trip() -> None:
         assert fsm.decode_row(fsm.encode_row(each)) == each
 
 
+def test_the_placement_decision_is_kept_until_the_machine_is_destroyed() -> None:
+    why = pb.PlacementDecision(worker_id="w1", regions=[pb.RegionPlacement(region="ams")])
+    t = fsm.create(
+        pb.Machine(id="m1"),
+        image_digest="sha256:ab",
+        skip_launch=True,
+        now=NOW,
+        placement=why.SerializeToString(),
+    )
+    kept = fsm.decode_row(fsm.encode_row(t.row))
+    assert pb.PlacementDecision.FromString(kept.placement) == why
+    stopped = dataclasses.replace(row(STOPPED), placement=kept.placement)
+    destroyed = step(stopped, FORCE)
+    assert destroyed.to_state == fsm.S.MACHINE_STATE_DESTROYING
+    gone = step(destroyed.row, fsm.CleanedUp())
+    assert (gone.to_state, gone.row.placement) == (fsm.S.MACHINE_STATE_DESTROYED, b"")
+
+
 def test_row_of_an_unknown_version_is_corrupt() -> None:
     raw = fsm.encode_row(row(STOPPED))
     newer = (fsm.ROW_VERSION + 1).to_bytes(2, "big") + raw[2:]
