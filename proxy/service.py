@@ -63,9 +63,12 @@ class ProxyServicer(proxy_pb2_grpc.ProxyServiceServicer):
     async def GetStats(
         self, request: p.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> p.GetStatsResponse:
+        check_name("app", request.app, required=False)
         snap = self.stats.snapshot()
         latency = snap["latency_ms"]
+        apps = [request.app] if request.app else sorted(self.stats.by_app)
         return p.GetStatsResponse(
+            apps=[self._app_stats(app) for app in apps],
             requests_by_status=snap["by_status"],
             cold_starts=snap["cold_starts"],
             failovers=snap["failovers"],
@@ -75,6 +78,17 @@ class ProxyServicer(proxy_pb2_grpc.ProxyServiceServicer):
                 p90_ms=latency["p90"] or 0.0,
                 p99_ms=latency["p99"] or 0.0,
             ),
+        )
+
+    def _app_stats(self, app: str) -> p.AppStats:
+        by_status = self.stats.by_app.get(app, {})
+        buckets, seconds = self.stats.histogram(app)
+        return p.AppStats(
+            app=app,
+            requests_by_status={str(code): n for code, n in sorted(by_status.items())},
+            requests_total=sum(by_status.values()),
+            latency=[p.LatencyBucket(le_ms=bound * 1000, count=n) for bound, n in buckets],
+            latency_sum_ms=seconds * 1000,
         )
 
     async def DrainWorker(

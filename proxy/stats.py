@@ -52,6 +52,7 @@ class Stats:
         "_sum",
         "_workers_dead",
         "by_app",
+        "latency_by_app",
     )
 
     def __init__(self, window: int = DEFAULT_WINDOW) -> None:
@@ -69,6 +70,9 @@ class Stats:
         self._workers_dead = 0
         self.by_app: dict[str, dict[int, int]] = {}
         """Requests answered, by app (NO_APP for none) and status."""
+        self.latency_by_app: dict[str, list[float]] = {}
+        """Per app, the latency histogram's counts by bucket (as `_buckets`), then their sum
+        in seconds, as the last item."""
 
     def record(self, app: str | None, status: int, seconds: float) -> None:
         """One request for `app` answered with `status` after `seconds` (head received to
@@ -81,8 +85,15 @@ class Stats:
         i = self._next
         self._latencies[i & self._mask] = seconds
         self._next = i + 1
-        self._buckets[bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        bucket = bisect_left(LATENCY_BUCKETS, seconds)
+        self._buckets[bucket] += 1
         self._sum += seconds
+        try:
+            latency = self.latency_by_app[app or NO_APP]
+        except KeyError:
+            latency = self.latency_by_app[app or NO_APP] = [0] * (len(LATENCY_BUCKETS) + 2)
+        latency[bucket] += 1
+        latency[-1] += seconds
 
     def cold_start(self) -> None:
         """The router started a stopped machine to serve a request."""
@@ -129,15 +140,21 @@ class Stats:
                 out[status] = out.get(status, 0) + n
         return out
 
-    def histogram(self) -> tuple[list[tuple[float, int]], float]:
+    def histogram(self, app: str | None = None) -> tuple[list[tuple[float, int]], float]:
         """The latency histogram: (upper bound, cumulative count) per bucket, the last with
-        bound +Inf, and the sum of every latency recorded (seconds)."""
+        bound +Inf, and the sum of every latency recorded (seconds); with `app`, of that app's
+        requests alone."""
+        if app is None:
+            counts, total_seconds = list(self._buckets), self._sum
+        else:
+            kept = self.latency_by_app.get(app) or [0] * (len(LATENCY_BUCKETS) + 2)
+            counts, total_seconds = [int(n) for n in kept[:-1]], kept[-1]
         out = []
         total = 0
-        for bound, n in zip((*LATENCY_BUCKETS, math.inf), list(self._buckets), strict=True):
+        for bound, n in zip((*LATENCY_BUCKETS, math.inf), counts, strict=True):
             total += n
             out.append((bound, total))
-        return out, self._sum
+        return out, total_seconds
 
     def percentiles_ms(self, *pcts: float) -> dict[str, float | None]:
         """Nearest-rank percentiles of the recent window, in ms (None when nothing recorded)."""

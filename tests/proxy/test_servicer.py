@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import grpc
 import pytest
 
 from proxy.service import ProxyServicer, map_error
@@ -102,6 +103,24 @@ async def test_get_stats_reports_what_the_edge_did(servicer_stub: Stub, edge: Wo
     assert dict(resp.requests_by_status) == {"200": 3, "503": 1}
     assert (resp.cold_starts, resp.failovers) == (1, 2)
     assert 10.0 <= resp.latency.p50_ms <= resp.latency.p90_ms <= resp.latency.p99_ms <= 2000.0
+    # Per app: its counts and a cumulative latency histogram (two snapshots give a rate).
+    edge.stats.record("api", 200, 0.001)
+    resp = await servicer_stub.GetStats(p.GetStatsRequest(app="web"), timeout=T)
+    [web] = resp.apps
+    assert (web.app, web.requests_total, dict(web.requests_by_status)) == (
+        "web",
+        4,
+        {"200": 3, "503": 1},
+    )
+    by_bound = {b.le_ms: b.count for b in web.latency}
+    assert (by_bound[10.0], by_bound[25.0], by_bound[50.0], by_bound[2500.0]) == (1, 2, 3, 4)
+    assert web.latency[-1].le_ms == float("inf")
+    assert web.latency_sum_ms == pytest.approx(2060.0)
+    every = await servicer_stub.GetStats(p.GetStatsRequest(), timeout=T)
+    assert [(a.app, a.requests_total) for a in every.apps] == [("api", 1), ("web", 4)]
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await servicer_stub.GetStats(p.GetStatsRequest(app="Not An App"), timeout=T)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 async def test_drain_worker_stops_and_resumes_routing_to_it(servicer_stub: Stub) -> None:
