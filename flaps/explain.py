@@ -34,7 +34,12 @@ def region_record(
     """One region's decision as a worker keeps it: the first candidates in rank order (and the
     winner, wherever it ranked), the named rejections with the claims refused first, and the
     counts by reason of every worker."""
-    out = pb.RegionPlacement(region=decision.region, examined=decision.examined, outcome=outcome)
+    out = pb.RegionPlacement(
+        region=decision.region,
+        examined=decision.examined + bool(decision.keyed),
+        outcome=outcome,
+        keyed_worker_id=decision.keyed,
+    )
     ranked = decision.candidates[:MAX_PLACEMENT_NAMED]
     if winner is not None and winner not in ranked:
         ranked.append(winner)

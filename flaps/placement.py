@@ -87,7 +87,9 @@ class Decision:
     counted: Counter[str] = field(default_factory=Counter)
     """Workers the index stages rejected, by reason (counted, not named)."""
     examined: int = 0
-    """Workers drawn."""
+    """Workers drawn at random."""
+    keyed: str = ""
+    """The worker the idempotency key picked (ranked first), if any."""
 
     def counts(self) -> Counter[str]:
         return self.counted + Counter(r.reason for r in self.rejections)
@@ -229,6 +231,7 @@ class Pipeline:
         decision.counted = count_rejections(base, pool, fit.with_memory, fit.fitting)
         home = self._home(supply, pool, request) if request.seed else None
         feasible = [] if home is None else [home]
+        decision.keyed = "" if home is None else home.id
         seed = request.seed
         rng = random.Random(f"{request.app}/{seed}") if seed else _RNG
         for slot in fit.draw(rng):

@@ -73,6 +73,7 @@ PLACEMENT_LIMITS = Limits(
         "flyd.v1.PlacementDecision.worker_id": 63,
         f"{_P}.region": 63,
         f"{_P}.outcome": 16,
+        f"{_P}.keyed_worker_id": 63,
         f"{_P}.RejectionsByReasonEntry.key": 64,
         "flyd.v1.PlacementCandidate.worker_id": 63,
         "flyd.v1.PlacementCandidate.SubScoresEntry.key": 64,

@@ -69,6 +69,12 @@ def parser() -> argparse.ArgumentParser:
         default=8080,
         help="HTTP port of the proxy on 127.0.0.1 (0 picks a free one)",
     )
+    up.add_argument(
+        "--console-port",
+        type=int,
+        default=8090,
+        help="HTTP port of the web console on 127.0.0.1 (0 picks a free one)",
+    )
     up.add_argument("--demo", action="store_true", help="deploy the demo app in every region")
     up.set_defaults(func="nonomad.cli_local:cmd_up")
     status = sub.add_parser(

@@ -178,13 +178,14 @@ def cmd_up(args: argparse.Namespace) -> int:
     regions = [r for r in args.regions.split(",") if r]
     worker_ids = [f"{r}-{i + 1}" for r in regions for i in range(args.workers_per_region)]
     # Secure by default: a CA and a certificate per part, token root keys, an admin token.
-    security = provision(state, ["flaps", "proxy", *(f"flyd-{w}" for w in worker_ids)])
+    security = provision(state, ["flaps", "proxy", "console", *(f"flyd-{w}" for w in worker_ids)])
     digest = build_image(
         DEMO_SOURCE, state / "images", name="demo", tag="v1", entrypoint=["python3", "-u", "app.py"]
     )
     print(f"built image demo:v1 ({digest[:19]})")
 
     procs: list[tuple[WorkerProc, subprocess.Popen[bytes]]] = []
+    console: subprocess.Popen[bytes] | None = None  # read-only: the cluster runs on without it
     worker_args: dict[str, list[str]] = {}
     machine_ids: list[str] = []
     flaps_address = ""
@@ -234,6 +235,16 @@ def cmd_up(args: argparse.Namespace) -> int:
                 proxy,
             )
         )
+        # The web console: its own replica follows flaps', it reads with a read-only token.
+        console = _start(
+            state,
+            "console",
+            "nonomad.console",
+            *("--flaps", flaps_address, "--upstream", flaps_cluster, "--proxy", proxy_address),
+            *security.console_args(),
+            listen=f"127.0.0.1:{args.console_port}",
+        )
+        console_url = f"http://{_read_ready(console, 'console')}/"
         n = 0
         for region in regions:
             for i in range(args.workers_per_region):
@@ -341,6 +352,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             ]:
                 print(f"  {g} {auth} -d '{body}' {f} {rpc}")
             print(f"\ntokens for one app: nonomad{here} tokens create --app demo --ops read")
+        print(f"\nthe web console: {console_url}")
         print(
             "\nrunning; Ctrl-C stops everything. Try a failover: "
             "nonomad workers kill|pause|resume|restart WORKER",
@@ -353,6 +365,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         print("stopping...", flush=True)
         if flaps_address and machine_ids:
             asyncio.run(_destroy_all(flaps_address, security, machine_ids))
+        if console is not None:  # stopped first, with the rest
+            procs.append((WorkerProc("console", "-", "", console.pid, ""), console))
         for _, proc in reversed(procs):
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGTERM)

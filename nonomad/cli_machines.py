@@ -31,6 +31,7 @@ from nonomad.client import (
     state_name,
 )
 from nonomad.client import MachineEvent as Event
+from nonomad.console.model import score_parts
 
 # -- human output ------------------------------------------------------------------------------
 
@@ -165,17 +166,20 @@ def events_table(events: list[Event]) -> str:
 
 def why_text(machine_id: str, why: PlacementDecision) -> str:
     """A placement decision, region by region: the candidates ranked with their sub-scores
-    (the winner starred), the rejections counted by reason, and the named ones."""
+    (the winner starred; "(key)": the worker the create's idempotency key picks, tried
+    first), the rejections counted by reason, and the named ones."""
     out = [
         f"{machine_id} is on {why.worker_id}: placed {when(why.decided_at)}, "
         f"ranking a sample of up to {why.sample_size} workers per region"
     ]
     for region in why.regions:
-        out += ["", f"region {region.region}: {region.outcome} ({region.examined} drawn)"]
-        parts = sorted({k for c in region.candidates for k in c.sub_scores})
+        out += ["", f"region {region.region}: {region.outcome} ({region.examined} examined)"]
+        parts = score_parts(c.sub_scores for c in region.candidates)
         rows = [
             [
-                ("* " if c.worker_id == why.worker_id else "  ") + c.worker_id,
+                ("* " if c.worker_id == why.worker_id else "  ")
+                + c.worker_id
+                + (" (key)" if c.worker_id == region.keyed_worker_id else ""),
                 f"{c.score:.3f}",
                 *(f"{c.sub_scores[k]:.3f}" if k in c.sub_scores else "-" for k in parts),
             ]

@@ -9,6 +9,7 @@ with its own certificate, check tokens, and call the others over the cluster's T
     tls/<part>.pem, tls/<part>.key  one certificate per part (flaps, proxy, flyd-ams-1, cli)
     token-keys                    token root keys (flaps.tokens), the first mints
     admin.token                   a token that may do everything
+    console.token                 a read-only token for the web console (read, workers, regions)
 """
 
 from __future__ import annotations
@@ -21,10 +22,13 @@ from flaps.tokens import InvalidToken, Keyring, caveats, new_key_line, read_toke
 from runtime.pki import CertPaths, ClusterCA, write_private
 from runtime.tracing import CLUSTER_NAME, ChannelTLS
 
-__all__ = ["CLI_PART", "ClusterSecurity", "provision"]
+__all__ = ["CLI_PART", "CONSOLE_PART", "ClusterSecurity", "provision"]
 
 CLI_PART = "cli"
 """The certificate of the operator's CLI (`nonomad status` asks workers directly)."""
+CONSOLE_PART = "console"
+CONSOLE_OPS = ("read", "workers", "regions")
+"""What the console's token allows, on every app: reading, nothing else."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,10 @@ class ClusterSecurity:
     @property
     def admin_token(self) -> Path:
         return self.root / "admin.token"
+
+    @property
+    def console_token(self) -> Path:
+        return self.root / "console.token"
 
     def cert(self, part: str) -> CertPaths:
         tls = self.root / "tls"
@@ -90,10 +98,26 @@ class ClusterSecurity:
     def registry_args(self) -> list[str]:
         return self._serve("registry", mutual=True)
 
+    def console_args(self) -> list[str]:
+        """The console: its certificate for the cluster's parts (flaps' replica, the proxy),
+        the CA to check flaps with, and its read-only token."""
+        cert = self.cert(CONSOLE_PART)
+        return [
+            "--tls-cert",
+            str(cert.cert),
+            "--tls-key",
+            str(cert.key),
+            "--cluster-ca",
+            str(self.ca),
+            "--token-file",
+            str(self.console_token),
+        ]
+
 
 def provision(directory: Path, parts: Iterable[str]) -> ClusterSecurity:
     """The cluster's security in `directory`, with a certificate for each of `parts` (and the
-    CLI's): made where missing, reused where present."""
+    CLI's), an admin token and the console's read-only one: made where missing, reused where
+    present."""
     security = ClusterSecurity(directory)
     ca = ClusterCA.ensure(directory / "tls")
     for part in dict.fromkeys([*parts, CLI_PART]):
@@ -101,9 +125,11 @@ def provision(directory: Path, parts: Iterable[str]) -> ClusterSecurity:
     if not security.token_keys.exists():
         write_private(security.token_keys, f"{new_key_line('k1')}\n".encode())
     keyring = security.keyring()
-    try:
-        keyring.verify(read_token(security.admin_token))
-    except (OSError, InvalidToken):  # none yet, or its key was rotated away
-        token = keyring.mint(caveats(apps=["*"], ops=["*"]))
-        write_private(security.admin_token, f"{token}\n".encode())
+    tokens = [(security.admin_token, ("*",)), (security.console_token, CONSOLE_OPS)]
+    for path, ops in tokens:
+        try:
+            keyring.verify(read_token(path))
+        except (OSError, InvalidToken):  # none yet, or its key was rotated away
+            token = keyring.mint(caveats(apps=["*"], ops=list(ops)))
+            write_private(path, f"{token}\n".encode())
     return security

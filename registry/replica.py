@@ -287,6 +287,10 @@ class Replica:
     def machine(self, machine_id: str) -> pb.Machine | None:
         return self._view.machine(machine_id)
 
+    def apps(self) -> dict[str, int]:
+        """App name -> how many rows it has (destroyed ones still kept included)."""
+        return self._view.apps()
+
     def slot(self, app: str, slot: str) -> list[tuple[pb.Machine, WorkerView]]:
         """The members of a slot (the app's rows whose slot is `slot`), each with its worker."""
         out = []

@@ -687,6 +687,10 @@ class View:
                     out.append(pb.Machine.FromString(row[3]))
         return out
 
+    def apps(self) -> dict[str, int]:
+        """Every app with rows here, with how many (destroyed rows still kept included)."""
+        return {app: len(ids) for app, ids in self._by_app.items()}
+
     def follow_items(self) -> Iterator[registry_pb2.FollowResponse]:
         """The whole view as Follow stream items: per worker a snapshot (in parts), then its last
         heartbeat (so a downstream learns capacity at once), each with status and info.

@@ -1046,11 +1046,17 @@ class RegionPlacement(_message.Message):
     REJECTIONS_BY_REASON_FIELD_NUMBER: _builtins.int
     EXAMINED_FIELD_NUMBER: _builtins.int
     OUTCOME_FIELD_NUMBER: _builtins.int
+    KEYED_WORKER_ID_FIELD_NUMBER: _builtins.int
     region: _builtins.str
     examined: _builtins.int
     """How many workers were drawn for the sample."""
     outcome: _builtins.str
     """"placed" (the machine went to a worker of this region) or "exhausted" (none took it)."""
+    keyed_worker_id: _builtins.str
+    """With an idempotency key: the worker the key picks (the first that fits on a hash ring
+    from the key's point), ranked first whatever its score, so that flaps instances racing
+    the same key claim on the same worker. Empty without a key.
+    """
     @_builtins.property
     def candidates(self) -> _containers.RepeatedCompositeFieldContainer[Global___PlacementCandidate]:
         """The workers that could take the machine, best first, as far as the sample went: flaps
@@ -1079,10 +1085,11 @@ class RegionPlacement(_message.Message):
         rejections_by_reason: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         examined: _builtins.int = ...,
         outcome: _builtins.str = ...,
+        keyed_worker_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidates", b"candidates", "examined", b"examined", "outcome", b"outcome", "region", b"region", "rejections", b"rejections", "rejections_by_reason", b"rejections_by_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidates", b"candidates", "examined", b"examined", "keyed_worker_id", b"keyed_worker_id", "outcome", b"outcome", "region", b"region", "rejections", b"rejections", "rejections_by_reason", b"rejections_by_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

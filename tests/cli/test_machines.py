@@ -112,8 +112,8 @@ async def test_a_machine_from_run_to_destroy(cli_fleet: CliFleet) -> None:
     worker = created["worker_id"]
     assert why.code == 0, why.err
     assert why.out.startswith(f"{mid} is on {worker}: placed "), why.out
-    assert re.search(r"^region ams: placed \(2 drawn\)$", why.out, re.M), why.out
-    assert re.search(r"^\s*WORKER\s+SCORE\s+CPU\s+IMAGE_CACHED\s+MEMORY$", why.out, re.M)
+    assert re.search(r"^region ams: placed \(2 examined\)$", why.out, re.M), why.out
+    assert re.search(r"^\s*WORKER\s+SCORE\s+CPU\s+MEMORY\s+IMAGE_CACHED$", why.out, re.M)
     assert re.search(rf"^\* {worker}\s+\d\.\d{{3}}\s", why.out, re.M), why.out
     decision = why_json.json()
     assert decision["worker_id"] == worker

@@ -48,6 +48,7 @@ async def test_the_worker_keeps_the_decision_that_placed_a_machine(fleet: Fleet)
     assert why.sample_size == 8
     (region,) = why.regions
     assert (region.region, region.outcome, region.examined) == ("ams", "placed", 2)
+    assert region.keyed_worker_id == ""  # no key: best score first
     assert ranked(region.candidates) == ranked(sim.candidates)
     assert dict(region.rejections_by_reason) == dict(sim.rejections_by_reason) == {}
     assert region.candidates[0].worker_id == made.worker_id
@@ -82,6 +83,7 @@ async def test_the_worker_keeps_the_decision_that_placed_a_machine(fleet: Fleet)
     )
     assert not ams.candidates
     assert (syd.region, syd.outcome, why.worker_id) == ("syd", "placed", "syd-1")
+    assert syd.keyed_worker_id == "syd-1"  # the key's worker is tried first
     assert ranked(syd.candidates) == ranked(sim.candidates)
     assert sim.rejections_by_reason["cordoned"] == 2
 
