@@ -127,7 +127,7 @@ async def build(argv: list[str]) -> Service:
             identity.address = await service.wait_ready()
         worker.recover()
         while not shutdown.is_set():
-            worker.flush()
+            await worker.flush()
             driver.rotate_logs()
             images.flush()
             with contextlib.suppress(TimeoutError):
@@ -167,9 +167,8 @@ async def build(argv: list[str]) -> Service:
 
     async def close() -> None:
         assert worker is not None
-        await worker.close()
+        await worker.close(flush=True)  # the lazy rows are committed, the log's writer stops
         await driver.close()  # stops watching; the machines keep running
-        worker.flush()
         images.flush()
         store.close()
 
