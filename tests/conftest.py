@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 import pytest
+import structlog
 from pytest_grpc_aio.plugin import GrpcContext
 
 from flyd.drivers.rundir import kill_all
@@ -18,6 +19,17 @@ from flyd.images.build import build_image
 from flyd.v1 import worker_pb2_grpc
 from nonomad.security import ClusterSecurity, provision
 from tests.harness import ServiceProcess, clean_env, flyd_args
+
+
+@pytest.fixture(autouse=True)
+def _fresh_structlog() -> Iterator[None]:
+    """Each test starts with structlog as a new process has it: a test that configures it (or
+    uses `structlog.testing.capture_logs`, which marks it configured) must not change how an
+    in-process CLI command of a later test decides to set up its own logging."""
+    structlog.reset_defaults()
+    yield
+    structlog.reset_defaults()
+
 
 DEMO_APP = """\
 import http.server, os, sys

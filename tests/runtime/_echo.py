@@ -73,10 +73,12 @@ class EchoServicer:
     def __init__(self) -> None:
         self.slow_started = asyncio.Event()
         self.release_slow = asyncio.Event()
+        self.said: list[str] = []
 
     async def Say(
         self, request: wrappers_pb2.StringValue, context: Any
     ) -> wrappers_pb2.StringValue:
+        self.said.append(request.value)
         match request.value:
             case "refuse":
                 raise EchoRefused("echo refuses to say that")
