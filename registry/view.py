@@ -261,6 +261,10 @@ class View:
         # (Dicts of strings, not sets: the garbage collector does not walk them.)
         self._by_app: dict[str, dict[str, None]] = {}
         self._by_key: dict[int, str] = {}
+        # Rows whose key a later row of the same app took (two machines under one key: a
+        # worker's log from before keys were held, or a conflict): the latest holds it, and
+        # the others hold it again, the latest first, should it go.
+        self._key_shadowed: dict[int, list[str]] = {}
         # Workers by when they were last heard from, oldest first: those whose silence says
         # alive (or not heard yet) and those it says suspect. `tick` looks only at the heads.
         self._fresh: OrderedDict[str, _Member] = OrderedDict()
@@ -773,6 +777,9 @@ class View:
     def _file(self, machine_id: str, row: Row) -> None:
         self._by_app.setdefault(row.app, {})[machine_id] = None
         if row.key:
+            held = self._by_key.get(row.key)
+            if held is not None and held != machine_id:
+                self._key_shadowed.setdefault(row.key, []).append(held)
             self._by_key[row.key] = machine_id
 
     def _unfile(self, machine_id: str, row: Row) -> None:
@@ -781,8 +788,18 @@ class View:
             ids.pop(machine_id, None)
             if not ids:
                 del self._by_app[row.app]
-        if row.key and self._by_key.get(row.key) == machine_id:
-            del self._by_key[row.key]
+        if not row.key:
+            return
+        shadowed = self._key_shadowed.get(row.key)
+        if self._by_key.get(row.key) == machine_id:
+            if shadowed:
+                self._by_key[row.key] = shadowed.pop()
+            else:
+                del self._by_key[row.key]
+        elif shadowed is not None and machine_id in shadowed:
+            shadowed.remove(machine_id)
+        if shadowed is not None and not shadowed:
+            del self._key_shadowed[row.key]
 
     def _machine_event(
         self, m: _Member, machine_id: str, machine: pb.Machine | None
