@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import secrets
 import signal
+import sys
 from functools import partial
 
 import grpc
@@ -35,8 +36,10 @@ from runtime import (
     settings_or_exit,
     setup_tracing,
     tracing_enabled,
+    use_event_loop,
 )
 from runtime.clock import SystemClock
+from runtime.heap import no_full_collections
 
 log = structlog.get_logger("flyd")
 ANNOUNCE_TIMEOUT = 2.0
@@ -185,4 +188,8 @@ async def build(argv: list[str]) -> Service:
 
 
 def main() -> None:
+    # Process-wide choices, made before the loop runs (build() reads the settings again in
+    # it): the event loop, and a cycle collector that never walks the old objects.
+    no_full_collections()
+    use_event_loop(settings_or_exit(FlydSettings, sys.argv[1:], "flyd").event_loop)
     main_entry(build)
