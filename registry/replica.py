@@ -44,6 +44,7 @@ from runtime import aio_channel, parse_host_port
 from runtime.clock import Clock, SystemClock
 
 __all__ = [
+    "FOLLOW_BATCH",
     "FOLLOW_RESYNC",
     "RESYNC",
     "Replica",
@@ -75,6 +76,10 @@ FOLLOW_QUEUE = 4096
 # How long the upstream stream may apply items it already has before it lets the loop run
 # something else: a burst of thousands of heartbeats must not hold every other call up.
 APPLY_SLICE = 0.0005
+# Items a Follow message may carry (FollowRequest.max_batch): what a downstream asks of its
+# upstream, and the most an upstream sends in one message. Per message, gRPC costs each end
+# some 100 us; applying a heartbeat, a tenth of that.
+FOLLOW_BATCH = 256
 
 
 class SubscriptionClosed(Unavailable):
@@ -127,6 +132,10 @@ class Subscription(Generic[T]):
     def get_nowait(self) -> T | None:
         """The next item, or None when nothing is queued."""
         return self._items.popleft() if self._items else None
+
+    def peek(self) -> T | None:
+        """The next item, left queued; None when nothing is."""
+        return self._items[0] if self._items else None
 
     def clear(self) -> None:
         """Drop everything queued (the holder is about to re-read the whole view)."""
@@ -690,24 +699,25 @@ class Replica:
             got_any = False
             try:
                 call = registry_pb2_grpc.RegistryServiceStub(channel).Follow(
-                    registry_pb2.FollowRequest()
+                    registry_pb2.FollowRequest(max_batch=FOLLOW_BATCH)
                 )
                 loop = asyncio.get_running_loop()
                 slice_end = loop.time() + APPLY_SLICE
-                async for resp in call:
-                    if loop.time() > slice_end:
-                        await asyncio.sleep(0)
-                        slice_end = loop.time() + APPLY_SLICE
+                async for message in call:
                     if not got_any:
                         got_any = True
                         backoff = RETRY_MIN
                         log.info("following_upstream", upstream=self.upstream)
-                    now = self.clock.now()
-                    applied = self._view.apply_upstream(resp, now)
-                    relayed = (resp.worker_id, resp.item) if resp.HasField("item") else None
-                    if relayed is not None and applied.relay:
-                        metrics.applied(*relayed, now)
-                    self._publish(applied.events, relayed if applied.relay else None)
+                    for resp in message.batch or (message,):
+                        if loop.time() > slice_end:
+                            await asyncio.sleep(0)
+                            slice_end = loop.time() + APPLY_SLICE
+                        now = self.clock.now()
+                        applied = self._view.apply_upstream(resp, now)
+                        relayed = (resp.worker_id, resp.item) if resp.HasField("item") else None
+                        if relayed is not None and applied.relay:
+                            metrics.applied(*relayed, now)
+                        self._publish(applied.events, relayed if applied.relay else None)
                 reason = "ended"
             except grpc.aio.AioRpcError as err:
                 reason = f"{err.code().name}: {err.details()}"

@@ -493,7 +493,13 @@ class View:
                 raise LogRestarted(m.info.id, restarted)  # follow it again, from a snapshot
             return _IGNORED  # the upstream sends its new snapshot
         events: list[ReplicaEvent] = []
-        m.capacity = hb.capacity
+        # Most heartbeats say what the last one said: then the supply has nothing to learn.
+        same = m.capacity == hb.capacity
+        if not same:
+            # A copy: the heartbeat may be one item of a large message (a Follow batch), all
+            # of which a reference into it would keep.
+            m.capacity = pb.Capacity()
+            m.capacity.CopyFrom(hb.capacity)
         m.last_heartbeat = now
         self._heard(m, now)
         if hb.HasField("worker"):
@@ -512,8 +518,9 @@ class View:
                 else:
                     self._set_info(m, updated)
                     events.append(self._worker_event(m))
-        events += self._update_status(m, now)
-        self._supply(m)
+        events += self._update_status(m, now)  # (each change the supply learns at once)
+        if not same:
+            self._supply(m)
         return Applied(_dedupe_worker_events(events), relay=True)
 
     # -- liveness ------------------------------------------------------------------------------
