@@ -75,7 +75,7 @@ MIN_STREAM_IDLE = 2.0
 FOLLOW_QUEUE = 4096
 # How long the upstream stream may apply items it already has before it lets the loop run
 # something else: a burst of thousands of heartbeats must not hold every other call up.
-APPLY_SLICE = 0.0005
+APPLY_SLICE = 0.00025
 # Items a Follow message may carry (FollowRequest.max_batch): what a downstream asks of its
 # upstream, and the most an upstream sends in one message. Per message, gRPC costs each end
 # some 100 us; applying a heartbeat, a tenth of that.
@@ -470,8 +470,10 @@ class Replica:
         applied = self._view.apply(worker_id, item, now)
         stream = self._streams.get(worker_id)
         if stream is not None and item.HasField("heartbeat"):
-            del self._streams[worker_id]
+            # Relinked, not deleted and added: a dict of 10,000 streams churned 5,000 times a
+            # second would be rebuilt (a millisecond or two) every couple of seconds.
             self._streams[worker_id] = (stream[0], now)
+            self._streams.move_to_end(worker_id)
         if applied.relay:
             metrics.applied(worker_id, item, now)
         self._publish(applied.events, (worker_id, item) if applied.relay else None)

@@ -549,10 +549,15 @@ class View:
     def _heard(self, m: _Member, now: float) -> None:
         """The worker was heard from at `now` (the latest time yet): it goes to the back."""
         m.heard = now
-        self._suspect.pop(m.info.id, None)
-        self._dead.pop(m.info.id, None)
-        self._fresh.pop(m.info.id, None)
-        self._fresh[m.info.id] = m
+        worker_id = m.info.id
+        if worker_id in self._fresh:
+            # Relinked, not deleted and added: churned by every heartbeat, the dict of 10,000
+            # workers would be rebuilt (a millisecond or two) every second or so.
+            self._fresh.move_to_end(worker_id)
+            return
+        self._suspect.pop(worker_id, None)
+        self._dead.pop(worker_id, None)
+        self._fresh[worker_id] = m
 
     def _age_status(self, m: _Member, now: float) -> Status:
         age = now - m.heard
