@@ -27,6 +27,7 @@ from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2, worker_pb2_grpc
 from registry import metrics
 from registry.errors import InvalidArgument, LogRestarted, RegistryError, Unavailable
+from registry.rows import MachineQuery
 from registry.supply import Supply
 from registry.v1 import registry_pb2, registry_pb2_grpc
 from registry.view import (
@@ -292,6 +293,11 @@ class Replica:
     ) -> list[pb.Machine]:
         """Machine rows matching every filter given; destroyed rows included (filter on state)."""
         return self._view.machines(app=app, region=region, worker_id=worker_id)
+
+    def machine_page(self, query: MachineQuery) -> tuple[list[pb.Machine], str]:
+        """A page of machines and the next page's token (`View.machine_page`): costs the
+        page, not the app's or the fleet's machines."""
+        return self._view.machine_page(query)
 
     def machine(self, machine_id: str) -> pb.Machine | None:
         return self._view.machine(machine_id)
