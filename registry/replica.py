@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Hashable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
 import grpc
@@ -54,6 +54,7 @@ __all__ = [
     "SubscriptionClosed",
     "WorkerView",
     "check_worker_info",
+    "event_key",
     "status_name",
 ]
 
@@ -83,6 +84,11 @@ APPLY_SLICE = 0.00025
 FOLLOW_BATCH = 256
 
 
+def event_key(event: ReplicaEvent) -> Hashable:
+    """What a later event replaces: the same machine's, or the same worker's."""
+    return (event.kind, event.machine_id or event.worker_id)
+
+
 class SubscriptionClosed(Unavailable):
     """The subscription was closed (by its holder, or because the replica stopped)."""
 
@@ -92,55 +98,87 @@ class Subscription(Generic[T]):
 
     When the subscriber falls `maxsize` items behind, everything queued is dropped and a single
     `marker` (for `Replica.subscribe`: `RESYNC`, kind "resync") takes its place: the subscriber
-    must re-read the view, and memory stays bounded however slow it is. Iterate it with
-    `async for` (ends when closed) or call `get()`; close it with `close()` or `async with`.
+    must re-read the view, and memory stays bounded however slow it is. With `key`, it keeps
+    instead the latest item of each key (what `key(item)` names: a machine, a worker) until it
+    has caught up: the subscriber reads what changed, once each, and never the whole view
+    again; memory is then bounded by what the view holds. Iterate it with `async for` (ends
+    when closed) or call `get()`; close it with `close()` or `async with`.
     """
 
     def __init__(
-        self, maxsize: int, marker: T, on_close: Callable[[Subscription[T]], None] | None = None
+        self,
+        maxsize: int,
+        marker: T,
+        on_close: Callable[[Subscription[T]], None] | None = None,
+        key: Callable[[T], Hashable] | None = None,
     ) -> None:
         if maxsize < 1:
             raise ValueError(f"maxsize must be at least 1, got {maxsize}")
         self.maxsize = maxsize
         self.marker = marker
         self.overflows = 0
-        """How many times the subscriber fell behind and got the marker."""
+        """How many times the subscriber fell behind (and got the marker, or coalesced)."""
         self._items: collections.deque[T] = collections.deque()
+        self._key = key
+        self._latest: dict[Hashable, T] | None = None  # coalescing, when behind (with `key`)
         self._ready = asyncio.Event()
         self._closed = False
         self._on_close = on_close
 
     def put(self, item: T) -> None:
-        """Queue `item`, or on overflow replace the queue with the marker. Never blocks."""
+        """Queue `item`; on overflow replace the queue with the marker, or coalesce it. Never
+        blocks."""
         if self._closed:
             return
-        if len(self._items) >= self.maxsize:
-            self._items.clear()
-            self._items.append(self.marker)
+        if self._latest is None and len(self._items) >= self.maxsize:
             self.overflows += 1
-        self._items.append(item)
+            if self._key is None:
+                self._items.clear()
+                self._items.append(self.marker)
+            else:
+                self._latest = {}
+                for queued in self._items:
+                    self._latest[self._key(queued)] = queued
+                self._items.clear()
+        if self._latest is not None:
+            assert self._key is not None
+            self._latest[self._key(item)] = item
+        else:
+            self._items.append(item)
         self._ready.set()
 
     async def get(self) -> T:
         """The next item; raises SubscriptionClosed once closed and drained."""
-        while not self._items:
+        while not self._items and not self._latest:
             if self._closed:
                 raise SubscriptionClosed("subscription closed")
             self._ready.clear()
             await self._ready.wait()
-        return self._items.popleft()
+        got = self.get_nowait()
+        assert got is not None
+        return got
 
     def get_nowait(self) -> T | None:
         """The next item, or None when nothing is queued."""
-        return self._items.popleft() if self._items else None
+        if self._items:
+            return self._items.popleft()
+        if self._latest:
+            item = self._latest.pop(next(iter(self._latest)))
+            if not self._latest:
+                self._latest = None  # caught up: a queue again
+            return item
+        return None
 
     def peek(self) -> T | None:
         """The next item, left queued; None when nothing is."""
-        return self._items[0] if self._items else None
+        if self._items:
+            return self._items[0]
+        return next(iter(self._latest.values())) if self._latest else None
 
     def clear(self) -> None:
         """Drop everything queued (the holder is about to re-read the whole view)."""
         self._items.clear()
+        self._latest = None
 
     def close(self) -> None:
         """Stop receiving; a pending `get` drains what is queued, then raises."""
@@ -156,7 +194,7 @@ class Subscription(Generic[T]):
         return self._closed
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._items) + len(self._latest or ())
 
     def __aiter__(self) -> AsyncIterator[T]:
         return self
@@ -333,12 +371,19 @@ class Replica:
 
     # -- being told ----------------------------------------------------------------------------
 
-    def subscribe(self, maxsize: int = 1024) -> Subscription[ReplicaEvent]:
+    def subscribe(
+        self, maxsize: int = 1024, *, coalesce: bool = False
+    ) -> Subscription[ReplicaEvent]:
         """Events for every change from now on; see `ReplicaEvent` and `Subscription`.
 
-        Closed when the replica stops (a subscription made after that is closed at once).
+        A subscriber that falls `maxsize` events behind gets one `RESYNC` (re-read the view);
+        with `coalesce`, the latest event of each machine and worker instead (re-read only what
+        changed). Closed when the replica stops (a subscription made after that is closed at
+        once).
         """
-        sub: Subscription[ReplicaEvent] = Subscription(maxsize, RESYNC, self._subscribers.discard)
+        sub: Subscription[ReplicaEvent] = Subscription(
+            maxsize, RESYNC, self._subscribers.discard, event_key if coalesce else None
+        )
         if self._stopped:
             sub.close()
         else:

@@ -192,6 +192,19 @@ async def test_a_subscriber_that_falls_behind_gets_one_resync_marker(fake: FakeW
     assert slow.closed  # the replica stopped: its subscriptions end
 
 
+def test_a_coalescing_subscription_keeps_the_latest_of_each_key_once_behind() -> None:
+    sub: Subscription[tuple[str, int]] = Subscription(3, ("resync", 0), key=lambda item: item[0])
+    for i in range(10):
+        sub.put(("a" if i % 2 else "b", i))
+    sub.put(("c", 10))
+    assert sub.overflows == 1
+    assert [sub.get_nowait() for _ in range(len(sub))] == [("b", 8), ("a", 9), ("c", 10)]
+    # caught up: a queue again, in order, every item
+    for i in range(3):
+        sub.put(("a", i))
+    assert [sub.get_nowait() for _ in range(len(sub))] == [("a", 0), ("a", 1), ("a", 2)]
+
+
 async def test_a_subscription_is_bounded_and_ends_when_closed() -> None:
     sub: Subscription[int] = Subscription(3, marker=-1)
     for i in range(7):
