@@ -8,7 +8,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 BUF := node_modules/.bin/buf
 PROTOS := $(shell find protos -name '*.proto' | sort)
 
-.PHONY: help env gen check-gen lint typecheck unit test up bench clean
+.PHONY: help env system gen check-gen lint typecheck unit test up bench clean
 
 help:
 	@echo "make up     start a local cluster serving a demo app (Ctrl-C stops it)"
@@ -19,7 +19,11 @@ help:
 # The environment comes from the project's own files: uv.lock for Python,
 # package-lock.json for buf (it lists every platform's optional buf binary, so `npm ci` installs
 # exactly the lock and never rewrites it).
-env: $(VENV)/.synced $(BUF)
+env: $(VENV)/.synced $(BUF) system
+
+# Debian packages the OCI driver runs (crun, tini), installed when missing.
+system:
+	@.ci/system-packages
 
 $(VENV)/.synced: pyproject.toml uv.lock
 	@command -v uv >/dev/null 2>&1 || python3 -m pip install --quiet "uv==$(UV_VERSION)"

@@ -1,5 +1,6 @@
-"""`python -m bench [--quick] [--full] [--only flyd|registry|proxy|auth|flaps|fencing]`: run
-the benchmarks, print tables, write JSON to bench/results/."""
+"""`python -m bench [--quick] [--full] [--only flyd|registry|proxy|auth|flaps|fencing]
+[--drivers process,oci]`: run the benchmarks, print tables (flyd's and the proxy control
+plane's with both drivers side by side), write JSON to bench/results/."""
 
 from __future__ import annotations
 
@@ -48,7 +49,15 @@ def main(argv: list[str] | None = None) -> int:
         choices=["flyd", "registry", "proxy", "auth", "flaps", "fencing"],
         help="run one group of benchmarks",
     )
+    parser.add_argument(
+        "--drivers",
+        default="process,oci",
+        help="flyd drivers to measure side by side (comma-separated; default: process,oci)",
+    )
     args = parser.parse_args(argv)
+    drivers = tuple(d for d in args.drivers.split(",") if d)
+    if not drivers or not set(drivers) <= {"process", "oci"}:
+        parser.error("--drivers: a comma-separated list of process and oci")
     codes = []
     if args.only in (None, "flyd"):
         codes.append(
@@ -57,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                 out=args.out,
                 strict=args.strict,
                 bytecode_cache=not args.no_bytecode_cache,
+                drivers=drivers,
             )
         )
     if args.only in (None, "registry"):
@@ -73,7 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         codes.append(
             proxy_control_bench.run(
-                quick=args.quick, out=args.out.with_name("proxy-control.json"), strict=args.strict
+                quick=args.quick,
+                out=args.out.with_name("proxy-control.json"),
+                strict=args.strict,
+                drivers=drivers,
             )
         )
     if args.only in (None, "fencing"):

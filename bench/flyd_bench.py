@@ -17,7 +17,9 @@ machine process is left behind. The bench makes itself a child subreaper so the 
 processes orphaned by the SIGKILL (and by destroys after it) are reaped here.
 
 The benchmarks live in bench.flyd_profile (0), bench.flyd_latency (1, 2) and bench.flyd_fleet
-(3, 4), over what bench.flyd_client shares; this module runs them in order and cleans up.
+(3, 4), over what bench.flyd_client shares; this module runs them in order and cleans up, once
+per driver (process, then oci: the same machines as host processes and as crun containers),
+and prints the two side by side, each against its own targets (bench.flyd_client.TARGETS).
 
 flyd's bytecode is cached in the run's temp dir (PYTHONPYCACHEPREFIX), as an installed flyd
 would have it; without a cache (PYTHONDONTWRITEBYTECODE=1 and a venv installed without
@@ -56,7 +58,11 @@ from bench.flyd_fleet import bench_fleet
 from bench.flyd_latency import bench_create_latency, bench_transitions
 from bench.flyd_profile import bench_create_profile
 from bench.procs import FlydProcess, progress
-from bench.report import Results
+from bench.report import Results, side_by_side, write_runs
+from flyd.drivers.oci import probe as oci_probe
+from flyd.drivers.rundir import kill_all
+
+DRIVERS = ("process", "oci")
 
 
 async def _reap_loop(flyds: list[FlydProcess], reaped: list[int]) -> None:
@@ -73,6 +79,8 @@ def _cleanup(
         code = f.terminate(timeout=15)
         if code not in (0, None, -9):
             res.errors.append(f"flyd exited with {code}; log {f.log_path}")
+        # An OCI worker's netd outlives flyd, as the machines do: it goes with the worker.
+        kill_all(f.data_dir / "machines")
     strays = procs.processes_under(tmp)
     left_cgroups = procs.remaining_cgroups(prefix)
     res.add("stray machine processes after flyd stopped", len(strays), "", ("==", 0))
@@ -143,9 +151,11 @@ def _source_state() -> dict[str, Any]:
 
 
 async def _run(cfg: Config, res: Results, bytecode_cache: bool) -> None:
+    """Every flyd benchmark with one driver (`cfg.driver`)."""
     soft, hard = procs.raise_fd_limit()
     subreaper = procs.become_subreaper()
     tmp = Path(tempfile.mkdtemp(prefix="nonomad-bench-"))
+    os.chmod(tmp, 0o711)  # as a data dir under /var/lib is: searchable, not listable
     prefix = f"nonomad-bench-{secrets.token_hex(4)}"
     res.details["environment"] = {
         "cpus": os.cpu_count(),
@@ -154,6 +164,7 @@ async def _run(cfg: Config, res: Results, bytecode_cache: bool) -> None:
         "fd_limit": [soft, hard],
         "subreaper": subreaper,
         "cgroup_prefix": prefix,
+        "driver": cfg.driver,
         "bytecode_cache": bytecode_cache,
         "PYTHONDONTWRITEBYTECODE": os.environ.get("PYTHONDONTWRITEBYTECODE"),
     }
@@ -176,6 +187,7 @@ async def _run(cfg: Config, res: Results, bytecode_cache: bool) -> None:
             log_dir=tmp / "logs",
             capacity=CAPACITY,
             pycache_prefix=tmp / "pycache" if bytecode_cache else None,
+            driver=cfg.driver,
         )
         flyds.append(f)
         return f
@@ -228,16 +240,34 @@ async def _run(cfg: Config, res: Results, bytecode_cache: bool) -> None:
         res.details["loadavg_at_end"] = os.getloadavg()
 
 
-def run(*, quick: bool, out: Path, strict: bool = False, bytecode_cache: bool = True) -> int:
-    cfg = QUICK if quick else FULL
-    res = Results(title=f"flyd benchmarks{' (quick)' if quick else ''}")
+def run(
+    *,
+    quick: bool,
+    out: Path,
+    strict: bool = False,
+    bytecode_cache: bool = True,
+    drivers: tuple[str, ...] = DRIVERS,
+) -> int:
+    """Run every flyd benchmark once per driver, print them side by side, write the JSON."""
+    title = f"flyd benchmarks{' (quick)' if quick else ''}"
+    runs: dict[str, Results] = {}
     t0 = time.perf_counter()
-    asyncio.run(_run(cfg, res, bytecode_cache))
-    res.details["total_seconds"] = time.perf_counter() - t0
-    res.details["quick"] = quick
-    res.write(out)
-    print(res.table())
-    print(f"\n(total {res.details['total_seconds']:.1f} s; JSON in {out})")
-    if res.errors:
+    for driver in drivers:
+        res = Results(title=f"{title}: {driver} driver")
+        runs[driver] = res
+        problem = oci_probe() if driver == "oci" else None
+        if problem is not None:
+            res.errors.append(f"the oci driver cannot run here: {problem}")
+            continue
+        progress(f"== {driver} driver")
+        cfg = dataclasses.replace(QUICK if quick else FULL, driver=driver)
+        started = time.perf_counter()
+        asyncio.run(_run(cfg, res, bytecode_cache))
+        res.details["total_seconds"] = time.perf_counter() - started
+        res.details["quick"] = quick
+    write_runs(out, title, runs)
+    print(side_by_side(title, runs))
+    print(f"\n(total {time.perf_counter() - t0:.1f} s; JSON in {out})")
+    if any(r.errors for r in runs.values()):
         return 2
-    return 1 if strict and res.missed else 0
+    return 1 if strict and any(r.missed for r in runs.values()) else 0

@@ -20,6 +20,7 @@ from bench.flyd_client import (
     RPC_TIMEOUT,
     STARTED,
     STOPPED,
+    TARGETS,
     Client,
     Config,
     S,
@@ -90,8 +91,19 @@ async def bench_create_latency(
     destroy_s = await destroy_many(client, ids, cfg.destroy_concurrency)
 
     n = len(latencies)
-    res.add(f"create→STARTED p50 (n={n})", percentile(latencies, 50), "ms", ("<=", 10))
-    res.add(f"create→STARTED p99 (n={n})", percentile(latencies, 99), "ms", ("<=", 30))
+    targets = TARGETS[cfg.driver]
+    res.add(
+        f"create→STARTED p50 (n={n})",
+        percentile(latencies, 50),
+        "ms",
+        ("<=", targets.create_p50_ms),
+    )
+    res.add(
+        f"create→STARTED p99 (n={n})",
+        percentile(latencies, 99),
+        "ms",
+        ("<=", targets.create_p99_ms),
+    )
     res.add("create→STARTED max", max(latencies, default=float("nan")), "ms")
     res.add(
         "  of which flyd create-commit→STARTED p50",

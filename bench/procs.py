@@ -291,6 +291,7 @@ class FlydProcess:
     log_dir: Path
     capacity: dict[str, int]
     pycache_prefix: Path | None = None
+    driver: str = "process"
     worker_id: str = "w1"
     region: str = "ams"
     extra_args: list[str] = field(default_factory=list)
@@ -328,6 +329,8 @@ class FlydProcess:
             # ListMachines of 1,000 machines is a few MB; stay clear of the 4 MiB default.
             "--max-message-bytes",
             str(64 << 20),
+            "--driver",
+            self.driver,
         ]
         for key, value in self.capacity.items():
             args += [f"--capacity.{key.replace('_', '-')}", str(value)]

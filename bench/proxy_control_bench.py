@@ -13,8 +13,11 @@ themselves to flaps and to the proxy, so a fresh worker can join for each failov
    primary's flyd (its machine keeps running: the edge cannot know that), then send requests
    one after another until the standby answers one. The time from the kill to that answer.
 
+Both flyd drivers, side by side: the same fleet with machines as host processes, then as crun
+containers (whose published ports netd serves once the app listens in its namespace).
+
 `python -c "from bench.proxy_control_bench import main; main()" [--quick]`. Bounded: a few
-runs each, every wait has a deadline, the whole run is cut off after RUN_DEADLINE.
+runs each, every wait has a deadline, each driver's run is cut off after RUN_DEADLINE.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from bench.procs import progress
 from bench.report import Results, percentile
 from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc
+from flyd.drivers.oci import probe as oci_probe
 from flyd.drivers.rundir import kill_all
 from flyd.images.build import build_image
 from flyd.v1 import machine_pb2 as pb
@@ -101,6 +105,7 @@ class Fleet:
     root: Path
     prefix: str
     env: dict[str, str]
+    driver: str = "process"
     services: list[Service] = field(default_factory=list)
     workers: dict[str, Service] = field(default_factory=dict)
     channels: list[grpc.aio.Channel] = field(default_factory=list)
@@ -118,6 +123,7 @@ class Fleet:
             "--ports", f"{low}-{low + 99}",
             "--cgroup-prefix", self.prefix,
             "--grace-period", "2",
+            "--driver", self.driver,
         ]  # fmt: skip
         for target in announce:
             args += ["--announce", target]
@@ -364,16 +370,40 @@ async def _measure(fleet: Fleet, res: Results, cold_runs: int, failover_runs: in
     )
 
 
-def run(*, quick: bool = False, out: Path | None = None, strict: bool = False) -> int:
-    """Run the benchmark and print its table; write JSON to `out` when given. Returns 0, or
-    1 on an error (or, with `strict`, a missed target)."""
+def run(
+    *,
+    quick: bool = False,
+    out: Path | None = None,
+    strict: bool = False,
+    drivers: tuple[str, ...] = ("process", "oci"),
+) -> int:
+    """Run the benchmark once per flyd driver and print them side by side; write JSON to `out`
+    when given. Returns 0, or 1 on an error (or, with `strict`, a missed target)."""
     cold_runs, failover_runs = (3, 2) if quick else (7, 5)
-    results = Results(
-        f"proxy control plane: scale from zero and failover{' (quick)' if quick else ''}"
-    )
+    title = f"proxy control plane: scale from zero and failover{' (quick)' if quick else ''}"
+    runs: dict[str, Results] = {}
+    for driver in drivers:
+        results = Results(f"{title}: {driver} driver")
+        runs[driver] = results
+        problem = oci_probe() if driver == "oci" else None
+        if problem is not None:
+            results.errors.append(f"the oci driver cannot run here: {problem}")
+            continue
+        progress(f"== {driver} driver")
+        _run_one(results, driver, cold_runs, failover_runs, quick)
+    print(report.side_by_side(title, runs))
+    if out is not None:
+        report.write_runs(out, title, runs)
+    failed = any(r.errors for r in runs.values())
+    return 1 if failed or (strict and any(r.missed for r in runs.values())) else 0
+
+
+def _run_one(
+    results: Results, driver: str, cold_runs: int, failover_runs: int, quick: bool
+) -> None:
     root = Path(tempfile.mkdtemp(prefix="nonomad-proxy-bench-"))
     prefix = f"nonomad-bench-{secrets.token_hex(4)}"
-    fleet = Fleet(root, prefix, procs.clean_env(root / "pycache"))
+    fleet = Fleet(root, prefix, procs.clean_env(root / "pycache"), driver=driver)
     t0 = time.perf_counter()
 
     async def bounded() -> None:
@@ -394,7 +424,6 @@ def run(*, quick: bool = False, out: Path | None = None, strict: bool = False) -
         shutil.rmtree(root, ignore_errors=True)
     results.details["total_seconds"] = round(time.perf_counter() - t0, 1)
     results.details["quick"] = quick
-    return report.finish(results, out, strict)
 
 
 def main(argv: list[str] | None = None) -> int:

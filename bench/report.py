@@ -110,6 +110,60 @@ class Results:
         tmp.replace(path)
 
 
+def side_by_side(title: str, runs: dict[str, Results]) -> str:
+    """One table for the same benchmark run with different settings (the drivers): a row per
+    metric, a value column per run, each run's target and verdict.
+    """
+    names: list[str] = []
+    for results in runs.values():
+        names += [m.name for m in results.metrics if m.name not in names]
+    header = ["metric", *runs, "target", "ok?"]
+    rows = [header]
+    for name in names:
+        found = {k: next((m for m in r.metrics if m.name == name), None) for k, r in runs.items()}
+        cells = [name]
+        targets, oks = [], []
+        for metric in found.values():
+            if metric is None:
+                cells.append("")
+                targets.append("-")
+                oks.append("-")
+                continue
+            value = "n/a" if metric.value is None else f"{_fmt(metric.value)} {metric.unit}"
+            cells.append(value.rstrip())
+            targets.append(
+                "-" if metric.target is None else f"{metric.target[0]} {_fmt(metric.target[1])}"
+            )
+            oks.append("-" if metric.ok is None else ("yes" if metric.ok else "NO"))
+        same = len(set(targets)) == 1
+        cells.append(targets[0] if same else " / ".join(targets))
+        cells.append(oks[0] if len(set(oks)) == 1 else " / ".join(oks))
+        rows.append(cells)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = [title, ""]
+    for i, row in enumerate(rows):
+        lines.append(
+            "  ".join(
+                cell.ljust(w) if j == 0 else cell.rjust(w)
+                for j, (cell, w) in enumerate(zip(row, widths, strict=True))
+            ).rstrip()
+        )
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    for key, results in runs.items():
+        lines += [f"error ({key}): {err}" for err in results.errors]
+    return "\n".join(lines)
+
+
+def write_runs(path: Path, title: str, runs: dict[str, Results]) -> None:
+    """Several runs' results as one JSON file: {"title", "runs": {key: results}}."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    data = {"title": title, "runs": {k: r.to_json() for k, r in runs.items()}}
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
+
+
 def _fmt(value: float) -> str:
     if isinstance(value, int):
         return f"{value:,}"

@@ -21,11 +21,18 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from flyd.drivers.base import Driver, ExitStatus, Handle, ProcessSpec
-from flyd.errors import FailedPrecondition, FlydError, InvalidArgument, NotFound, Unavailable
+from flyd.drivers.base import Driver, ExitStatus, Handle, PortMapping, ProcessSpec
+from flyd.errors import (
+    FailedPrecondition,
+    FlydError,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from runtime.clock import Clock, ManualClock
 
 __all__ = ["FakeDriver", "FakeHost", "FakeScript"]
@@ -80,6 +87,10 @@ class FakeHost:
         self.exits: dict[str, ExitStatus] = {}  # the "exit files"
         self.logs: dict[str, list[str]] = {}
         self.watchers: dict[str, FakeDriver] = {}
+        # Host ports: held for machines (they outlive a driver, as netd's do), and taken by
+        # other programs (a test adds to `busy_ports`).
+        self.held_ports: dict[str, set[int]] = {}
+        self.busy_ports: set[int] = set()
         self._next_pid = 1000
 
     def spawn(self, machine_id: str, script: FakeScript) -> Handle:
@@ -118,6 +129,8 @@ class FakeHost:
 
 class FakeDriver:
     """The `Driver` contract without processes. `starts` and `signals` record the calls."""
+
+    name = "fake"
 
     def __init__(
         self,
@@ -172,6 +185,31 @@ class FakeDriver:
         handle = self.host.spawn(spec.machine_id, script)
         self.host.watchers[spec.machine_id] = self
         return handle
+
+    def hold_ports(self, machine_id: str, candidates: Iterable[int], count: int) -> list[int]:
+        """Take `count` of `candidates` that no machine holds and no other program has."""
+        self._check_open()
+        taken = set(self.host.busy_ports).union(*self.host.held_ports.values())
+        found = [port for port in candidates if port not in taken][:count]
+        if len(found) < count:
+            raise ResourceExhausted("ports", f"no free host port among the {count} needed")
+        self.host.held_ports.setdefault(machine_id, set()).update(found)
+        return found
+
+    async def publish(self, machine_id: str, ports: Sequence[PortMapping]) -> None:
+        """Hold exactly these host ports for the machine."""
+        self._check_open()
+        self.host.held_ports[machine_id] = {p.host_port for p in ports}
+
+    async def reconcile(self, machines: Mapping[str, Sequence[PortMapping]]) -> None:
+        """Hold exactly the ports of `machines`."""
+        self._check_open()
+        held = {mid: {p.host_port for p in ports} for mid, ports in machines.items()}
+        self.host.held_ports = held
+
+    def leftovers(self) -> list[str]:
+        """The machines the host keeps anything for (logs, an exit, a process)."""
+        return sorted(self.host.logs.keys() | self.host.exits.keys() | self.host.processes.keys())
 
     def release(self, machine_id: str) -> None:
         """Let the held fake process run (until then it has run nothing)."""
@@ -235,6 +273,7 @@ class FakeDriver:
             raise FailedPrecondition(f"machine {machine_id} is running; stop it first")
         self.host.exits.pop(machine_id, None)
         self.host.logs.pop(machine_id, None)
+        self.host.held_ports.pop(machine_id, None)
 
     def rotate_logs(self) -> None:
         """Nothing to bound: fake logs live in memory."""
@@ -310,7 +349,7 @@ class FakeDriver:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise Unavailable("the process driver is closed")
+            raise Unavailable("the fake driver is closed")
 
 
 # FakeDriver keeps the real driver's contract (checked by mypy).

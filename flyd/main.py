@@ -7,14 +7,20 @@ import contextlib
 import secrets
 import signal
 import sys
+from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import grpc
 import structlog
 from opentelemetry import trace
 
 from flyd import fsm
+from flyd.drivers.base import Driver, ExitStatus, Handle
+from flyd.drivers.oci import OciDriver
+from flyd.drivers.oci import probe as oci_probe
 from flyd.drivers.process import ProcessDriver
+from flyd.errors import Unavailable
 from flyd.fencing import GrpcPeers
 from flyd.images.cache import ImageCache
 from flyd.images.source import ImageSource
@@ -48,6 +54,48 @@ ANNOUNCE_TIMEOUT = 2.0
 LOG_ROTATE_INTERVAL = 1.0
 
 
+def make_driver(
+    settings: FlydSettings, on_exit: Callable[[str, Handle, ExitStatus], None]
+) -> Driver:
+    """The driver `settings.driver` names; `auto` is oci where this host can run it."""
+    choice = settings.driver
+    if choice == "auto":
+        problem = oci_probe()
+        choice = "oci" if problem is None else "process"
+        if problem is not None:
+            log.warning(
+                "driver_process",
+                reason=problem,
+                message=f"machines run as host processes: {problem}",
+            )
+    common: dict[str, Any] = {
+        "on_exit": on_exit,
+        "cgroup_root": settings.cgroup_root,
+        "cgroup_prefix": settings.cgroup_prefix,
+        "max_log_bytes": settings.log_max_bytes,
+        "machine_host": settings.machine_host,
+    }
+    if choice == "oci":
+        if settings.run_as is not None:
+            raise SystemExit("flyd: run_as is for the process driver; oci machines get uid ranges")
+        try:
+            driver = OciDriver(
+                settings.data_dir / "machines",
+                network=settings.network,
+                uid_base=settings.uid_base,
+                **common,
+            )
+        except Unavailable as e:
+            raise SystemExit(f"flyd: {e}") from None
+        if settings.capacity.machines > driver.max_machines:
+            raise SystemExit(
+                f"flyd: capacity.machines is {settings.capacity.machines}, but network "
+                f"{settings.network} and uid_base leave room for {driver.max_machines} machines"
+            )
+        return driver
+    return ProcessDriver(settings.data_dir / "machines", run_as=settings.run_as, **common)
+
+
 async def build(argv: list[str]) -> Service:
     """Open the log, recover every machine, and wire the gRPC service."""
     settings = settings_or_exit(FlydSettings, argv, "flyd")
@@ -74,18 +122,12 @@ async def build(argv: list[str]) -> Service:
     )
     worker: Worker | None = None
 
-    def on_exit(machine_id: str, handle: object, status: object) -> None:
+    def on_exit(machine_id: str, handle: Handle, status: ExitStatus) -> None:
         if worker is not None:
-            worker.on_exit(machine_id, handle, status)  # type: ignore[arg-type]
+            worker.on_exit(machine_id, handle, status)
 
-    driver = ProcessDriver(
-        data / "machines",
-        on_exit=on_exit,
-        cgroup_root=settings.cgroup_root,
-        cgroup_prefix=settings.cgroup_prefix,
-        run_as=settings.run_as,
-        max_log_bytes=settings.log_max_bytes,
-    )
+    driver = make_driver(settings, on_exit)
+    log.info("driver", driver=driver.name, limits_enforced=driver.limits_enforced)
     worker = Worker(
         identity=identity,
         store=store,

@@ -3,13 +3,13 @@
 Running totals (cpu, memory, disk, machine slots, machines by state) kept in step with every
 row the runner commits, so placement checks, heartbeats and metric scrapes cost O(1); the
 creates under way, reserved before their first commit; and the host ports handed to machine
-services. `check_room` and the port allocators raise ResourceExhausted naming the resource.
+services (held by the driver from the moment they are handed out). `check_room` and the port
+allocators raise ResourceExhausted naming the resource.
 """
 
 from __future__ import annotations
 
 import collections
-import socket
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -38,16 +38,6 @@ class Totals:
         self.machines += sign
 
 
-def port_free(host: str, port: int) -> bool:
-    """Whether nothing on this host listens on `port` (a bind succeeds)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
 class Reservations:
     """The worker's resources: what it offers, what its rows and pending creates reserve."""
 
@@ -59,15 +49,17 @@ class Reservations:
         rows: Mapping[str, fsm.Row],
         ports: range,
         machine_host: str,
-        port_free: Callable[[str, int], bool] = port_free,
+        hold_ports: Callable[[str, Iterable[int], int], list[int]],
     ) -> None:
-        """`rows`: the worker's rows, read (never changed) to find the host ports in use."""
+        """`rows`: the worker's rows, read (never changed) to find the host ports in use.
+        `hold_ports(machine_id, candidates, count)`: the driver's, which binds and keeps them.
+        """
         self.worker_id = worker_id
         self.total = total
         self.ports = ports
         self.machine_host = machine_host
         self._rows = rows
-        self._port_free = port_free
+        self._hold_ports = hold_ports
         self._used = Totals()
         self._by_state: collections.Counter[int] = collections.Counter()
         # Machines being created: reserved (and their ports taken) before their first commit.
@@ -163,8 +155,10 @@ class Reservations:
                     f"the machine needs {need}",
                 )
 
-    def allocate_ports(self, count: int) -> list[int]:
-        """`count` host ports no machine holds and nothing on the host listens on."""
+    def allocate_ports(self, machine_id: str, count: int) -> list[int]:
+        """`count` host ports no machine has, bound and held for `machine_id` by the driver
+        (a port is free when binding it works, and from then on it is the machine's).
+        """
         if count == 0:
             return []
         used = {
@@ -174,24 +168,20 @@ class Reservations:
             for p in row.machine.ports
         }
         used.update(p.host_port for m in self.pending.values() for p in m.ports)
-        found: list[int] = []
-        for port in self.ports:
-            if port in used or not self._port_free(self.machine_host, port):
-                continue
-            found.append(port)
-            if len(found) == count:
-                return found
-        raise ResourceExhausted(
-            "ports",
-            f"worker {self.worker_id} has no free host port in "
-            f"{self.ports.start}-{self.ports.stop - 1}",
-        )
+        try:
+            return self._hold_ports(machine_id, (p for p in self.ports if p not in used), count)
+        except ResourceExhausted:
+            raise ResourceExhausted(
+                "ports",
+                f"worker {self.worker_id} has no free host port in "
+                f"{self.ports.start}-{self.ports.stop - 1}",
+            ) from None
 
     def remap_ports(self, row: fsm.Row, config: pb.MachineConfig) -> list[pb.PortMapping]:
         """Keep the host port of every service port that stays; map the new ones."""
         kept = {p.internal_port: p for p in row.machine.ports}
         new = [svc.internal_port for svc in config.services if svc.internal_port not in kept]
-        fresh = iter(self.allocate_ports(len(new)))
+        fresh = iter(self.allocate_ports(row.machine.id, len(new)))
         out = []
         for svc in config.services:
             mapping = kept.get(svc.internal_port)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import signal
 from collections.abc import Awaitable, Iterable, Sequence
 
 import structlog
@@ -23,12 +24,12 @@ import structlog
 from flyd import fsm
 from flyd.commits import GroupCommit, durable
 from flyd.drivers.base import Driver, ExitStatus, Handle
-from flyd.errors import DeadlineExceeded, NotFound
+from flyd.errors import DeadlineExceeded, FailedPrecondition, NotFound
 from flyd.images.cache import ImageCache
 from flyd.metrics import CLEANUP_FAILURES, count_transition
 from flyd.reservations import Reservations
 from flyd.secrets import SecretBox
-from flyd.spec import process_spec
+from flyd.spec import process_spec, published
 from flyd.store import MachineLog, NewRecord, RecordType
 from flyd.stream import EventStream
 from flyd.traces import OpSpan, OpTracer
@@ -104,8 +105,30 @@ class Runner:
             if row.op is not None and (alive or row.handle is None):
                 self.spawn_task(self.drive(machine_id, fsm.Resume(alive=alive)))
                 resumed += 1
+        # The driver holds the published ports again (and lets go of what nothing owns).
+        services = {
+            mid: published(row.machine)
+            for mid, row in self.rows.items()
+            if row.state != S.MACHINE_STATE_DESTROYED
+        }
+        self.spawn_task(self.driver.reconcile(services))
+        # What a create left on the host when flyd died before its first commit.
+        for machine_id in self.driver.leftovers():
+            kept = self.rows.get(machine_id)
+            if kept is None or kept.state == S.MACHINE_STATE_DESTROYED:
+                self.spawn_task(self._clean_leftover(machine_id))
         log.info("recovered", machines=len(self.rows), resumed=resumed, seq=self.store.last_seq())
         return resumed
+
+    async def _clean_leftover(self, machine_id: str) -> None:
+        async with self.lock(machine_id):
+            row = self.rows.get(machine_id)
+            if row is not None and row.state != S.MACHINE_STATE_DESTROYED:
+                return  # created again meanwhile: it is a machine now
+            with contextlib.suppress(FailedPrecondition):  # still running: it stays
+                await self.driver.stop(machine_id, signal.SIGKILL, 0)
+            await self.driver.cleanup(machine_id)
+            log.info("leftover_removed", machine_id=machine_id)
 
     async def close(self, *, flush: bool = False) -> None:
         """Stop background work (machines keep running), commit the lazy rows if `flush`, and

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import SettingsConfigDict
@@ -60,7 +61,22 @@ class FlydSettings(ServiceSettings):
         description="registry replicas (registry, flaps or proxy addresses) to announce to",
     )
     announce_interval: float = Field(default=5.0, gt=0, description="s between announcements")
-    run_as: str | None = Field(default=None, description="unprivileged user for machines")
+    driver: Literal["auto", "oci", "process"] = Field(
+        default="auto",
+        description="how machines run: oci (crun containers), process (host processes), or "
+        "auto (oci where this host can run it, else process)",
+    )
+    network: str = Field(
+        default="10.87.0.0/20",
+        description="this worker's private IPv4 prefix: each oci machine gets an address in it",
+    )
+    uid_base: int = Field(
+        default=1 << 30,
+        description="first host uid of the oci machines' ranges (65536 uids each)",
+    )
+    run_as: str | None = Field(
+        default=None, description="unprivileged user for machines (process driver)"
+    )
     cgroup_root: Path = Field(default=Path("/sys/fs/cgroup"), description="cgroup v1 mount")
     cgroup_prefix: str = Field(default="nonomad", description="cgroup folder for machines")
     heartbeat_interval: float = Field(default=0.2, gt=0, description="WatchEvents heartbeat, s")
@@ -82,6 +98,23 @@ class FlydSettings(ServiceSettings):
 
         if not is_name(value):
             raise ValueError("must be 1-63 lowercase letters, digits or dashes")
+        return value
+
+    @field_validator("network")
+    @classmethod
+    def _network(cls, value: str) -> str:
+        import ipaddress
+
+        net = ipaddress.IPv4Network(value)  # a ValueError names what is wrong
+        if not net.is_private or net.num_addresses < 4:
+            raise ValueError("must be a private IPv4 prefix of at least 4 addresses")
+        return value
+
+    @field_validator("uid_base")
+    @classmethod
+    def _uid_base(cls, value: int) -> int:
+        if value < 65536 or value % 65536 or value + 65536 > 2**32 - 1:
+            raise ValueError("must be a positive multiple of 65536 below 2^32")
         return value
 
     @field_validator("ports")

@@ -1,16 +1,16 @@
 """What a machine's process is: its argv, environment (secrets too), working directory and limits.
 
-Built from the machine's config and its image (OCI rules for entrypoint and cmd), with the
-variables flyd gives every machine (MACHINE_ID, APP, PORT, ...). The runner hands the result
-to the driver on every spawn; the worker checks at create and update that there is an argv.
+Built from the machine's config and its image (OCI rules for entrypoint and cmd; its rootfs,
+workdir and user), with the variables flyd gives every machine (MACHINE_ID, APP, ...; the
+driver adds PORT) and its published services. The runner hands the result to the driver on
+every spawn; the worker checks at create and update that there is an argv.
 """
 
 from __future__ import annotations
 
 from flyd import fsm
-from flyd.drivers.base import Limits, ProcessSpec
+from flyd.drivers.base import Limits, PortMapping, ProcessSpec
 from flyd.errors import NotFound
-from flyd.images import confine
 from flyd.images.cache import Image, ImageCache
 from flyd.secrets import SecretBox
 from flyd.v1 import machine_pb2 as pb
@@ -33,20 +33,16 @@ def process_spec(
     row: fsm.Row, images: ImageCache, secret_box: SecretBox | None = None
 ) -> ProcessSpec:
     """The process to spawn for the machine in `row`, its secrets opened into its environment;
-    NotFound if its image left the cache."""
+    NotFound if its image left the cache.
+
+    The driver adds `PORT` and `PORT_<internal port>`: the port a service listens on depends
+    on whether the machine has a network of its own.
+    """
     machine = row.machine
     config = machine.config
     image = images.get(row.image_digest)
     if image is None:
         raise NotFound(f"image {row.image_digest} is no longer cached")
-    args = argv(config, image)
-    rootfs = image.rootfs
-    # This driver does not chroot: paths of the image are resolved inside its rootfs, and a
-    # machine the host would lead elsewhere is refused (UnsafeImage; the spawn fails).
-    if args and args[0].startswith("/"):
-        program = confine.host_path(rootfs, args[0], "entrypoint")
-        if program.exists():
-            args[0] = str(program)
     env = {"PATH": DEFAULT_PATH, **image.env, **config.env}
     if row.secrets:
         if secret_box is None:
@@ -59,15 +55,20 @@ def process_spec(
         WORKER_ID=machine.worker_id,
         INSTANCE_ID=machine.instance_id,
     )
-    for i, port in enumerate(machine.ports):
-        if i == 0:
-            env["PORT"] = str(port.host_port)
-        env[f"PORT_{port.internal_port}"] = str(port.host_port)
     guest = config.guest
     return ProcessSpec(
         machine_id=machine.id,
-        argv=args,
-        cwd=confine.host_path(rootfs, image.workdir, "WorkingDir"),
+        argv=argv(config, image),
+        rootfs=image.rootfs,
         env=env,
         limits=Limits(cpu_millicores=guest.cpu_millicores, memory_mib=guest.memory_mib),
+        workdir=image.workdir,
+        user=image.user,
+        ports=published(machine),
+        host_runtime=image.host_runtime,
     )
+
+
+def published(machine: pb.Machine) -> tuple[PortMapping, ...]:
+    """The machine's published services, as drivers take them."""
+    return tuple(PortMapping(p.host_port, p.internal_port) for p in machine.ports)

@@ -35,11 +35,11 @@ from flyd.errors import (
 from flyd.fencing import Fencing, SlotPeers
 from flyd.images.cache import ImageCache
 from flyd.metrics import CREATE_SECONDS
-from flyd.reservations import Reservations, port_free
+from flyd.reservations import Reservations
 from flyd.runner import Runner
 from flyd.secrets import REDACTED, SecretBox
 from flyd.settings import CapacitySettings
-from flyd.spec import argv
+from flyd.spec import argv, published
 from flyd.store import MachineLog
 from flyd.stream import EventStream
 from flyd.traces import OpSpan, OpTracer
@@ -83,7 +83,6 @@ class Worker:
         policy: fsm.Policy,
         log_keep: int = 10_000,
         state_dir: Path | None = None,
-        port_free: Callable[[str, int], bool] = port_free,
         op_tracer: OpTracer | None = None,
         peers: SlotPeers | None = None,
         fence_after: float = 0.5,
@@ -113,7 +112,7 @@ class Worker:
             rows=self.rows,
             ports=ports,
             machine_host=machine_host,
-            port_free=port_free,
+            hold_ports=driver.hold_ports,
         )
         self.runner = Runner(
             rows=self.rows,
@@ -312,33 +311,33 @@ class Worker:
                 # The check and the reservation are atomic: the machine is reserved (as
                 # pending) before the first await, and its first commit makes that its row's.
                 self.reservations.check_room(config.guest)
-                ports = self.reservations.allocate_ports(len(config.services))
-                kept, sealed = self.secret_box.take(machine_id, config)
-                machine = pb.Machine(
-                    id=machine_id,
-                    name=name or machine_id,
-                    app=app,
-                    region=self.identity.region,
-                    worker_id=self.identity.worker_id,
-                    config=kept,
-                    instance_id=mine,
-                    idempotency_key=key,
-                )
-                for svc, port in zip(config.services, ports, strict=True):
-                    machine.ports.add(
-                        internal_port=svc.internal_port, host=self.machine_host, host_port=port
-                    )
-                first = fsm.create(
-                    machine,
-                    image_digest=image.digest,
-                    skip_launch=skip_launch,
-                    now=self.clock.now(),
-                    secrets=sealed,
-                )
-                self.reservations.pending[machine_id] = machine
-                if key:
-                    self.reservations.keys[(app, key)] = machine_id
+                ports = self.reservations.allocate_ports(machine_id, len(config.services))
                 try:
+                    kept, sealed = self.secret_box.take(machine_id, config)
+                    machine = pb.Machine(
+                        id=machine_id,
+                        name=name or machine_id,
+                        app=app,
+                        region=self.identity.region,
+                        worker_id=self.identity.worker_id,
+                        config=kept,
+                        instance_id=mine,
+                        idempotency_key=key,
+                    )
+                    for svc, port in zip(config.services, ports, strict=True):
+                        machine.ports.add(
+                            internal_port=svc.internal_port, host=self.machine_host, host_port=port
+                        )
+                    first = fsm.create(
+                        machine,
+                        image_digest=image.digest,
+                        skip_launch=skip_launch,
+                        now=self.clock.now(),
+                        secrets=sealed,
+                    )
+                    self.reservations.pending[machine_id] = machine
+                    if key:
+                        self.reservations.keys[(app, key)] = machine_id
                     # The pending start goes on in the same operation: its spawn comes before
                     # the first commit, which records the creation, the start and the process.
                     await self.runner.drive_locked(
@@ -350,6 +349,8 @@ class Worker:
                     )
                 finally:
                     self.reservations.pending.pop(machine_id, None)
+                    # Its ports stay held if the create was committed, else they go.
+                    await self._publish(machine_id)
         except BaseException as err:
             row = self.rows.get(machine_id)
             if row is None:
@@ -367,6 +368,17 @@ class Worker:
                 f"machine {machine_id} was ready after its caller's deadline; rolled back"
             )
         return self.rows[machine_id].machine
+
+    async def _publish(self, machine_id: str) -> None:
+        """Have the driver hold exactly the host ports the machine's row has (none without a
+        row): after a create or an update, committed or not.
+        """
+        row = self.rows.get(machine_id)
+        ports = published(row.machine) if row is not None else ()
+        try:
+            await self.driver.publish(machine_id, ports)
+        except Exception as e:  # the operation's own outcome is what the caller hears of
+            log.error("machine_ports_not_published", machine_id=machine_id, error=str(e))
 
     async def roll_back(self, machine_id: str, timeout: float = 60.0) -> None:
         """Undo a create whose caller is gone: destroy the machine, then drop its row, so that
@@ -511,7 +523,10 @@ class Worker:
                     stop_signal=sig,
                     stop_timeout=timeout,
                 )
-                await self.runner.drive_locked(machine_id, event, op_span=op_span)
+                try:
+                    await self.runner.drive_locked(machine_id, event, op_span=op_span)
+                finally:
+                    await self._publish(machine_id)  # the ports the row has now
         except BaseException:
             # Cancelled after the commit, the row already holds the new image: drop the old.
             now = self.rows.get(machine_id)

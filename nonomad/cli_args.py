@@ -33,6 +33,15 @@ a built image can be run at once:
 
 For other workers, pass --out DIR with their --image-source directory.
 --entrypoint and --cmd take a shell-like string ('python3 -u app.py') or a JSON array.
+
+What the image runs on: without --base, the image is only DIR, and an OCI worker lends it the
+host's runtime directories read-only (/usr, /lib, /bin, /etc/ssl, ...), as Nomad's exec driver
+does. With --base, DIR is a layer on top of a base image of its own and nothing of the host is
+lent: an OCI image layout (or a tar of one), a `docker save` archive, or a rootfs tar, e.g. a
+small Debian built from Debian's packages:
+
+  mmdebstrap --variant=minbase --include=python3-minimal bookworm debian.tar
+  nonomad image build ./site --tag site:v1 --base debian.tar --entrypoint 'python3 -u app.py'
 """
 
 
@@ -290,7 +299,15 @@ def add_image(sub: argparse._SubParsersAction[Parser], out: Parser) -> None:
     build.add_argument(
         "--env", type=env_pair, action="append", default=[], metavar="K=V", help="repeatable"
     )
-    build.add_argument("--workdir", default="/", help="working directory (absolute)")
+    build.add_argument(
+        "--workdir", help="working directory (absolute; default: the base's, else /)"
+    )
+    build.add_argument(
+        "--base",
+        type=Path,
+        metavar="PATH",
+        help="a base image under DIR: OCI layout, docker-save archive or rootfs tar",
+    )
     build.add_argument(
         "--out",
         type=Path,

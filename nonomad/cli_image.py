@@ -61,7 +61,7 @@ def human_bytes(n: int) -> str:
 
 
 def layer_bytes(out: Path, name: str, digest: str) -> int:
-    """The size of the image's (one, compressed) layer, from its manifest."""
+    """The size of the image's layers (compressed, the base's too), from its manifest."""
     manifest = out.joinpath(*name.split("/"), "blobs", "sha256", digest.removeprefix("sha256:"))
     return sum(int(layer["size"]) for layer in json.loads(manifest.read_text())["layers"])
 
@@ -108,6 +108,7 @@ def cmd_build(args: argparse.Namespace) -> int:
             cmd=cmd,
             env=dict(args.env),
             workdir=args.workdir,
+            base=args.base,
         )
     except FlydInvalidArgument as err:
         raise UsageError(f"--{err.field}: {str(err).partition(': ')[2]}") from None

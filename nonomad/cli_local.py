@@ -253,6 +253,9 @@ def cmd_up(args: argparse.Namespace) -> int:
                     f"{base}-{base + 99}",
                     "--cgroup-prefix",
                     f"nonomad-{state.name}-{worker_id}",
+                    # Each worker's machines get addresses of a prefix of its own.
+                    "--network",
+                    f"10.87.{16 * (n - 1)}.0/20",
                     "--announce",
                     flaps_cluster,
                     "--announce",

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
+import os
+import signal
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -71,17 +75,33 @@ def image_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+def remove_cgroup(cg: Path) -> None:
+    """Remove one of a test's cgroups, killing what is still in it and waiting for it to leave."""
+    for _ in range(200):
+        with contextlib.suppress(OSError):
+            for pid in (cg / "cgroup.procs").read_text().split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+        try:
+            cg.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            if e.errno != errno.EBUSY:
+                raise
+        time.sleep(0.01)  # killed processes take a moment to leave
+    raise AssertionError(f"cgroup {cg} stays busy")
+
+
 def remove_cgroups(prefix: str) -> None:
-    """Remove the (empty) cgroups a test's workers made under `prefix`."""
+    """Remove the cgroups a test's workers made under `prefix`, and the prefix itself."""
     for controller in ("memory", "cpu", "pids"):
         base = Path("/sys/fs/cgroup") / controller / prefix
         if base.is_dir():
-            for child in base.iterdir():
-                if child.is_dir():
-                    with contextlib.suppress(OSError):
-                        child.rmdir()
-            with contextlib.suppress(OSError):
-                base.rmdir()
+            for child in [p for p in base.iterdir() if p.is_dir()]:
+                remove_cgroup(child)
+            remove_cgroup(base)
 
 
 def _kill_machines(data_dir: Path) -> None:
@@ -92,6 +112,7 @@ def _kill_machines(data_dir: Path) -> None:
 @contextlib.contextmanager
 def one_flyd(tmp: Path, image_source: Path, ports: str) -> Iterator[ServiceProcess]:
     """A flyd worker w1 in ams for a whole test module; its machines die with it."""
+    prefix = f"nonomad-test-{uuid.uuid4().hex[:8]}"
     proc = ServiceProcess(
         "flyd",
         flyd_args(
@@ -102,7 +123,7 @@ def one_flyd(tmp: Path, image_source: Path, ports: str) -> Iterator[ServiceProce
             "--ports",
             ports,
             "--cgroup-prefix",
-            f"nonomad-test-{uuid.uuid4().hex[:8]}",
+            prefix,
         ),
         tmp / "flyd.log",
         env=clean_env(),
@@ -112,6 +133,7 @@ def one_flyd(tmp: Path, image_source: Path, ports: str) -> Iterator[ServiceProce
     finally:
         proc.kill()
         _kill_machines(tmp / "data")
+        remove_cgroups(prefix)
 
 
 @pytest.fixture

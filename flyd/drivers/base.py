@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from flyd.errors import CorruptLog
 
-__all__ = ["Driver", "ExitStatus", "Handle", "Limits", "ProcessSpec"]
+__all__ = ["Driver", "ExitStatus", "Handle", "Limits", "PortMapping", "ProcessSpec", "port_env"]
 
 
 @dataclass(frozen=True)
@@ -27,18 +27,49 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class PortMapping:
+    """A published service: the host port (on 127.0.0.1) and the machine's own port."""
+
+    host_port: int
+    internal_port: int
+
+
+@dataclass(frozen=True)
 class ProcessSpec:
     """What to run for a machine.
 
-    `argv` is already resolved (entrypoint + cmd, or the override). `cwd` is an absolute host
-    path (the image rootfs plus its workdir): the process driver does not chroot.
+    `argv` is already resolved (entrypoint + cmd, or the override). `rootfs` is the image's
+    unpacked root (shared by every machine of the image: never written through), `workdir`
+    and `user` come from the image config (`user`: "", a name, "uid" or "uid:gid"). `ports`
+    are the machine's published services; each driver tells the machine its port in `PORT`
+    and `PORT_<internal port>` (see `port_env`). `host_runtime`: the image names no base
+    (a directory built by `nonomad image build`), so a sandboxing driver lends it the host's
+    runtime directories read-only.
     """
 
     machine_id: str
     argv: list[str]
-    cwd: Path
+    rootfs: Path
     env: dict[str, str]
     limits: Limits
+    workdir: str = "/"
+    user: str = ""
+    ports: tuple[PortMapping, ...] = ()
+    host_runtime: bool = False
+
+
+def port_env(ports: tuple[PortMapping, ...], *, inside: bool) -> dict[str, str]:
+    """`PORT` (the first service) and `PORT_<internal port>` for each: the port the machine
+    listens on, which is the host port when it shares the host's network (`inside=False`)
+    and its own port when it has a network namespace of its own.
+    """
+    env: dict[str, str] = {}
+    for i, p in enumerate(ports):
+        port = str(p.internal_port if inside else p.host_port)
+        if i == 0:
+            env["PORT"] = port
+        env[f"PORT_{p.internal_port}"] = port
+    return env
 
 
 @dataclass(frozen=True)
@@ -102,10 +133,17 @@ class ExitStatus:
 
 
 class Driver(Protocol):
-    """What flyd needs from a driver: `process.ProcessDriver`, or `flyd.fakes.FakeDriver`."""
+    """What flyd needs from a driver: `oci.OciDriver`, `process.ProcessDriver`, or
+    `flyd.fakes.FakeDriver`.
+    """
 
     limits_enforced: bool
+    name: str
 
+    def hold_ports(self, machine_id: str, candidates: Iterable[int], count: int) -> list[int]: ...
+    async def publish(self, machine_id: str, ports: Sequence[PortMapping]) -> None: ...
+    async def reconcile(self, machines: Mapping[str, Sequence[PortMapping]]) -> None: ...
+    def leftovers(self) -> list[str]: ...
     async def start(self, spec: ProcessSpec) -> Handle: ...
     def release(self, machine_id: str) -> None: ...
     def discard(self, machine_id: str) -> None: ...

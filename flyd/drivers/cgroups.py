@@ -1,4 +1,4 @@
-"""cgroup v1 limits for the process driver's machines: one memory, one cpu and one pids cgroup
+"""cgroup v1 limits for a driver's machines: one memory, one cpu and one pids cgroup
 per machine, under `<cgroup root>/<controller>/<prefix>/<machine id>`.
 
 This module probes whether the controllers are usable, sets a machine's cgroups up with its

@@ -1,4 +1,4 @@
-"""Machine output for the process driver: the `machine.log` in each run dir.
+"""Machine output: the `machine.log` in each run dir (both drivers).
 
 A machine's stdout and stderr go to one `machine.log` opened O_APPEND, so a machine never blocks
 on flyd. flyd bounds it by copy-truncate rotation, keeping a set number of older copies

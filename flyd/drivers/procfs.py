@@ -1,4 +1,4 @@
-"""Telling Linux processes apart for the process driver: /proc/<pid>/stat, the boot id, pidfds.
+"""Telling Linux processes apart for the drivers: /proc/<pid>/stat, the boot id, pidfds.
 
 A pid alone is not an identity, since pids are recycled; a `Handle`'s start time and boot id
 are checked against /proc after a pidfd pins the process, so a recycled pid or a reboot never

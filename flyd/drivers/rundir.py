@@ -1,5 +1,5 @@
-"""The process driver's run dirs: what it keeps on disk for each machine, so that a later flyd
-(after a crash or a restart) finds the machine's process again and learns how it ended.
+"""A driver's run dirs: what it keeps on disk for each machine, so that a later flyd (after a
+crash or a restart) finds the machine's process again and learns how it ended.
 
 Layout of `<run_root>/<machine_id>/`:
 
@@ -8,9 +8,13 @@ Layout of `<run_root>/<machine_id>/`:
 - `exit`: the driver's record of an exit the wrapper could not record
 - `oom.base`: the memory cgroup's counters when the run started, if that cgroup was not new
 - `machine.log[.N]`: the machine's output (`flyd.drivers.logs`)
+- OCI only: `config.json` (the bundle's runtime spec), `etc/` (its /etc files), `upper/` and
+  `work/` (its overlay's own layer), `rootfs/` (the overlay's mount point), `slot` (its uid
+  range and address)
 
 Entries of the run root whose names start with a dot are not machines' (`.spare/` holds the
-spare run dirs of `flyd.drivers.spares`).
+spare run dirs of `flyd.drivers.spares`; OCI: `.crun/` crun's state, `.netd.*` netd's socket,
+handle and log).
 """
 
 from __future__ import annotations
@@ -66,6 +70,17 @@ class RunDirs:
         if not run_dir.is_dir():
             raise NotFound(f"machine {machine_id} has no process state on this worker")
         return run_dir
+
+    def machines(self) -> list[str]:
+        """The machines that have a run dir."""
+        try:
+            return sorted(
+                entry.name
+                for entry in os.scandir(self.root)
+                if entry.is_dir(follow_symlinks=False) and not entry.name.startswith(".")
+            )
+        except FileNotFoundError:
+            return []
 
     def status_dir(self, machine_id: str) -> Path:
         """Where the machine's wrapper records its exit."""
@@ -149,12 +164,16 @@ class RunDirs:
 
 
 def kill_all(run_root: Path) -> int:
-    """SIGKILL every machine process tree recorded under a driver's run root.
+    """SIGKILL every machine recorded under a driver's run root, and its netd (OCI).
 
     For tearing down a whole worker (a local cluster, a test) when flyd can no longer be asked
-    to. Handles are checked against /proc, so a recycled pid is left alone. Returns how many
-    machines were killed.
+    to. Handles are checked against /proc, so a recycled pid is left alone: each wrapper's
+    process group, each container's init (its pid namespace dies with it), then netd (the
+    worker's network and held ports go with it). Returns how many machines were killed.
     """
+    from flyd.drivers.crun import CRUN_ROOT, delete_container
+    from flyd.drivers.netclient import kill_netd
+
     killed = 0
     boot_id = read_boot_id()
     for handle_file in run_root.glob("*/handle.json"):
@@ -168,6 +187,11 @@ def kill_all(run_root: Path) -> int:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(handle.pid, signal.SIGKILL)
             killed += 1
+    crun_root = run_root / CRUN_ROOT
+    if crun_root.is_dir():
+        for state in crun_root.iterdir():
+            delete_container(crun_root, state.name)
+    kill_netd(run_root)
     return killed
 
 

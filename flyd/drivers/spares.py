@@ -1,4 +1,4 @@
-"""The process driver's spares: run dirs and cgroups made ahead of need (see `Spares`)."""
+"""A driver's spares: run dirs and cgroups made ahead of need (see `Spares`)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,13 @@
-"""The `/bin/sh` wrapper every machine of the process driver runs under, and its records.
+"""The `/bin/sh` wrappers machines run under, and their records.
 
-The wrapper joins the machine's cgroups, `cd`s to the workdir, waits on the hold pipe until flyd
-releases it, runs the machine's argv in the foreground and, when it exits, writes the exit
-status to `status/exit` (through a rename where it can) before exiting with the same status. It
-traps the usual stop signals, only noting which arrived, so a signal sent to the process group
-reaches the machine while the wrapper survives to record the status. No Python process per
-machine: the wrapper costs a few hundred KiB of RSS.
+The process driver's wrapper joins the machine's cgroups, `cd`s to the workdir, waits on the
+hold pipe until flyd releases it, runs the machine's argv in the foreground and, when it exits,
+writes the exit status to `status/exit` (through a rename where it can) before exiting with the
+same status. It traps the usual stop signals, only noting which arrived, so a signal sent to the
+process group reaches the machine while the wrapper survives to record the status. The OCI
+driver's wrapper (`oci_wrapper_script`) mounts the machine's rootfs in its own mount namespace
+and runs `crun run` in the foreground instead, recording crun's status the same way. No Python
+process per machine: a wrapper costs a few hundred KiB of RSS.
 
 This module writes the script and reads exit records (the wrapper's, or the one the driver
 writes when the wrapper could not) and the wrapper's own wait status back as `ExitStatus`es.
@@ -27,6 +29,7 @@ __all__ = [
     "exit_record",
     "from_wait_status",
     "from_waitid",
+    "oci_wrapper_script",
     "read_exit_file",
     "wrapper_script",
 ]
@@ -64,6 +67,31 @@ def wrapper_script(
     not lost. Its one variable is unset first, so it is never exported to the machine.
     """
     q = shlex.quote
+    lines = _prelude(status_dir, cgroup_procs, mv)
+    lines.append(f"cd {q(str(cwd))} || __nonomad_exit {SETUP_FAILED_EXIT_CODE}")
+    # `cd` exported these; the machine gets exactly the environment flyd passed.
+    lines += [f"unset {name}" for name in ("PWD", "OLDPWD") if name not in env]
+    # Held until flyd has recorded the handle: EOF (flyd died first) means never run, and the
+    # exit file says so ("held"), so a later flyd knows this process ran nothing.
+    lines += [
+        f"IFS= read -r {WRAPPER_PREFIX}go || {{ __nonomad_record {_HELD}; "
+        f"exit {SETUP_FAILED_EXIT_CODE}; }}",
+        f"unset {WRAPPER_PREFIX}go",
+        "exec </dev/null",
+    ]
+    lines += [
+        f'[ -z "${{{_WRAPPER_VAR}-}}" ] || __nonomad_exit $((128 + {_WRAPPER_VAR}))',
+        'command "$@"',  # `command`: never our function, whatever argv[0] is
+        "__nonomad_exit $?",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _prelude(status_dir: Path, cgroup_procs: list[Path], mv: str) -> list[str]:
+    """Both wrappers' start: traps that only note a signal, the record and exit functions,
+    and joining the machine's cgroups.
+    """
+    q = shlex.quote
     tmp, final = q(str(status_dir / "exit.tmp")), q(str(status_dir / "exit"))
     lines = [f"unset {_WRAPPER_VAR}"]
     lines += [
@@ -82,21 +110,39 @@ def wrapper_script(
     lines += [
         f"echo $$ > {q(str(p))} || __nonomad_exit {SETUP_FAILED_EXIT_CODE}" for p in cgroup_procs
     ]
-    lines.append(f"cd {q(str(cwd))} || __nonomad_exit {SETUP_FAILED_EXIT_CODE}")
-    # `cd` exported these; the machine gets exactly the environment flyd passed.
-    lines += [f"unset {name}" for name in ("PWD", "OLDPWD") if name not in env]
-    # Held until flyd has recorded the handle: EOF (flyd died first) means never run, and the
-    # exit file says so ("held"), so a later flyd knows this process ran nothing.
+    return lines
+
+
+def oci_wrapper_script(
+    status_dir: Path,
+    mv: str,
+    *,
+    mounts: list[list[str]],
+    crun: list[str],
+    held_marker: Path,
+) -> str:
+    """The sh program an OCI machine runs under, in a mount namespace of its own.
+
+    It runs `mounts` (each an argv: unmounting what crun cannot
+    live with, binding the run dir where crun can reach it, mounting the machine's overlay),
+    runs `crun` in the foreground and records its status (crun passes the container's: a
+    code, or 128+signo). When the hold hook left `held_marker` the container never ran: it
+    records `held`. It keeps the descriptors flyd passed it (the overlay's lower layer, the
+    hold hook's pipes) open for its whole life.
+    """
+    q = shlex.quote
+    lines = _prelude(status_dir, [], mv)  # the container joins the machine's cgroups itself
     lines += [
-        f"IFS= read -r {WRAPPER_PREFIX}go || {{ __nonomad_record {_HELD}; "
-        f"exit {SETUP_FAILED_EXIT_CODE}; }}",
-        f"unset {WRAPPER_PREFIX}go",
-        "exec </dev/null",
+        f"{' '.join(q(a) for a in argv)} || __nonomad_exit {SETUP_FAILED_EXIT_CODE}"
+        for argv in mounts
     ]
     lines += [
-        f'[ -z "${{{_WRAPPER_VAR}-}}" ] || __nonomad_exit $((128 + {_WRAPPER_VAR}))',
-        'command "$@"',  # `command`: never our function, whatever argv[0] is
-        "__nonomad_exit $?",
+        f"{' '.join(q(a) for a in crun)} </dev/null",
+        "__nonomad_code=$?",
+        f"if [ -e {q(str(held_marker))} ]; then",
+        f"  rm -f {q(str(held_marker))}; __nonomad_record {_HELD}; exit {SETUP_FAILED_EXIT_CODE}",
+        "fi",
+        '__nonomad_exit "$__nonomad_code"',
     ]
     return "\n".join(lines) + "\n"
 

@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import IO, cast
 
 from flyd.errors import ImageError, InvalidArgument
+from flyd.images.base import read_base
 from flyd.images.oci import (
+    HOST_RUNTIME_LABEL,
     MEDIA_TYPE_CONFIG,
     MEDIA_TYPE_INDEX,
     MEDIA_TYPE_LAYER_GZIP,
@@ -72,21 +74,28 @@ def build_image(
     entrypoint: Sequence[str],
     cmd: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
-    workdir: str = "/",
+    workdir: str | None = None,
+    base: Path | None = None,
 ) -> str:
-    """Turn `src_dir` into a one-layer OCI image tagged `name:tag` under `source_root`.
+    """Turn `src_dir` into an OCI image tagged `name:tag` under `source_root`.
+
+    Without `base`, a one-layer image labelled as naming no base (a sandboxing driver lends
+    it the host's runtime directories). With one (see `flyd.images.base`), the directory's
+    layer goes on top of the base's layers, and the image inherits the base's run config
+    (Env, which `env` extends, User, WorkingDir unless `workdir` is given): it runs on its
+    own rootfs.
 
     The layout is `source_root/<name>` (a name's path components become nested directories);
     other tags already in it are kept and an earlier image with this tag is replaced. The
-    build is deterministic: the same tree and arguments always give the same digest (entries
-    sorted, owners and mtimes zeroed, no gzip timestamp). File modes and symlinks are kept.
-    Returns the manifest digest, `sha256:<hex>`.
+    build is deterministic: the same tree, base and arguments always give the same digest
+    (entries sorted, owners and mtimes zeroed, no gzip timestamp). File modes and symlinks
+    are kept. Returns the manifest digest, `sha256:<hex>`.
     """
     ref = f"{name}:{tag}"
     check_image_name(name, ref)
     check_image_tag(tag, ref)
     env = dict(env or {})
-    if not workdir.startswith("/"):
+    if workdir is not None and not workdir.startswith("/"):
         raise InvalidArgument("workdir", f"{workdir!r} is not an absolute path")
     for key in env:
         if not key or "=" in key:
@@ -100,25 +109,38 @@ def build_image(
     blobs.mkdir(parents=True, exist_ok=True)
     write_atomic(layout / "oci-layout", canonical_json({"imageLayoutVersion": "1.0.0"}))
 
+    below: list[tuple[Descriptor, str]] = []
+    run: dict[str, object] = {}
+    if base is not None:
+        found = read_base(base)
+        below = found.copy_layers(blobs)
+        run = {k: v for k, v in found.run_config.items() if k in _INHERITED}
+        inherited = run.get("Env")
+        if isinstance(inherited, list):
+            env = {**dict(e.partition("=")[::2] for e in inherited if isinstance(e, str)), **env}
+    else:
+        # No base: a sandboxing driver lends it the host's runtime directories.
+        run["Labels"] = {HOST_RUNTIME_LABEL: "true"}
     layer, diff_id = _write_layer(src_dir, blobs)
+    run.update(
+        Entrypoint=list(entrypoint),
+        Cmd=list(cmd),
+        # Sorted so that equal mappings give equal digests whatever their insertion order.
+        Env=[f"{k}={v}" for k, v in sorted(env.items())],
+        WorkingDir=workdir or str(run.get("WorkingDir") or "/"),
+    )
     config = {
         "architecture": _host_architecture(),
         "os": "linux",
-        "config": {
-            "Entrypoint": list(entrypoint),
-            "Cmd": list(cmd),
-            # Sorted so that equal mappings give equal digests whatever their insertion order.
-            "Env": [f"{k}={v}" for k, v in sorted(env.items())],
-            "WorkingDir": workdir,
-        },
-        "rootfs": {"type": "layers", "diff_ids": [diff_id]},
+        "config": run,
+        "rootfs": {"type": "layers", "diff_ids": [*(d for _, d in below), diff_id]},
     }
     config_desc = _write_blob(blobs, canonical_json(config), MEDIA_TYPE_CONFIG)
     manifest = {
         "schemaVersion": 2,
         "mediaType": MEDIA_TYPE_MANIFEST,
         "config": config_desc.to_json(),
-        "layers": [layer.to_json()],
+        "layers": [*(d.to_json() for d, _ in below), layer.to_json()],
     }
     manifest_desc = dataclasses.replace(
         _write_blob(blobs, canonical_json(manifest), MEDIA_TYPE_MANIFEST),
@@ -126,6 +148,10 @@ def build_image(
     )
     _add_to_index(layout, manifest_desc, tag)
     return manifest_desc.digest
+
+
+# What an image inherits from its base's run config (its command is the build's own).
+_INHERITED = ("Env", "User", "WorkingDir", "ExposedPorts", "StopSignal", "Labels")
 
 
 def _write_layer(src_dir: Path, blobs: Path) -> tuple[Descriptor, str]:

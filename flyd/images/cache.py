@@ -59,6 +59,8 @@ class Image:
     workdir: str
     size_bytes: int
     pulled: bool
+    user: str = ""
+    host_runtime: bool = False  # it names no base (see flyd.images.oci.HOST_RUNTIME_LABEL)
 
 
 @dataclass(frozen=True)
@@ -301,6 +303,8 @@ class ImageCache:
                 workdir=workdir,
                 size_bytes=size_bytes,
                 pulled=False,
+                user=config.user,
+                host_runtime=config.host_runtime,
             )
             _write_image_meta(scratch, image)
             try:
@@ -430,6 +434,8 @@ def _write_image_meta(directory: Path, image: Image) -> None:
         "env": image.env,
         "workdir": image.workdir,
         "size_bytes": image.size_bytes,
+        "user": image.user,
+        "host_runtime": image.host_runtime,
     }
     write_atomic(directory / "image.json", canonical_json(meta))
 
@@ -447,6 +453,8 @@ def _read_image_meta(directory: Path) -> Image | None:
             workdir=meta["workdir"],
             size_bytes=int(meta["size_bytes"]),
             pulled=False,
+            user=str(meta["user"]),
+            host_runtime=bool(meta["host_runtime"]),  # entries from before it: pulled again
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None

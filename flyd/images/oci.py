@@ -22,6 +22,7 @@ from flyd.errors import ImageError
 __all__ = [
     "DIGEST_RE",
     "GZIP_LAYER_TYPES",
+    "HOST_RUNTIME_LABEL",
     "INDEX_TYPES",
     "MANIFEST_TYPES",
     "MEDIA_TYPE_CONFIG",
@@ -103,6 +104,10 @@ class Descriptor:
         return obj
 
 
+# The label `nonomad image build` puts on an image built from a directory with no base.
+HOST_RUNTIME_LABEL = "dev.nonomad.host-runtime"
+
+
 @dataclass(frozen=True)
 class Manifest:
     """An image manifest: its config blob and its layers, lowest first."""
@@ -121,6 +126,8 @@ class ImageConfig:
     workdir: str
     diff_ids: tuple[str, ...]
     user: str = ""
+    # Built from a bare directory (no base): it needs the host's runtime to run anything.
+    host_runtime: bool = False
 
 
 def digest_hex(digest: str) -> str:
@@ -207,6 +214,9 @@ def parse_config(data: bytes, descriptor: Descriptor) -> ImageConfig:
     user = run.get("User") or ""
     if not isinstance(user, str):
         raise ImageError(f"{what}: User is not a string")
+    labels = run.get("Labels") or {}
+    if not isinstance(labels, dict):
+        raise ImageError(f"{what}: Labels is not a JSON object")
     return ImageConfig(
         entrypoint=_string_list(run.get("Entrypoint"), "Entrypoint"),
         cmd=_string_list(run.get("Cmd"), "Cmd"),
@@ -214,6 +224,7 @@ def parse_config(data: bytes, descriptor: Descriptor) -> ImageConfig:
         workdir=workdir,
         diff_ids=tuple(diff_ids),
         user=user,
+        host_runtime=labels.get(HOST_RUNTIME_LABEL) == "true",
     )
 
 

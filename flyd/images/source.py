@@ -33,7 +33,7 @@ from flyd.images.oci import (
 )
 from flyd.images.reference import ImageRef, parse_reference
 
-__all__ = ["CHUNK", "BlobReader", "ImageSource", "ResolvedImage"]
+__all__ = ["CHUNK", "BlobReader", "ImageSource", "ResolvedImage", "open_layout"]
 
 # index.json, manifests and configs are read whole into memory; registries cap manifests at
 # 4 MiB, and nothing legitimate comes close.
@@ -318,3 +318,30 @@ class ImageSource:
         raise ImageNotFound(
             f"image {ref.name!r} not found: no {directory} layout or {archive} in the source",
         )
+
+
+def open_layout(path: Path, tag: str | None) -> ResolvedImage:
+    """The image in the OCI layout at `path` (a directory, or a tar of one): the manifest
+    tagged `tag`; without one, the only manifest, or else the one tagged `latest`.
+    """
+    layout: _Layout = _DirLayout(path) if path.is_dir() else _TarLayout(path)
+    manifests = parse_index(layout.read_index(), f"{layout.description}/index.json")
+    tags = {m.annotations.get(REF_NAME_ANNOTATION): m for m in manifests}
+    wanted = tag if tag is not None else (None if len(manifests) == 1 else "latest")
+    manifest = manifests[0] if wanted is None and manifests else tags.get(wanted)
+    if manifest is None:
+        named = ", ".join(sorted(t for t in tags if t)) or "none"
+        raise ImageNotFound(f"{path}: no image tagged {wanted!r} (tags: {named})")
+    if manifest.media_type and manifest.media_type not in MANIFEST_TYPES:
+        raise ImageError(f"{path}: unsupported media type {manifest.media_type!r}")
+    name = path.name.removesuffix(".tar") or "base"
+    ref = parse_reference(
+        f"{_ref_name(name)}:{manifest.annotations.get(REF_NAME_ANNOTATION) or 'latest'}"
+    )
+    return ResolvedImage(ref=ref, manifest=manifest, source=layout.description, _layout=layout)
+
+
+def _ref_name(name: str) -> str:
+    """A file name as an image name (lowercase letters, digits, separators)."""
+    cleaned = "".join(c if c.isalnum() or c in "._-" else "-" for c in name.lower()).strip("._-")
+    return cleaned or "base"

@@ -232,7 +232,7 @@ async def test_a_failing_check_rolls_back_and_run_exits_1(
         assert report["ok"] is False
         assert report["failure"]["slot"] == "web-ams-1"
         assert report["failure"]["machine_id"] == first.id
-        assert report["failure"]["check"] == "admin"
+        assert report["failure"]["check"] == "admin", report["failure"]
         assert "connection refused" in report["failure"]["observed"]
         assert report["updated"] == [first.id]
         assert report["rolled_back"] == [first.id]

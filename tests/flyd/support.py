@@ -211,7 +211,7 @@ def boot(
     ports: range = PORTS,
     log_keep: int = 10_000,
     policy: fsm.Policy | None = None,
-    port_free: Callable[[str, int], bool] = lambda host, port: True,
+    busy_ports: Iterable[int] = (),
     op_tracer: OpTracer | None = None,
     identity: Identity | None = None,
     peers: SlotPeers | None = None,
@@ -220,6 +220,7 @@ def boot(
 ) -> Flyd:
     """A flyd on `host`, before recover(); worker w1 in ams unless `identity` says otherwise."""
     relay = _ExitRelay()
+    host.busy_ports.update(busy_ports)  # taken by programs that are not machines
     driver = FakeDriver(on_exit=relay, host=host)
     worker = Worker(
         identity=identity or Identity("w1", "ams", "127.0.0.1:1", {}, "boot"),
@@ -232,7 +233,6 @@ def boot(
         clock=clock,
         policy=policy or fsm.Policy(),
         log_keep=log_keep,
-        port_free=port_free,
         op_tracer=op_tracer,
         peers=peers,
         monotonic=monotonic or clock.now,

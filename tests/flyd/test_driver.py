@@ -1,210 +1,45 @@
-"""The process driver against real processes, and the fake driver's contract.
+"""The driver suite: every test runs against the process driver and the OCI driver alike.
 
-Nothing here sleeps to let time pass: tests wait on conditions (on_exit, a file appearing) with
-deadlines. cgroup tests skip, with the reason, where cgroup v1 controllers are not writable.
+Real processes and containers, a run root and cgroups of the test's own. Nothing here sleeps
+to let time pass: tests wait on conditions (on_exit, a line in the log, a file appearing) with
+deadlines. cgroup tests skip, with the reason, where cgroup v1 controllers are not writable;
+OCI runs skip where crun cannot run. What only one driver does is in test_driver_process.py
+and test_sandbox.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import errno
 import json
 import os
-import pwd
-import shutil
 import signal
-import sys
-import tempfile
-import time
+import socket
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
-import structlog
 
-from flyd.drivers.base import Driver, ExitStatus, Handle, Limits, ProcessSpec
-from flyd.drivers.process import ProcessDriver
+from flyd.drivers.base import ExitStatus, Handle, Limits, PortMapping
 from flyd.drivers.spares import SPARES
-from flyd.errors import CorruptLog, FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from flyd.fakes import FakeDriver, FakeHost, FakeScript
-from runtime.clock import ManualClock
-
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-CONTROLLERS = ("memory", "cpu", "pids")
-PATH = "/usr/local/bin:/usr/bin:/bin"
-DEADLINE = 10.0
-LIMITS = Limits(cpu_millicores=500, memory_mib=256, pids=256)
-
-
-def _cgroups_unavailable() -> str | None:
-    """Why cgroup v1 tests cannot run here, or None."""
-    probe = f"nonomad-probe-{uuid.uuid4().hex[:8]}"
-    for controller in CONTROLLERS:
-        path = CGROUP_ROOT / controller / probe
-        try:
-            path.mkdir()
-            path.rmdir()
-        except OSError as e:
-            return f"cgroup v1 {controller} controller not writable at {path.parent}: {e.strerror}"
-    return None
-
-
-CGROUPS_UNAVAILABLE = _cgroups_unavailable()
-
-
-def needs_cgroups(test: Callable[..., object]) -> Callable[..., object]:
-    skip = pytest.mark.skipif(CGROUPS_UNAVAILABLE is not None, reason=str(CGROUPS_UNAVAILABLE))
-    return pytest.mark.cgroups(skip(test))
-
-
-class Exits:
-    """Collects on_exit calls; `wait` returns a machine's next one."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, ExitStatus]] = []
-        self._changed = asyncio.Event()
-
-    def __call__(self, machine_id: str, handle: Handle, status: ExitStatus) -> None:
-        self.calls.append((machine_id, status))
-        self._changed.set()
-
-    def of(self, machine_id: str) -> list[ExitStatus]:
-        return [status for mid, status in self.calls if mid == machine_id]
-
-    async def wait(self, machine_id: str, count: int = 1) -> ExitStatus:
-        async def reached() -> None:
-            while len(self.of(machine_id)) < count:
-                self._changed.clear()
-                await self._changed.wait()
-
-        await asyncio.wait_for(reached(), DEADLINE)
-        return self.of(machine_id)[count - 1]
-
-
-async def run_machine(driver: Driver, process: ProcessSpec) -> Handle:
-    """Start and release: the machine runs its command."""
-    handle = await driver.start(process)
-    driver.release(process.machine_id)
-    return handle
-
-
-async def wait_until(condition: Callable[[], bool], what: str) -> None:
-    """Poll a condition until a deadline (for effects no callback announces)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + DEADLINE
-    while not condition():
-        if loop.time() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        await asyncio.sleep(0.005)
-
-
-async def open_writer(fifo: Path) -> int:
-    """Open a FIFO for writing once the machine has opened it for reading."""
-    while True:
-        try:
-            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-        except OSError as e:
-            if e.errno != errno.ENXIO:  # ENXIO: no reader yet
-                raise
-        await asyncio.sleep(0.005)
-
-
-def file_sizes(log: Path) -> list[int | None]:
-    """Sizes of machine.log, .1, .2, .3 (None: absent)."""
-    paths = [log, *(Path(f"{log}.{k}") for k in (1, 2, 3))]
-    return [p.stat().st_size if p.exists() else None for p in paths]
-
-
-def gone(pid: int) -> bool:
-    """The process no longer runs (or is a zombie nobody reaped yet)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except FileNotFoundError:
-        return True
-    return stat[stat.rindex(b")") + 2 :].startswith(b"Z")
-
-
-def spec(machine_id: str, argv: list[str], cwd: Path, /, **changes: object) -> ProcessSpec:
-    base = ProcessSpec(machine_id=machine_id, argv=argv, cwd=cwd, env={"PATH": PATH}, limits=LIMITS)
-    return dataclasses.replace(base, **changes)
-
-
-def sh(script: str) -> list[str]:
-    return ["sh", "-c", script]
-
-
-@pytest.fixture
-def prefix() -> Iterator[str]:
-    """A cgroup prefix of this test's own, removed with everything in it afterwards."""
-    name = f"nonomad-test-{uuid.uuid4().hex[:12]}"
-    yield name
-    for controller in CONTROLLERS:
-        parent = CGROUP_ROOT / controller / name
-        if parent.is_dir():
-            for cg in [p for p in parent.iterdir() if p.is_dir()] + [parent]:
-                _remove_cgroup(cg)
-
-
-def _remove_cgroup(cg: Path) -> None:
-    for _ in range(200):
-        with contextlib.suppress(OSError):
-            for pid in (cg / "cgroup.procs").read_text().split():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(pid), signal.SIGKILL)
-        try:
-            cg.rmdir()
-            return
-        except FileNotFoundError:
-            return
-        except OSError as e:
-            if e.errno != errno.EBUSY:
-                raise
-        time.sleep(0.01)  # killed processes take a moment to leave
-    raise AssertionError(f"cgroup {cg} stays busy")
-
-
-@pytest.fixture
-def run_root(tmp_path: Path) -> Path:
-    return tmp_path / "run"
-
-
-@pytest.fixture
-async def make_driver(run_root: Path, prefix: str) -> AsyncIterator[Callable[..., ProcessDriver]]:
-    """Makes drivers on one run root; afterwards kills and reaps any machine left running."""
-    drivers: list[ProcessDriver] = []
-
-    def make(on_exit: Callable[[str, Handle, ExitStatus], None], **kwargs: object) -> ProcessDriver:
-        options: dict[str, object] = {"cgroup_prefix": prefix, **kwargs}
-        driver = ProcessDriver(run_root, on_exit=on_exit, **options)  # type: ignore[arg-type]
-        drivers.append(driver)
-        return driver
-
-    yield make
-    for driver in drivers:
-        await driver.close()
-    _kill_and_reap(run_root)
-
-
-def _kill_and_reap(run_root: Path) -> None:
-    # Wrappers are this process's children (a real flyd restart leaves them to init): reap
-    # them, or their zombies would keep their cgroups busy.
-    for handle_file in run_root.glob("*/handle.json"):
-        handle = Handle.from_dict(json.loads(handle_file.read_text()))
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(handle.pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(handle.pid, 0)
-
-
-@pytest.fixture
-def workdir(tmp_path: Path) -> Path:
-    path = tmp_path / "work"
-    path.mkdir()
-    return path
-
+from flyd.errors import CorruptLog, FailedPrecondition, InvalidArgument, NotFound
+from tests.flyd.driver_support import (
+    CGROUP_ROOT,
+    CONTROLLERS,
+    DEADLINE,
+    PATH,
+    Exits,
+    cgroup_pids,
+    gone,
+    logged,
+    machine_file,
+    needs_cgroups,
+    pids_running,
+    run_machine,
+    sh,
+    spec,
+    wait_until,
+)
 
 # -- values ------------------------------------------------------------------------------------
 
@@ -237,10 +72,10 @@ def test_handle_round_trips_and_rejects_garbage() -> None:
 # -- running and exiting -----------------------------------------------------------------------
 
 
-async def test_exit_code_and_output_are_reported(make_driver, workdir: Path) -> None:
+async def test_exit_code_and_output_are_reported(make_driver, image: Path) -> None:
     exits = Exits()
     driver = make_driver(exits)
-    await run_machine(driver, spec("m1", sh("echo hi; echo oops >&2; exit 3"), workdir))
+    await run_machine(driver, spec("m1", sh("echo hi; echo oops >&2; exit 3"), image))
 
     status = await exits.wait("m1")
 
@@ -252,27 +87,35 @@ async def test_exit_code_and_output_are_reported(make_driver, workdir: Path) -> 
     assert exits.of("m1") == [status]  # exactly once
 
 
-async def test_env_and_cwd_are_passed_exactly(make_driver, workdir: Path) -> None:
+async def test_env_workdir_and_port_are_passed_exactly(make_driver, image: Path) -> None:
     exits = Exits()
     driver = make_driver(exits)
+    (image / "srv").mkdir()
     env = {"PATH": PATH, "GREETING": "hello world"}
-    await run_machine(driver, spec("m1", ["env"], workdir, env=env))
+    port = PortMapping(host_port=21999, internal_port=8080)
+    await run_machine(driver, spec("m1", ["env"], image, env=env, ports=(port,)))
     await exits.wait("m1")
-    assert sorted(driver.read_logs("m1", 10)) == sorted(f"{k}={v}" for k, v in env.items())
+    # The port a service listens on: the host's own, or its own port in its own namespace.
+    listen = "8080" if driver.name == "oci" else "21999"
+    expected = {**env, "PORT": listen, "PORT_8080": listen}
+    if driver.name == "oci":
+        expected["HOME"] = "/root"  # crun's, as any OCI runtime's, when the image sets none
+    assert sorted(driver.read_logs("m1", 10)) == sorted(f"{k}={v}" for k, v in expected.items())
 
-    await run_machine(driver, spec("m1", sh("pwd"), workdir))
+    await run_machine(driver, spec("m1", sh("pwd"), image, workdir="/srv"))
     await exits.wait("m1", count=2)
-    assert driver.read_logs("m1", 1) == [str(workdir)]
+    inside = "/srv" if driver.name == "oci" else str(image / "srv")
+    assert driver.read_logs("m1", 1) == [inside]
 
 
-async def test_machine_sees_default_signal_dispositions(make_driver, workdir: Path) -> None:
+async def test_machine_sees_default_signal_dispositions(make_driver, image: Path) -> None:
     exits = Exits()
     driver = make_driver(exits)
-    await run_machine(driver, spec("m1", ["cat", "/proc/self/status"], workdir))
+    await run_machine(driver, spec("m1", ["cat", "/proc/self/status"], image))
     await exits.wait("m1")
     fields = dict(line.split(":\t", 1) for line in driver.read_logs("m1", 100) if ":\t" in line)
     # The wrapper's traps must not leak as ignored or caught signals. What this test process
-    # itself ignores (some libraries ignore glibc-reserved signals) is inherited by design;
+    # itself ignores (some libraries ignore glibc-reserved signals) may be inherited;
     # Python's own SIGPIPE and SIGXFSZ ignores are restored by subprocess.
     ours = dict(
         line.split(":\t", 1)
@@ -280,7 +123,7 @@ async def test_machine_sees_default_signal_dispositions(make_driver, workdir: Pa
         if ":\t" in line
     )
     restored = (1 << (signal.SIGPIPE - 1)) | (1 << (signal.SIGXFSZ - 1))
-    assert int(fields["SigIgn"], 16) == int(ours["SigIgn"], 16) & ~restored
+    assert int(fields["SigIgn"], 16) & ~(int(ours["SigIgn"], 16) & ~restored) == 0
     assert int(fields["SigCgt"], 16) == 0
 
 
@@ -297,18 +140,19 @@ def spares(run_root: Path, prefix: str) -> tuple[int, list[int]]:
     return dirs, cgroups
 
 
+@needs_cgroups
 async def test_first_starts_take_run_dirs_and_cgroups_made_ahead(
-    make_driver, run_root: Path, prefix: str, workdir: Path
+    make_driver, run_root: Path, prefix: str, image: Path
 ) -> None:
     exits = Exits()
     driver = make_driver(exits)
-    await run_machine(driver, spec("m1", ["sleep", "1000"], workdir))  # none are ready yet
+    await run_machine(driver, spec("m1", ["sleep", "1000"], image))  # none are ready yet
     full = (SPARES, [SPARES] * len(CONTROLLERS))
     await wait_until(lambda: spares(run_root, prefix) == full, "the spares to be made")
 
-    await run_machine(driver, spec("m2", sh("echo hi; sleep 1000"), workdir))
+    await run_machine(driver, spec("m2", sh("echo hi; sleep 1000"), image))
     assert (run_root / "m2" / "status").is_dir()
-    await wait_until(lambda: driver.read_logs("m2", 1) == ["hi"], "m2 to run")
+    await logged(driver, "m2", "hi")
     for controller in CONTROLLERS:
         procs = (CGROUP_ROOT / controller / prefix / "m2" / "cgroup.procs").read_text().split()
         assert procs  # the wrapper joined the cgroups it was given
@@ -320,19 +164,20 @@ async def test_first_starts_take_run_dirs_and_cgroups_made_ahead(
     assert spares(run_root, prefix) == (0, [0] * len(CONTROLLERS))
 
 
+@needs_cgroups
 async def test_a_new_driver_replaces_the_spares_a_dead_one_left(
-    make_driver, run_root: Path, prefix: str, workdir: Path
+    make_driver, run_root: Path, prefix: str, image: Path
 ) -> None:
     exits = Exits()
     first = make_driver(exits)
-    await run_machine(first, spec("m1", ["sleep", "1000"], workdir))
+    await run_machine(first, spec("m1", ["sleep", "1000"], image))
     full = (SPARES, [SPARES] * len(CONTROLLERS))
     await wait_until(lambda: spares(run_root, prefix) == full, "the spares to be made")
     left = set((run_root / ".spare").iterdir())
     await first.stop("m1", signal.SIGKILL, timeout=1)
     # flyd dies (its driver never closes); the next one makes its own spares at its first start
     second = make_driver(exits)
-    await run_machine(second, spec("m2", ["sleep", "1000"], workdir))
+    await run_machine(second, spec("m2", ["sleep", "1000"], image))
     # The dead driver's spares are swept in the new one's worker thread, its own made there too.
     await wait_until(
         lambda: spares(run_root, prefix) == full and not left & set(spare_dirs(run_root)),
@@ -341,38 +186,30 @@ async def test_a_new_driver_replaces_the_spares_a_dead_one_left(
     await second.stop("m2", signal.SIGKILL, timeout=1)
 
 
-async def test_a_discarded_start_never_runs_and_says_so(make_driver, workdir: Path) -> None:
+async def test_a_discarded_start_never_runs_and_says_so(make_driver, image: Path) -> None:
     exits = Exits()
     driver = make_driver(exits)
-    marker = workdir / "ran"
-    await driver.start(spec("m1", sh(f"touch {marker}; sleep 1000"), workdir))
+    await driver.start(spec("m1", sh("touch ran; sleep 1000"), image))
     driver.discard("m1")  # flyd could not record the handle
     status = await exits.wait("m1")
     assert (status.released, status.describe()) == (False, "ended before it was released")
-    assert not marker.exists()
+    assert not machine_file(driver, "m1", "ran").exists()
     driver.release("m1")  # too late: a no-op
     assert not driver.is_running("m1")
 
 
-async def test_start_holds_the_process_until_released(make_driver, workdir: Path) -> None:
+async def test_start_holds_the_machine_until_released(make_driver, image: Path) -> None:
     exits = Exits()
     first = make_driver(exits)
-    marker = workdir / "ran"
-    machine = spec("m1", sh(f"touch {marker}; sleep 1000"), workdir)
+    machine = spec("m1", sh("touch ran; sleep 1000"), image)
     handle = await first.start(machine)
     assert await first.start(machine) == handle  # the same process while watched
-    assert not marker.exists()  # held: it has run nothing yet
+    assert not machine_file(first, "m1", "ran").exists()  # held: it has run nothing yet
 
-    # flyd dies before releasing: the held process sees EOF and exits without running.
+    # flyd dies before releasing: the held machine exits without running anything.
     await first.close()
-    await wait_until(
-        lambda: (
-            not Path(f"/proc/{handle.pid}").exists()
-            or Path(f"/proc/{handle.pid}/stat").read_text().split()[2] == "Z"
-        ),
-        "the held process to exit",
-    )
-    assert not marker.exists()
+    await wait_until(lambda: gone(handle.pid), "the held machine to end")
+    assert not machine_file(first, "m1", "ran").exists()
 
     second = make_driver(exits)
     # Its exit file says it was never released, so a later flyd does not count it as run.
@@ -380,7 +217,7 @@ async def test_start_holds_the_process_until_released(make_driver, workdir: Path
     new = await second.start(machine)
     assert new != handle
     second.release("m1")
-    await wait_until(marker.exists, "the released machine to run")
+    await wait_until(machine_file(second, "m1", "ran").exists, "the released machine to run")
     await second.stop("m1", signal.SIGKILL, timeout=1)
 
 
@@ -388,21 +225,22 @@ async def test_start_holds_the_process_until_released(make_driver, workdir: Path
     ("changes", "field"),
     [
         ({"argv": []}, "argv"),
-        ({"cwd": Path("relative")}, "cwd"),
-        ({"cwd": Path("/nonexistent/dir")}, "cwd"),
+        ({"rootfs": Path("relative")}, "rootfs"),
+        ({"rootfs": Path("/nonexistent/dir")}, "rootfs"),
+        ({"workdir": "relative"}, "workdir"),
         ({"machine_id": "../escape"}, "machine_id"),
         ({"limits": Limits(cpu_millicores=0, memory_mib=64)}, "limits.cpu_millicores"),
         ({"env": {"A=B": "c"}}, "env"),
     ],
 )
-async def test_start_rejects_bad_specs(make_driver, workdir: Path, changes, field) -> None:
+async def test_start_rejects_bad_specs(make_driver, image: Path, changes, field) -> None:
     driver = make_driver(Exits())
     with pytest.raises(InvalidArgument) as raised:
-        await run_machine(driver, spec("m1", ["true"], workdir, **changes))
+        await run_machine(driver, spec("m1", ["true"], image, **changes))
     assert raised.value.field == field
 
 
-async def test_operations_on_a_machine_without_process_say_why(make_driver, workdir) -> None:
+async def test_operations_on_a_machine_without_process_say_why(make_driver, image) -> None:
     driver = make_driver(Exits())
     with pytest.raises(FailedPrecondition):
         await driver.stop("never", signal.SIGTERM, timeout=1)
@@ -415,53 +253,49 @@ async def test_operations_on_a_machine_without_process_say_why(make_driver, work
 # -- stopping and signals ----------------------------------------------------------------------
 
 
-async def test_stop_with_a_signal_the_machine_dies_of(make_driver, workdir: Path) -> None:
+async def test_stop_with_a_signal_the_machine_dies_of(make_driver, image: Path) -> None:
     exits = Exits()
     driver = make_driver(exits)
-    await run_machine(driver, spec("m1", ["sleep", "1000"], workdir))
+    await run_machine(driver, spec("m1", ["sleep", "1000"], image))
 
     status = await driver.stop("m1", signal.SIGTERM, timeout=DEADLINE)
 
-    # The wrapper survived the group-wide SIGTERM and recorded how its child died.
+    # The wrapper survived the SIGTERM and recorded how the machine died.
     assert status == ExitStatus(exit_code=None, signal=signal.SIGTERM)
     assert driver.last_exit("m1") == status
     assert exits.of("m1") == [status]
 
 
-async def test_stop_right_after_start_is_not_lost(make_driver, workdir: Path) -> None:
+async def test_stop_right_after_start_is_not_lost(make_driver, image: Path) -> None:
     driver = make_driver(Exits())
-    for _ in range(20):  # the wrapper may still be setting up, or forking the machine
-        await run_machine(driver, spec("m1", ["sleep", "1000"], workdir))
+    for _ in range(5):  # the wrapper may still be setting up, or starting the machine
+        await run_machine(driver, spec("m1", ["sleep", "1000"], image))
         status = await driver.stop("m1", signal.SIGTERM, timeout=DEADLINE)
         assert status == ExitStatus(exit_code=None, signal=signal.SIGTERM)
 
 
-async def test_stop_with_a_signal_the_machine_handles(make_driver, workdir: Path) -> None:
-    exits = Exits()
-    driver = make_driver(exits)
-    ready = workdir / "ready"
+async def test_stop_with_a_signal_the_machine_handles(make_driver, image: Path) -> None:
+    driver = make_driver(Exits())
     await run_machine(
-        driver, spec("m1", sh(f"trap 'exit 0' TERM; touch {ready}; sleep 1000 & wait"), workdir)
+        driver, spec("m1", sh("trap 'exit 0' TERM; echo ready; sleep 1000 & wait"), image)
     )
-    await wait_until(ready.exists, "the trap to be set")
+    await logged(driver, "m1", "ready")
 
     assert await driver.stop("m1", signal.SIGTERM, timeout=DEADLINE) == ExitStatus(0, None)
 
 
-async def test_stop_escalates_to_sigkill_for_the_whole_tree(make_driver, workdir: Path) -> None:
+@needs_cgroups
+async def test_stop_escalates_to_sigkill_for_the_whole_tree(
+    make_driver, image: Path, prefix: str
+) -> None:
     exits = Exits()
     driver = make_driver(exits)
-    pids, ready = workdir / "pids", workdir / "ready"
-    # The machine and its children ignore SIGTERM; one grandchild even leaves the process
-    # group, which only the cgroup still holds.
-    escapee = "setsid sleep 1000 & echo $! >> pids;" if driver.limits_enforced else ""
-    script = (
-        f"trap '' TERM; sleep 1000 & echo $! >> pids; {escapee} echo $$ >> pids; touch ready; wait"
-    )
-    handle = await run_machine(driver, spec("m1", sh(script), workdir))
-    await wait_until(ready.exists, "the machine to start its children")
-    tree = [handle.pid, *(int(p) for p in pids.read_text().split())]
-    assert not any(gone(pid) for pid in tree)
+    # The machine and its children ignore SIGTERM; one grandchild even leaves the session.
+    script = "trap '' TERM; sleep 1000 & setsid sleep 1000 & echo ready; wait"
+    await run_machine(driver, spec("m1", sh(script), image))
+    await logged(driver, "m1", "ready")
+    await wait_until(lambda: len(cgroup_pids(prefix, "m1")) >= 4, "the children to start")
+    tree = cgroup_pids(prefix, "m1")
 
     status = await driver.stop("m1", signal.SIGTERM, timeout=0.2)
 
@@ -470,27 +304,26 @@ async def test_stop_escalates_to_sigkill_for_the_whole_tree(make_driver, workdir
     assert exits.of("m1") == [status]
 
 
-async def test_signal_reaches_the_main_process(make_driver, workdir: Path) -> None:
+async def test_signal_reaches_the_main_process(make_driver, image: Path) -> None:
     exits = Exits()
     driver = make_driver(exits)
-    got, ready = workdir / "got", workdir / "ready"
-    script = f"trap 'echo usr1 > {got}; exit 0' USR1; touch {ready}; sleep 1000 & wait"
-    await run_machine(driver, spec("m1", sh(script), workdir))
-    await wait_until(ready.exists, "the trap to be set")
+    script = "trap 'echo got usr1; exit 0' USR1; echo ready; sleep 1000 & wait"
+    await run_machine(driver, spec("m1", sh(script), image))
+    await logged(driver, "m1", "ready")
 
     await driver.signal("m1", signal.SIGUSR1)
 
     assert await exits.wait("m1") == ExitStatus(exit_code=0, signal=None)
-    assert got.read_text() == "usr1\n"
+    assert driver.read_logs("m1", 1) == ["got usr1"]
 
 
 # -- flyd restarts -----------------------------------------------------------------------------
 
 
-async def test_reattach_after_flyd_restart(make_driver, workdir: Path) -> None:
+async def test_reattach_after_flyd_restart(make_driver, image: Path) -> None:
     old_exits, exits = Exits(), Exits()
     old = make_driver(old_exits)
-    handle = await run_machine(old, spec("m1", ["sleep", "1000"], workdir))
+    handle = await run_machine(old, spec("m1", ["sleep", "1000"], image))
     await old.close()  # flyd goes away; the machine does not
     assert not gone(handle.pid)
 
@@ -504,21 +337,20 @@ async def test_reattach_after_flyd_restart(make_driver, workdir: Path) -> None:
     assert old_exits.calls == []
 
 
-async def test_exit_while_flyd_is_down_is_reported_on_attach(make_driver, workdir) -> None:
+async def test_exit_while_flyd_is_down_is_reported_on_attach(make_driver, image) -> None:
     old = make_driver(Exits())
-    fifo = workdir / "fifo"
-    os.mkfifo(fifo)
-    handle = await run_machine(old, spec("m1", sh("read code < fifo; exit $code"), workdir))
+    token = f"marker-{uuid.uuid4().hex[:8]}"
+    script = f"trap 'exit 7' USR1; echo ready; sleep 1000 & wait # {token}"
+    handle = await run_machine(old, spec("m1", sh(script), image))
+    await logged(old, "m1", "ready")
     await old.close()
 
     # The machine exits with 7 while no driver watches it.
-    fd = await asyncio.wait_for(open_writer(fifo), DEADLINE)
-    os.write(fd, b"7\n")
-    os.close(fd)
-    exit_file = old._run_dirs.root / "m1" / "status" / "exit"
-    await wait_until(exit_file.exists, "the machine to exit")
-    # The wrapper writes the exit file, then exits: wait for that too (it is our zombie).
-    await wait_until(lambda: gone(handle.pid), "the wrapper to exit")
+    shells = {pid for pid in pids_running(token) if comm(pid) == "sh" and pid != handle.pid}
+    # Not a child of another (a fork of it that has not exec'd `sleep` yet).
+    (main,) = [pid for pid in shells if ppid(pid) not in shells]
+    os.kill(main, signal.SIGUSR1)
+    await wait_until(lambda: gone(handle.pid), "the machine to exit")
 
     exits = Exits()
     new = make_driver(exits)
@@ -529,9 +361,9 @@ async def test_exit_while_flyd_is_down_is_reported_on_attach(make_driver, workdi
     assert len(exits.of("m1")) == 1  # reported once, however often flyd asks
 
 
-async def test_recycled_pid_is_not_mistaken_for_the_machine(make_driver, workdir) -> None:
+async def test_recycled_pid_is_not_mistaken_for_the_machine(make_driver, image) -> None:
     old = make_driver(Exits())
-    handle = await run_machine(old, spec("m1", ["sleep", "1000"], workdir))
+    handle = await run_machine(old, spec("m1", ["sleep", "1000"], image))
     await old.close()
 
     exits = Exits()
@@ -547,12 +379,12 @@ async def test_recycled_pid_is_not_mistaken_for_the_machine(make_driver, workdir
 
 
 @needs_cgroups
-async def test_memory_limit_oom_kills(make_driver, workdir: Path) -> None:
+async def test_memory_limit_oom_kills(make_driver, image: Path) -> None:
     exits = Exits()
     driver = make_driver(exits)
     assert driver.limits_enforced
-    hog = [sys.executable, "-c", "b = b'x' * (200 << 20)"]
-    await run_machine(driver, spec("m1", hog, workdir, limits=Limits(500, memory_mib=64)))
+    hog = ["python3", "-c", "b = b'x' * (200 << 20)"]
+    await run_machine(driver, spec("m1", hog, image, limits=Limits(500, memory_mib=64)))
 
     status = await exits.wait("m1")
 
@@ -561,41 +393,42 @@ async def test_memory_limit_oom_kills(make_driver, workdir: Path) -> None:
     assert driver.last_exit("m1") == status
 
 
+FORKER = """\
+import os, signal
+n = 0
+for _ in range(100):
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        signal.pause()
+        os._exit(0)
+    n += 1
+print('forked', n, flush=True)
+"""
+
+
 @needs_cgroups
-async def test_pids_limit_and_leftovers_killed_on_exit(make_driver, workdir, prefix) -> None:
+async def test_pids_limit_and_leftovers_killed_on_exit(make_driver, image, prefix) -> None:
     exits = Exits()
     driver = make_driver(exits)
-    forker = (
-        "import os, signal\n"
-        "n = 0\n"
-        "for _ in range(20):\n"
-        "    try:\n"
-        "        pid = os.fork()\n"
-        "    except OSError:\n"
-        "        break\n"
-        "    if pid == 0:\n"
-        "        signal.pause()\n"
-        "    n += 1\n"
-        "print('forked', n)\n"
-    )
-    await run_machine(
-        driver, spec("m1", [sys.executable, "-c", forker], workdir, limits=Limits(500, 256, pids=5))
-    )
+    limits = Limits(500, 256, pids=12)
+    await run_machine(driver, spec("m1", ["python3", "-c", FORKER], image, limits=limits))
 
     assert await exits.wait("m1") == ExitStatus(exit_code=0, signal=None)
-    # 5 pids: the wrapper, python, and 3 children.
-    assert driver.read_logs("m1", 1) == ["forked 3"]
+    # 12 pids for everything: the wrapper (and crun and the init) count, python forks the rest.
+    (line,) = driver.read_logs("m1", 1)
+    assert line.startswith("forked ")
+    assert 0 < int(line.split()[1]) < 12
     # The children outlived the machine's main process; the driver killed them.
-    procs = CGROUP_ROOT / "pids" / prefix / "m1" / "cgroup.procs"
-    await wait_until(lambda: procs.read_text() == "", "the leftover children to be killed")
+    await wait_until(lambda: cgroup_pids(prefix, "m1") == [], "the leftover children to die")
 
 
 @needs_cgroups
-async def test_cpu_and_memory_limits_are_written(make_driver, workdir: Path, prefix) -> None:
+async def test_cpu_and_memory_limits_are_written(make_driver, image: Path, prefix) -> None:
     driver = make_driver(Exits())
-    await run_machine(
-        driver, spec("m1", ["sleep", "1000"], workdir, limits=Limits(250, 96, pids=10))
-    )
+    await run_machine(driver, spec("m1", ["sleep", "1000"], image, limits=Limits(250, 96, pids=10)))
     cg = {c: CGROUP_ROOT / c / prefix / "m1" for c in CONTROLLERS}
     assert (cg["cpu"] / "cpu.cfs_quota_us").read_text() == "25000\n"
     assert (cg["cpu"] / "cpu.cfs_period_us").read_text() == "100000\n"
@@ -608,47 +441,25 @@ async def test_cpu_and_memory_limits_are_written(make_driver, workdir: Path, pre
     assert not (driver._run_dirs.root / "m1").exists()
 
 
-async def test_without_cgroups_machines_run_with_one_warning(run_root, workdir, tmp_path) -> None:
-    exits = Exits()
-    with structlog.testing.capture_logs() as logs:
-        driver = ProcessDriver(run_root, on_exit=exits, cgroup_root=tmp_path / "no-cgroups")
-    try:
-        assert driver.limits_enforced is False
-        warnings = [e for e in logs if e["log_level"] == "warning"]
-        assert len(warnings) == 1
-        assert warnings[0]["event"] == "cgroup_limits_not_enforced"
-        assert "no cgroup v1 memory controller" in warnings[0]["reason"]
-        await run_machine(driver, spec("m1", sh("exit 0"), workdir))
-        assert await exits.wait("m1") == ExitStatus(0, None)
-    finally:
-        await driver.close()
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="running machines as another user needs root")
-async def test_run_as_unprivileged_user(prefix: str) -> None:
-    try:
-        nobody = pwd.getpwnam("nobody")
-    except KeyError:
-        pytest.skip("no user named nobody")
-    base = Path(tempfile.mkdtemp(prefix="nonomad-test-"))  # pytest's tmp dirs are 0700
-    os.chmod(base, 0o711)
-    exits = Exits()
-    driver = ProcessDriver(base / "run", on_exit=exits, cgroup_prefix=prefix, run_as="nobody")
-    try:
-        await run_machine(driver, spec("m1", sh("id -u; id -G"), base))
-        status = await exits.wait("m1")
-        logs = driver.read_logs("m1", 10)
-        assert status == ExitStatus(0, None), logs  # 125: it could not join its cgroups
-        assert logs == [str(nobody.pw_uid), str(nobody.pw_gid)]  # none of flyd's groups
-    finally:
-        await driver.close()
-        shutil.rmtree(base)
-
-
 # -- logs --------------------------------------------------------------------------------------
 
 
-async def test_log_rotation_keeps_files_bounded(make_driver, workdir: Path) -> None:
+def comm(pid: int) -> str:
+    return Path(f"/proc/{pid}/comm").read_text().strip()
+
+
+def ppid(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
+
+
+def file_sizes(log: Path) -> list[int | None]:
+    """Sizes of machine.log, .1, .2, .3 (None: absent)."""
+    paths = [log, *(Path(f"{log}.{k}") for k in (1, 2, 3))]
+    return [p.stat().st_size if p.exists() else None for p in paths]
+
+
+async def test_log_rotation_keeps_files_bounded(make_driver, image: Path) -> None:
     exits = Exits()
     driver = make_driver(exits, max_log_bytes=1000, log_backups=2)
     log = driver._run_dirs.root / "m1" / "machine.log"
@@ -657,7 +468,7 @@ async def test_log_rotation_keeps_files_bounded(make_driver, workdir: Path) -> N
         script = (
             f'i=0; while [ $i -lt 30 ]; do printf "run{run}-%02d-%090d\\n" $i 0; i=$((i+1)); done'
         )
-        await run_machine(driver, spec("m1", sh(script), workdir))
+        await run_machine(driver, spec("m1", sh(script), image))
         await exits.wait("m1", count=run + 1)
         driver.rotate_logs()
 
@@ -675,31 +486,32 @@ async def test_log_rotation_keeps_files_bounded(make_driver, workdir: Path) -> N
     ]
 
 
-async def test_follow_logs_yields_new_lines_across_rotation(make_driver, workdir: Path) -> None:
+async def test_follow_logs_yields_new_lines_across_rotation(make_driver, image: Path) -> None:
     exits = Exits()
     driver = make_driver(exits, max_log_bytes=4, log_backups=1)
-    fifo = workdir / "fifo"
-    os.mkfifo(fifo)
-    await run_machine(driver, spec("m1", ["cat", str(fifo)], workdir))
+    # Each USR1 prints the next word; USR2 ends it.
+    script = (
+        "n=0; trap 'n=$((n+1)); set -- one two three; eval echo \\${$n}' USR1; "
+        "trap 'exit 0' USR2; echo ready; while :; do sleep 1000 & wait; done"
+    )
+    await run_machine(driver, spec("m1", sh(script), image))
+    await logged(driver, "m1", "ready")
     shutdown = asyncio.Event()
     lines = driver.follow_logs("m1", shutdown=shutdown, poll_interval=0.005)
     log = driver._run_dirs.root / "m1" / "machine.log"
 
-    fd = await asyncio.wait_for(open_writer(fifo), DEADLINE)
-    try:
-        os.write(fd, b"one\n")
-        assert await asyncio.wait_for(anext(lines), DEADLINE) == "one"
+    await driver.signal("m1", signal.SIGUSR1)
+    assert await asyncio.wait_for(anext(lines), DEADLINE) == "one"
 
-        # The follower is not polling while "two" is written and the log rotated under it.
-        os.write(fd, b"two\n")
-        await wait_until(lambda: log.stat().st_size == 8, "cat to copy the line")
-        driver.rotate_logs()
-        assert log.stat().st_size == 0
-        os.write(fd, b"three\n")
-        assert await asyncio.wait_for(anext(lines), DEADLINE) == "two"
-        assert await asyncio.wait_for(anext(lines), DEADLINE) == "three"
-    finally:
-        os.close(fd)
+    # The follower is not polling while "two" is written and the log rotated under it.
+    await driver.signal("m1", signal.SIGUSR1)
+    await logged(driver, "m1", "two")
+    driver.rotate_logs()
+    assert log.stat().st_size == 0
+    await driver.signal("m1", signal.SIGUSR1)
+    assert await asyncio.wait_for(anext(lines), DEADLINE) == "two"
+    assert await asyncio.wait_for(anext(lines), DEADLINE) == "three"
+    await driver.signal("m1", signal.SIGUSR2)
     assert await exits.wait("m1") == ExitStatus(0, None)
 
     shutdown.set()
@@ -707,65 +519,72 @@ async def test_follow_logs_yields_new_lines_across_rotation(make_driver, workdir
         await asyncio.wait_for(anext(lines), DEADLINE)
 
 
-# -- the fake ----------------------------------------------------------------------------------
+# -- published ports ---------------------------------------------------------------------------
+
+SERVE = """\
+import os, socket
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", int(os.environ["PORT"])))
+s.listen()
+print("serving", flush=True)
+while True:
+    conn, _ = s.accept()
+    conn.sendall(b"hello")
+    conn.close()
+"""
 
 
-async def test_fake_driver_runs_scripted_machines() -> None:
-    exits, clock = Exits(), ManualClock()
-    fake = FakeDriver(on_exit=exits, host=FakeHost(clock))
-    cwd = Path("/")
-
-    await run_machine(fake, spec("m1", ["app", "fake:run_for=5", "fake:exit_code=3"], cwd))
-    clock.advance(4.9)
-    await asyncio.sleep(0)
-    assert fake.is_running("m1")
-    clock.advance(0.1)
-    assert await exits.wait("m1") == ExitStatus(3, None)
-    assert fake.last_exit("m1") == ExitStatus(3, None)
-
-    with pytest.raises(Unavailable, match="no room"):
-        await run_machine(fake, spec("m2", ["app", "fake:start_error=no room"], cwd))
-
-    fake.script("m3", FakeScript(ignore_stop=True))
-    await run_machine(fake, spec("m3", ["app"], cwd))
-    await fake.signal("m3", signal.SIGUSR1)
-    assert await fake.stop("m3", signal.SIGTERM, timeout=1) == ExitStatus(None, signal.SIGKILL)
-    assert fake.signals == [("m3", signal.SIGUSR1), ("m3", signal.SIGTERM)]
-
-    await run_machine(fake, spec("m4", ["app"], cwd))
-    fake.exit("m4", ExitStatus(None, signal.SIGKILL, oom_killed=True))
-    assert exits.of("m4") == [ExitStatus(None, signal.SIGKILL, oom_killed=True)]
+def taken(port: int) -> bool:
+    """Whether binding the port on the host fails (SO_REUSEADDR or not)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
 
 
-async def test_fake_machines_outlive_the_driver() -> None:
-    clock = ManualClock()
-    host = FakeHost(clock)
-    old = FakeDriver(on_exit=Exits(), host=host)
-    running = await run_machine(old, spec("m1", ["app"], Path("/")))
-    done = await run_machine(
-        old, spec("m2", ["app", "fake:run_for=1", "fake:exit_code=7"], Path("/"))
-    )
-    await old.close()
-    clock.advance(2)  # m2 exits while flyd is down
-    await asyncio.sleep(0)
-
-    exits = Exits()
-    new = FakeDriver(on_exit=exits, host=host)
-    assert new.attach("m1", running) is True
-    assert new.attach("m2", done) is False
-    assert await exits.wait("m2") == ExitStatus(7, None)
-    assert await new.stop("m1", signal.SIGTERM, timeout=1) == ExitStatus(None, signal.SIGTERM)
+def refused(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    except ConnectionRefusedError:
+        return True
+    return False
 
 
-async def test_fake_logs() -> None:
-    fake = FakeDriver(on_exit=Exits())
-    await run_machine(fake, spec("m1", ["app"], Path("/")))
-    fake.write_log("m1", "before")
-    shutdown = asyncio.Event()
-    lines = fake.follow_logs("m1", shutdown=shutdown)
-    fake.write_log("m1", "after")
-    assert await asyncio.wait_for(anext(lines), DEADLINE) == "after"
-    assert fake.read_logs("m1", 5) == ["before", "after"]
-    shutdown.set()
-    with pytest.raises(StopAsyncIteration):
-        await asyncio.wait_for(anext(lines), DEADLINE)
+async def hello(port: int) -> bytes:
+    """What the machine's service says once it serves (it may still be starting)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + DEADLINE
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+                data = conn.recv(16)
+                if data:
+                    return data
+        except OSError:
+            pass
+        assert loop.time() < deadline, f"port {port} never served"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_published_port_is_held_for_its_machine_and_serves_only_it(
+    make_driver, image: Path
+) -> None:
+    driver = make_driver(Exits())
+    (port,) = driver.hold_ports("m1", range(23000, 23100), 1)
+    published = (PortMapping(port, 8080),)
+    await driver.publish("m1", published)
+    # Not running, as a stopped standby: nobody else can have its port; nothing answers.
+    assert taken(port)
+    assert refused(port)
+    for _ in range(2):  # a second run serves as the first did
+        await run_machine(driver, spec("m1", ["python3", "-c", SERVE], image, ports=published))
+        assert await hello(port) == b"hello"
+        await driver.stop("m1", signal.SIGTERM, timeout=DEADLINE)
+        assert taken(port)  # still its machine's
+        assert refused(port)
+    await driver.cleanup("m1")
+    assert not taken(port)  # destroyed: let go

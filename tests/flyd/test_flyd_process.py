@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -76,14 +79,6 @@ async def http_get_soon(port: int) -> str:
             await asyncio.sleep(0.05)
 
 
-async def wait_for_file(path: Path) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + DEADLINE
-    while not path.exists():
-        assert loop.time() < deadline, f"{path} never appeared"
-        await asyncio.sleep(0.02)
-
-
 async def test_machines_outlive_a_killed_flyd_and_are_reattached(
     flyd_factory: Callable[..., ServiceProcess], stub_for: Callable[[str], Stub], tmp_path: Path
 ) -> None:
@@ -111,7 +106,8 @@ async def test_machines_outlive_a_killed_flyd_and_are_reattached(
     await stub.StopMachine(w.StopMachineRequest(machine_id=created.id), timeout=DEADLINE)
     stopped = await wait_state(stub, created.id, S.MACHINE_STATE_STOPPED)
     assert stopped.last_exit.signal == "SIGTERM"
-    with pytest.raises(urllib.error.URLError):
+    # Refused (process driver), or reset: netd still holds a stopped machine's port.
+    with pytest.raises((urllib.error.URLError, ConnectionError)):
         await asyncio.to_thread(http_get, port)
 
     # A stopped machine keeps its reservation and port; destroy releases them.
@@ -123,28 +119,74 @@ async def test_machines_outlive_a_killed_flyd_and_are_reattached(
     assert cap.free == cap.total
 
 
+async def wait_log(stub: Stub, machine_id: str, line: str) -> None:
+    """Wait until the machine has printed `line`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + DEADLINE
+    while True:
+        stream = stub.GetMachineLogs(
+            w.GetMachineLogsRequest(machine_id=machine_id, tail_lines=50), timeout=DEADLINE
+        )
+        if line in [item.line async for item in stream]:
+            return
+        assert loop.time() < deadline, f"{machine_id} never printed {line!r}"
+        await asyncio.sleep(0.02)
+
+
+def signal_machine(token: str, sig: int) -> int:
+    """Send `sig` to the machine's shell (its command line holds `token`) from outside flyd."""
+    shells: dict[int, int] = {}  # pid -> parent
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            comm = (entry / "comm").read_text().strip()
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if token.encode() in cmdline and comm == "sh" and b"nonomad-wrapper" not in cmdline:
+            shells[int(entry.name)] = int(stat[stat.rindex(")") + 2 :].split()[1])
+    # The shell itself, not a fork of it that has not exec'd its child yet.
+    (main,) = [pid for pid, parent in shells.items() if parent not in shells]
+    os.kill(main, sig)
+    return main
+
+
+async def gone_soon(pid: int) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + DEADLINE
+    while Path(f"/proc/{pid}").exists() and not Path(f"/proc/{pid}/stat").read_text().split(") ")[
+        -1
+    ].startswith("Z"):
+        assert loop.time() < deadline, f"process {pid} is still there"
+        await asyncio.sleep(0.02)
+
+
+def exits_on_usr1(token: str) -> str:
+    """Exits with 7 on SIGUSR1; when restarted it stays up (its first run leaves a file)."""
+    return (
+        f"[ -f ./ran-$MACHINE_ID ] && exec sleep 1000; touch ./ran-$MACHINE_ID; "
+        f"trap 'exit 7' USR1; echo waiting; while :; do sleep 1000 & wait; done # {token}"
+    )
+
+
 async def test_an_exit_while_flyd_is_down_gets_its_real_status_and_policy(
     flyd_factory: Callable[..., ServiceProcess], stub_for: Callable[[str], Stub], tmp_path: Path
 ) -> None:
-    go, flag = tmp_path / "go", tmp_path / "exited-once"
-    # Exits with 7 once `go` exists; when restarted it stays up.
-    script = (
-        f"[ -f {flag} ] && exec sleep 1000; "
-        f"while [ ! -f {go} ]; do sleep 0.02; done; touch {flag}; exit 7"
-    )
+    token = f"once-{uuid.uuid4().hex[:8]}"
     flyd = flyd_factory()
     stub = stub_for(flyd.address)
     once = (
         await stub.CreateMachine(
-            w.CreateMachineRequest(app="demo", config=config(script, restart=pb.RESTART_MODE_NO)),
+            w.CreateMachineRequest(
+                app="demo", config=config(exits_on_usr1(token), restart=pb.RESTART_MODE_NO)
+            ),
             timeout=DEADLINE,
         )
     ).machine
+    await wait_log(stub, once.id, "waiting")
     flyd.kill()
 
-    go.touch()  # the machine exits while nobody watches
-    await wait_for_file(flag)
-    flag.unlink()
+    await gone_soon(signal_machine(token, signal.SIGUSR1))  # it exits while nobody watches
     # Whether flyd finds it still exiting or long gone, it learns the real status.
     flyd = flyd_factory(data_dir=tmp_path / "flyd-w1")
     stub = stub_for(flyd.address)
@@ -153,22 +195,19 @@ async def test_an_exit_while_flyd_is_down_gets_its_real_status_and_policy(
     assert stopped.last_exit.exit_code == 7
 
     # The same story with on-failure: flyd restarts it when it finds it dead.
-    flyd.kill()
-    flag.unlink(missing_ok=True)
-    go.unlink()
-    flyd = flyd_factory(data_dir=tmp_path / "flyd-w1")
-    stub = stub_for(flyd.address)
+    token = f"retried-{uuid.uuid4().hex[:8]}"
     retried = (
         await stub.CreateMachine(
             w.CreateMachineRequest(
-                app="demo", config=config(script, restart=pb.RESTART_MODE_ON_FAILURE)
+                app="demo",
+                config=config(exits_on_usr1(token), restart=pb.RESTART_MODE_ON_FAILURE),
             ),
             timeout=DEADLINE,
         )
     ).machine
+    await wait_log(stub, retried.id, "waiting")
     flyd.kill()
-    go.touch()
-    await wait_for_file(flag)
+    await gone_soon(signal_machine(token, signal.SIGUSR1))
     flyd = flyd_factory(data_dir=tmp_path / "flyd-w1")
     stub = stub_for(flyd.address)
     await wait_state(stub, retried.id, S.MACHINE_STATE_RESTARTING)
@@ -203,9 +242,8 @@ async def test_a_crash_loop_ends_failed_with_exit_code_and_log_tail(
 
 
 async def test_stop_escalates_to_sigkill_for_a_machine_that_ignores_sigterm(
-    flyd_factory: Callable[..., ServiceProcess], stub_for: Callable[[str], Stub], tmp_path: Path
+    flyd_factory: Callable[..., ServiceProcess], stub_for: Callable[[str], Stub]
 ) -> None:
-    ready = tmp_path / "trapping"
     flyd = flyd_factory()
     stub = stub_for(flyd.address)
     machine = (
@@ -213,23 +251,22 @@ async def test_stop_escalates_to_sigkill_for_a_machine_that_ignores_sigterm(
             w.CreateMachineRequest(
                 app="demo",
                 config=config(
-                    f"trap '' TERM; touch {ready}; while true; do sleep 0.05; done",
+                    "trap '' TERM; echo trapping; while true; do sleep 0.05; done",
                     stop_timeout=0.3,
                 ),
             ),
             timeout=DEADLINE,
         )
     ).machine
-    await wait_for_file(ready)
+    await wait_log(stub, machine.id, "trapping")
     await stub.StopMachine(w.StopMachineRequest(machine_id=machine.id), timeout=DEADLINE)
     stopped = await wait_state(stub, machine.id, S.MACHINE_STATE_STOPPED)
     assert stopped.last_exit.signal == "SIGKILL"
 
 
 async def test_logs_are_streamed_and_followed(
-    flyd_factory: Callable[..., ServiceProcess], stub_for: Callable[[str], Stub], tmp_path: Path
+    flyd_factory: Callable[..., ServiceProcess], stub_for: Callable[[str], Stub]
 ) -> None:
-    go = tmp_path / "more"
     flyd = flyd_factory()
     stub = stub_for(flyd.address)
     machine = (
@@ -237,8 +274,8 @@ async def test_logs_are_streamed_and_followed(
             w.CreateMachineRequest(
                 app="demo",
                 config=config(
-                    f"echo first; echo second >&2; while [ ! -f {go} ]; do sleep 0.02; done; "
-                    "echo third; exec sleep 1000"
+                    "trap 'echo third; exec sleep 1000' USR1; echo first; echo second >&2; "
+                    "while :; do sleep 1000 & wait; done"
                 ),
             ),
             timeout=DEADLINE,
@@ -252,7 +289,10 @@ async def test_logs_are_streamed_and_followed(
     async for item in stream:
         lines.append(item.line)
         if lines == ["first", "second"]:
-            go.touch()
+            await stub.SignalMachine(
+                w.SignalMachineRequest(machine_id=machine.id, signal="SIGUSR1"),
+                timeout=DEADLINE,
+            )
         if "third" in lines:
             break
     stream.cancel()

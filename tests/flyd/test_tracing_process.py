@@ -13,6 +13,7 @@ import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
+from flyd.drivers.rundir import kill_all
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
@@ -128,4 +129,5 @@ async def test_a_traced_flyd_exports_operation_spans_under_the_rpc_spans(
             await wait_state(stub, created.id, S.MACHINE_STATE_DESTROYED)
     finally:
         flyd.kill()
+        kill_all(tmp_path / "data" / "machines")  # netd (OCI) outlives flyd, as it is meant to
         remove_cgroups(prefix)

@@ -15,7 +15,7 @@ import grpc
 import pytest
 from google.protobuf.duration_pb2 import Duration
 
-from flyd.drivers.base import ProcessSpec
+from flyd.drivers.base import ProcessSpec, port_env
 from flyd.errors import FailedPrecondition, NotFound, ResourceExhausted
 from flyd.fakes import FakeDriver
 from flyd.images.build import build_image
@@ -102,7 +102,7 @@ async def test_update_a_started_machine_runs_the_new_config(
     assert "GREETING" not in old_spec.env
     assert new_spec.env["GREETING"] == "hello"
     assert new_spec.env["INSTANCE_ID"] == after.instance_id != old_spec.env["INSTANCE_ID"]
-    assert new_spec.env["PORT"] == str(PORTS[0])
+    assert port_env(new_spec.ports, inside=False)["PORT"] == str(PORTS[0])
     assert host.ran("m1") == 2
     assert host.live_handle("m1") == w.get("m1").handle
     assert history(w.events("m1"))[-3:] == [
@@ -209,7 +209,7 @@ async def test_update_keeps_remaps_and_frees_ports(flyd: Flyd) -> None:
         (9000, PORTS[2]),
     ]
     await w.wait("m1", STARTED, DEADLINE, instance_id=machine.instance_id)
-    env = flyd.driver.starts[-1].env
+    env = port_env(flyd.driver.starts[-1].ports, inside=False)  # the process driver's
     assert (env["PORT"], env["PORT_8081"], env["PORT_9000"]) == tuple(
         str(p) for p in (PORTS[1], PORTS[1], PORTS[2])
     )

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from flyd import stream as stream_module
+from flyd.drivers.base import PortMapping
 from flyd.errors import (
     AlreadyExists,
     DeadlineExceeded,
@@ -144,7 +145,8 @@ async def test_create_start_stop_destroy(flyd: Flyd, host: RecordingHost) -> Non
     assert [(p.internal_port, p.host_port) for p in created.ports] == [(8080, PORTS[0])]
     (spec,) = flyd.driver.starts
     assert spec.argv == ["app"]
-    assert (spec.env["PORT"], spec.env["MACHINE_ID"]) == (str(PORTS[0]), "m1")
+    assert spec.env["MACHINE_ID"] == "m1"
+    assert spec.ports == (PortMapping(host_port=PORTS[0], internal_port=8080),)
     assert host.live_handle("m1") == w.get("m1").handle
 
     assert (await w.stop("m1", None, None)).state == STOPPING
@@ -251,7 +253,7 @@ async def test_a_key_longer_than_allowed_changes_nothing(flyd: Flyd) -> None:
 ONE = CapacitySettings(cpu_millicores=1000, memory_mib=1024, machines=1)
 TWO_PORTS = range(20000, 20002)
 # The second port is taken by something that is not a machine.
-TAKEN = {"ports": TWO_PORTS, "port_free": lambda host, port: port != TWO_PORTS[1]}
+TAKEN = {"ports": TWO_PORTS, "busy_ports": {TWO_PORTS[1]}}
 
 EXHAUSTED = [
     # (id, resource, message, config of the new machine, worker settings)

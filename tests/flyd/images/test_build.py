@@ -53,6 +53,8 @@ def test_build_writes_an_oci_layout(app_dir: Path, source: Path) -> None:
         "Cmd": ["--port", "8080"],
         "Env": ["A=1", "MODE=prod"],
         "WorkingDir": "/srv",
+        # No base: the OCI driver lends it the host's runtime.
+        "Labels": {"dev.nonomad.host-runtime": "true"},
     }
     tar = gzip.decompress(blob_path(layout, layer["digest"]).read_bytes())
     assert config["rootfs"]["diff_ids"] == [f"sha256:{hashlib.sha256(tar).hexdigest()}"]

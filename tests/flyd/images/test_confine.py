@@ -87,8 +87,12 @@ async def test_a_workdir_through_a_symlink_to_root_stays_inside_the_rootfs(
 
     assert image.workdir == "/bin"
     spec = process_spec(_row(image.digest), _Images(image))
-    assert spec.cwd == image.rootfs / "bin"
-    assert spec.argv == [str(image.rootfs / "bin" / "app")]
+    assert (spec.rootfs, spec.workdir, spec.argv) == (image.rootfs, "/bin", ["/bin/app"])
+    # Where the process driver (no chroot) runs it: inside the rootfs too.
+    assert confine.host_path(spec.rootfs, spec.workdir, "WorkingDir") == image.rootfs / "bin"
+    assert confine.host_path(spec.rootfs, spec.argv[0], "entrypoint") == (
+        image.rootfs / "bin" / "app"
+    )
 
 
 async def test_a_named_user_of_the_image_is_accepted(

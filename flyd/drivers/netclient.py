@@ -1,0 +1,213 @@
+"""flyd's side of netd (`flyd.drivers.netd`): finding it, starting it, asking it things.
+
+netd outlives flyd, so a flyd first looks for the netd of its run root (`.netd.sock`); only
+when none answers does it start one, detached (`setsid -f`, so init reaps it), and wait for it
+to say it is listening. Its handle (pid, start time, boot id) goes to `.netd.json`, which is
+how `flyd.drivers.rundir.kill_all` ends it when a whole worker is torn down.
+
+Requests are one JSON datagram each, answered in order; an asyncio lock keeps one in flight.
+If netd has died the next request raises `NetdGone`, and `connect` starts a new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from flyd.drivers.base import Handle
+from flyd.drivers.netd import MAX_MESSAGE, PROTOCOL
+from flyd.drivers.procfs import open_pidfd, read_boot_id
+from flyd.errors import CorruptLog, Unavailable
+
+__all__ = ["NETD_HANDLE", "NETD_SOCKET", "Netd", "NetdGone", "kill_netd"]
+
+log = structlog.get_logger(__name__)
+
+NETD_SOCKET = ".netd.sock"
+NETD_HANDLE = ".netd.json"
+NETD_LOG = ".netd.log"
+_START_TIMEOUT_S = 15.0
+_REQUEST_TIMEOUT_S = 10.0
+
+
+class NetdGone(Unavailable):
+    """The connection to netd broke (it died, or was never there): a new one can be started."""
+
+
+class Netd:
+    """A connection to the netd of `run_root`."""
+
+    def __init__(self, run_root: Path) -> None:
+        self.run_root = run_root
+        self.socket_path = run_root / NETD_SOCKET
+        self._sock: socket.socket | None = None
+        self._lock = asyncio.Lock()
+        self.pid = 0
+        self.spawned = False
+
+    def connect(self) -> dict[str, Any]:
+        """Connect to the run root's netd, starting one if none answers; returns its `hello`.
+
+        Blocking (once per flyd start, or after netd died): a running netd answers at once,
+        a new one takes ~0.1 s to start.
+        """
+        self.close()
+        sock = self._try_connect()
+        self.spawned = sock is None
+        if sock is None:
+            self._spawn()
+            sock = self._try_connect()
+            if sock is None:
+                raise Unavailable(f"netd does not answer on {self.socket_path}")
+        self._sock = sock
+        hello = self._call_blocking({"op": "hello"})
+        if hello.get("protocol") != PROTOCOL:
+            raise Unavailable(f"netd speaks protocol {hello.get('protocol')}, flyd {PROTOCOL}")
+        self.pid = int(hello["pid"])
+        sock.setblocking(False)
+        return hello
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    async def request(self, op: str, fds: list[int] | None = None, **fields: Any) -> dict[str, Any]:
+        """One request; its answer. Raises Unavailable when netd is gone or refuses."""
+        async with self._lock:
+            sock = self._sock
+            if sock is None:
+                raise NetdGone("netd is not connected")
+            loop = asyncio.get_running_loop()
+            data = json.dumps({"op": op, **fields}).encode()
+            try:
+                ancillary = []
+                if fds:
+                    ancillary = [
+                        (
+                            socket.SOL_SOCKET,
+                            socket.SCM_RIGHTS,
+                            b"".join(fd.to_bytes(4, "little") for fd in fds),
+                        )
+                    ]
+                # A datagram this small fits the socket buffer: it never blocks for long.
+                while True:
+                    try:
+                        sock.sendmsg([data], ancillary)
+                        break
+                    except BlockingIOError:
+                        await asyncio.sleep(0.001)
+                async with asyncio.timeout(_REQUEST_TIMEOUT_S):
+                    answer = await loop.sock_recv(sock, MAX_MESSAGE)
+            except TimeoutError as e:
+                self.close()
+                raise Unavailable(f"netd ({op}): no answer in {_REQUEST_TIMEOUT_S}s") from e
+            except OSError as e:
+                self.close()
+                raise NetdGone(f"netd ({op}): {e}") from e
+            if not answer:
+                self.close()
+                raise NetdGone(f"netd ({op}): it went away")
+            return _unwrap(op, answer)
+
+    def _call_blocking(self, request: dict[str, Any]) -> dict[str, Any]:
+        assert self._sock is not None
+        self._sock.settimeout(_REQUEST_TIMEOUT_S)
+        self._sock.send(json.dumps(request).encode())
+        return _unwrap(str(request["op"]), self._sock.recv(MAX_MESSAGE))
+
+    def _try_connect(self) -> socket.socket | None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            sock.connect(str(self.socket_path))
+        except OSError:
+            sock.close()
+            return None
+        return sock
+
+    def _spawn(self) -> None:
+        """Start a netd for the run root, detached from flyd, and wait until it listens."""
+        kill_netd(self.run_root)  # one that no longer answers
+        ready_r, ready_w = os.pipe()
+        os.set_inheritable(ready_w, True)
+        log_fd = os.open(
+            self.run_root / NETD_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600
+        )
+        setsid = shutil.which("setsid") or "/usr/bin/setsid"
+        argv = [setsid, "-f", sys.executable, "-m", "flyd.drivers.netd"]
+        argv += ["--socket", str(self.socket_path), "--ready-fd", str(ready_w)]
+        argv += ["--handle", str(self.run_root / NETD_HANDLE)]
+        try:
+            # setsid -f forks and its parent exits at once: netd is init's child, not ours.
+            subprocess.run(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log_fd,
+                stderr=log_fd,
+                pass_fds=(ready_w,),
+                check=True,
+                timeout=_START_TIMEOUT_S,
+            )
+        except (OSError, subprocess.SubprocessError) as e:
+            raise Unavailable(f"cannot start netd: {e}") from e
+        finally:
+            os.close(ready_w)
+            os.close(log_fd)
+        try:
+            ready, _, _ = select.select([ready_r], [], [], _START_TIMEOUT_S)
+            if not ready or os.read(ready_r, 1) != b"1":
+                raise Unavailable(f"netd did not start; see {self.run_root / NETD_LOG}")
+        finally:
+            os.close(ready_r)
+
+
+def _unwrap(op: str, answer: bytes) -> dict[str, Any]:
+    try:
+        reply = json.loads(answer)
+    except ValueError as e:
+        raise Unavailable(f"netd ({op}): unreadable answer") from e
+    if not isinstance(reply, dict):
+        raise Unavailable(f"netd ({op}): unreadable answer")
+    if "error" in reply:
+        raise Unavailable(f"netd ({op}): {reply['error']}")
+    ok = reply.get("ok")
+    return ok if isinstance(ok, dict) else {}
+
+
+def kill_netd(run_root: Path, *, wait: float = 2.0) -> bool:
+    """End the run root's netd, if its recorded handle still names a live process.
+
+    Its hub namespace, every machine's network and every port it held go with it.
+    """
+    try:
+        handle = Handle.from_dict(json.loads((run_root / NETD_HANDLE).read_bytes()))
+    except (OSError, ValueError, CorruptLog):
+        return False
+    pidfd = open_pidfd(handle, read_boot_id())
+    if pidfd is None:
+        return False
+    try:
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if select.select([pidfd], [], [], 0.05)[0]:
+                break
+    finally:
+        os.close(pidfd)
+    with contextlib.suppress(FileNotFoundError):
+        (run_root / NETD_HANDLE).unlink()
+    return True

@@ -1,0 +1,579 @@
+"""netd: the process that holds a worker's machine networking, so it outlives flyd.
+
+One netd per OCI driver run root, started by flyd (`python -m flyd.drivers.netd`) and left
+running across flyd restarts, like the machines. It lives in a network namespace of its own,
+the worker's *hub*, and for each machine it:
+
+- makes the machine's user namespace (container root is a host uid range of its own) and its
+  network namespace: loopback up, ports below 1024 bindable by the machine's root, IPv6 off,
+  and a veth pair whose `eth0` end is the machine's only other link, with the machine's own
+  address (a /32 of the worker's prefix) routed to it in the hub. The hub forwards nothing:
+  machines cannot reach each other, the host, or anything beyond; the hub's routes are where
+  a later cross-host network plugs in. Nothing is ever added to the host's own namespace;
+- holds the sockets of the machine's published host ports (flyd binds them on 127.0.0.1 and
+  hands them over), for the machine's whole life, running or not: a published port is never
+  free for someone else to take. A port listens exactly while the machine's service does
+  (netd asks the machine's namespace through sock_diag, connecting to nothing): otherwise it
+  refuses connections, as a host port nobody listens on does, so a TCP check or the proxy
+  sees the service as it is;
+- forwards each connection accepted on such a port to the service's port on the loopback of
+  the machine's namespace (an app listening on 127.0.0.1 or 0.0.0.0 alike), through a socket
+  it opens inside that namespace. From the host namespace, traffic only ever goes to
+  127.0.0.1; the machine sees its client as 127.0.0.1.
+
+crun joins the namespaces netd made through `/proc/<netd pid>/fd/<n>`; netd keeps them until
+flyd says the machine is down. flyd speaks to netd over a SOCK_SEQPACKET unix socket in the
+run root: one JSON request per datagram, listening sockets passed alongside as SCM_RIGHTS, one
+JSON answer each (`{"ok": ...}` or `{"error": "..."}`):
+
+- `hello` -> netd's pid and what it holds (after a flyd restart, flyd picks up from there)
+- `publish {machine, ports: [[host_port, internal_port], ...]}` + the listening sockets of the
+  ports netd does not hold yet: the machine's published ports are exactly these
+- `up {machine, address, uid, uids, netns?, ports?}` -> `{netns, userns}` paths for crun;
+  `netns` adopts a running machine's namespace (after netd itself restarted) instead of a new
+  one; `ports` (and sockets) as for `publish`, in the same round trip
+- `down {machine}`: drop its namespaces (it stopped); `forget {machine}`: and its ports
+
+It imports nothing but the standard library and two small siblings (no flyd runtime), so it
+starts in ~0.1 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import ipaddress
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from flyd.drivers import namespaces
+from flyd.drivers.netlink import Rtnl, SockDiag
+
+__all__ = ["PROTOCOL", "main"]
+
+PROTOCOL = 1
+MAX_MESSAGE = 64 << 10
+_MAX_FDS = 64
+_MAX_CONNECTIONS = 8192
+_PIPE_HIGH_WATER = 256 << 10
+_CONNECT_TIMEOUT_S = 5.0
+
+
+def _log(event: str, **fields: object) -> None:
+    record = {"time": round(time.time(), 3), "service": "netd", "event": event, **fields}
+    print(json.dumps(record), file=sys.stderr, flush=True)
+
+
+def _sysctl(path: str, value: str) -> None:
+    """Write a sysctl of the namespace the calling thread is in (read at open time)."""
+    with open(f"/proc/sys/{path}", "w") as f:
+        f.write(value)
+
+
+@dataclass(eq=False)
+class _Port:
+    host_port: int
+    internal_port: int
+    sock: socket.socket  # bound to the host port; listening only while it serves
+    server: asyncio.AbstractServer | None = None  # while it serves
+
+
+@dataclass(eq=False)
+class _Machine:
+    machine_id: str
+    ports: dict[int, _Port] = field(default_factory=dict)
+    netns: int | None = None  # descriptor of its network namespace while it is up
+    userns: int | None = None
+    veth: str | None = None
+    address: str | None = None
+    diag: SockDiag | None = None  # asks its namespace which ports listen
+    watch: asyncio.Task[None] | None = None  # until each published port serves
+
+
+class _Splice(asyncio.Protocol):
+    """One side of a forwarded connection: what it reads, the other side writes."""
+
+    def __init__(self, netd: Netd, *, refuse: bool = False) -> None:
+        self.netd = netd
+        self.refuse = refuse  # reset it as soon as it is made: nothing to forward to
+        self.transport: asyncio.Transport | None = None
+        self.peer: _Splice | None = None
+        self.early: list[bytes] = []  # bytes read before the other side was connected
+        self.eof_early = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        if self.refuse:
+            transport.abort()
+            return
+        transport.set_write_buffer_limits(high=_PIPE_HIGH_WATER)
+
+    def data_received(self, data: bytes) -> None:
+        peer = self.peer
+        if peer is None or peer.transport is None:
+            self.early.append(data)
+            if sum(map(len, self.early)) > _PIPE_HIGH_WATER and self.transport is not None:
+                self.transport.pause_reading()
+            return
+        peer.transport.write(data)
+
+    def eof_received(self) -> bool:
+        peer = self.peer
+        if peer is None or peer.transport is None:
+            self.eof_early = True
+        elif peer.transport.can_write_eof():
+            peer.transport.write_eof()
+        return True  # keep the other direction open (half-close)
+
+    def pause_writing(self) -> None:
+        if self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.resume_reading()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.netd.connections.discard(self)
+        peer, self.peer = self.peer, None
+        if peer is not None and peer.transport is not None:
+            peer.peer = None
+            peer.transport.close()
+
+    def join(self, other: _Splice) -> None:
+        """Link with `other` (now connected) and pass on what was read meanwhile."""
+        self.peer, other.peer = other, self
+        assert other.transport is not None
+        assert self.transport is not None
+        for chunk in self.early:
+            other.transport.write(chunk)
+        self.early.clear()
+        if self.eof_early and other.transport.can_write_eof():
+            other.transport.write_eof()
+        self.transport.resume_reading()
+
+
+class Netd:
+    """The daemon's state; see the module docstring."""
+
+    def __init__(self, host_netns: int, hub_netns: int, hub_rtnl: Rtnl) -> None:
+        self.host_netns = host_netns  # where published ports are: a socket lives in the
+        self.hub_netns = hub_netns  # namespace its maker was in when it made it
+        self.rtnl = hub_rtnl
+        self.machines: dict[str, _Machine] = {}
+        self.connections: set[_Splice] = set()
+        self.links = 0  # veths made: each gets a new name
+        self.pid = os.getpid()
+
+    # -- requests -----------------------------------------------------------------------------
+
+    async def handle(self, request: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+        op = request.get("op")
+        if op == "hello":
+            return {
+                "pid": self.pid,
+                "protocol": PROTOCOL,
+                "machines": {
+                    mid: {"ports": sorted(m.ports), "up": m.netns is not None}
+                    for mid, m in self.machines.items()
+                },
+            }
+        machine_id = request.get("machine")
+        if not isinstance(machine_id, str) or not machine_id:
+            raise ValueError("a request names its machine")
+        if op == "publish":
+            await self._publish(machine_id, request.get("ports"), fds)
+            return {}
+        if op == "up":
+            answer = self._up(machine_id, request)
+            if "ports" in request:  # and its ports, in the same request
+                await self._publish(machine_id, request["ports"], fds)
+            return answer
+        if op == "down":
+            m = self.machines.get(machine_id)
+            if m is not None:
+                self._down(m)
+            return {}
+        if op == "forget":
+            m = self.machines.pop(machine_id, None)
+            if m is not None:
+                self._down(m)
+                for port in m.ports.values():
+                    await self._close_port(port)
+            return {}
+        raise ValueError(f"unknown request {op!r}")
+
+    async def _publish(self, machine_id: str, ports: object, fds: list[int]) -> None:
+        if not isinstance(ports, list) or not all(
+            isinstance(p, list) and len(p) == 2 and all(isinstance(x, int) for x in p)
+            for p in ports
+        ):
+            raise ValueError("ports: a list of [host_port, internal_port]")
+        m = self.machines.setdefault(machine_id, _Machine(machine_id))
+        wanted = {host: internal for host, internal in ports}
+        new = [host for host in wanted if host not in m.ports]
+        if len(new) != len(fds):
+            raise ValueError(f"{len(new)} new ports but {len(fds)} sockets")
+        for host, fd in zip(new, fds, strict=True):
+            sock = socket.socket(fileno=fd)
+            if sock.type != socket.SOCK_STREAM or sock.getsockname()[1] != host:
+                sock.close()
+                raise ValueError(f"the socket for port {host} is not a TCP socket on it")
+            m.ports[host] = _Port(host, wanted[host], sock)
+        fds.clear()
+        for host in [h for h in m.ports if h not in wanted]:
+            await self._close_port(m.ports.pop(host))
+        for port in m.ports.values():
+            if port.internal_port != wanted[port.host_port]:
+                port.internal_port = wanted[port.host_port]
+                self._unserve(port)
+        self._watch(m)
+
+    def _up(self, machine_id: str, request: dict[str, Any]) -> dict[str, Any]:
+        address = ipaddress.IPv4Address(str(request["address"]))
+        uid, uids = int(request["uid"]), int(request["uids"])
+        adopt = request.get("netns")
+        m = self.machines.setdefault(machine_id, _Machine(machine_id))
+        self._down(m)
+        userns = namespaces.new_user_namespace(uid, uids) if uids else None
+        try:
+            if adopt is not None:
+                netns = os.open(str(adopt), os.O_RDONLY | os.O_CLOEXEC)
+                with contextlib.suppress(OSError):  # its old eth0 went with the old hub
+                    self._in(netns, lambda: Rtnl().close())
+            else:
+                netns = self._new_netns()
+            try:
+                self.links += 1  # a name of its own: the last run's may still be going away
+                veth = f"v{self.links:x}"
+                self._plumb(netns, veth, address)
+            except BaseException:
+                os.close(netns)
+                raise
+        except BaseException:
+            if userns is not None:
+                os.close(userns)
+            raise
+        m.netns, m.userns, m.veth, m.address = netns, userns, veth, str(address)
+        m.diag = self._in(netns, SockDiag)
+        self._watch(m)
+        return {
+            "netns": f"/proc/{self.pid}/fd/{netns}",
+            "userns": f"/proc/{self.pid}/fd/{userns}" if userns is not None else None,
+        }
+
+    def _new_netns(self) -> int:
+        namespaces.unshare(namespaces.CLONE_NEWNET)
+        try:
+            fd = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            with Rtnl() as rtnl:
+                rtnl.set_up("lo")
+            # The machine's root is not root of this namespace's owner (the host's user
+            # namespace): let it bind any port, as it could on a host of its own.
+            _sysctl("net/ipv4/ip_unprivileged_port_start", "0")
+            _sysctl("net/ipv6/conf/default/disable_ipv6", "1")
+        finally:
+            namespaces.setns(self.hub_netns, namespaces.CLONE_NEWNET)
+        return fd
+
+    def _in(self, netns: int, work: Any) -> Any:
+        namespaces.setns(netns, namespaces.CLONE_NEWNET)
+        try:
+            return work()
+        finally:
+            namespaces.setns(self.hub_netns, namespaces.CLONE_NEWNET)
+
+    def _plumb(self, netns: int, veth: str, address: ipaddress.IPv4Address) -> None:
+        """A veth from the hub into the machine's namespace, `address` on its end (its route
+        replaces one of an earlier run whose veth is still going away).
+        """
+        machine_rtnl: Rtnl = self._in(netns, Rtnl)
+        try:
+            self.rtnl.add_veth(veth, "eth0", netns)
+            self.rtnl.set_up(veth)
+            self.rtnl.add_host_route(address, veth)
+            machine_rtnl.add_address("eth0", address, 32)
+            machine_rtnl.set_up("eth0")
+        finally:
+            machine_rtnl.close()
+
+    def _down(self, m: _Machine) -> None:
+        if m.watch is not None:
+            m.watch.cancel()
+            m.watch = None
+        for port in m.ports.values():
+            self._unserve(port)
+        if m.diag is not None:
+            m.diag.close()
+            m.diag = None
+        # Not deleted here: deleting a veth waits for the kernel's network clean-up (~20 ms
+        # here). The machine's namespace dies with the last descriptor of it (the machine is
+        # gone), and with it the veth pair and its route: the kernel does that on its own time.
+        for fd in (m.netns, m.userns):
+            if fd is not None:
+                os.close(fd)
+        m.netns = m.userns = None
+        m.veth = m.address = None
+
+    async def _close_port(self, port: _Port) -> None:
+        if port.server is not None:
+            port.server.close()  # closes the listening socket
+            port.server = None
+        else:
+            port.sock.close()
+
+    # -- serving: a published port listens exactly while the machine's service does ----------
+
+    def _watch(self, m: _Machine) -> None:
+        """Make sure something waits for the machine's services to listen, if any does not."""
+        if m.netns is None or m.diag is None or (m.watch is not None and not m.watch.done()):
+            return
+        if all(port.server is not None for port in m.ports.values()):
+            return
+        m.watch = asyncio.ensure_future(self._until_serving(m))
+        m.watch.add_done_callback(_retrieve)
+
+    async def _until_serving(self, m: _Machine) -> None:
+        """Poll the machine's namespace (sock_diag, nothing connects) until every published
+        port's service listens, serving each as it does: every 10 ms for the first 5 s (an
+        app booting), then less often for a service that does not come.
+        """
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        while m.diag is not None:
+            waiting = [port for port in m.ports.values() if port.server is None]
+            if not waiting:
+                return
+            listening = m.diag.listening()
+            for port in waiting:
+                if port.internal_port in listening:
+                    await self._serve(m, port)
+            age = loop.time() - started
+            await asyncio.sleep(0.01 if age < 5 else 0.1 if age < 60 else 1.0)
+
+    async def _serve(self, m: _Machine, port: _Port) -> None:
+        if port.server is None:
+            # listen() checks the port again, TIME_WAITs of earlier connections included:
+            # SO_REUSEADDR lets it; once it listens, no other socket can bind the port anyway.
+            port.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            port.server = await asyncio.get_running_loop().create_server(
+                functools.partial(self._accepted, m, port), sock=port.sock, backlog=1024
+            )
+
+    def _unserve(self, port: _Port) -> None:
+        """Stop listening, keeping the port: connections are refused, as by a host whose
+        service is down, and nobody else can bind it.
+        """
+        if port.server is None:
+            return
+        address = port.sock.getsockname()
+        port.server.close()
+        port.server = None
+        try:
+            port.sock = self._in(self.host_netns, lambda: _bind_held(address))
+        except OSError as e:
+            _log("port_lost", port=port.host_port, error=str(e))
+
+    # -- forwarding ---------------------------------------------------------------------------
+
+    def _accepted(self, m: _Machine, port: _Port) -> _Splice:
+        if m.netns is None or len(self.connections) >= _MAX_CONNECTIONS:
+            # Nothing to forward to (the machine is stopped), or too busy: reset at once.
+            return _Splice(self, refuse=True)
+        client = _Splice(self)
+        self.connections.add(client)
+        task = asyncio.ensure_future(self._connect(client, m, port))
+        task.add_done_callback(_retrieve)
+        return client
+
+    async def _connect(self, client: _Splice, m: _Machine, port: _Port) -> None:
+        loop = asyncio.get_running_loop()
+        if m.netns is None:
+            if client.transport is not None:
+                client.transport.abort()
+            return
+        netns = m.netns
+        sock = self._in(netns, lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            async with asyncio.timeout(_CONNECT_TIMEOUT_S):
+                await loop.sock_connect(sock, ("127.0.0.1", port.internal_port))
+            upstream = _Splice(self)
+            self.connections.add(upstream)
+            await loop.create_connection(lambda: upstream, sock=sock)
+        except (OSError, TimeoutError):
+            sock.close()
+            if client.transport is not None:
+                client.transport.abort()  # a reset: the service is not there (any more)
+            self._unserve(port)
+            self._watch(m)
+            return
+        if client.transport is None or client.transport.is_closing():
+            assert upstream.transport is not None
+            upstream.transport.close()
+            return
+        if client.transport is not None:
+            client.transport.set_write_buffer_limits(high=_PIPE_HIGH_WATER)
+        client.join(upstream)
+
+
+def _bind_held(address: tuple[str, int]) -> socket.socket:
+    """A socket bound to `address`, not listening: it refuses connections and, without
+    SO_REUSEADDR once bound, keeps anyone else from binding the port.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # over TIME_WAITs
+        sock.bind(address)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        _log("forward_failed", error=repr(task.exception()))
+
+
+async def _serve(control: socket.socket, netd: Netd, stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    clients: set[socket.socket] = set()
+
+    def on_client() -> None:
+        try:
+            conn, _ = control.accept()
+        except BlockingIOError:
+            return
+        conn.setblocking(False)
+        clients.add(conn)
+        loop.add_reader(conn, lambda: asyncio.ensure_future(on_request(conn)))
+
+    busy: set[socket.socket] = set()
+
+    async def on_request(conn: socket.socket) -> None:
+        if conn in busy:
+            return
+        busy.add(conn)
+        try:
+            try:
+                data, ancdata, _flags, _ = conn.recvmsg(
+                    MAX_MESSAGE, socket.CMSG_SPACE(_MAX_FDS * 4)
+                )
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                loop.remove_reader(conn)
+                clients.discard(conn)
+                conn.close()
+                return
+            fds: list[int] = []
+            for level, kind, payload in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    usable = len(payload) - len(payload) % 4
+                    fds.extend(
+                        int.from_bytes(payload[i : i + 4], "little") for i in range(0, usable, 4)
+                    )
+            try:
+                request = json.loads(data)
+                if not isinstance(request, dict):
+                    raise ValueError("a request is a JSON object")
+                answer: dict[str, Any] = {"ok": await netd.handle(request, fds)}
+            except Exception as e:
+                _log("request_failed", request=data[:200].decode("utf-8", "replace"), error=repr(e))
+                answer = {"error": f"{type(e).__name__}: {e}"}
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            with contextlib.suppress(OSError):
+                conn.setblocking(True)
+                conn.send(json.dumps(answer).encode())
+                conn.setblocking(False)
+        finally:
+            busy.discard(conn)
+
+    control.setblocking(False)
+    loop.add_reader(control, on_client)
+    await stop.wait()
+    loop.remove_reader(control)
+    for conn in clients:
+        loop.remove_reader(conn)
+        conn.close()
+
+
+def _write_handle(path: str) -> None:
+    """Who this netd is, so whoever tears the worker down can end it (and only it)."""
+    # A `flyd.drivers.base.Handle`, written without importing it (that would pull in flyd's
+    # runtime, and netd starts in a tenth of the time without it).
+    with open("/proc/self/stat", "rb") as f:
+        stat = f.read()
+    start_time = int(stat[stat.rindex(b")") + 2 :].split()[19])
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        boot_id = f.read().strip()
+    with open(path + ".tmp", "w") as f:
+        f.write(json.dumps({"pid": os.getpid(), "start_time": start_time, "boot_id": boot_id}))
+    os.replace(path + ".tmp", path)
+
+
+def _hub() -> tuple[int, int, Rtnl]:
+    """Enter a new network namespace, the hub, and make it ready; descriptors of the host's
+    namespace and the hub's, and a netlink socket in the hub.
+    """
+    host = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    namespaces.unshare(namespaces.CLONE_NEWNET)
+    fd = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    rtnl = Rtnl()
+    rtnl.set_up("lo")
+    _sysctl("net/ipv6/conf/default/disable_ipv6", "1")
+    _sysctl("net/ipv4/ip_forward", "0")  # the default; said out loud: machines reach no one
+    return host, fd, rtnl
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flyd.drivers.netd", description=__doc__)
+    parser.add_argument("--socket", required=True, help="the control socket to listen on")
+    parser.add_argument("--ready-fd", type=int, help="write one byte here once listening")
+    parser.add_argument("--handle", help="write netd's process handle (JSON) here first")
+    args = parser.parse_args(argv)
+    os.umask(0o077)
+    host_netns, hub_netns, rtnl = _hub()
+    netd = Netd(host_netns, hub_netns, rtnl)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(args.socket)
+    control = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    control.bind(args.socket)
+    control.listen(16)
+    if args.handle:
+        _write_handle(args.handle)
+    _log("ready", pid=netd.pid, socket=args.socket)
+    if args.ready_fd is not None:
+        os.write(args.ready_fd, b"1")
+        os.close(args.ready_fd)
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await _serve(control, netd, stop)
+
+    asyncio.run(run())
+    _log("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,627 @@
+"""The OCI driver: every machine is a container run by crun, a sandbox of its own.
+
+What a machine is (see `flyd.drivers.bundle` for its runtime spec):
+
+- its rootfs is an overlay: the cached image is the lower layer, shared by every machine of
+  the image and never written (ID-mapped, so the machine's root owns it while on disk it stays
+  host root's), and the machine's `upper/` in its run dir takes every write; the upper layer
+  stays across restarts and goes on destroy;
+- its namespaces are pid, mount, ipc, uts, cgroup, user (container root is a range of 65536
+  host uids of its own: `uid_base + slot * 65536`, never host root) and network (netd's:
+  `flyd.drivers.netd`, with the machine's own address `prefix + 2 + slot`);
+- its published services are host ports on 127.0.0.1 that netd holds and forwards into the
+  machine's namespace, where the service listens on its internal port (`PORT`);
+- its limits are the machine's cgroups (`flyd.drivers.cgroups`), which the hold hook puts
+  the container in (crun and the wrapper stay outside them).
+
+A run, as the shared machinery (`flyd.drivers.wrapped`) drives it:
+
+1. `start` prepares the run dir (a spare, on a first start) and cgroups, asks netd for the
+   namespaces, writes the bundle and makes a detached ID-mapped copy of the image's rootfs;
+   then it spawns the wrapper under `unshare --mount` (a private mount namespace): the wrapper
+   detaches /sys/fs/cgroup/unified on a hybrid-cgroup host (crun refuses those), mounts the
+   overlay and runs `crun run` in the foreground. crun makes the container and stops in the
+   createRuntime hook, which puts it in the machine's cgroups and says "ready"; only then does
+   `start` return the handle: a container that cannot be made is a failed start, not a crash.
+2. `release` tells the hook to go on: crun starts tini, which runs the machine's command.
+   `discard` (or flyd dying) closes the hold instead: crun tears the container down and the
+   wrapper records `held`: it never ran.
+3. Signals go to the container's init (tini), found from crun's own record of its pid and
+   start time, and tini passes them to the command; a stop that times out SIGKILLs the init,
+   which ends every process of the pid namespace.
+4. When the container ends, crun returns its status (a code, or 128+signo), the wrapper
+   records it and exits; the private mount namespace, and the overlay mount in it, die with
+   the wrapper: nothing is ever mounted in the host's mount namespace. flyd tells netd the
+   machine is down.
+5. `cleanup` (destroy) has netd forget the machine's ports, and removes the run dir with its
+   upper layer, the cgroups and what crun may have left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import json
+import os
+import signal
+import stat
+import subprocess
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from flyd.drivers import bundle as oci_bundle
+from flyd.drivers.base import Driver, ExitStatus, Handle, PortMapping, ProcessSpec, port_env
+from flyd.drivers.crun import (
+    CRUN_ROOT,
+    Tools,
+    container_pidfd,
+    delete_container,
+    find_tools,
+    hybrid_cgroups,
+    probe,
+)
+from flyd.drivers.logs import open_output
+from flyd.drivers.namespaces import idmapped_tree
+from flyd.drivers.netclient import Netd, NetdGone
+from flyd.drivers.ports import bind_port
+from flyd.drivers.procfs import read_proc_stat
+from flyd.drivers.wrapped import Watched, WrappedDriver
+from flyd.drivers.wrapper import oci_wrapper_script
+from flyd.errors import InvalidArgument, ResourceExhausted, Unavailable
+
+__all__ = ["UIDS_PER_MACHINE", "OciDriver", "probe"]
+
+log = structlog.get_logger(__name__)
+
+UIDS_PER_MACHINE = 65536
+_READY_TIMEOUT_S = 30.0
+_EXEC_WAIT_S = 1.0  # how long a signal waits for a just-started container's init
+_SLOT_FILE = "slot"
+# Where each wrapper binds its machine's run dir, in its own mount namespace (see Bundle.view).
+_VIEW = Path("/run/nonomad/machine")
+_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+class OciDriver(WrappedDriver):
+    """Runs machines as crun containers; see the module docstring for the design."""
+
+    name = "oci"
+
+    def __init__(
+        self,
+        run_root: Path,
+        *,
+        on_exit: Callable[[str, Handle, ExitStatus], None],
+        cgroup_root: Path = Path("/sys/fs/cgroup"),
+        cgroup_prefix: str = "nonomad",
+        max_log_bytes: int = 1 << 20,
+        log_backups: int = 2,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        machine_host: str = "127.0.0.1",
+        network: str = "10.87.0.0/20",
+        uid_base: int = 1 << 30,
+    ) -> None:
+        problem = probe()
+        if problem is not None:
+            raise Unavailable(f"this host cannot run OCI machines: {problem}")
+        tools = find_tools()
+        assert isinstance(tools, Tools)
+        try:
+            prefix = ipaddress.IPv4Network(network)
+        except ValueError as e:
+            raise InvalidArgument("network", str(e)) from None
+        if not prefix.is_private or prefix.num_addresses < 4:
+            raise InvalidArgument("network", f"{network} is not a private prefix of 4 or more")
+        if uid_base < UIDS_PER_MACHINE or uid_base % UIDS_PER_MACHINE:
+            raise InvalidArgument("uid_base", f"must be a positive multiple of {UIDS_PER_MACHINE}")
+        if any(c in str(run_root.absolute()) for c in ",:\n\t "):
+            # The overlay's mount options cannot quote them.
+            raise InvalidArgument("run_root", "must not contain ',', ':' or whitespace")
+        super().__init__(
+            run_root,
+            on_exit=on_exit,
+            cgroup_root=cgroup_root,
+            cgroup_prefix=cgroup_prefix,
+            user=None,
+            max_log_bytes=max_log_bytes,
+            log_backups=log_backups,
+            sleep=sleep,
+            machine_host=machine_host,
+        )
+        self._tools = tools
+        self._prefix = prefix
+        self._uid_base = uid_base
+        self.max_machines = min(prefix.num_addresses - 3, (2**32 - uid_base) // UIDS_PER_MACHINE)
+        """How many machines it can give an address and a uid range of their own."""
+        self._hybrid = hybrid_cgroups()
+        self._crun_root = self._run_dirs.root / CRUN_ROOT
+        self._crun_root.mkdir(mode=0o700, exist_ok=True)
+        # crun reaches a machine's rootfs and /etc files partly as the machine's root: through
+        # the run root when anyone may search its way there, else through a bind of the run
+        # dir that each wrapper makes at _VIEW (one more mount on every start).
+        self._bind_view = not _searchable(self._run_dirs.root)
+        if self._bind_view:
+            try:
+                _VIEW.mkdir(mode=0o755, parents=True, exist_ok=True)
+            except OSError as e:
+                raise Unavailable(f"cannot make {_VIEW}: {e}") from e
+        self._slots = self._read_slots()
+        self._runs: dict[str, int] = {}  # starts per machine, so a late down never undoes one
+        self._downs: dict[str, asyncio.Future[None]] = {}  # netd downs under way
+        self._net = Netd(self._run_dirs.root)
+        hello = self._net.connect()
+        # What netd holds, as it said: machine -> its host ports and whether it is up.
+        self._netd: dict[str, dict[str, Any]] = dict(hello.get("machines", {}))
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self, spec: ProcessSpec) -> Handle:
+        """Make the machine's container, held before it runs anything; `release` lets it run.
+
+        Returns once crun has made the container (namespaces, mounts) and holds it. Returns the
+        handle of the run already watched for the machine, if any. Raises `InvalidArgument`
+        for a bad spec and `Unavailable` when the container cannot be made.
+        """
+        running = self._begin_start(spec)
+        if running is not None:
+            return running
+        mid = spec.machine_id
+        uid, gid = oci_bundle.resolve_user(spec.rootfs, spec.user)
+        run_dir = self._run_dirs.path(mid)
+        try:
+            cgroup_procs = self._prepare_run(spec)
+            slot = self._slot(mid)
+            layers = self._prepare_layers(run_dir, self._uid_base + slot * UIDS_PER_MACHINE)
+            delete_container(self._crun_root, mid)  # what a killed crun left
+        except OSError as e:
+            raise Unavailable(f"cannot prepare machine {mid}: {e}") from e
+        address = str(self._prefix.network_address + 2 + slot)
+        # The hold hook's pipes (see bundle.hold_hook): flyd keeps the write end of `hold`
+        # (its only writer: its death, or discard, is EOF for the hook) and reads `ready`.
+        hold_r, hold_w = os.pipe2(os.O_CLOEXEC)
+        ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
+        os.set_blocking(ready_r, False)
+        self._runs[mid] = self._runs.get(mid, 0) + 1  # a down for an earlier run is moot now
+        try:
+            namespaces = await self._publish_ports(
+                mid,
+                spec.ports,
+                address=address,
+                uid=self._uid_base + slot * UIDS_PER_MACHINE,
+                uids=UIDS_PER_MACHINE,
+            )
+        except BaseException:
+            _close(hold_r, hold_w, ready_r, ready_w)
+            raise
+        b = oci_bundle.Bundle(
+            run_dir=run_dir,
+            view=_VIEW if self._bind_view else run_dir,
+            netns=str(namespaces["netns"]),
+            userns=str(namespaces["userns"]),
+            init=Path(self._tools.init),
+            hold_fd=hold_r,
+            ready_fd=ready_w,
+            held_marker=run_dir / "status" / "held",
+            cgroup_procs=tuple(cgroup_procs),
+        )
+        try:
+            etc = oci_bundle.write_etc(b, mid, address, host_runtime=spec.host_runtime)
+            spec_json = oci_bundle.config(
+                b,
+                machine_id=mid,
+                argv=spec.argv,
+                env={**spec.env, **port_env(spec.ports, inside=True)},
+                workdir=spec.workdir,
+                uid=uid,
+                gid=gid,
+                etc_files=etc,
+                host_runtime=spec.host_runtime,
+            )
+            # Root's alone: the machine's environment (its secrets) is in it.
+            fd = os.open(run_dir / "config.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(spec_json))
+            log_fd = open_output(run_dir)
+        except OSError as e:
+            _close(hold_r, hold_w, ready_r, ready_w)
+            await self._down(mid)
+            raise Unavailable(f"cannot prepare machine {mid}: {e}") from e
+        try:
+            userns = os.open(b.userns, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                lower = idmapped_tree(str(spec.rootfs), userns)
+            finally:
+                os.close(userns)
+        except OSError as e:
+            _close(log_fd, hold_r, hold_w, ready_r, ready_w)
+            await self._down(mid)
+            raise Unavailable(f"cannot map the image into machine {mid}: {e}") from e
+        script = oci_wrapper_script(
+            self._run_dirs.status_dir(mid),
+            self._tools.mv,
+            mounts=self._mounts(run_dir, layers, lower),
+            crun=self._crun("run", "--bundle", str(run_dir), mid),
+            held_marker=b.held_marker,
+        )
+        try:
+            # Blocking, but only for the fork/exec: we never wait on the child here.
+            popen = subprocess.Popen(  # noqa: ASYNC220
+                [
+                    self._tools.unshare,
+                    "--mount",
+                    "--propagation",
+                    "private",
+                    self._tools.sh,
+                    "-c",
+                    script,
+                    "nonomad-wrapper",
+                ],
+                stdin=subprocess.DEVNULL,
+                pass_fds=(lower, hold_r, ready_w),
+                stdout=log_fd,
+                stderr=log_fd,
+                env={"PATH": _PATH},
+                start_new_session=True,
+            )
+        except OSError as e:
+            _close(hold_w, ready_r)
+            await self._down(mid)
+            raise Unavailable(f"cannot start machine {mid}: {e}") from e
+        finally:
+            _close(log_fd, lower, hold_r, ready_w)
+        proc = read_proc_stat(popen.pid)
+        assert proc is not None, "an unreaped child always has a /proc entry"
+        handle = Handle(pid=popen.pid, start_time=proc.start_time, boot_id=self._boot_id)
+        self._run_dirs.write_handle(mid, handle)
+        loop = asyncio.get_running_loop()
+        w = self._watch(loop, mid, handle, os.pidfd_open(popen.pid), popen)
+        w.go_fd = hold_w
+        w.starting = True
+        try:
+            await self._until_ready(w, ready_r)
+        except BaseException:
+            # Failed, or its caller gone (cancelled): the held container ends without running,
+            # and its exit is not reported (`starting` stays set): flyd never saw this handle.
+            self.discard(mid)
+            raise
+        else:
+            w.starting = False
+            # crun has read it (its own copy is in its state, root's alone, while the container
+            # lives): the machine's environment, secrets and all, does not stay on disk.
+            with contextlib.suppress(FileNotFoundError):
+                (run_dir / "config.json").unlink()
+        finally:
+            os.close(ready_r)
+        log.debug("machine_container_made", machine_id=mid, pid=popen.pid)
+        return handle
+
+    async def _until_ready(self, w: Watched, ready_fd: int) -> None:
+        """Wait for the hold hook's "ready"; raise Unavailable if the wrapper ends first."""
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Future[None] = loop.create_future()
+
+        def readable() -> None:
+            with contextlib.suppress(BlockingIOError):
+                if os.read(ready_fd, 64) and not ready.done():
+                    ready.set_result(None)
+
+        loop.add_reader(ready_fd, readable)
+        try:
+            waits: set[asyncio.Future[Any]] = {ready, w.exited}
+            done, _ = await asyncio.wait(
+                waits, timeout=_READY_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            loop.remove_reader(ready_fd)
+        if ready in done and not w.exited.done():
+            return
+        if not done:
+            w.killed_by_us = True
+            self._kill_all(w)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(w.exited), 5.0)
+        await self._down(w.machine_id)
+        tail = "; ".join(self.read_logs(w.machine_id, 5))
+        if w.exited.done() and not w.exited.cancelled() and w.exited.exception() is None:
+            raise Unavailable(
+                f"machine {w.machine_id}: the container could not be made "
+                f"({w.exited.result().describe()}): {tail}"
+            )
+        raise Unavailable(f"machine {w.machine_id}: no container after {_READY_TIMEOUT_S}s: {tail}")
+
+    async def _deliver(self, w: Watched, sig: int, *, stopping: bool) -> None:
+        """To the container's init (tini), which passes it on to the machine's command.
+
+        Right after a start, waits (briefly) until tini is there and ready: the kernel drops
+        a signal sent to a pid namespace's init that neither handles nor blocks it, so one
+        sent before tini blocked the signals it passes on would be lost.
+        """
+        pidfd = await self._container_init(w, sig, _EXEC_WAIT_S)
+        if pidfd is None:
+            # No container (yet, or any more): a stop ends what the wrapper runs instead.
+            if stopping:
+                self._killpg(w, signal.SIGKILL)
+            return
+        try:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(pidfd, sig)
+        finally:
+            os.close(pidfd)
+
+    async def _container_init(self, w: Watched, sig: int, wait: float) -> int | None:
+        """A pidfd for the container's init once tini is ready (or after `wait` seconds,
+        whatever it does then); None if there is no container.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while True:
+            pidfd = container_pidfd(self._crun_root, w.machine_id)
+            late = w.done or loop.time() >= deadline
+            # SIGKILL (and SIGSTOP) always reach it: nothing can block them.
+            uncatchable = sig in (signal.SIGKILL, signal.SIGSTOP)
+            if pidfd is not None and (late or uncatchable or _tini_ready(pidfd)):
+                return pidfd
+            if pidfd is not None:
+                os.close(pidfd)
+            if late:
+                return None
+            await self._sleep(0.002)
+
+    def _kill_all(self, w: Watched) -> None:
+        """SIGKILL the container's init: every process of its pid namespace dies with it."""
+        pidfd = container_pidfd(self._crun_root, w.machine_id)
+        if pidfd is None:
+            self._kill_cgroup(w.machine_id)
+            self._killpg(w, signal.SIGKILL)
+            return
+        try:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        finally:
+            os.close(pidfd)
+
+    def _ended(self, machine_id: str) -> None:
+        super()._ended(machine_id)
+        if self._netd.get(machine_id, {}).get("up"):
+            task = asyncio.ensure_future(self._down(machine_id, run=self._runs.get(machine_id)))
+            task.add_done_callback(_log_failure)
+            self._downs[machine_id] = task
+
+    async def stop(self, machine_id: str, sig: int, timeout: float) -> ExitStatus:
+        """`WrappedDriver.stop`; it returns once netd has let go of the machine's namespace
+        too, so its published ports refuse connections from then on.
+        """
+        status = await super().stop(machine_id, sig, timeout)
+        down = self._downs.pop(machine_id, None)
+        if down is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(down)
+        return status
+
+    async def _forget(self, machine_id: str) -> None:
+        if machine_id in self._netd:
+            await self._call("forget", machine=machine_id)
+            self._netd.pop(machine_id, None)
+        delete_container(self._crun_root, machine_id)
+        self._slots.pop(machine_id, None)
+        self._downs.pop(machine_id, None)
+        self._runs.pop(machine_id, None)
+
+    async def close(self) -> None:
+        """Stop watching; the machines and netd keep running (see `WrappedDriver.close`)."""
+        await super().close()
+        self._net.close()
+
+    # -- ports and network -------------------------------------------------------------------
+
+    async def publish(self, machine_id: str, ports: Sequence[PortMapping]) -> None:
+        """The machine's published services are exactly `ports`: netd holds their host ports
+        (flyd hands over those it bound, binds any neither holds) and forwards them into the
+        machine's namespace. Also brings netd in line with the machine after a restart of
+        flyd or netd: a running machine's namespace is adopted.
+        """
+        self._check_open()
+        await self._publish_ports(machine_id, ports)
+        if machine_id in self._watched and not self._netd[machine_id].get("up"):
+            await self._adopt(machine_id)
+
+    async def reconcile(self, machines: Mapping[str, Sequence[PortMapping]]) -> None:
+        """After flyd's recovery (see `WrappedDriver.reconcile`); netd also forgets the
+        machines flyd has no row for (a create that died before its first commit).
+        """
+        for machine_id in [m for m in self._netd if m not in machines]:
+            with contextlib.suppress(Unavailable):
+                await self._call("forget", machine=machine_id)
+            self._netd.pop(machine_id, None)
+        await super().reconcile(machines)
+
+    async def _publish_ports(
+        self, machine_id: str, ports: Sequence[PortMapping], **up: Any
+    ) -> dict[str, Any]:
+        """Publish the machine's ports to netd; with `up` (its fields), in the same request
+        as bringing its namespaces up (one round trip on a start). netd's answer.
+        """
+        self._published[machine_id] = tuple(ports)
+        held = set(self._netd.get(machine_id, {}).get("ports", ()))
+        socks = []
+        try:
+            for p in ports:
+                if p.host_port in held:
+                    continue
+                sock = self._ports.hand_over(machine_id, p.host_port) or bind_port(
+                    self.machine_host, p.host_port
+                )
+                if sock is None:
+                    log.error("machine_port_taken", machine_id=machine_id, port=p.host_port)
+                    continue
+                socks.append((p, sock))
+            kept = [p for p in ports if p.host_port in held]
+            answer = await self._call(
+                "up" if up else "publish",
+                [s.fileno() for _, s in socks],
+                machine=machine_id,
+                ports=[[p.host_port, p.internal_port] for p in kept]
+                + [[p.host_port, p.internal_port] for p, _ in socks],
+                **up,
+            )
+        finally:
+            for _, sock in socks:
+                sock.close()  # netd has its own copy now
+        state = self._netd.setdefault(machine_id, {"up": False})
+        state["ports"] = sorted({p.host_port for p in kept} | {p.host_port for p, _ in socks})
+        if up:
+            state["up"] = True
+        self._ports.release(machine_id)
+        return answer
+
+    async def _adopt(self, machine_id: str) -> None:
+        """Give a running machine (netd restarted under it) its address back."""
+        pidfd = container_pidfd(self._crun_root, machine_id)
+        if pidfd is None:
+            return
+        try:  # the pidfd pins the pid while netd opens its namespace
+            status = json.loads((self._crun_root / machine_id / "status").read_bytes())
+            await self._call(
+                "up",
+                machine=machine_id,
+                address=str(self._prefix.network_address + 2 + self._slot(machine_id)),
+                uid=0,
+                uids=0,
+                netns=f"/proc/{int(status['pid'])}/ns/net",
+            )
+        finally:
+            os.close(pidfd)
+        self._netd[machine_id]["up"] = True
+
+    async def _down(self, machine_id: str, run: int | None = None) -> None:
+        """Have netd drop the machine's namespaces (it stopped). With `run`: only if no start
+        came since that run ended, which would have made new ones. The check and the request
+        joining netd's queue happen with no await between them, so they cannot be reordered.
+        """
+        if run is not None and self._runs.get(machine_id) != run:
+            return
+        if machine_id in self._netd and not self._closed:
+            await self._call("down", machine=machine_id)
+            self._netd[machine_id]["up"] = False
+
+    async def _call(self, op: str, fds: list[int] | None = None, **fields: Any) -> dict[str, Any]:
+        """A netd request; if netd is gone, start a new one and give it back what it held."""
+        try:
+            return await self._net.request(op, fds, **fields)
+        except NetdGone as e:
+            if self._closed:
+                raise  # the driver closed the connection itself
+            log.warning("netd_restarting", previous_pid=self._net.pid, error=str(e))
+        self._net.connect()
+        self._netd = {}
+        for mid, ports in list(self._published.items()):
+            with contextlib.suppress(Unavailable):
+                await self.publish(mid, ports)  # and adopts the running machines
+        return await self._net.request(op, fds, **fields)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _crun(self, *args: str) -> list[str]:
+        return [
+            self._tools.crun,
+            "--root",
+            str(self._crun_root),
+            "--cgroup-manager=disabled",
+            *args,
+        ]
+
+    def _mounts(self, run_dir: Path, layers: dict[str, Path], lower: int) -> list[list[str]]:
+        """What the wrapper mounts in its private mount namespace before crun runs."""
+        mounts = []
+        if self._hybrid:
+            mounts.append([self._tools.umount, "--lazy", "/sys/fs/cgroup/unified"])
+        view = run_dir
+        if self._bind_view:
+            mounts.append([self._tools.mount, "--bind", str(run_dir), str(_VIEW)])
+            view = _VIEW
+        options = (
+            f"lowerdir=/proc/self/fd/{lower},upperdir={layers['upper']},workdir={layers['work']}"
+        )
+        rootfs = str(view / "rootfs")
+        mounts.append([self._tools.mount, "-t", "overlay", "overlay", "-o", options, rootfs])
+        return mounts
+
+    def _prepare_layers(self, run_dir: Path, root_uid: int) -> dict[str, Path]:
+        """The machine's upper layer (owned by its root), the overlay's work dir and the
+        mount point, made on its first start and kept across restarts.
+        """
+        layers = {name: run_dir / name for name in ("upper", "work", "rootfs")}
+        for name, path in layers.items():
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(path, 0o755 if name != "work" else 0o700)
+                if name == "upper":
+                    os.chown(path, root_uid, root_uid)
+        return layers
+
+    def _read_slots(self) -> dict[str, int]:
+        slots: dict[str, int] = {}
+        for path in self._run_dirs.root.glob(f"*/{_SLOT_FILE}"):
+            with contextlib.suppress(OSError, ValueError):
+                slots[path.parent.name] = int(path.read_text())
+        return slots
+
+    def _slot(self, machine_id: str) -> int:
+        """The machine's slot (its uid range and address), taken on its first start."""
+        slot = self._slots.get(machine_id)
+        if slot is not None:
+            return slot
+        used = set(self._slots.values())
+        slot = next((i for i in range(self.max_machines) if i not in used), None)
+        if slot is None:
+            raise ResourceExhausted("addresses", f"all {self.max_machines} machine slots are taken")
+        path = self._run_dirs.path(machine_id) / _SLOT_FILE
+        path.write_text(f"{slot}\n")
+        self._slots[machine_id] = slot
+        return slot
+
+
+def _tini_ready(pidfd: int) -> bool:
+    """Whether the pidfd's process is a tini that has blocked the signals it passes on.
+
+    tini blocks them first, then ignores SIGTTIN; it waits for them in sigtimedwait, during
+    which /proc shows them unblocked, so the SIGTTIN disposition is what tells.
+    """
+    try:
+        pid = next(
+            int(line.split()[1])
+            for line in Path(f"/proc/self/fdinfo/{pidfd}").read_text().splitlines()
+            if line.startswith("Pid:")
+        )
+        status = Path(f"/proc/{pid}/status").read_text()
+    except (OSError, StopIteration, ValueError):
+        return False
+    for line in status.splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) >> (signal.SIGTTIN - 1) & 1)
+    return False
+
+
+def _searchable(path: Path) -> bool:
+    """Whether anyone may search their way to `path` (every directory on the way o+x)."""
+    try:
+        return all(os.stat(p).st_mode & stat.S_IXOTH for p in [path, *path.parents])
+    except OSError:
+        return False
+
+
+def _close(*fds: int) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def _log_failure(task: asyncio.Future[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("netd_down_failed", error=str(task.exception()))
+
+
+# OciDriver keeps the contract flyd is written against (checked by mypy).
+_: type[Driver] = OciDriver

@@ -1,0 +1,84 @@
+"""Fixtures for the driver tests: real drivers of both kinds, on a run root of the test's own."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from flyd.drivers.base import ExitStatus, Handle
+from flyd.drivers.oci import OciDriver
+from flyd.drivers.process import ProcessDriver
+from flyd.drivers.rundir import kill_all
+from flyd.drivers.wrapped import WrappedDriver
+from tests.conftest import remove_cgroups
+from tests.flyd.driver_support import KINDS, OCI_UNAVAILABLE
+
+
+@pytest.fixture
+def prefix() -> Iterator[str]:
+    """A cgroup prefix of this test's own, removed with everything in it afterwards."""
+    name = f"nonomad-test-{uuid.uuid4().hex[:12]}"
+    yield name
+    remove_cgroups(name)
+
+
+@pytest.fixture
+def run_root(tmp_path: Path) -> Path:
+    return tmp_path / "run"
+
+
+@pytest.fixture
+def image(tmp_path: Path) -> Path:
+    """A machine's image: a bare directory (the host lends OCI machines its runtime)."""
+    path = tmp_path / "image"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture(params=KINDS)
+def kind(request: pytest.FixtureRequest) -> str:
+    if request.param == "oci" and OCI_UNAVAILABLE is not None:
+        pytest.skip(f"crun cannot run here: {OCI_UNAVAILABLE}")
+    return str(request.param)
+
+
+@pytest.fixture
+async def make_driver(
+    kind: str, run_root: Path, prefix: str
+) -> AsyncIterator[Callable[..., WrappedDriver]]:
+    """Makes drivers of the test's kind on one run root; afterwards kills what is left."""
+    drivers: list[WrappedDriver] = []
+
+    def make(on_exit: Callable[[str, Handle, ExitStatus], None], **kwargs: object) -> WrappedDriver:
+        options: dict[str, object] = {"cgroup_prefix": prefix, **kwargs}
+        cls: type[WrappedDriver] = OciDriver if kind == "oci" else ProcessDriver
+        driver = cls(run_root, on_exit=on_exit, **options)  # type: ignore[arg-type]
+        drivers.append(driver)
+        return driver
+
+    yield make
+    for driver in drivers:
+        await driver.close()
+    _kill_and_reap(run_root)
+
+
+def _kill_and_reap(run_root: Path) -> None:
+    # Wrappers are this process's children (a real flyd restart leaves them to init): reap
+    # them, or their zombies would keep their cgroups busy.
+    handles = []
+    for handle_file in run_root.glob("*/handle.json"):
+        with contextlib.suppress(OSError, ValueError):
+            handles.append(Handle.from_dict(json.loads(handle_file.read_text())))
+    kill_all(run_root)
+    for handle in handles:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(handle.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(handle.pid, 0)

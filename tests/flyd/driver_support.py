@@ -1,0 +1,154 @@
+"""What the driver tests share: real drivers of either kind, their machines and waits.
+
+`make_driver` (a fixture in tests/flyd/conftest.py) builds a `process` or an `oci` driver on
+one run root; the tests written against it run for both (the OCI ones skip, with the reason,
+where crun cannot run). A machine's "image" is a plain directory (`image`); what a machine
+writes in its working directory is read back with `machine_file`, which knows where each
+driver keeps it (the image directory itself for the process driver, the machine's upper
+layer for OCI). Nothing waits on wall-clock time: tests wait on conditions with deadlines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from flyd.drivers.base import Driver, ExitStatus, Handle, Limits, ProcessSpec
+from flyd.drivers.oci import probe as oci_probe
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+CONTROLLERS = ("memory", "cpu", "pids")
+PATH = "/usr/local/bin:/usr/bin:/bin"
+DEADLINE = 10.0
+LIMITS = Limits(cpu_millicores=500, memory_mib=256, pids=256)
+KINDS = ("process", "oci")
+
+
+def _cgroups_unavailable() -> str | None:
+    """Why cgroup v1 tests cannot run here, or None."""
+    probe = f"nonomad-probe-{uuid.uuid4().hex[:8]}"
+    for controller in CONTROLLERS:
+        path = CGROUP_ROOT / controller / probe
+        try:
+            path.mkdir()
+            path.rmdir()
+        except OSError as e:
+            return f"cgroup v1 {controller} controller not writable at {path.parent}: {e.strerror}"
+    return None
+
+
+CGROUPS_UNAVAILABLE = _cgroups_unavailable()
+OCI_UNAVAILABLE = oci_probe()
+
+
+def needs_cgroups(test: Callable[..., object]) -> Callable[..., object]:
+    skip = pytest.mark.skipif(CGROUPS_UNAVAILABLE is not None, reason=str(CGROUPS_UNAVAILABLE))
+    return pytest.mark.cgroups(skip(test))
+
+
+needs_oci = pytest.mark.skipif(
+    OCI_UNAVAILABLE is not None, reason=f"crun cannot run here: {OCI_UNAVAILABLE}"
+)
+
+
+class Exits:
+    """Collects on_exit calls; `wait` returns a machine's next one."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, ExitStatus]] = []
+        self._changed = asyncio.Event()
+
+    def __call__(self, machine_id: str, handle: Handle, status: ExitStatus) -> None:
+        self.calls.append((machine_id, status))
+        self._changed.set()
+
+    def of(self, machine_id: str) -> list[ExitStatus]:
+        return [status for mid, status in self.calls if mid == machine_id]
+
+    async def wait(self, machine_id: str, count: int = 1) -> ExitStatus:
+        async def reached() -> None:
+            while len(self.of(machine_id)) < count:
+                self._changed.clear()
+                await self._changed.wait()
+
+        await asyncio.wait_for(reached(), DEADLINE)
+        return self.of(machine_id)[count - 1]
+
+
+async def run_machine(driver: Driver, process: ProcessSpec) -> Handle:
+    """Start and release: the machine runs its command."""
+    handle = await driver.start(process)
+    driver.release(process.machine_id)
+    return handle
+
+
+async def wait_until(condition: Callable[[], bool], what: str) -> None:
+    """Poll a condition until a deadline (for effects no callback announces)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + DEADLINE
+    while not condition():
+        if loop.time() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+async def logged(driver: Driver, machine_id: str, line: str) -> None:
+    """Wait until the machine has printed `line`."""
+    await wait_until(lambda: line in driver.read_logs(machine_id, 100), f"{machine_id}: {line}")
+
+
+def gone(pid: int) -> bool:
+    """The process no longer runs (or is a zombie nobody reaped yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except FileNotFoundError:
+        return True
+    return stat[stat.rindex(b")") + 2 :].startswith(b"Z")
+
+
+def pids_running(token: str) -> list[int]:
+    """Host pids of the processes whose command line holds `token` (a machine's marker)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if token.encode() in (entry / "cmdline").read_bytes() and not gone(int(entry.name)):
+                    found.append(int(entry.name))
+    return found
+
+
+def cgroup_pids(prefix: str, machine_id: str) -> list[int]:
+    """Host pids in the machine's pids cgroup."""
+    procs = CGROUP_ROOT / "pids" / prefix / machine_id / "cgroup.procs"
+    with contextlib.suppress(FileNotFoundError):
+        return [int(p) for p in procs.read_text().split()]
+    return []
+
+
+def spec(machine_id: str, argv: list[str], rootfs: Path, /, **changes: object) -> ProcessSpec:
+    base = ProcessSpec(
+        machine_id=machine_id,
+        argv=argv,
+        rootfs=rootfs,
+        env={"PATH": PATH},
+        limits=LIMITS,
+        host_runtime=True,
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def sh(script: str) -> list[str]:
+    return ["sh", "-c", script]
+
+
+def machine_file(driver: Driver, machine_id: str, name: str) -> Path:
+    """Where a file the machine wrote in its working directory (/) is on the host."""
+    if driver.name == "oci":
+        return driver._run_dirs.path(machine_id) / "upper" / name  # type: ignore[attr-defined]
+    return driver._run_dirs.root.parent / "image" / name  # type: ignore[attr-defined]
