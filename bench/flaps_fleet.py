@@ -14,7 +14,8 @@ Rows look like flyd's for the demo app (`nonomad/demo/app.toml`: its config, a s
 tail of three events). Workers are spread over ten regions and three host sizes. The
 simulation keeps rows as bytes, so a million of them fit. Like a registry, it sends a follower
 that asks for batches (`FollowRequest.max_batch`) up to that many items in one message when as
-many are ready (heartbeats go out in slices, 20 a second).
+many are ready. Heartbeats go out in slices, 100 a second (a registry relays them as they come,
+in batches of what came meanwhile; slices of 250 every 50 ms made bursts no fleet sends).
 
 It prints one JSON line, `{"registry": ADDR, "worker": ADDR}`, and runs until stdin closes.
 """
@@ -243,9 +244,10 @@ class Fleet:
                 for message in _batches(items, most):
                     yield message
                 await asyncio.sleep(0)
-            # Heartbeats go out in slices so that each worker beats every `heartbeat` seconds.
+            # Heartbeats go out in slices so that each worker beats every `heartbeat` seconds: at
+            # 10,000 workers beating every 2 s, 50 every 10 ms.
             loop = asyncio.get_running_loop()
-            tick = 0.05
+            tick = 0.01
             per_tick = max(1, round(len(workers) * tick / self.heartbeat))
             cursor = 0
             next_tick = loop.time() + tick
