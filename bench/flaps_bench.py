@@ -338,6 +338,7 @@ class SizeResult:
     load_s: float
     create_ms: list[float]
     per_second: float
+    cpu_ms: float
     refusal_ms: list[float]
     lag_load: tuple[float, int, int]
     lag_place: tuple[float, int, int]
@@ -417,9 +418,11 @@ async def simulated(size: int, cfg: Config, logs: Path) -> SizeResult:
             create_ms = await timed(cfg.creates, cfg.phase_seconds, create)
             refusal_ms = await timed(cfg.refusals, cfg.phase_seconds, refuse)
             lag3 = await Lag.read(metrics)
-            per_second, _ = await throughput(
+            cpu0 = procs.cpu_seconds(flaps_proc.pid)
+            per_second, placed = await throughput(
                 cfg.throughput_creates, cfg.phase_seconds, CLIENTS, create
             )
+            cpu_ms = 1000 * (procs.cpu_seconds(flaps_proc.pid) - cpu0) / max(1, placed)
             lag4 = await Lag.read(metrics)
         finally:
             await client.close()
@@ -434,6 +437,7 @@ async def simulated(size: int, cfg: Config, logs: Path) -> SizeResult:
             load_s=load_s,
             create_ms=create_ms,
             per_second=per_second,
+            cpu_ms=cpu_ms,
             refusal_ms=refusal_ms,
             lag_load=lag1.since(lag0),
             lag_place=lag3.since(lag2),
@@ -463,6 +467,12 @@ def report_sizes(res: Results, sizes: list[SizeResult], machines_each: int) -> N
             s.per_second,
             "/s",
             (">=", round(0.9 * base.per_second)) if big else None,
+        )
+        res.add(
+            f"{label}: flaps CPU per placement, {CLIENTS} clients",
+            s.cpu_ms,
+            "ms",
+            note="heartbeats included",
         )
         res.add(f"{label}: refusal p50", _ms(s.refusal_ms, 50), "ms")
         res.add(f"{label}: refusal p99", _ms(s.refusal_ms, 99), "ms", ("<=", 2.0))
@@ -571,9 +581,12 @@ async def real(cfg: Config, res: Results, tmp: Path, logs: Path) -> None:
             async def place(_: int) -> None:
                 await client.create(config, "ams", skip_launch=True)
 
+            pids = {"flaps": flaps_proc.pid, **{f"flyd {i}": f.pid for i, f in enumerate(flyds)}}
+            cpu0, host0 = CpuTimes.now(pids), procs.HostCpu.now()
             per_second, placed = await throughput(
                 cfg.real_throughput, cfg.phase_seconds, CLIENTS, place
             )
+            cpu, host = CpuTimes.now(pids).since(cpu0), procs.HostCpu.now().since(host0)
             lag1 = await Lag.read(metrics)
             n = len(flyds)
             res.add(f"{n} real flyd: create p50", _ms(create_ms, 50), "ms")
@@ -587,6 +600,7 @@ async def real(cfg: Config, res: Results, tmp: Path, logs: Path) -> None:
                 (">=", 1000.0),
                 note=f"{placed} placements",
             )
+            report_cpu(res, f"{n} real flyd", cpu, placed, host)
             bound, over, total = lag1.since(lag0, held=True)
             res.add(
                 f"{n} real flyd: flaps loop held, wake-ups over 1 ms",
@@ -614,6 +628,45 @@ async def real(cfg: Config, res: Results, tmp: Path, logs: Path) -> None:
         left = procs.processes_under(tmp)
         if left:
             res.errors.append(f"machine processes left after the run: {left}")
+
+
+@dataclass(frozen=True)
+class CpuTimes:
+    """CPU seconds (user + system) each process has used, and this one (the load client)."""
+
+    seconds: dict[str, float]
+
+    @classmethod
+    def now(cls, pids: dict[str, int]) -> CpuTimes:
+        me = os.times()
+        out = {name: procs.cpu_seconds(pid) for name, pid in pids.items()}
+        out["client"] = me.user + me.system
+        return cls(out)
+
+    def since(self, earlier: CpuTimes) -> CpuTimes:
+        return CpuTimes({k: v - earlier.seconds[k] for k, v in self.seconds.items()})
+
+
+def report_cpu(
+    res: Results, label: str, cpu: CpuTimes, placements: int, host: dict[str, float]
+) -> None:
+    """CPU per placement of each part: what bounds placements/s on this host's 2 cores."""
+    if not placements:
+        return
+    each = {k: 1000 * v / placements for k, v in cpu.seconds.items()}
+    flyd = sum(v for k, v in each.items() if k.startswith("flyd"))
+    total = each["flaps"] + flyd + each["client"]
+    cores = os.cpu_count() or 1
+    res.add(f"{label}: CPU per placement, flaps", each["flaps"], "ms")
+    res.add(f"{label}: CPU per placement, flyd (all)", flyd, "ms")
+    res.add(f"{label}: CPU per placement, load client", each["client"], "ms")
+    res.add(
+        f"{label}: CPU per placement, all three",
+        total,
+        "ms",
+        note=f"at most {1000 * cores / total:,.0f}/s on {cores} cores with the host to "
+        f"themselves; the host was {host['busy_pct']:.0f}% busy",
+    )
 
 
 async def _until_alive(client: Flaps, workers: int, timeout: float = 30.0) -> None:

@@ -12,7 +12,10 @@ is flaps' own work, plus two loopback hops.
 
 Rows look like flyd's for the demo app (`nonomad/demo/app.toml`: its config, a service port, a
 tail of three events). Workers are spread over ten regions and three host sizes. The
-simulation keeps rows as bytes, so a million of them fit.
+simulation keeps rows as bytes, so a million of them fit. Like a registry, it sends a follower
+that asks for batches (`FollowRequest.max_batch`) up to that many items in one message when as
+many are ready. Heartbeats go out in slices, 100 a second (a registry relays them as they come,
+in batches of what came meanwhile; slices of 250 every 50 ms made bursts no fleet sends).
 
 It prints one JSON line, `{"registry": ADDR, "worker": ADDR}`, and runs until stdin closes.
 """
@@ -25,7 +28,7 @@ import json
 import random
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +49,12 @@ DEMO = Path(__file__).resolve().parents[1] / "nonomad" / "demo" / "app.toml"
 FOLLOW_QUEUE = 8192
 # Snapshot items sent between two yields to the simulation's own loop.
 SNAPSHOT_CHUNK = 50
+# Follow items in one message at most (a follower asks for up to this many: max_batch), and
+# about the most bytes of them (a registry's bound: flyd.pages.PAGE_BYTES).
+MAX_BATCH = 256
+BATCH_BYTES = 1 << 20
+# FollowResponse.batch (field 5, length-delimited): the tag before each item of a batch.
+_BATCH_TAG = bytes([5 << 3 | 2])
 
 
 @dataclass
@@ -167,9 +176,13 @@ class Fleet:
         machine = self._row(sim, request.machine_id, request.config, state)
         machine.app = request.app
         self._put(sim, machine)
-        change = w.MachineChange(event=machine.events[-1], machine=machine)
-        change.event.seq = sim.seq
-        self._send(sim, w.WatchEventsResponse(change=change))
+        # One change per step, each with its own seq, as flyd's log has them (a create that
+        # starts is three: created, starting, started), the row as it was after the step.
+        for event in machine.events:
+            row = pb.Machine()
+            row.CopyFrom(machine)
+            row.state = event.to_state
+            self._send(sim, w.WatchEventsResponse(change=w.MachineChange(event=event, machine=row)))
         return machine
 
     async def CreateMachine(
@@ -218,18 +231,23 @@ class Fleet:
     async def Follow(
         self, request: bytes, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:
+        # As a registry serves it: up to max_batch items a message, when that many are ready.
+        most = max(1, min(r.FollowRequest.FromString(request).max_batch, MAX_BATCH))
         queue: asyncio.Queue[bytes] = asyncio.Queue(FOLLOW_QUEUE)
         self._followers.add(queue)
         try:
             workers = list(self.workers.values())
-            for i, sim in enumerate(workers):
-                yield self._snapshot(sim)
-                yield self._heartbeat(sim)
-                if i % SNAPSHOT_CHUNK == 0:
-                    await asyncio.sleep(0)
-            # Heartbeats go out in slices so that each worker beats every `heartbeat` seconds.
+            for i in range(0, len(workers), SNAPSHOT_CHUNK):
+                items = []
+                for sim in workers[i : i + SNAPSHOT_CHUNK]:
+                    items += [self._snapshot(sim), self._heartbeat(sim)]
+                for message in _batches(items, most):
+                    yield message
+                await asyncio.sleep(0)
+            # Heartbeats go out in slices so that each worker beats every `heartbeat` seconds: at
+            # 10,000 workers beating every 2 s, 50 every 10 ms.
             loop = asyncio.get_running_loop()
-            tick = 0.05
+            tick = 0.01
             per_tick = max(1, round(len(workers) * tick / self.heartbeat))
             cursor = 0
             next_tick = loop.time() + tick
@@ -237,14 +255,48 @@ class Fleet:
                 try:
                     data = await asyncio.wait_for(queue.get(), max(0.0, next_tick - loop.time()))
                 except TimeoutError:
+                    beats = []
                     for _ in range(per_tick):
-                        yield self._heartbeat(workers[cursor])
+                        beats.append(self._heartbeat(workers[cursor]))
                         cursor = (cursor + 1) % len(workers)
+                    for message in _batches(beats, most):
+                        yield message
                     next_tick += tick
                 else:
-                    yield data
+                    ready = [data]
+                    while len(ready) < most and not queue.empty():
+                        ready.append(queue.get_nowait())
+                    for message in _batches(ready, most):
+                        yield message
         finally:
             self._followers.discard(queue)
+
+
+def _batches(items: list[bytes], most: int) -> Iterator[bytes]:
+    """Serialized FollowResponses as messages of up to `most` of them (and about a MiB): one
+    alone as itself, several as the repeated field `batch` (5), encoded by hand."""
+    i = 0
+    while i < len(items):
+        group = [items[i]]
+        size = len(items[i])
+        i += 1
+        while i < len(items) and len(group) < most and size + len(items[i]) <= BATCH_BYTES:
+            group.append(items[i])
+            size += len(items[i])
+            i += 1
+        if len(group) == 1:
+            yield group[0]
+        else:
+            yield b"".join(_BATCH_TAG + _varint(len(d)) + d for d in group)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
 
 
 def _identity(data: bytes) -> bytes:

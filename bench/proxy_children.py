@@ -107,8 +107,8 @@ def proxy_main() -> None:
     import structlog
 
     from proxy.http import HttpProxy
-    from proxy.main import use_event_loop
     from proxy.stats import Stats
+    from runtime import use_event_loop
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     backend_port = int(sys.argv[1])

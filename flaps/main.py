@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import sys
 from collections.abc import Callable
 
 import structlog
@@ -17,7 +18,9 @@ from flaps.settings import FlapsSettings
 from flaps.v1 import machines_pb2, machines_pb2_grpc, platform_pb2, platform_pb2_grpc
 from registry.service import serve_replica
 from runtime import Service, configure_logging, main_entry, settings_or_exit, setup_tracing
+from runtime.heap import no_full_collections
 from runtime.pki import ClusterMembers
+from runtime.server import use_event_loop
 
 log = structlog.get_logger("flaps")
 
@@ -80,4 +83,8 @@ async def build(argv: list[str]) -> Service:
 
 
 def main() -> None:
+    # Process-wide choices, made before the loop runs (build() reads the settings again in
+    # it): the event loop, and a cycle collector that never walks the old objects.
+    no_full_collections()
+    use_event_loop(settings_or_exit(FlapsSettings, sys.argv[1:], "flaps").event_loop)
     main_entry(build)

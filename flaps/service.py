@@ -38,12 +38,13 @@ from flaps.errors import (
 from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
 from flyd import slots
-from flyd.pages import page
+from flyd.pages import checked_page_size
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
 from flyd.validate import CONFIG_LIMITS, check_config
 from registry.replica import Replica
+from registry.rows import MachineQuery
 from registry.supply import Resources
 from registry.v1 import registry_pb2
 from registry.view import ALIVE
@@ -510,21 +511,24 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
         check_name("app", request.app, required=False)
         if request.region:
             self.x.regions_of(request.region, [])
+        size = checked_page_size(request.page_size)
         grant = current_grant()  # a token's caller sees only the machines it may read
-        machines = [
-            mm
-            for mm in self.x.replica.machines(
-                app=request.app or None, region=request.region or None
+        wanted = request.state
+        destroyed = request.include_destroyed or wanted == S.MACHINE_STATE_DESTROYED
+
+        def keep(machine_id: str, app: str, state: int) -> bool:
+            return (
+                (not wanted or state == wanted)
+                and (destroyed or state != S.MACHINE_STATE_DESTROYED)
+                and (grant is None or grant.may("read", app, machine_id))
             )
-            if (not request.state or mm.state == request.state)
-            and (grant is None or grant.may("read", mm.app, mm.id))
-            and (
-                request.include_destroyed
-                or request.state == S.MACHINE_STATE_DESTROYED
-                or mm.state != S.MACHINE_STATE_DESTROYED
+
+        # Only the page is read (and parsed), whatever the app holds.
+        listed, next_token = self.x.replica.machine_page(
+            MachineQuery(
+                request.app or None, request.region or None, request.page_token, size, keep
             )
-        ]
-        listed, next_token = page(machines, request.page_size, request.page_token)
+        )
         return m.ListMachinesResponse(machines=listed, next_page_token=next_token)
 
     async def UpdateMachine(

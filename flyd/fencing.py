@@ -185,7 +185,7 @@ class Fencing:
                 policy=self.runner.policy,
             )
             if t is not None:
-                self.runner.commit(mid, [t])
+                self.runner.commit_now(mid, [t])
                 fenced += 1
         self._count(fenced)
         self._awake = self._monotonic()

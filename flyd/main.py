@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import secrets
 import signal
+import sys
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -41,8 +42,10 @@ from runtime import (
     settings_or_exit,
     setup_tracing,
     tracing_enabled,
+    use_event_loop,
 )
 from runtime.clock import SystemClock
+from runtime.heap import no_full_collections
 
 log = structlog.get_logger("flyd")
 ANNOUNCE_TIMEOUT = 2.0
@@ -169,7 +172,7 @@ async def build(argv: list[str]) -> Service:
             identity.address = await service.wait_ready()
         worker.recover()
         while not shutdown.is_set():
-            worker.flush()
+            await worker.flush()
             driver.rotate_logs()
             images.flush()
             with contextlib.suppress(TimeoutError):
@@ -209,9 +212,8 @@ async def build(argv: list[str]) -> Service:
 
     async def close() -> None:
         assert worker is not None
-        await worker.close()
+        await worker.close(flush=True)  # the lazy rows are committed, the log's writer stops
         await driver.close()  # stops watching; the machines keep running
-        worker.flush()
         images.flush()
         store.close()
 
@@ -228,4 +230,8 @@ async def build(argv: list[str]) -> Service:
 
 
 def main() -> None:
+    # Process-wide choices, made before the loop runs (build() reads the settings again in
+    # it): the event loop, and a cycle collector that never walks the old objects.
+    no_full_collections()
+    use_event_loop(settings_or_exit(FlydSettings, sys.argv[1:], "flyd").event_loop)
     main_entry(build)

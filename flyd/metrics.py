@@ -28,6 +28,7 @@ __all__ = [
     "CLEANUP_FAILURES",
     "CREATE_SECONDS",
     "FENCED",
+    "LOG_TRANSACTION_COMMITS",
     "SUPERSEDED",
     "WorkerCollector",
     "WorkerTotals",
@@ -45,6 +46,12 @@ CREATE_SECONDS = Histogram(
     "CreateMachine handled by the worker: from the request to the machine's resting state "
     "(started, or created with skip_launch).",
     buckets=(0.002, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+)
+LOG_TRANSACTION_COMMITS = Histogram(
+    "nonomad_flyd_log_transaction_commits",
+    "Commits written in one transaction (one fsync) of the machine log: operations that came "
+    "while the one before was written share the next (flyd.commits).",
+    buckets=(1, 2, 4, 8, 16, 32, 64),
 )
 CLEANUP_FAILURES = Counter(
     "nonomad_flyd_cleanup_failures",

@@ -22,6 +22,13 @@ DEFAULT_PAGE_SIZE = 500
 MAX_PAGE_SIZE = 1000
 
 
+def checked_page_size(page_size: int) -> int:
+    """A request's page size, checked: `page_size`, or `DEFAULT_PAGE_SIZE` for 0."""
+    if page_size < 0 or page_size > MAX_PAGE_SIZE:
+        raise InvalidArgument("page_size", f"must be between 0 and {MAX_PAGE_SIZE}")
+    return page_size or DEFAULT_PAGE_SIZE
+
+
 def page(
     machines: Iterable[pb.Machine], page_size: int, page_token: str
 ) -> tuple[list[pb.Machine], str]:
@@ -32,9 +39,7 @@ def page(
     created or destroyed between two pages may be missed or seen on both sides, never twice
     on one page.
     """
-    if page_size < 0 or page_size > MAX_PAGE_SIZE:
-        raise InvalidArgument("page_size", f"must be between 0 and {MAX_PAGE_SIZE}")
-    size = page_size or DEFAULT_PAGE_SIZE
+    size = checked_page_size(page_size)
     rest = sorted((m for m in machines if m.id > page_token), key=lambda m: m.id)
     out: list[pb.Machine] = []
     used = 0

@@ -4,21 +4,25 @@ It owns the in-memory copy of every machine row (the LMDB log is the truth; `rec
 rebuilds the copy from it at start and resumes unfinished operations), serialises the steps
 of each machine with a per-machine lock, performs the effects the pure core (flyd.fsm) asks
 for (spawn, kill, signal, cleanup, timers) and turns the driver's exit reports into events.
-Each commit is one transaction; what follows it (reservations, image references, metrics,
-the operation's span, the log line, publishing to flyd.stream, compaction) happens here.
-The operations callers ask for (create, stop, update, leases, ...) are flyd.worker's.
+Commits go through flyd.commits (a writer thread, concurrent operations' commits in one
+transaction); once a commit is durable, and not before, what follows it happens here: the row
+in memory, reservations, image references, metrics, the operation's span, the log line,
+publishing to flyd.stream, compaction. A step's effects run only after that. The operations
+callers ask for (create, stop, update, leases, ...) are flyd.worker's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import signal
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Iterable, Sequence
 
 import structlog
 
 from flyd import fsm
+from flyd.commits import GroupCommit, durable
 from flyd.drivers.base import Driver, ExitStatus, Handle
 from flyd.errors import DeadlineExceeded, FailedPrecondition, NotFound
 from flyd.images.cache import ImageCache
@@ -73,8 +77,10 @@ class Runner:
         self.log_keep = log_keep
         self.secret_box = secret_box
         self.rows = rows
+        self.commits = GroupCommit(store)
         # Machines whose durable row lags behind `rows` by a lazy step (see fsm.Transition).
         self._dirty: set[str] = set()
+        self._compacting = False
         self._op_tracer = op_tracer
         self._locks: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -124,12 +130,16 @@ class Runner:
             await self.driver.cleanup(machine_id)
             log.info("leftover_removed", machine_id=machine_id)
 
-    async def close(self) -> None:
-        """Stop background work; machines keep running."""
+    async def close(self, *, flush: bool = False) -> None:
+        """Stop background work (machines keep running), commit the lazy rows if `flush`, and
+        stop the log's writer once what it was given is written."""
         self.closing = True
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if flush:
+            await self.flush()
+        await self.commits.close()
 
     def on_exit(self, machine_id: str, handle: Handle, status: ExitStatus) -> None:
         """The driver's exit callback: turn it into an Exited event."""
@@ -226,14 +236,14 @@ class Runner:
                     op_span = None
                 self._check_in_time(machine_id, commit_by)
                 commit_by = None
-                self.commit(machine_id, staged)
+                await self.commit(machine_id, staged)
                 staged = []
                 event = await self._perform(machine_id, transition)
             if staged:
                 if op_span is not None:
                     self._take_span(machine_id, op_span)
                 self._check_in_time(machine_id, commit_by)
-                self.commit(machine_id, staged)
+                await self.commit(machine_id, staged)
                 staged = []
         finally:
             if staged and staged[-1].row.handle is not None:
@@ -258,12 +268,23 @@ class Runner:
         if self._op_tracer is not None and t.row.op is None:
             self._op_tracer.rested(machine_id)
 
-    def flush(self) -> None:
+    async def flush(self) -> None:
         """Commit the rows whose durable copy lags behind (lazy steps); flyd calls it often."""
         if self._dirty:
-            dirty = {mid: fsm.encode_row(self.rows[mid]) for mid in self._dirty}
-            self.store.commit([], dirty)
-            self._dirty.clear()
+            rows = self._take_dirty()
+            done = self.commits.submit([], rows)
+            done.add_done_callback(functools.partial(self._redirty, list(rows)))
+            await durable(done)
+
+    def _take_dirty(self) -> dict[str, bytes]:
+        """The lazy rows, to ride along with a commit: dirty again if that commit fails."""
+        dirty = {mid: fsm.encode_row(self.rows[mid]) for mid in self._dirty}
+        self._dirty.clear()
+        return dirty
+
+    def _redirty(self, ids: Iterable[str], done: asyncio.Future[int]) -> None:
+        if done.exception() is not None:
+            self._dirty.update(mid for mid in ids if mid in self.rows)
 
     def _take_span(self, machine_id: str, op_span: tuple[str, OpSpan]) -> None:
         if self._op_tracer is not None:
@@ -340,13 +361,42 @@ class Runner:
 
     # --- commits ------------------------------------------------------------
 
-    def commit(self, machine_id: str, steps: list[fsm.Transition]) -> None:
-        """One transaction: a log record per step and the row after the last. Then tell all.
+    async def commit(self, machine_id: str, steps: list[fsm.Transition]) -> None:
+        """One commit: a log record per step and the row after the last. Once it is durable,
+        and not before, tell all (`_committed`), then return; the effects come after. The
+        caller holds the machine's lock, and keeps it until then even when it is cancelled
+        meanwhile: the row in memory is never behind or ahead of the log.
 
         Steps computed together (a step and its spawn's outcome) are committed together; each
         record still carries the machine as it was after its own step.
         """
-        seq = self.store.last_seq()
+        records, changes = self._records(machine_id, steps, self.commits.assigned)
+        rows = self._take_dirty()
+        lazy = list(rows)
+        rows[machine_id] = fsm.encode_row(steps[-1].row)
+        done = self.commits.submit(records, rows)
+        if lazy:
+            done.add_done_callback(functools.partial(self._redirty, lazy))
+        try:
+            await durable(done)
+        finally:
+            # Here, not in a callback of the writer: nothing runs between telling all and
+            # this task's next effects (a waiter woken by the change finds them done).
+            if done.done() and done.exception() is None:
+                self._committed(machine_id, steps, changes, done.result())
+        if self.store.last_seq() - self.store.first_seq() >= 2 * self.log_keep:
+            await self._compact()
+
+    def commit_now(self, machine_id: str, steps: list[fsm.Transition]) -> None:
+        """`commit`, written at once on the loop: for recovery, before anything else commits."""
+        records, changes = self._records(machine_id, steps, self.commits.assigned)
+        rows = self._take_dirty()
+        rows[machine_id] = fsm.encode_row(steps[-1].row)
+        self._committed(machine_id, steps, changes, self.commits.commit_now(records, rows))
+
+    def _records(
+        self, machine_id: str, steps: list[fsm.Transition], seq: int
+    ) -> tuple[list[NewRecord], list[worker_pb2.MachineChange]]:
         changes: list[worker_pb2.MachineChange] = []
         tail: Sequence[pb.MachineEvent] | None = None  # the event tail after the step before
         for t in steps:
@@ -371,19 +421,25 @@ class Runner:
                     del machine.events[: len(machine.events) - fsm.EVENT_TAIL]
             tail = machine.events
             changes.append(worker_pb2.MachineChange(event=event, machine=machine))
+        records = [NewRecord(RecordType.MACHINE_CHANGE, c.SerializeToString()) for c in changes]
+        return records, changes
+
+    def _committed(
+        self,
+        machine_id: str,
+        steps: list[fsm.Transition],
+        changes: list[worker_pb2.MachineChange],
+        seq: int,
+    ) -> None:
+        """What follows a durable commit: the row in memory, reservations, images, metrics, the
+        operation's span, the log line, the stream, compaction."""
         row = steps[-1].row
-        rows = {mid: fsm.encode_row(self.rows[mid]) for mid in self._dirty}  # lazy steps
-        rows[machine_id] = fsm.encode_row(row)
-        self.store.commit(
-            [NewRecord(RecordType.MACHINE_CHANGE, c.SerializeToString()) for c in changes], rows
-        )
-        self._dirty.clear()
         self.reservations.account(self.rows.get(machine_id), row)
         self.rows[machine_id] = row
         self.reservations.pending.pop(machine_id, None)  # a create's reservation is now the row's
         op_span = None
         for t, change in zip(steps, changes, strict=True):
-            op_span = self._committed(machine_id, t, change.event.seq) or op_span
+            op_span = self._step_committed(machine_id, t, change.event.seq) or op_span
         if op_span is None:
             self._log_commit(machine_id, steps, seq)
         else:
@@ -391,8 +447,6 @@ class Runner:
                 self._log_commit(machine_id, steps, seq)
         for change in changes:
             self.stream.publish(change)
-        if self.store.last_seq() - self.store.first_seq() >= 2 * self.log_keep:
-            self._compact()
 
     @staticmethod
     def _log_commit(machine_id: str, steps: list[fsm.Transition], seq: int) -> None:
@@ -407,7 +461,7 @@ class Runner:
             seq=seq,
         )
 
-    def _committed(self, machine_id: str, t: fsm.Transition, seq: int) -> OpSpan | None:
+    def _step_committed(self, machine_id: str, t: fsm.Transition, seq: int) -> OpSpan | None:
         """What follows one committed step: images, metrics, the operation's span.
 
         Returns the operation's span, if one is open.
@@ -420,24 +474,40 @@ class Runner:
             return self._op_tracer.committed(machine_id, t, seq)
         return None
 
-    def drop(self, machine_ids: list[str]) -> None:
-        """Forget destroyed machines: their rows leave the store (one transaction) and memory."""
-        if not machine_ids:
-            return
-        self.store.commit([], dict.fromkeys(machine_ids))
-        for mid in machine_ids:
-            self.reservations.account(self.rows.pop(mid), None)
-            self._locks.pop(mid, None)
+    async def drop(self, machine_ids: list[str]) -> None:
+        """Forget destroyed machines: their rows leave the store (one commit) and memory."""
+        if machine_ids:
+            await durable(
+                self.commits.submit(
+                    [], dict.fromkeys(machine_ids), lambda _: self._forget(machine_ids)
+                )
+            )
 
-    def _compact(self) -> None:
-        destroyed = [
-            (row.machine.updated_at.ToNanoseconds(), mid)
-            for mid, row in self.rows.items()
-            if row.state == S.MACHINE_STATE_DESTROYED
-        ]
-        drop = [mid for _, mid in sorted(destroyed)[: max(0, len(destroyed) - KEEP_DESTROYED)]]
-        self.drop(drop)
-        dropped = self.store.compact(self.log_keep)
+    def _forget(self, machine_ids: list[str]) -> None:
+        for mid in machine_ids:
+            row = self.rows.pop(mid, None)
+            if row is not None:
+                self.reservations.account(row, None)
+            lock = self._locks.get(mid)
+            if lock is not None and not lock.locked():  # (a holder's waiters keep theirs)
+                del self._locks[mid]
+
+    async def _compact(self) -> None:
+        if self._compacting:  # another commit's task does it
+            return
+        self._compacting = True
+        try:
+            destroyed = [
+                (row.machine.updated_at.ToNanoseconds(), mid)
+                for mid, row in self.rows.items()
+                if row.state == S.MACHINE_STATE_DESTROYED
+            ]
+            drop = [mid for _, mid in sorted(destroyed)[: max(0, len(destroyed) - KEEP_DESTROYED)]]
+            await self.drop(drop)
+            keep = self.log_keep
+            dropped = await self.commits.run(lambda store: store.compact(keep))
+        finally:
+            self._compacting = False
         log.info(
             "log compacted",
             dropped=dropped,

@@ -95,7 +95,13 @@ class Snapshot:
 
 
 class MachineLog(Protocol):
-    """What flyd needs from its storage. Each call is atomic."""
+    """What flyd needs from its storage. Each call is atomic.
+
+    `blocking`: whether a commit waits on a disk (fsync), so that flyd runs commits in a
+    writer thread of their own (flyd.commits) rather than on its event loop.
+    """
+
+    blocking: bool
 
     def epoch(self) -> str:
         """Chosen when the log was created: tells this log from another (a wiped data dir)
@@ -144,6 +150,8 @@ def _check_contiguous(records: list[Record], after_seq: int) -> None:
 
 class MemoryMachineLog:
     """In-memory MachineLog with the LMDB store's semantics, for unit tests."""
+
+    blocking = False
 
     def __init__(self) -> None:
         self._epoch = secrets.token_hex(8)
@@ -213,9 +221,13 @@ _FORMAT = b"nonomad-flyd-log-1"
 class LmdbMachineLog:
     """The machine log in an LMDB environment: synchronous, durable commits.
 
-    Commits are fsynced (about a quarter of a millisecond here), which is
-    cheap enough to run on the event loop and keeps "committed" honest.
+    Each commit is one transaction, fsynced before it returns: from a quarter of a millisecond
+    to tens of milliseconds on a busy disk, so flyd commits from a writer thread, several
+    operations' commits in one transaction (flyd.commits). Reads (their own read transactions)
+    may run on any thread meanwhile.
     """
+
+    blocking = True
 
     def __init__(self, path: Path, *, map_size: int = 1 << 30) -> None:
         path.mkdir(parents=True, exist_ok=True)

@@ -152,9 +152,10 @@ class Worker:
         self._recovered.set()
         return resumed
 
-    async def close(self) -> None:
-        """Stop background work; machines keep running."""
-        await self.runner.close()
+    async def close(self, *, flush: bool = False) -> None:
+        """Stop background work (machines keep running) and the log's writer; with `flush`,
+        commit the lazy rows first (a clean stop; a killed flyd does not)."""
+        await self.runner.close(flush=flush)
         self.stream.close()
 
     @property
@@ -165,9 +166,9 @@ class Worker:
         """The driver's exit callback: turn it into an Exited event."""
         self.runner.on_exit(machine_id, handle, status)
 
-    def flush(self) -> None:
+    async def flush(self) -> None:
         """Commit the rows whose durable copy lags behind (lazy steps); flyd calls it often."""
-        self.runner.flush()
+        await self.runner.flush()
 
     # --- operations ---------------------------------------------------------
 
@@ -401,7 +402,8 @@ class Worker:
         deadline = loop.time() + timeout
         while (row := self.rows.get(machine_id)) is not None:
             if row.state == S.MACHINE_STATE_DESTROYED:
-                self.runner.drop([machine_id])
+                async with self.runner.lock(machine_id):
+                    await self.runner.drop([machine_id])
                 return
             if loop.time() >= deadline:
                 log.error("roll back unfinished", machine_id=machine_id, state=row.state)
@@ -562,7 +564,7 @@ class Worker:
                 description=description,
                 now=self.clock.now(),
             )
-            self.runner.commit(machine_id, [t])
+            await self.runner.commit(machine_id, [t])
         lease = self.rows[machine_id].lease
         assert lease is not None
         out = pb.Lease()
@@ -575,7 +577,7 @@ class Worker:
         async with self.runner.lock(machine_id):
             t = fsm.release_lease(self.rows[machine_id], nonce, self.clock.now())
             if t is not None:
-                self.runner.commit(machine_id, [t])
+                await self.runner.commit(machine_id, [t])
 
     @staticmethod
     def _stop_params(row: fsm.Row, sig: int | None, timeout: float | None) -> tuple[int, float]:

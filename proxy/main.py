@@ -31,7 +31,9 @@ from runtime import (
     settings_or_exit,
     setup_tracing,
     tracing_enabled,
+    use_event_loop,
 )
+from runtime.heap import no_full_collections
 from runtime.settings import parse_host_port
 
 HTTP_PREFIX = "NONOMAD_HTTP"
@@ -122,22 +124,9 @@ async def build(argv: list[str]) -> Service:
     return service
 
 
-def use_event_loop(name: str) -> None:
-    """Make the next `asyncio.run` use `name`'s loop: "uvloop" (falls back to asyncio's when
-    uvloop is not installed) or "asyncio". The data plane spends a good part of each request
-    in the loop's transports, where uvloop's cost about a quarter less CPU (bench/proxy_bench.py);
-    grpc.aio (the registry replica, the flaps client, the admin server) runs on it too."""
-    if name != "uvloop":
-        return
-    try:
-        import uvloop
-    except ImportError:
-        log.warning("uvloop_missing", consequence="asyncio's own event loop")
-        return
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-
-
 def main() -> None:
-    # The loop is chosen before it runs; build() reads the settings again inside it.
+    # Process-wide choices, made before the loop runs (build() reads the settings again in
+    # it): the event loop, and a cycle collector that never walks the old objects.
+    no_full_collections()
     use_event_loop(settings_or_exit(ProxySettings, sys.argv[1:], "proxy").event_loop)
     main_entry(build)

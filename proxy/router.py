@@ -21,6 +21,8 @@ An app is known while the registry has a machine of it (not destroyed) with a se
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import random
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -95,6 +97,10 @@ class Router:
         # Worker id -> its routes: losing a worker costs its machines, not the fleet's.
         self._by_worker: dict[str, dict[str, Route]] = {}
         self._workers: dict[str, WorkerState] = {}
+        # Each route once, by when it could first have been idle for idle_timeout: a pass of
+        # autostop looks at the apps of the routes due, not at the fleet.
+        self._idle_due: list[tuple[float, int, Route]] = []
+        self._idle_order = itertools.count()
         self.slots = SlotIndex()
         self.picker = Picker(
             workers=self._workers,
@@ -332,19 +338,45 @@ class Router:
                 state.pulse()
 
     def autostop_once(self) -> list[str]:
-        """Begin stopping the machines idle past `idle_timeout`; their ids."""
+        """Begin stopping the machines idle past `idle_timeout`; their ids.
+
+        Only the apps with a route due are looked at (a route is due once it could have been
+        idle that long: `idle_timeout` after it was last active, as of when it was queued);
+        each due route goes back in the queue, for when it could be idle long enough again,
+        the next pass if its app's floor (or its worker) kept it running; a machine that is
+        not running, or is busy, is looked at again `idle_timeout` later (one that starts, or
+        finishes a request, is active then)."""
         if self.flaps is None:
             return []
+        now = self.clock.now()
+        due: list[Route] = []
+        while self._idle_due and self._idle_due[0][0] <= now:
+            r = heapq.heappop(self._idle_due)[2]
+            if self._routes.get(r.id) is r:  # (else it is gone)
+                due.append(r)
+        apps = {r.app for r in due}
         victims = autostop_victims(
-            self._routes.values(),
-            now=self.clock.now(),
+            (r for app in apps for r in self._apps[app].routes.values()),
+            now=now,
             idle_timeout=self.config.idle_timeout,
             usable=self.picker.worker_usable,
         )
         for r in victims:
             r.stopping = True
             self._spawn(self._stop(r), f"autostop {r.id}")
+        for r in due:
+            idle_enough = r.last_active + self.config.idle_timeout
+            if idle_enough > now:
+                self._idle_again(r, idle_enough)
+            elif r.autostop and r.state == STARTED and r.in_flight == 0 and not r.stopping:
+                self._idle_again(r, now)  # idle, kept by its app's floor: the next pass
+            else:
+                self._idle_again(r, now + self.config.idle_timeout)  # not running, or busy
         return [r.id for r in victims]
+
+    def _idle_again(self, r: Route, at: float) -> None:
+        """Look at `r` in the first autostop pass after `at`."""
+        heapq.heappush(self._idle_due, (at, next(self._idle_order), r))
 
     async def _stop(self, r: Route) -> None:
         assert self.flaps is not None
@@ -382,7 +414,9 @@ class Router:
             raise RuntimeError("a Router runs only once")
         self._running = True
         self._shutdown = shutdown
-        sub = self.registry.subscribe(maxsize=4096)
+        # Behind by more than 4096 events, it keeps the latest of each machine and worker: the
+        # router reads what changed, never the whole view again.
+        sub = self.registry.subscribe(maxsize=4096, coalesce=True)
         self._resync()  # no await since subscribing: nothing is missed
         loops = [
             asyncio.create_task(self._follow(sub), name="proxy/follow"),
@@ -455,6 +489,7 @@ class Router:
             state.routes[machine_id] = r
             self._routes[machine_id] = r
             self._by_worker.setdefault(r.worker_id, {})[machine_id] = r
+            self._idle_again(r, now + self.config.idle_timeout)
             was, old_instance = None, ""
         else:
             # Never happens with flyd; keep the indexes right anyway.

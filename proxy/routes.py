@@ -45,7 +45,9 @@ class RegistryView(Protocol):
         self, *, app: str | None = None, region: str | None = None, worker_id: str | None = None
     ) -> list[pb.Machine]: ...
 
-    def subscribe(self, maxsize: int = 1024) -> Subscription[ReplicaEvent]: ...
+    def subscribe(
+        self, maxsize: int = 1024, *, coalesce: bool = False
+    ) -> Subscription[ReplicaEvent]: ...
 
 
 @dataclass(frozen=True)

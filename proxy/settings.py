@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import fields
 from pathlib import Path
-from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
@@ -111,10 +110,6 @@ class ProxySettings(ReplicaSettings):
         description="flaps' token root keys (mode 0600): a request may pin a machine "
         "(nonomad-force-instance-id) only with a nonomad-token that may read it; without "
         "them, no request may",
-    )
-    event_loop: Literal["uvloop", "asyncio"] = Field(
-        default="uvloop",
-        description="event loop: uvloop (about a quarter less CPU per request) or asyncio's own",
     )
 
     @field_validator("http_listen")

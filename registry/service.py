@@ -13,14 +13,23 @@ Any service that embeds a replica serves it::
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Callable, Iterable
+import time
+from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
 
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from flyd.pages import PAGE_BYTES
 from registry.errors import InvalidArgument, RegistryError, Unavailable
-from registry.replica import FOLLOW_QUEUE, FOLLOW_RESYNC, Replica, SubscriptionClosed
+from registry.replica import (
+    APPLY_SLICE,
+    FOLLOW_BATCH,
+    FOLLOW_QUEUE,
+    FOLLOW_RESYNC,
+    Replica,
+    SubscriptionClosed,
+)
 from registry.v1 import registry_pb2 as r
 from registry.v1 import registry_pb2_grpc
 from runtime import Service
@@ -103,14 +112,15 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         # a repeat of, the snapshots (built one worker at a time, between yields).
         feed = self.replica.follow(self.follow_queue)
         items: Iterable[r.FollowResponse] = self.replica.follow_items()
+        most = max(1, min(request.max_batch, FOLLOW_BATCH))
         drained = None
         if self.draining is not None:
             drained = asyncio.ensure_future(self.draining.wait())
             drained.add_done_callback(lambda _: feed.close())
         try:
             while True:
-                for item in items:
-                    yield item
+                for message in _batches(items, most):
+                    yield message
                 try:
                     got = await feed.get()
                 except SubscriptionClosed:
@@ -119,12 +129,43 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
                     # Too far behind: start over from the current view, not an unbounded queue.
                     feed.clear()
                     items = self.replica.follow_items()
-                else:
-                    items = [got]
+                    continue
+                # What else is queued goes in the same message (up to the follower's batch).
+                ready = [got]
+                while len(ready) < most:
+                    more = feed.peek()
+                    if more is None or more is FOLLOW_RESYNC:
+                        break
+                    feed.get_nowait()
+                    ready.append(more)
+                items = ready
         finally:
             feed.close()
             if drained is not None:
                 drained.cancel()
+
+
+def _batches(items: Iterable[r.FollowResponse], most: int) -> Iterator[r.FollowResponse]:
+    """`items` as Follow messages of up to `most` items and `PAGE_BYTES` (snapshot parts are
+    up to that large): one item alone as itself, several in `batch`. Lazily, and a message goes
+    once its items took `APPLY_SLICE` to build (the view's snapshots are built as the stream
+    goes): the loop runs something else between messages."""
+    if most == 1:
+        yield from items
+        return
+    ready: list[r.FollowResponse] = []
+    size = 0
+    due = time.perf_counter() + APPLY_SLICE
+    for item in items:
+        cost = item.ByteSize()
+        if ready and (len(ready) == most or size + cost > PAGE_BYTES or time.perf_counter() > due):
+            yield ready[0] if len(ready) == 1 else r.FollowResponse(batch=ready)
+            ready, size = [], 0
+            due = time.perf_counter() + APPLY_SLICE
+        ready.append(item)
+        size += cost
+    if ready:
+        yield ready[0] if len(ready) == 1 else r.FollowResponse(batch=ready)
 
 
 def _timestamp(seconds: float) -> Timestamp:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import bisect
 import itertools
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, MutableSequence, Sequence
+
+from registry.sortedblocks import SortedBlocks
 
 __all__ = ["SortedInts"]
 
@@ -20,49 +22,25 @@ __all__ = ["SortedInts"]
 BLOCK = 1024
 
 
-class SortedInts:
-    __slots__ = ("_blocks", "_len", "_maxes")
+class SortedInts(SortedBlocks[int]):
+    __slots__ = ()
 
     def __init__(self, items: Iterable[int] = ()) -> None:
-        ordered = sorted(items)
-        self._blocks = [array("q", ordered[i : i + BLOCK]) for i in range(0, len(ordered), BLOCK)]
-        self._maxes = [b[-1] for b in self._blocks]
-        self._len = len(ordered)
+        super().__init__(sorted(items))
 
-    def __len__(self) -> int:
-        return self._len
+    def _size(self) -> int:
+        return BLOCK
 
-    def __bool__(self) -> bool:
-        return self._len > 0
+    def _block(self, items: Sequence[int]) -> MutableSequence[int]:
+        return array("q", items)
 
     def add(self, value: int) -> None:
-        blocks, maxes = self._blocks, self._maxes
-        self._len += 1
-        if not blocks:
-            blocks.append(array("q", [value]))
-            maxes.append(value)
-            return
-        i = min(bisect.bisect_left(maxes, value), len(blocks) - 1)
-        block = blocks[i]
-        bisect.insort(block, value)
-        maxes[i] = block[-1]
-        if len(block) >= 2 * BLOCK:
-            blocks[i : i + 1] = [block[:BLOCK], block[BLOCK:]]
-            maxes[i : i + 1] = [block[BLOCK - 1], block[-1]]
+        self._insert(value, unique=False)
 
     def remove(self, value: int) -> None:
         """Remove one `value`; ValueError if there is none."""
-        i = bisect.bisect_left(self._maxes, value)
-        block = self._blocks[i] if i < len(self._blocks) else None
-        j = -1 if block is None else bisect.bisect_left(block, value)
-        if block is None or j == len(block) or block[j] != value:
+        if not self._delete(value):
             raise ValueError(f"{value} is not in the set")
-        del block[j]
-        self._len -= 1
-        if block:
-            self._maxes[i] = block[-1]
-        else:
-            del self._blocks[i], self._maxes[i]
 
     def bisect_left(self, value: int) -> int:
         """How many entries are below `value`."""
@@ -79,9 +57,6 @@ class SortedInts:
                 return block[index]
             index -= len(block)
         raise AssertionError("unreachable")
-
-    def __iter__(self) -> Iterator[int]:
-        return itertools.chain.from_iterable(self._blocks)
 
     def islice(self, start: int = 0) -> Iterator[int]:
         """The entries from position `start` on."""

@@ -26,17 +26,16 @@ app and state. A reader gets a fresh `pb.Machine` parsed from those bytes.
 from __future__ import annotations
 
 import bisect
-import hashlib
 import re
 import sys
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple, TypeAlias
+from typing import Literal, TypeAlias
 
 import structlog
 
-from flyd.pages import snapshot_parts
+from flyd.pages import PAGE_BYTES, snapshot_parts
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
 from registry.errors import (
@@ -46,6 +45,7 @@ from registry.errors import (
     SequenceGap,
     WrongWorker,
 )
+from registry.rows import Kept, MachineQuery, Row, RowIndex, key_hash
 from registry.supply import Resources, Supply
 from registry.v1 import registry_pb2
 from runtime import parse_host_port
@@ -61,32 +61,6 @@ DEAD: Status = registry_pb2.MEMBER_STATUS_DEAD
 
 _BOOT_ID_RE = re.compile(r"^[A-Za-z0-9._-]{0,64}$")
 DESTROYED = pb.MACHINE_STATE_DESTROYED
-
-
-class Row(NamedTuple):
-    """A machine row as the replica keeps it."""
-
-    app: str
-    state: int
-    key: int
-    """`key_hash` of its app and idempotency key; 0 without a key."""
-    data: bytes
-    """The machine, serialized, without `events` and `log_tail`."""
-
-    def machine(self) -> pb.Machine:
-        return pb.Machine.FromString(self.data)
-
-
-# Rows are kept as plain tuples laid out as `Row`: a tuple of strings, ints and bytes is
-# untracked by the garbage collector, and a full collection over 200,000 tracked rows would
-# hold the loop for a tenth of a second or more.
-_Kept: TypeAlias = tuple[str, int, int, bytes]
-
-
-def key_hash(app: str, key: str) -> int:
-    """A row's idempotency key as a small int (rows are found by it; a hit is checked)."""
-    digest = hashlib.blake2b(f"{app}\0{key}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") | 1  # never 0, which means "no key"
 
 
 _STATUS_NAMES: dict[int, str] = {ALIVE: "alive", SUSPECT: "suspect", DEAD: "dead"}
@@ -191,7 +165,7 @@ class _Member:
     capacity: pb.Capacity = field(default_factory=pb.Capacity)
     seq: int = 0
     connected: bool = False
-    rows: dict[str, _Kept] = field(default_factory=dict)
+    rows: dict[str, Kept] = field(default_factory=dict)
     snapshots: int = 0
     # Upstream mode: the status the upstream replica reports.
     upstream_status: Status = UNKNOWN
@@ -256,11 +230,9 @@ class View:
         self.forget_after = forget_after
         self.upstream = upstream
         self._members: dict[str, _Member] = {}
-        # machine id -> owning worker id, and app -> machine ids: reads by id and app are O(1).
-        self._owner: dict[str, str] = {}
-        # (Dicts of strings, not sets: the garbage collector does not walk them.)
-        self._by_app: dict[str, dict[str, None]] = {}
-        self._by_key: dict[int, str] = {}
+        # Who holds each machine id, the ids by app in order, machines by key: a read by id
+        # is O(1), a page of machines in id order O(log n + page).
+        self._index = RowIndex()
         # Workers by when they were last heard from, oldest first: those whose silence says
         # alive (or not heard yet) and those it says suspect. `tick` looks only at the heads.
         self._fresh: OrderedDict[str, _Member] = OrderedDict()
@@ -489,7 +461,13 @@ class View:
                 raise LogRestarted(m.info.id, restarted)  # follow it again, from a snapshot
             return _IGNORED  # the upstream sends its new snapshot
         events: list[ReplicaEvent] = []
-        m.capacity = hb.capacity
+        # Most heartbeats say what the last one said: then the supply has nothing to learn.
+        same = m.capacity == hb.capacity
+        if not same:
+            # A copy: the heartbeat may be one item of a large message (a Follow batch), all
+            # of which a reference into it would keep.
+            m.capacity = pb.Capacity()
+            m.capacity.CopyFrom(hb.capacity)
         m.last_heartbeat = now
         self._heard(m, now)
         if hb.HasField("worker"):
@@ -508,8 +486,9 @@ class View:
                 else:
                     self._set_info(m, updated)
                     events.append(self._worker_event(m))
-        events += self._update_status(m, now)
-        self._supply(m)
+        events += self._update_status(m, now)  # (each change the supply learns at once)
+        if not same:
+            self._supply(m)
         return Applied(_dedupe_worker_events(events), relay=True)
 
     # -- liveness ------------------------------------------------------------------------------
@@ -538,10 +517,15 @@ class View:
     def _heard(self, m: _Member, now: float) -> None:
         """The worker was heard from at `now` (the latest time yet): it goes to the back."""
         m.heard = now
-        self._suspect.pop(m.info.id, None)
-        self._dead.pop(m.info.id, None)
-        self._fresh.pop(m.info.id, None)
-        self._fresh[m.info.id] = m
+        worker_id = m.info.id
+        if worker_id in self._fresh:
+            # Relinked, not deleted and added: churned by every heartbeat, the dict of 10,000
+            # workers would be rebuilt (a millisecond or two) every second or so.
+            self._fresh.move_to_end(worker_id)
+            return
+        self._suspect.pop(worker_id, None)
+        self._dead.pop(worker_id, None)
+        self._fresh[worker_id] = m
 
     def _age_status(self, m: _Member, now: float) -> Status:
         age = now - m.heard
@@ -646,10 +630,10 @@ class View:
 
     def owner(self, machine_id: str) -> str | None:
         """The worker that holds the machine's row."""
-        return self._owner.get(machine_id)
+        return self._index.owner(machine_id)
 
     def row(self, machine_id: str) -> Row | None:
-        owner = self._owner.get(machine_id)
+        owner = self._index.owner(machine_id)
         kept = None if owner is None else self._members[owner].rows.get(machine_id)
         return None if kept is None else Row(*kept)
 
@@ -659,7 +643,7 @@ class View:
 
     def by_key(self, app: str, key: str) -> pb.Machine | None:
         """The machine an idempotency key of the app created, in any worker's rows."""
-        machine_id = self._by_key.get(key_hash(app, key))
+        machine_id = self._index.by_key(key_hash(app, key))
         machine = None if machine_id is None else self.machine(machine_id)
         if machine is None or machine.app != app or machine.idempotency_key != key:
             return None
@@ -679,8 +663,8 @@ class View:
             return [pb.Machine.FromString(row[3]) for m in members for row in m.rows.values()]
         wanted = {m.info.id for m in members}
         out = []
-        for machine_id in self._by_app.get(app, ()):
-            owner = self._owner.get(machine_id)
+        for machine_id in self._index.ids(app) or ():
+            owner = self._index.owner(machine_id)
             if owner in wanted:
                 row = self._members[owner].rows.get(machine_id)
                 if row is not None:
@@ -689,7 +673,30 @@ class View:
 
     def apps(self) -> dict[str, int]:
         """Every app with rows here, with how many (destroyed rows still kept included)."""
-        return {app: len(ids) for app, ids in self._by_app.items()}
+        return {app: len(self._index.ids(app) or ()) for app in self._index.apps()}
+
+    def machine_page(self, query: MachineQuery) -> tuple[list[pb.Machine], str]:
+        """The page `query` asks for, at most `PAGE_BYTES` of it, and the token of the next
+        page ("" after the last): `flyd.pages.page`'s contract, read off the index. Only the
+        page's rows are parsed, and it is found without a pass over the app's machines."""
+        ids = self._index.ids(query.app)
+        out: list[pb.Machine] = []
+        used = 0
+        for machine_id in ids.after(query.after) if ids is not None else ():
+            owner = self._index.owner(machine_id)
+            assert owner is not None
+            m = self._members[owner]
+            if query.region is not None and m.info.region != query.region:
+                continue
+            row = m.rows[machine_id]
+            if not query.keep(machine_id, row[0], row[1]):
+                continue
+            cost = len(row[3]) + 8
+            if out and (len(out) == query.size or used + cost > PAGE_BYTES):
+                return out, out[-1].id
+            out.append(pb.Machine.FromString(row[3]))
+            used += cost
+        return out, ""
 
     def follow_items(self) -> Iterator[registry_pb2.FollowResponse]:
         """The whole view as Follow stream items: per worker a snapshot (in parts), then its last
@@ -751,42 +758,29 @@ class View:
         m.rows[machine_id] = tuple(row)  # type: ignore[assignment]
         self._count(m, old, -1)
         self._count(m, row, 1)
-        owner = self._owner.get(machine_id)
+        owner = self._index.owner(machine_id)
         if owner == m.info.id:
             assert old is not None
-            self._unfile(machine_id, old)
-        elif owner is not None:
+            self._index.refile(machine_id, old, row)
+            return True
+        if owner is not None:
             log.warning("machine_id_conflict", machine_id=machine_id, owner=owner, other=m.info.id)
-            self._unfile(machine_id, Row(*self._members[owner].rows[machine_id]))
-        self._owner[machine_id] = m.info.id
-        self._file(machine_id, row)
+            self._index.unfile(machine_id, Row(*self._members[owner].rows[machine_id]))
+        self._index.set_owner(machine_id, m.info.id)
+        self._index.file(machine_id, row)
         return True
 
     def _drop_row(self, m: _Member, machine_id: str) -> None:
         old = Row(*m.rows.pop(machine_id))
         self._count(m, old, -1)
-        if self._owner.get(machine_id) == m.info.id:
-            self._unfile(machine_id, old)
-            del self._owner[machine_id]
+        if self._index.owner(machine_id) == m.info.id:
+            self._index.unfile(machine_id, old)
+            self._index.set_owner(machine_id, None)
 
     def _count(self, m: _Member, row: Row | None, sign: int) -> None:
         """The supply counts each worker's machines (not destroyed) per app."""
         if row is not None and row.state != DESTROYED:
             self.supply.count(m.info.id, row.app, sign)
-
-    def _file(self, machine_id: str, row: Row) -> None:
-        self._by_app.setdefault(row.app, {})[machine_id] = None
-        if row.key:
-            self._by_key[row.key] = machine_id
-
-    def _unfile(self, machine_id: str, row: Row) -> None:
-        ids = self._by_app.get(row.app)
-        if ids is not None:
-            ids.pop(machine_id, None)
-            if not ids:
-                del self._by_app[row.app]
-        if row.key and self._by_key.get(row.key) == machine_id:
-            del self._by_key[row.key]
 
     def _machine_event(
         self, m: _Member, machine_id: str, machine: pb.Machine | None

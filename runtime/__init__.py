@@ -20,6 +20,7 @@ from runtime.server import (
     register,
     server_options,
     time_left,
+    use_event_loop,
     wrap_servicer,
 )
 from runtime.settings import (
@@ -76,5 +77,6 @@ __all__ = [
     "time_left",
     "tracing_enabled",
     "tracing_requested",
+    "use_event_loop",
     "wrap_servicer",
 ]

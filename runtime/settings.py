@@ -172,6 +172,11 @@ class ServiceSettings(BaseSettings):
         description="seconds between wake-ups of a timer that measures how late the event loop "
         "runs (nonomad_event_loop_lag_seconds); off when unset",
     )
+    event_loop: Literal["uvloop", "asyncio"] = Field(
+        default="uvloop",
+        description="event loop: uvloop (a sixth to a quarter less CPU per request, gRPC and "
+        "HTTP alike) or asyncio's own",
+    )
 
     @field_validator("listen")
     @classmethod

@@ -27,15 +27,15 @@ from flyd.v1 import worker_pb2 as flyd_dot_v1_dot_worker__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aregistry/v1/registry.proto\x12\x0bregistry.v1\x1a\x15\x66lyd/v1/machine.proto\x1a\x14\x66lyd/v1/worker.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"6\n\x0f\x41nnounceRequest\x12#\n\x06worker\x18\x01 \x01(\x0b\x32\x13.flyd.v1.WorkerInfo\"8\n\x10\x41nnounceResponse\x12$\n\x07workers\x18\x01 \x03(\x0b\x32\x13.flyd.v1.WorkerInfo\"\x14\n\x12ListMembersRequest\"\xbe\x01\n\x06Member\x12#\n\x06worker\x18\x01 \x01(\x0b\x32\x13.flyd.v1.WorkerInfo\x12)\n\x06status\x18\x02 \x01(\x0e\x32\x19.registry.v1.MemberStatus\x12\x32\n\x0elast_heartbeat\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12#\n\x08\x63\x61pacity\x18\x05 \x01(\x0b\x32\x11.flyd.v1.Capacity\";\n\x13ListMembersResponse\x12$\n\x07members\x18\x01 \x03(\x0b\x32\x13.registry.v1.Member\"\x0f\n\rFollowRequest\"\x9f\x01\n\x0e\x46ollowResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12)\n\x06status\x18\x02 \x01(\x0e\x32\x19.registry.v1.MemberStatus\x12#\n\x06worker\x18\x03 \x01(\x0b\x32\x13.flyd.v1.WorkerInfo\x12*\n\x04item\x18\x04 \x01(\x0b\x32\x1c.flyd.v1.WatchEventsResponse\",\n\x0fListSlotRequest\x12\x0b\n\x03\x61pp\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\t\"\x7f\n\nSlotMember\x12!\n\x07machine\x18\x01 \x01(\x0b\x32\x10.flyd.v1.Machine\x12#\n\x06worker\x18\x02 \x01(\x0b\x32\x13.flyd.v1.WorkerInfo\x12)\n\x06status\x18\x03 \x01(\x0e\x32\x19.registry.v1.MemberStatus\"<\n\x10ListSlotResponse\x12(\n\x07members\x18\x01 \x03(\x0b\x32\x17.registry.v1.SlotMember*y\n\x0cMemberStatus\x12\x1d\n\x19MEMBER_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13MEMBER_STATUS_ALIVE\x10\x01\x12\x19\n\x15MEMBER_STATUS_SUSPECT\x10\x02\x12\x16\n\x12MEMBER_STATUS_DEAD\x10\x03\x32\xba\x02\n\x0fRegistryService\x12G\n\x08\x41nnounce\x12\x1c.registry.v1.AnnounceRequest\x1a\x1d.registry.v1.AnnounceResponse\x12P\n\x0bListMembers\x12\x1f.registry.v1.ListMembersRequest\x1a .registry.v1.ListMembersResponse\x12\x43\n\x06\x46ollow\x12\x1a.registry.v1.FollowRequest\x1a\x1b.registry.v1.FollowResponse0\x01\x12G\n\x08ListSlot\x12\x1c.registry.v1.ListSlotRequest\x1a\x1d.registry.v1.ListSlotResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aregistry/v1/registry.proto\x12\x0bregistry.v1\x1a\x15\x66lyd/v1/machine.proto\x1a\x14\x66lyd/v1/worker.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"6\n\x0f\x41nnounceRequest\x12#\n\x06worker\x18\x01 \x01(\x0b\x32\x13.flyd.v1.WorkerInfo\"8\n\x10\x41nnounceResponse\x12$\n\x07workers\x18\x01 \x03(\x0b\x32\x13.flyd.v1.WorkerInfo\"\x14\n\x12ListMembersRequest\"\xbe\x01\n\x06Member\x12#\n\x06worker\x18\x01 \x01(\x0b\x32\x13.flyd.v1.WorkerInfo\x12)\n\x06status\x18\x02 \x01(\x0e\x32\x19.registry.v1.MemberStatus\x12\x32\n\x0elast_heartbeat\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12#\n\x08\x63\x61pacity\x18\x05 \x01(\x0b\x32\x11.flyd.v1.Capacity\";\n\x13ListMembersResponse\x12$\n\x07members\x18\x01 \x03(\x0b\x32\x13.registry.v1.Member\"\"\n\rFollowRequest\x12\x11\n\tmax_batch\x18\x01 \x01(\r\"\xcb\x01\n\x0e\x46ollowResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12)\n\x06status\x18\x02 \x01(\x0e\x32\x19.registry.v1.MemberStatus\x12#\n\x06worker\x18\x03 \x01(\x0b\x32\x13.flyd.v1.WorkerInfo\x12*\n\x04item\x18\x04 \x01(\x0b\x32\x1c.flyd.v1.WatchEventsResponse\x12*\n\x05\x62\x61tch\x18\x05 \x03(\x0b\x32\x1b.registry.v1.FollowResponse\",\n\x0fListSlotRequest\x12\x0b\n\x03\x61pp\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\t\"\x7f\n\nSlotMember\x12!\n\x07machine\x18\x01 \x01(\x0b\x32\x10.flyd.v1.Machine\x12#\n\x06worker\x18\x02 \x01(\x0b\x32\x13.flyd.v1.WorkerInfo\x12)\n\x06status\x18\x03 \x01(\x0e\x32\x19.registry.v1.MemberStatus\"<\n\x10ListSlotResponse\x12(\n\x07members\x18\x01 \x03(\x0b\x32\x17.registry.v1.SlotMember*y\n\x0cMemberStatus\x12\x1d\n\x19MEMBER_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13MEMBER_STATUS_ALIVE\x10\x01\x12\x19\n\x15MEMBER_STATUS_SUSPECT\x10\x02\x12\x16\n\x12MEMBER_STATUS_DEAD\x10\x03\x32\xba\x02\n\x0fRegistryService\x12G\n\x08\x41nnounce\x12\x1c.registry.v1.AnnounceRequest\x1a\x1d.registry.v1.AnnounceResponse\x12P\n\x0bListMembers\x12\x1f.registry.v1.ListMembersRequest\x1a .registry.v1.ListMembersResponse\x12\x43\n\x06\x46ollow\x12\x1a.registry.v1.FollowRequest\x1a\x1b.registry.v1.FollowResponse0\x01\x12G\n\x08ListSlot\x12\x1c.registry.v1.ListSlotRequest\x1a\x1d.registry.v1.ListSlotResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'registry.v1.registry_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MEMBERSTATUS']._serialized_start=927
-  _globals['_MEMBERSTATUS']._serialized_end=1048
+  _globals['_MEMBERSTATUS']._serialized_start=990
+  _globals['_MEMBERSTATUS']._serialized_end=1111
   _globals['_ANNOUNCEREQUEST']._serialized_start=121
   _globals['_ANNOUNCEREQUEST']._serialized_end=175
   _globals['_ANNOUNCERESPONSE']._serialized_start=177
@@ -47,15 +47,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTMEMBERSRESPONSE']._serialized_start=450
   _globals['_LISTMEMBERSRESPONSE']._serialized_end=509
   _globals['_FOLLOWREQUEST']._serialized_start=511
-  _globals['_FOLLOWREQUEST']._serialized_end=526
-  _globals['_FOLLOWRESPONSE']._serialized_start=529
-  _globals['_FOLLOWRESPONSE']._serialized_end=688
-  _globals['_LISTSLOTREQUEST']._serialized_start=690
-  _globals['_LISTSLOTREQUEST']._serialized_end=734
-  _globals['_SLOTMEMBER']._serialized_start=736
-  _globals['_SLOTMEMBER']._serialized_end=863
-  _globals['_LISTSLOTRESPONSE']._serialized_start=865
-  _globals['_LISTSLOTRESPONSE']._serialized_end=925
-  _globals['_REGISTRYSERVICE']._serialized_start=1051
-  _globals['_REGISTRYSERVICE']._serialized_end=1365
+  _globals['_FOLLOWREQUEST']._serialized_end=545
+  _globals['_FOLLOWRESPONSE']._serialized_start=548
+  _globals['_FOLLOWRESPONSE']._serialized_end=751
+  _globals['_LISTSLOTREQUEST']._serialized_start=753
+  _globals['_LISTSLOTREQUEST']._serialized_end=797
+  _globals['_SLOTMEMBER']._serialized_start=799
+  _globals['_SLOTMEMBER']._serialized_end=926
+  _globals['_LISTSLOTRESPONSE']._serialized_start=928
+  _globals['_LISTSLOTRESPONSE']._serialized_end=988
+  _globals['_REGISTRYSERVICE']._serialized_start=1114
+  _globals['_REGISTRYSERVICE']._serialized_end=1428
 # @@protoc_insertion_point(module_scope)

@@ -159,12 +159,20 @@ Global___ListMembersResponse: _TypeAlias = ListMembersResponse  # noqa: Y015
 class FollowRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    MAX_BATCH_FIELD_NUMBER: _builtins.int
+    max_batch: _builtins.int
+    """The most stream items one message may carry (see FollowResponse.batch); 0 or 1: one item
+    a message. A follower of a large fleet asks for many: a message costs both ends far more
+    than applying the item it carries.
+    """
     def __init__(
         self,
+        *,
+        max_batch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_batch", b"max_batch"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -178,6 +186,7 @@ class FollowResponse(_message.Message):
     STATUS_FIELD_NUMBER: _builtins.int
     WORKER_FIELD_NUMBER: _builtins.int
     ITEM_FIELD_NUMBER: _builtins.int
+    BATCH_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     status: Global___MemberStatus.ValueType
     """Liveness as the upstream replica sees it."""
@@ -187,6 +196,13 @@ class FollowResponse(_message.Message):
     def item(self) -> _worker_pb2.WatchEventsResponse:
         """One item of the worker's WatchEvents stream (absent for a status-only update)."""
 
+    @_builtins.property
+    def batch(self) -> _containers.RepeatedCompositeFieldContainer[Global___FollowResponse]:
+        """Several items, in order, each as it would have come in a message of its own; the message
+        then carries nothing else. Only for a follower that asked for max_batch > 1, and only
+        when more than one item is ready: a batch never waits for items to fill it.
+        """
+
     def __init__(
         self,
         *,
@@ -194,10 +210,11 @@ class FollowResponse(_message.Message):
         status: Global___MemberStatus.ValueType = ...,
         worker: _machine_pb2.WorkerInfo | None = ...,
         item: _worker_pb2.WatchEventsResponse | None = ...,
+        batch: _abc.Iterable[Global___FollowResponse] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["item", b"item", "worker", b"worker"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["item", b"item", "status", b"status", "worker", b"worker", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "item", b"item", "status", b"status", "worker", b"worker", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -133,7 +133,7 @@ class TestNames:
             now=0.0,
         )
         worker.images.use(digest)
-        worker.runner.commit(old_id, [old])
+        await worker.runner.commit(old_id, [old])
         request = m.DestroyMachineRequest(machine_id=old_id, force=True)
         await servicer_stub.DestroyMachine(request, timeout=T)
         wait = m.WaitMachineRequest(machine_id=old_id, state=DESTROYED, timeout=seconds(5))

@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 from flyd import fsm
 from flyd.drivers.base import ExitStatus, Handle
@@ -103,15 +104,22 @@ class CrashingLog:
 
     By default the k-th commit is durable and the Crash comes right after it; with
     durable=False flyd dies just before writing it, after the effects of the step before. A
-    dead flyd commits nothing more: later commits raise Crash unwritten.
+    dead flyd commits nothing more: later commits raise Crash unwritten. A commit here is one
+    transaction of flyd's writer (flyd.commits), which may hold several operations' commits;
+    it runs in the writer's thread, so `crashed` is set through the loop.
     """
 
     def __init__(self, inner: MachineLog) -> None:
         self.inner = inner
+        self.blocking = inner.blocking
         self.commits = 0
         self.crash_at: int | None = None
         self.durable = True
+        self.dead = False
         self.crashed = asyncio.Event()
+        self.batches: list[list[int]] = []  # the seqs of each transaction's records
+        self.before_commit: Callable[[], object] | None = None  # runs as each commit begins
+        self._loop = asyncio.get_running_loop()
 
     def arm(self, k: int | None, *, durable: bool = True) -> None:
         """Crash at the k-th commit from now (None: only count them)."""
@@ -119,17 +127,25 @@ class CrashingLog:
         self.crash_at = k
         self.durable = durable
 
+    def _die(self, why: str) -> NoReturn:
+        self.dead = True
+        self._loop.call_soon_threadsafe(self.crashed.set)
+        raise Crash(why)
+
     def commit(self, records: Iterable[NewRecord], rows: Mapping[str, bytes | None]) -> int:
-        if self.crashed.is_set():
+        if self.dead:
             raise Crash("flyd is dead")
+        if self.before_commit is not None:
+            self.before_commit()
         if self.commits + 1 == self.crash_at and not self.durable:
-            self.crashed.set()
-            raise Crash(f"flyd died just before commit {self.crash_at}")
+            self._die(f"flyd died just before commit {self.crash_at}")
+        records = list(records)
+        first = self.inner.last_seq() + 1
         seq = self.inner.commit(records, rows)
+        self.batches.append(list(range(first, first + len(records))))
         self.commits += 1
         if self.commits == self.crash_at:
-            self.crashed.set()
-            raise Crash(f"flyd died right after commit {self.commits} (seq {seq})")
+            self._die(f"flyd died right after commit {self.commits} (seq {seq})")
         return seq
 
     def epoch(self) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,11 +52,14 @@ RESTARTING = S.MACHINE_STATE_RESTARTING
 DESTROYED = S.MACHINE_STATE_DESTROYED
 FAILED = S.MACHINE_STATE_FAILED
 
-# m0 runs beside every operation and must come through each crash untouched.
+# m0 runs beside every operation and must come through each crash untouched; b1..b3 are
+# created together, their commits in one transaction of the log's writer.
 CONFIGS = {
     "m0": config(cpu=200, memory=256, services=1),
     "m1": config(cpu=300, memory=128, services=1, restart=pb.RESTART_MODE_ON_FAILURE),
+    **{f"b{i}": config(cpu=50, memory=32, services=1) for i in (1, 2, 3)},
 }
+BATCH = ["b1", "b2", "b3"]
 # Longer than any restart backoff an operation here waits through.
 LATER = 60.0
 # What an update gives m1: the same size and service (so reservations and ports stay put),
@@ -342,7 +346,7 @@ async def test_flyd_dies_before_a_lazy_step_is_committed(world: World, name: str
         assert m1_op is not None
         assert m1_op.step == "release"
     # Once flushed, the durable rows are the ones in memory.
-    flyd.worker.flush()
+    await flyd.worker.flush()
     assert {mid: fsm.decode_row(raw) for mid, raw in flyd.store.rows().items()} == flyd.worker.rows
 
 
@@ -459,3 +463,76 @@ async def test_real_lmdb_closed_and_reopened_keeps_every_machine(world: World) -
     await w.start("m2")
     assert log_changes(flyd.store)[-1].event.seq == last_seq + 2
     assert w.get("m2").state == STARTED
+
+
+# --- several operations in one transaction ---------------------------------------------------
+
+
+async def queue_a_batch(world: World, flyd: Flyd) -> tuple[asyncio.Future[pb.Machine], ...]:
+    """m1's create is written while b1..b3's creates come in: theirs wait for the writer and
+    go together in the next transaction. Returns the creates (m1's first), under way."""
+    log, commits = world.crashing_log(flyd), flyd.worker.runner.commits
+    gate = threading.Event()
+    log.before_commit = lambda: gate.wait(DEADLINE)  # the writer (its own thread) waits here
+    written = commits.batches
+    m1 = asyncio.ensure_future(create(flyd, "m1"))
+    await until_true(lambda: commits.batches == written + 1)  # m1's is being written
+    batch = [asyncio.ensure_future(create(flyd, mid)) for mid in BATCH]
+    await until_true(lambda: commits.queued == len(BATCH))
+    # Nobody is answered before the transaction holding their commit is written.
+    assert not any(t.done() for t in (m1, *batch))
+    log.before_commit = None
+    gate.set()
+    return m1, *batch
+
+
+async def until_true(done: Callable[[], bool]) -> None:
+    async with asyncio.timeout(DEADLINE):
+        while not done():  # noqa: ASYNC110 - the writer's queue announces nothing
+            await asyncio.sleep(0.001)
+
+
+async def test_concurrent_creates_share_a_transaction_and_are_answered_after_it(
+    world: World,
+) -> None:
+    flyd = world.boot()
+    flyd.worker.recover()
+    await create(flyd, "m0")
+    log = world.crashing_log(flyd)
+    log.arm(None)
+    made = await asyncio.gather(*await queue_a_batch(world, flyd))
+    assert log.commits == 2  # m1's transaction, then b1..b3's
+    assert [m.id for m in made] == ["m1", *BATCH]
+    last = {c.event.machine_id for c in log_changes(flyd.store) if c.event.seq in log.batches[-1]}
+    assert last == set(BATCH)
+    expected = dict.fromkeys(["m0", "m1", *BATCH], STARTED)
+    check_invariants(world, flyd, expected, dict.fromkeys(expected, 1))
+
+
+@pytest.mark.parametrize("durable", [True, False], ids=["after", "before"])
+async def test_flyd_dies_at_a_transaction_of_several_creates(world: World, durable: bool) -> None:
+    """flyd dies right after (or just before) the transaction holding b1..b3's creates: none of
+    their callers hears of a machine; after the restart all three exist and run once (or
+    none ever ran), and m1's create, one transaction earlier, stands."""
+    flyd = world.boot()
+    flyd.worker.recover()
+    await create(flyd, "m0")
+    log = world.crashing_log(flyd)
+    log.arm(2, durable=durable)
+    m1, *batch = await queue_a_batch(world, flyd)
+    assert (await m1).id == "m1"
+    for task in batch:
+        with pytest.raises(Crash):
+            await task
+    assert log.crashed.is_set()
+    await flyd.kill()
+
+    flyd = world.boot()
+    flyd.worker.recover()
+    world.clock.advance(LATER)
+    survivors = ["m0", "m1", *(BATCH if durable else [])]
+    for mid in survivors:
+        await until(flyd.worker, settled(flyd.worker, mid, STARTED))
+    check_invariants(world, flyd, dict.fromkeys(survivors, STARTED), dict.fromkeys(survivors, 1))
+    if not durable:
+        assert all(world.host.ran(mid) == 0 for mid in BATCH)

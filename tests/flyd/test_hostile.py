@@ -235,7 +235,7 @@ async def test_a_row_accepted_before_the_fix_can_be_destroyed(
     digest = flyd.worker.rows["m1"].image_digest
     old = pb.Machine(id="fzmid\n", app="web", worker_id="w1", config=config())
     flyd.worker.images.use(digest)
-    flyd.worker.runner.commit(
+    await flyd.worker.runner.commit(
         "fzmid\n", [fsm.create(old, image_digest=digest, skip_launch=True, now=0.0)]
     )
     request = w.DestroyMachineRequest(machine_id="fzmid\n", force=True)
@@ -268,10 +268,12 @@ async def test_a_failed_cleanup_is_retried_with_a_backoff(
         w.ListMachineEventsRequest(machine_id="m1"), timeout=T
     )
     assert events.events[-1].reason == "cleanup failed: cgroup busy; retrying in 0.5s"
-    for _ in range(2):
-        clock.advance(fsm.Policy().backoff_max)
-        await asyncio.sleep(0)
-    await until(flyd.worker, lambda: flyd.worker.rows["m1"].state == DESTROYED)
+
+    def cleaned() -> bool:
+        clock.advance(fsm.Policy().backoff_max)  # whatever backoff it is in is over
+        return flyd.worker.rows["m1"].state == DESTROYED
+
+    await until(flyd.worker, cleaned)
     assert failures == []
 
 

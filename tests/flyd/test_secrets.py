@@ -83,7 +83,7 @@ async def test_a_secret_reaches_the_environment_and_is_redacted_everywhere_else(
     assert spawned_env(flyd)["TOKEN"] == SECRET
     assert SECRET.encode() not in everything_handed_out(flyd, "m1")
     # At rest, in the LMDB files, it is sealed.
-    flyd.worker.flush()
+    await flyd.worker.flush()
     for path in (tmp_path / "log").iterdir():
         assert SECRET.encode() not in path.read_bytes(), path
 

@@ -39,7 +39,7 @@ from proxy.router import Router
 from proxy.routes import RouterConfig
 from proxy.stats import Stats
 from proxy.v1 import proxy_pb2, proxy_pb2_grpc
-from registry.replica import RESYNC, ReplicaEvent, Subscription, WorkerView
+from registry.replica import RESYNC, ReplicaEvent, Subscription, WorkerView, event_key
 from registry.view import ALIVE, Status
 from runtime.clock import ManualClock
 from tests.conftest import _kill_machines, remove_cgroups
@@ -181,8 +181,12 @@ class FakeRegistry:
     def machine(self, machine_id: str) -> pb.Machine | None:
         return self._machines.get(machine_id)
 
-    def subscribe(self, maxsize: int = 1024) -> Subscription[ReplicaEvent]:
-        sub: Subscription[ReplicaEvent] = Subscription(maxsize, RESYNC, self._subs.discard)
+    def subscribe(
+        self, maxsize: int = 1024, *, coalesce: bool = False
+    ) -> Subscription[ReplicaEvent]:
+        sub: Subscription[ReplicaEvent] = Subscription(
+            maxsize, RESYNC, self._subs.discard, event_key if coalesce else None
+        )
         self._subs.add(sub)
         return sub
 

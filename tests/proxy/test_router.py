@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Iterable
+from typing import Any
 
 import grpc
 import pytest
 
 from flyd.v1 import machine_pb2 as pb
+from proxy import router as router_module
 from proxy.control import FlapsFailed, NetProbes, autostop_victims, standby_candidates
 from proxy.errors import NoBackend, UnknownApp
 from proxy.routes import Route, UnknownWorker
@@ -425,6 +428,48 @@ async def test_a_resync_rebuilds_the_table() -> None:
         w.registry.resync()
         await settle()
         assert [app for app, _ in w.router.routes()] == ["api"]
+
+
+async def test_a_router_far_behind_reads_only_what_changed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Thousands of events while the router reads none: it is not resynced from the whole
+    view, it reads the latest of each machine (one event each), and ends where the view is."""
+    async with world(fleet(machine("a"), machine("b"), machine("c", app="api"))) as w:
+        resyncs: list[None] = []
+        monkeypatch.setattr(w.router, "_resync", lambda: resyncs.append(None))
+        for i in range(5_001):  # no await: the router reads nothing meanwhile
+            w.registry.set_state("a", STOPPED if i % 2 else STARTED)
+        w.registry.drop("b")
+        await settle()
+        assert resyncs == []
+        assert [
+            (app, [(r.machine_id, r.state) for r in routes]) for app, routes in w.router.routes()
+        ] == [("api", [("c", STARTED)]), ("web", [("a", STARTED)])]
+
+
+async def test_an_autostop_pass_looks_only_at_the_apps_of_machines_due(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Machines are looked at once they could have been idle for idle_timeout, not every pass:
+    between two such moments a pass costs nothing, however many machines there are."""
+    looked_at: list[int] = []
+
+    def counting(routes: Iterable[Route], **kwargs: Any) -> list[Route]:
+        routes = list(routes)
+        looked_at.append(len(routes))
+        return autostop_victims(routes, **kwargs)
+
+    monkeypatch.setattr(router_module, "autostop_victims", counting)
+    busy = [machine(f"web{i}") for i in range(50)]  # no autostop: never stopped
+    async with world(fleet(*busy, machine("a", app="api", autostop=True)), idle_timeout=30) as w:
+        await w.advance(31.0, steps=31)
+        assert w.flaps.stops == ["a"]
+        assert max(looked_at) == 51  # the first time each could have been idle: all of them
+        looked_at.clear()
+        await w.advance(25.0, steps=25)  # none is due again before 30 s more
+        assert looked_at == [0] * len(looked_at)
+        assert len(looked_at) >= 20
 
 
 async def test_an_autostopped_app_scales_from_zero_again() -> None:

@@ -192,6 +192,19 @@ async def test_a_subscriber_that_falls_behind_gets_one_resync_marker(fake: FakeW
     assert slow.closed  # the replica stopped: its subscriptions end
 
 
+def test_a_coalescing_subscription_keeps_the_latest_of_each_key_once_behind() -> None:
+    sub: Subscription[tuple[str, int]] = Subscription(3, ("resync", 0), key=lambda item: item[0])
+    for i in range(10):
+        sub.put(("a" if i % 2 else "b", i))
+    sub.put(("c", 10))
+    assert sub.overflows == 1
+    assert [sub.get_nowait() for _ in range(len(sub))] == [("b", 8), ("a", 9), ("c", 10)]
+    # caught up: a queue again, in order, every item
+    for i in range(3):
+        sub.put(("a", i))
+    assert [sub.get_nowait() for _ in range(len(sub))] == [("a", 0), ("a", 1), ("a", 2)]
+
+
 async def test_a_subscription_is_bounded_and_ends_when_closed() -> None:
     sub: Subscription[int] = Subscription(3, marker=-1)
     for i in range(7):
@@ -331,6 +344,34 @@ async def test_a_slow_follower_is_resynced_from_a_fresh_snapshot(fake: FakeWorke
         assert len(resent.item.snapshot.machines) == 10
         await stream.aclose()
     assert FOLLOW_RESYNC.worker_id == ""  # the marker itself never leaves the servicer
+
+
+async def test_a_follower_that_asks_for_batches_gets_what_is_ready_in_one_message(
+    fake: FakeWorker,
+) -> None:
+    fake.change("m0")
+    replica = Replica()
+    replica.add_worker(fake.info)
+    async with running(replica):
+        await eventually(replica, lambda: replica.machine("m0") is not None, "m0")
+        stream = RegistryServicer(replica).Follow(r.FollowRequest(max_batch=8), None)
+        first = await anext(stream)  # the view
+        assert (list(first.batch) or [first])[0].item.snapshot.seq == 1
+        # the follower reads nothing while the worker changes five times
+        for i in range(1, 6):
+            fake.change(f"m{i}")
+        await eventually(replica, lambda: replica.machine("m5") is not None, "m5")
+        items: list[r.FollowResponse] = []
+        sizes = []
+        while sum(item.item.HasField("change") for item in items) < 5:
+            message = await anext(stream)
+            sizes.append(len(message.batch))
+            items += list(message.batch) or [message]
+        await stream.aclose()
+    changes = [item.item.change.event.seq for item in items if item.item.HasField("change")]
+    assert changes == [2, 3, 4, 5, 6]  # in order, each as it would have come alone
+    assert max(sizes) >= 5  # what was ready came in one message
+    assert not any(item.batch for item in items)  # a batch never holds batches
 
 
 async def test_follow_streams_end_unavailable_when_the_replica_stops(fake: FakeWorker) -> None:

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from flyd.pages import page
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from registry.errors import (
@@ -15,6 +16,7 @@ from registry.errors import (
     SequenceGap,
     WrongWorker,
 )
+from registry.rows import MachineQuery
 from registry.v1 import registry_pb2 as r
 from registry.view import ALIVE, DEAD, SUSPECT, UNKNOWN, Added, View, check_worker_info
 from tests.registry.support import MALFORMED_WORKERS, view_of
@@ -159,6 +161,40 @@ def test_machines_by_app_follow_an_app_change() -> None:
     view.apply("w1", change(2, machine("m1", app="new")), T0)
     assert view.machines(app="old") == []
     assert [m.id for m in view.machines(app="new")] == ["m1"]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 500])
+def test_a_page_of_machines_is_the_page_of_every_machine(size: int) -> None:
+    """machine_page reads the page off the index: the same pages, in the same order, as
+    flyd.pages.page over every machine, whatever the filters."""
+    view = view_with(info("w1", "ams"), info("w2", "syd"))
+    states = [S.MACHINE_STATE_STARTED, S.MACHINE_STATE_STOPPED, S.MACHINE_STATE_DESTROYED]
+    for worker in ["w1", "w2"]:
+        rows = [
+            machine(f"{worker}-m{i}", states[i % 3], app="web" if i % 2 else "db", worker=worker)
+            for i in range(7)
+        ]
+        view.apply(worker, snapshot(1, *rows), T0)
+    filters = [
+        (None, None, lambda mid, app, state: True),
+        ("web", None, lambda mid, app, state: True),
+        (None, "syd", lambda mid, app, state: state != S.MACHINE_STATE_DESTROYED),
+        ("db", "ams", lambda mid, app, state: mid.endswith(("1", "2", "4"))),
+    ]
+    for app, region, keep in filters:
+        everything = [
+            m for m in view.machines(app=app, region=region) if keep(m.id, m.app, m.state)
+        ]
+        token, got, want = "", [], []
+        while True:
+            listed, token = view.machine_page(MachineQuery(app, region, token, size, keep))
+            expected, expected_token = page(everything, size, want[-1].id if want else "")
+            assert (listed, token) == (expected, expected_token)
+            got += listed
+            want += expected
+            if not token:
+                break
+        assert [m.id for m in got] == sorted(m.id for m in everything)
 
 
 def test_a_heartbeat_brings_capacity_and_worker_info_but_keeps_the_address() -> None:

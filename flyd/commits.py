@@ -1,0 +1,202 @@
+"""Group commit: the machine log's writes, off the event loop, one transaction per batch.
+
+A commit is durable once its transaction's fsync returned; on this host that takes from a
+quarter of a millisecond to tens of milliseconds, and flyd's event loop must not stand still
+meanwhile. So every write of the log goes through one `GroupCommit`: a commit is queued with
+the sequence numbers it will have (handed out at once, in order), and one writer thread
+writes what is queued in one transaction, with one fsync, while the loop goes on serving.
+Commits queued while a transaction is written go together in the next one.
+
+Nothing is told of a commit before its fsync: `then(last_seq)` (the runner's bookkeeping:
+the rows in memory, the event stream, the operation's span) runs on the loop once the batch
+holding it is durable, for each commit of the batch in order, and only then is its future
+done, so a caller's answer is never sent before the fsync that holds it. A batch whose
+transaction failed fails every commit queued so far (their numbers followed the failed ones),
+and none of them is told anything but the error.
+
+A store whose commits do not wait on a disk (`MachineLog.blocking` False: the in-memory log
+of the unit tests) is written on the loop, in the same batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from flyd.metrics import LOG_TRANSACTION_COMMITS
+from flyd.store import MachineLog, NewRecord
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class _Commit:
+    records: Sequence[NewRecord]
+    rows: Mapping[str, bytes | None]
+    last_seq: int  # of its last record (the log's last seq before it, without records)
+    then: Callable[[int], None] | None
+    done: asyncio.Future[int] = field(repr=False)
+
+
+class GroupCommit:
+    """The one writer of a machine log: batches of commits, each batch one transaction."""
+
+    def __init__(self, store: MachineLog) -> None:
+        self.store = store
+        self._assigned = store.last_seq()
+        self._queue: list[_Commit] = []
+        self._busy = False  # a batch is being written, or one is about to start
+        self._executor = (
+            ThreadPoolExecutor(1, thread_name_prefix="flyd-commit") if store.blocking else None
+        )
+        self._closed = False
+        self._idle: asyncio.Event | None = None
+        self._waiting = 0  # calls of `run` waiting for the writer
+        self.batches = 0  # transactions written, for tests and metrics
+
+    @property
+    def queued(self) -> int:
+        """Commits waiting for the next transaction."""
+        return len(self._queue)
+
+    @property
+    def assigned(self) -> int:
+        """The sequence number of the last record queued (durable or not)."""
+        return self._assigned
+
+    def submit(
+        self,
+        records: Sequence[NewRecord],
+        rows: Mapping[str, bytes | None],
+        then: Callable[[int], None] | None = None,
+    ) -> asyncio.Future[int]:
+        """Queue records (numbered from `assigned` + 1, in this order) and rows to put (or
+        delete, for None). The future is done with the seq of the last record once they are
+        durable and `then` ran, or fails with the transaction's error."""
+        if self._closed:
+            raise RuntimeError("the machine log's writer is closed")
+        loop = asyncio.get_running_loop()
+        self._assigned += len(records)
+        commit = _Commit(records, rows, self._assigned, then, loop.create_future())
+        self._queue.append(commit)
+        if not self._busy and not self._waiting:
+            # Not at once: commits made in this turn of the loop join the same transaction.
+            self._busy = True
+            loop.call_soon(self._write_next)
+        return commit.done
+
+    def commit_now(self, records: Sequence[NewRecord], rows: Mapping[str, bytes | None]) -> int:
+        """Write one commit at once, on the caller's thread: for recovery at start, before
+        anything else commits. Returns the seq of its last record."""
+        if self._busy or self._queue:
+            raise RuntimeError("commit_now while commits are queued")
+        seq = self.store.commit(records, rows)
+        self._assigned = seq
+        return seq
+
+    async def run(self, work: Callable[[MachineLog], T]) -> T:
+        """`work(store)` on the writer once the batch being written is (compaction); commits
+        queued meanwhile wait for it."""
+        self._waiting += 1
+        try:
+            while self._busy:
+                await self._wait_idle()
+        except BaseException:
+            self._waiting -= 1
+            self._next_or_idle()
+            raise
+        self._waiting -= 1
+        self._busy = True
+        try:
+            if self._executor is None:
+                return work(self.store)
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._executor, work, self.store)
+        finally:
+            self._busy = False
+            self._next_or_idle()
+
+    async def close(self) -> None:
+        """Refuse new commits, wait for the queued ones, and stop the writer thread."""
+        self._closed = True
+        while self._busy:
+            await self._wait_idle()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+
+    async def _wait_idle(self) -> None:
+        if self._idle is None:
+            self._idle = asyncio.Event()
+        await self._idle.wait()
+
+    def _write_next(self) -> None:
+        batch, self._queue = self._queue, []
+        if not batch:
+            self._busy = False
+            self._next_or_idle()
+            return
+        records = [r for c in batch for r in c.records]
+        rows: dict[str, bytes | None] = {}
+        for c in batch:
+            rows.update(c.rows)  # a later commit's row wins
+        self.batches += 1
+        LOG_TRANSACTION_COMMITS.observe(len(batch))
+        loop = asyncio.get_running_loop()
+        if self._executor is None:
+            written: asyncio.Future[int] = loop.create_future()
+            try:
+                written.set_result(self.store.commit(records, rows))
+            except BaseException as err:  # every waiter hears of it
+                written.set_exception(err)
+            loop.call_soon(self._written, batch, written)
+        else:
+            written = loop.run_in_executor(self._executor, self.store.commit, records, rows)
+            written.add_done_callback(lambda fut: self._written(batch, fut))
+
+    def _written(self, batch: list[_Commit], written: asyncio.Future[int]) -> None:
+        error = asyncio.CancelledError() if written.cancelled() else written.exception()
+        if error is not None:
+            # Numbers were handed out past the failed ones: whatever is queued fails too.
+            failed, self._queue = batch + self._queue, []
+            self._assigned = self.store.last_seq()
+            for c in failed:
+                if not c.done.done():
+                    c.done.set_exception(error)
+        else:
+            for c in batch:
+                try:
+                    if c.then is not None:
+                        c.then(c.last_seq)
+                except BaseException as err:  # its committer hears of it
+                    c.done.set_exception(err)
+                else:
+                    c.done.set_result(c.last_seq)
+        self._busy = False
+        self._next_or_idle()
+
+    def _next_or_idle(self) -> None:
+        if self._busy:
+            return
+        if self._queue and not self._waiting:
+            self._busy = True
+            self._write_next()
+        elif self._idle is not None:
+            self._idle.set()
+            self._idle = None
+
+
+async def durable(future: asyncio.Future[T]) -> T:
+    """Wait for a commit, even when the caller is cancelled meanwhile: the commit goes on, and
+    whoever holds a machine's lock must not let go of it before the row in memory is what the
+    log says. The cancellation is raised once the commit is over."""
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        while not future.done():
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(future)
+        raise
