@@ -29,7 +29,7 @@ def clean_env(**extra: str) -> dict[str, str]:
     env = {
         name: value
         for name, value in os.environ.items()
-        if not name.startswith(("OTEL_", "NONOMAD_", "FLYD_", "FLAPS_", "PROXY_"))
+        if not name.startswith(("OTEL_", "NONOMAD_", "FLYD_", "FLAPS_", "PROXY_", "CONSOLE_"))
     }
     env.update(extra)
     return env

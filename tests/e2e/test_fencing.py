@@ -37,6 +37,7 @@ from tests.proxy.support import (
     eventually,
     get,
     netns_unavailable,
+    two_sides,
 )
 
 S = pb.MachineState
@@ -150,20 +151,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, image_source: Path) -> Ite
     prefix = f"nonomad-test-{uuid.uuid4().hex[:8]}"
     fleet = ProxyFleet(tmp, image_source, prefix=prefix, security=security)
     try:
-        flaps = fleet.start_flaps()
-        for worker_id, side in (("w1", "a"), ("w2", "b")):
-            fleet.add_worker(
-                worker_id,
-                "--labels",
-                f"side={side}",
-                "--announce",
-                flaps.cluster_address,
-                "--announce-interval",
-                "0.5",
-            )
-        follow = [arg for wp in fleet.workers.values() for arg in ("--workers", wp.address)]
-        for _ in range(2):
-            fleet.add_proxy(*follow, "--peers", flaps.cluster_address)
+        two_sides(fleet, proxies=2)
         yield fleet
     finally:
         asyncio.run(fleet.close())

@@ -598,6 +598,26 @@ class ProxyFleet:
         remove_cgroups(self.prefix)
 
 
+def two_sides(fleet: ProxyFleet, proxies: int) -> ServiceProcess:
+    """Start flaps, workers w1 (label side=a) and w2 (side=b) announcing to it, and `proxies`
+    proxies following both; returns flaps."""
+    flaps = fleet.start_flaps()
+    for worker_id, side in (("w1", "a"), ("w2", "b")):
+        fleet.add_worker(
+            worker_id,
+            "--labels",
+            f"side={side}",
+            "--announce",
+            flaps.cluster_address,
+            "--announce-interval",
+            "0.5",
+        )
+    follow = [arg for wp in fleet.workers.values() for arg in ("--workers", wp.address)]
+    for _ in range(proxies):
+        fleet.add_proxy(*follow, "--peers", flaps.cluster_address)
+    return flaps
+
+
 async def _has(routes: object, count: int) -> bool:
     assert asyncio.iscoroutine(routes)
     return len(await routes) == count

@@ -1,0 +1,375 @@
+"""The console in a real browser against a real local cluster.
+
+Debian's chromium, headless, driven by Selenium through chromedriver (both from the system:
+`.ci/system-packages` installs them; nothing is downloaded at run time). One cluster and one
+browser serve the module: workers w1 (label side=a) and w2 (side=b) announcing to flaps, one
+proxy following both, and `nonomad-console` following flaps' replica with its read-only token,
+secure as `nonomad up` runs it. Every page visited is screenshotted into the test's own
+directory, and a test fails if the browser logged an error on any page (a failed request, a
+script error). The failover test goes last: it kills a worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import tempfile
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flaps.v1 import platform_pb2 as p
+from flaps.v1 import platform_pb2_grpc
+from flyd.v1 import machine_pb2 as pb
+from nonomad.security import provision
+from tests.harness import ServiceProcess, clean_env
+from tests.proxy.support import ProxyFleet, T, eventually, two_sides
+
+CHROMIUM = shutil.which("chromium")
+CHROMEDRIVER = shutil.which("chromedriver")
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None or CHROMEDRIVER is None,
+    reason="chromium and chromium-driver are not installed (.ci/system-packages installs them)",
+)
+# Any one wait on the page; never reached when things work.
+PAGE_DEADLINE = 30.0
+# Chromium as root needs --no-sandbox; the rest keep it off every network but the loopback.
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--window-size=1400,1000",
+]
+
+
+class Console:
+    """The console process and where it serves."""
+
+    def __init__(self, proc: ServiceProcess) -> None:
+        self.proc = proc
+        self.url = f"http://{proc.address}"
+
+    def json(self, path: str) -> Any:
+        """The page's JSON twin (`Accept: application/json`)."""
+        request = urllib.request.Request(self.url + path, headers={"Accept": "application/json"})
+        with urllib.request.urlopen(request, timeout=T) as reply:
+            assert reply.headers["Content-Type"].startswith("application/json")
+            return json.load(reply)
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory, image_source: Path
+) -> Iterator[tuple[ProxyFleet, Console]]:
+    tmp = tmp_path_factory.mktemp("console")
+    security = provision(tmp / "security", ["flaps", "proxy", "flyd", "console"])
+    prefix = f"nonomad-test-{uuid.uuid4().hex[:8]}"
+    fleet = ProxyFleet(tmp, image_source, prefix=prefix, security=security)
+    console = None
+    try:
+        flaps = two_sides(fleet, proxies=1)
+        console = ServiceProcess(
+            "nonomad.console",
+            [
+                "--listen",
+                "127.0.0.1:0",
+                "--flaps",
+                flaps.address,
+                "--upstream",
+                flaps.cluster_address,
+                "--proxy",
+                fleet.proxies[0].address,
+                *security.console_args(),
+            ],
+            tmp / "console.log",
+            env=clean_env(),
+        ).start()
+        yield fleet, Console(console)
+    finally:
+        if console is not None:
+            console.kill()
+        asyncio.run(fleet.close())
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in CHROMIUM_FLAGS:
+        options.add_argument(flag)
+    profile = tempfile.mkdtemp(prefix="chromium-", dir=tmp_path_factory.mktemp("profile"))
+    options.add_argument(f"--user-data-dir={profile}")
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    log = tmp_path_factory.mktemp("chromedriver") / "chromedriver.log"
+    driver = webdriver.Chrome(
+        options=options, service=Service(executable_path=CHROMEDRIVER, log_output=str(log))
+    )
+    driver.set_page_load_timeout(PAGE_DEADLINE)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+class Page:
+    """The browser on the console: visits pages, waits on them, screenshots each, and keeps
+    every error the browser logged."""
+
+    def __init__(self, driver: Any, console: Console, out: Path) -> None:
+        self.driver = driver
+        self.console = console
+        self.out = out
+        self.shots = 0
+        self.errors: list[dict[str, Any]] = []
+
+    def visit(self, path: str) -> None:
+        self.driver.get(self.console.url + path)
+        self.until(lambda: self.js("return document.readyState") == "complete", "page loaded")
+
+    def js(self, script: str, *args: Any) -> Any:
+        return self.driver.execute_script(script, *args)
+
+    def until(self, check: Callable[[], object], what: str) -> None:
+        from selenium.webdriver.support.ui import WebDriverWait
+
+        WebDriverWait(self.driver, PAGE_DEADLINE, poll_frequency=0.05).until(
+            lambda _: check(), f"timed out waiting for {what}"
+        )
+
+    def attr(self, css: str, name: str) -> str | None:
+        """An attribute of the first element `css` selects (None: no such element)."""
+        return self.js(  # type: ignore[no-any-return]
+            "const el = document.querySelector(arguments[0]);"
+            "return el ? el.getAttribute(arguments[1]) : null;",
+            css,
+            name,
+        )
+
+    def texts(self, css: str) -> list[str]:
+        return self.js(  # type: ignore[no-any-return]
+            "return [...document.querySelectorAll(arguments[0])].map(e => e.textContent.trim());",
+            css,
+        )
+
+    def shot(self, name: str) -> Path:
+        self.shots += 1
+        path = self.out / f"{self.shots:02d}-{name}.png"
+        assert self.driver.save_screenshot(str(path)), f"no screenshot written to {path}"
+        return path
+
+    def collect_errors(self) -> None:
+        self.errors += [e for e in self.driver.get_log("browser") if e["level"] == "SEVERE"]
+
+
+@pytest.fixture
+def page(browser: Any, cluster: tuple[ProxyFleet, Console], tmp_path: Path) -> Iterator[Page]:
+    """The browser, its screenshots in this test's directory; fails the test on any error the
+    browser logged meanwhile."""
+    browser.get_log("browser")  # what earlier tests left
+    on = Page(browser, cluster[1], tmp_path)
+    yield on
+    on.collect_errors()
+    assert not on.errors, f"the browser logged errors: {on.errors}"
+    assert list(tmp_path.glob("*.png")), "no screenshot was written"
+
+
+async def list_workers(fleet: ProxyFleet) -> dict[str, p.WorkerEntry]:
+    stub = platform_pb2_grpc.PlatformServiceStub(fleet._channel(fleet.flaps_address, flaps=True))
+    resp = await stub.ListWorkers(p.ListWorkersRequest(), timeout=T)
+    return {w.info.id: w for w in resp.workers}
+
+
+def shown_worker(page: Page, worker_id: str) -> dict[str, str | None]:
+    """What the fleet page's row of the worker says."""
+    row = f"#worker-{worker_id}"
+    numbers = page.texts(f"{row} .meter .num b")
+    return {
+        "status": page.attr(row, "data-status"),
+        "cpu": numbers[0] if numbers else None,
+        "memory": numbers[1] if len(numbers) > 1 else None,
+        "total": " / ".join(page.texts(f"{row} .meter .num")),
+        "machines": (page.texts(f"{row} .machines .total") or [None])[0],
+    }
+
+
+def expected_worker(entry: p.WorkerEntry) -> dict[str, str | None]:
+    cap = entry.capacity
+    cpu = cap.total.cpu_millicores - cap.free.cpu_millicores
+    mib = cap.total.memory_mib - cap.free.memory_mib
+    live = sum(n for state, n in cap.machines_by_state.items() if state != "destroyed")
+    return {
+        "status": "alive",
+        "cpu": str(cpu),
+        "memory": str(mib),
+        "total": f"{cpu} / {cap.total.cpu_millicores} m / {mib} / {cap.total.memory_mib} MiB",
+        "machines": str(live),
+    }
+
+
+async def slot(fleet: ProxyFleet, app: str) -> tuple[pb.Machine, pb.Machine]:
+    """A primary of `app` on w1 and its standby on w2."""
+    await fleet.until_alive()
+    primary = await fleet.create(app, labels={"side": "a"})
+    standby = await fleet.create(app, standby_for=[primary.id])
+    assert (primary.worker_id, standby.worker_id) == ("w1", "w2")
+    return primary, standby
+
+
+async def test_the_fleet_page_shows_every_worker_with_the_right_numbers(
+    cluster: tuple[ProxyFleet, Console], page: Page
+) -> None:
+    fleet, console = cluster
+    primary, standby = await slot(fleet, "web")
+    await fleet.create("web", labels={"side": "b"})
+    workers = await list_workers(fleet)
+    assert set(workers) == {"w1", "w2"}
+
+    page.visit("/")
+    page.shot("fleet")
+    # The page follows the cluster live: it comes to what flaps says without a reload.
+    for worker_id, count in (("w1", "1"), ("w2", "2")):
+
+        async def agrees(worker_id: str = worker_id, count: str = count) -> bool:
+            want = expected_worker((await list_workers(fleet))[worker_id])
+            return want["machines"] == count and shown_worker(page, worker_id) == want
+
+        await eventually(agrees, f"the fleet page's {worker_id} as flaps has it")
+    page.shot("fleet-three-machines")
+    # Both as flaps has them: the three machines of 100m and 64 MiB each, two on w2.
+    assert shown_worker(page, "w1")["cpu"] == "100"
+    assert (shown_worker(page, "w2")["cpu"], shown_worker(page, "w2")["memory"]) == ("200", "128")
+    assert page.attr('#regions .card[data-region="ams"]', "data-region") == "ams"
+    # The JSON twin holds the numbers the page is rendered from.
+    data = console.json("/")
+    rows = {w["id"]: w for w in data["workers"]}
+    assert (rows["w2"]["cpu"]["reserved"], rows["w2"]["memory"]["reserved"]) == (200, 128)
+    assert rows["w1"]["machines"]["total"] == 1
+    assert [a["name"] for a in data["apps"]] == ["web"]
+    # The app's page: its machines and the slot's relations.
+    page.visit("/apps/web")
+    page.until(lambda: page.attr(f"#m-{primary.id}", "data-state") == "started", "primary up")
+    assert page.attr(f"#m-{primary.id}", "data-role") == "primary"
+    assert page.attr(f"#m-{standby.id}", "data-role") == "standby"
+    page.shot("app")
+    twin = console.json("/apps/web")
+    assert {m["id"] for m in twin["machines"]} >= {primary.id, standby.id}
+
+
+async def test_the_placement_explanation_matches_simulate_placement(
+    cluster: tuple[ProxyFleet, Console], page: Page
+) -> None:
+    fleet, console = cluster
+    await fleet.until_alive()
+    stub = platform_pb2_grpc.PlatformServiceStub(fleet._channel(fleet.flaps_address, flaps=True))
+    config = pb.MachineConfig(
+        image="demo:v1",
+        guest=pb.GuestConfig(cpu_millicores=100, memory_mib=64),
+        services=[pb.ServiceConfig(internal_port=8080, autostart=True)],
+        placement=pb.PlacementConfig(required_labels={"side": "b"}),
+    )
+    # Nothing changes between the simulation and the create: the same state.
+    sim = await stub.SimulatePlacement(
+        p.SimulatePlacementRequest(app="why", region="ams", config=config), timeout=T
+    )
+    made = await fleet.create("why", labels={"side": "b"})
+    assert made.worker_id == sim.candidates[0].worker_id == "w2"
+
+    page.visit(f"/machines/{made.id}")
+    page.shot("machine")
+    region = '#placement .region-decision[data-region="ams"]'
+    assert page.attr(region, "data-outcome") == "placed"
+    shown = page.js(
+        "return [...document.querySelectorAll(arguments[0] + ' table.candidates tbody tr')]"
+        ".map(tr => ({worker: tr.dataset.worker, score: Number(tr.dataset.score),"
+        " chosen: tr.classList.contains('chosen'),"
+        " subs: Object.fromEntries([...tr.querySelectorAll('td.sub')]"
+        "   .filter(td => td.dataset.value !== '')"
+        "   .map(td => [td.dataset.part, Number(td.dataset.value)]))}));",
+        region,
+    )
+    want = [
+        {
+            "worker": c.worker_id,
+            "score": pytest.approx(c.score),
+            "chosen": i == 0,
+            "subs": pytest.approx(dict(c.sub_scores)),
+        }
+        for i, c in enumerate(sim.candidates)
+    ]
+    assert shown == want
+    rejected = page.js(
+        "return Object.fromEntries([...document.querySelectorAll(arguments[0] +"
+        " ' .rejections .chip')].map(c => [c.dataset.reason, Number(c.dataset.count)]));",
+        region,
+    )
+    assert rejected == dict(sim.rejections_by_reason) != {}  # w1 lacks the label
+    # The JSON twin says the same, and the CLI's `nonomad machines why` reads the same record.
+    twin = console.json(f"/machines/{made.id}")
+    (decision,) = twin["placement"]["regions"]
+    assert [c["worker_id"] for c in decision["candidates"]] == [c.worker_id for c in sim.candidates]
+    assert decision["rejections_by_reason"] == dict(sim.rejections_by_reason)
+    # The machine's log tail arrives over its own stream.
+    page.until(lambda: page.js("return document.getElementById('logs').textContent") != "", "log")
+    page.shot("machine-log")
+
+
+async def test_a_killed_worker_turns_dead_and_its_standby_starts_without_a_reload(
+    cluster: tuple[ProxyFleet, Console], page: Page
+) -> None:
+    fleet, console = cluster
+    primary, standby = await slot(fleet, "fail")
+    await fleet.until_routed("fail", 2)
+    # Two tabs: the fleet page and the app's page, each marked to prove it is never reloaded.
+    page.visit("/")
+    fleet_tab = page.driver.current_window_handle
+    page.js("window.notReloaded = true")
+    page.driver.switch_to.new_window("tab")
+    page.visit("/apps/fail")
+    app_tab = page.driver.current_window_handle
+    page.js("window.notReloaded = true")
+    page.until(lambda: page.attr(f"#m-{primary.id}", "data-state") == "started", "primary up")
+    page.until(lambda: page.attr("#live-status", "data-state") == "live", "the stream open")
+    assert page.attr(f"#m-{standby.id}", "data-state") != "started"
+    page.shot("before-failover")
+
+    fleet.workers["w1"].kill()  # flyd is gone; the proxy fails the slot over to the standby
+
+    page.until(lambda: page.attr(f"#m-{standby.id}", "data-state") == "started", "promoted")
+    page.until(lambda: page.attr(f"#m-{standby.id}", "data-role") == "primary", "now primary")
+    page.until(
+        lambda: page.attr(f"#m-{primary.id}", "data-worker-status") == "dead", "w1 dead here"
+    )
+    assert page.js("return window.notReloaded") is True
+    page.shot("app-after-failover")
+    page.until(
+        lambda: page.js(
+            "return [...document.querySelectorAll('#feed .feed-item')]"
+            ".some(li => li.dataset.machine === arguments[0] && li.dataset.kind === 'promoted')",
+            standby.id,
+        ),
+        "the standby's promotion in the feed",
+    )
+    page.collect_errors()  # (each tab's log is read while it is the current one)
+    page.driver.switch_to.window(fleet_tab)
+    page.until(lambda: page.attr("#worker-w1", "data-status") == "dead", "w1 dead on the fleet")
+    assert page.js("return window.notReloaded") is True
+    page.shot("fleet-after-failover")
+    page.collect_errors()
+    page.driver.switch_to.window(app_tab)
+    page.driver.close()
+    page.driver.switch_to.window(fleet_tab)
+    assert console.json("/")["workers"][0]["status"] == "dead"
