@@ -1,4 +1,4 @@
-"""`python -m bench [--quick] [--full] [--only flyd|registry|proxy|auth|flaps|fencing]
+"""`python -m bench [--quick] [--full] [--only flyd|registry|proxy|auth|flaps|fencing|console]
 [--drivers process,oci]`: run the benchmarks, print tables (flyd's and the proxy control
 plane's with both drivers side by side), write JSON to bench/results/."""
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 from bench import (
     auth_bench,
+    console_bench,
     fencing_bench,
     flaps_bench,
     proxy_bench,
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--only",
-        choices=["flyd", "registry", "proxy", "auth", "flaps", "fencing"],
+        choices=["flyd", "registry", "proxy", "auth", "flaps", "fencing", "console"],
         help="run one group of benchmarks",
     )
     parser.add_argument(
@@ -108,6 +109,12 @@ def main(argv: list[str] | None = None) -> int:
                 full=args.full,
                 out=args.out.with_name("flaps.json"),
                 strict=args.strict,
+            )
+        )
+    if args.only in (None, "console"):
+        codes.append(
+            console_bench.run(
+                quick=args.quick, out=args.out.with_name("console.json"), strict=args.strict
             )
         )
     return max(codes)

@@ -71,6 +71,7 @@ class Service:
     proc: subprocess.Popen[bytes] | None = None
     address: str = ""
     http: str = ""
+    announced: dict[str, str] = field(default_factory=dict)
 
     def start(self) -> Service:
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -90,6 +91,7 @@ class Service:
             raise RuntimeError(f"{self.module} did not become ready; see {self.log}") from None
         self.address = announced[READY_PREFIX]
         self.http = announced.get("NONOMAD_HTTP", "")
+        self.announced = announced
         return self
 
     def kill(self) -> None:

@@ -69,6 +69,13 @@ def _after(request: Request) -> int:
     return int(raw)
 
 
+def _page(request: Request) -> int:
+    raw = request.query_params.get("page", "1")
+    if not raw.isdigit() or int(raw) < 1:
+        raise HTTPException(400, "page: must be a page number, 1 or more")
+    return int(raw)
+
+
 class Console:
     """The handlers, around the page data and the live hub."""
 
@@ -101,15 +108,18 @@ class Console:
     async def app(self, request: Request) -> Response:
         name = _name("app", request.path_params["app"])
         destroyed = request.query_params.get("destroyed") in ("1", "true", "yes")
-        data = await self.pages.app(name, destroyed=destroyed)
+        page = _page(request)
+        data = await self.pages.app(name, destroyed=destroyed, page=page)
         if not data["machines"] and name not in self.pages.replica.apps():
             raise HTTPException(404, f"no machine of app {name} is known")
+        if page > data["page"]["pages"]:
+            raise HTTPException(404, f"page: app {name} has {data['page']['pages']} pages")
         return self.respond(
             request,
             "app.html",
             data,
             nav="apps",
-            live_url=f"/live/apps/{name}",
+            live_url=f"/live/apps/{name}?page={page}",
             **self.feed(name),
         )
 
@@ -145,7 +155,7 @@ class Console:
 
     async def live_app(self, request: Request) -> Response:
         name = _name("app", request.path_params["app"])
-        return self._stream(request, streams.AppView(self.pages, name))
+        return self._stream(request, streams.AppView(self.pages, name, _page(request)))
 
     async def live_machine(self, request: Request) -> Response:
         machine_id = _name("machine_id", request.path_params["machine_id"])

@@ -29,6 +29,8 @@ Data = dict[str, Any]
 
 # The states a machine passes through on its way somewhere; the rest are where it rests.
 _RESTING = ("created", "started", "stopped", "failed", "destroyed")
+PAGE_ROWS = 100
+"""An app's machines a page shows: a browser lays out a few hundred table rows slowly."""
 
 
 def iso(ts: Timestamp) -> str:
@@ -230,10 +232,12 @@ def app(
     routes: Mapping[str, proxy_pb2.RouteMachine] | None,
     stats: Data | None,
     proxy_error: str = "",
+    page: int = 1,
 ) -> Data:
-    """An app's page: its machines (by region, slot, then role), counts by state, the proxy's
-    view and traffic. `statuses`: worker id -> liveness; `routes`: machine id -> route (None
-    when the proxy could not be asked)."""
+    """An app's page: its machines (by region, slot, then role), page `page` of them
+    (`PAGE_ROWS` a page; a page past the last has none), counts by state, the proxy's view and
+    traffic, the counts over all its machines. `statuses`: worker id -> liveness; `routes`:
+    machine id -> route (None when the proxy could not be asked)."""
     back = standbys_of(machines)
     rows = [
         machine_row(
@@ -245,9 +249,17 @@ def app(
         for m in machines
     ]
     rows.sort(key=lambda r: (r["region"], r["slot"], r["role"] != "primary", r["id"]))
+    first = (page - 1) * PAGE_ROWS
     return {
         "app": name,
-        "machines": rows,
+        "machines": rows[first : first + PAGE_ROWS],
+        "page": {
+            "number": page,
+            "pages": max(1, math.ceil(len(rows) / PAGE_ROWS)),
+            "first": first + 1,
+            "rows_per_page": PAGE_ROWS,
+            "machines": len(rows),
+        },
         "by_state": dict(sorted(Counter(r["state"] for r in rows).items())),
         "routed": None if routes is None else sum(1 for r in rows if r["route"]),
         "traffic": stats,

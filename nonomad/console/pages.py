@@ -119,11 +119,10 @@ class Pages:
             kept.append(now)
         return model.traffic(now, before)
 
-    async def app(self, name: str, *, destroyed: bool = False) -> model.Data:
+    async def app(self, name: str, *, destroyed: bool = False, page: int = 1) -> model.Data:
         (routes, error), traffic = await asyncio.gather(self.routes(name), self.traffic(name))
-        return model.app(
-            name, self.machines(name, destroyed=destroyed), self.statuses(), routes, traffic, error
-        )
+        machines = self.machines(name, destroyed=destroyed)
+        return model.app(name, machines, self.statuses(), routes, traffic, error, page)
 
     # -- a machine -----------------------------------------------------------------------------
 

@@ -126,15 +126,16 @@ def _states(states: dict[str, int]) -> str:
 
 
 class AppView(LiveView):
-    """An app's machines: a row when its machine changes or its worker's status does; the
-    table when machines come or go; the summary with them. Every `TICK` seconds, the proxy's
-    view (health, load, traffic) again."""
+    """An app's machines (one page of them): a row when its machine changes or its worker's
+    status does; the table when machines come or go; the summary with them. Every `TICK`
+    seconds, the proxy's view (health, load, traffic) again."""
 
     tick = TICK
 
-    def __init__(self, pages: Pages, app: str) -> None:
+    def __init__(self, pages: Pages, app: str, page: int = 1) -> None:
         self.pages = pages
         self.app = app
+        self.page = page
         self.routes: dict[str, object] | None = None
         self.error = ""
         self.traffic: model.Data | None = None
@@ -159,6 +160,7 @@ class AppView(LiveView):
             self.routes,  # type: ignore[arg-type]
             self.traffic,
             self.error,
+            self.page,
         )
 
     def _render(self, data: model.Data, rows: set[str] | None) -> Patches:

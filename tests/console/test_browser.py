@@ -1,8 +1,8 @@
 """The console in a real browser against a real local cluster.
 
-Debian's chromium, headless, driven by Selenium through chromedriver (both from the system:
-`.ci/system-packages` installs them; nothing is downloaded at run time). One cluster and one
-browser serve the module: workers w1 (label side=a) and w2 (side=b) announcing to flaps, one
+Debian's chromium, headless, driven by Selenium through chromedriver (bench.browser: both
+from the system, nothing downloaded at run time). One cluster and one browser serve the
+module: workers w1 (label side=a) and w2 (side=b) announcing to flaps, one
 proxy following both, and `nonomad-console` following flaps' replica with its read-only token,
 secure as `nonomad up` runs it. Every page visited is screenshotted into the test's own
 directory, and a test fails if the browser logged an error on any page (a failed request, a
@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
-import tempfile
+import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
@@ -23,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from bench.browser import MISSING, chromium
 from flaps.v1 import platform_pb2 as p
 from flaps.v1 import platform_pb2_grpc
 from flyd.v1 import machine_pb2 as pb
@@ -30,27 +30,9 @@ from nonomad.security import provision
 from tests.harness import ServiceProcess, clean_env
 from tests.proxy.support import ProxyFleet, T, eventually, two_sides
 
-CHROMIUM = shutil.which("chromium")
-CHROMEDRIVER = shutil.which("chromedriver")
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None or CHROMEDRIVER is None,
-    reason="chromium and chromium-driver are not installed (.ci/system-packages installs them)",
-)
+pytestmark = pytest.mark.skipif(bool(MISSING), reason=MISSING)
 # Any one wait on the page; never reached when things work.
 PAGE_DEADLINE = 30.0
-# Chromium as root needs --no-sandbox; the rest keep it off every network but the loopback.
-CHROMIUM_FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--disable-dev-shm-usage",
-    "--window-size=1400,1000",
-]
 
 
 class Console:
@@ -66,6 +48,14 @@ class Console:
         with urllib.request.urlopen(request, timeout=T) as reply:
             assert reply.headers["Content-Type"].startswith("application/json")
             return json.load(reply)
+
+    def refusal(self, path: str) -> tuple[int, str]:
+        """The status and reason of a request the console must refuse."""
+        request = urllib.request.Request(self.url + path, headers={"Accept": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(request, timeout=T).close()
+        with err.value:
+            return err.value.code, json.load(err.value)["reason"]
 
 
 @pytest.fixture(scope="module")
@@ -104,21 +94,11 @@ def cluster(
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for flag in CHROMIUM_FLAGS:
-        options.add_argument(flag)
-    profile = tempfile.mkdtemp(prefix="chromium-", dir=tmp_path_factory.mktemp("profile"))
-    options.add_argument(f"--user-data-dir={profile}")
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    log = tmp_path_factory.mktemp("chromedriver") / "chromedriver.log"
-    driver = webdriver.Chrome(
-        options=options, service=Service(executable_path=CHROMEDRIVER, log_output=str(log))
+    driver = chromium(
+        tmp_path_factory.mktemp("profile"),
+        tmp_path_factory.mktemp("chromedriver") / "chromedriver.log",
+        PAGE_DEADLINE,
     )
-    driver.set_page_load_timeout(PAGE_DEADLINE)
     try:
         yield driver
     finally:
@@ -267,6 +247,17 @@ async def test_the_fleet_page_shows_every_worker_with_the_right_numbers(
     page.shot("app")
     twin = console.json("/apps/web")
     assert {m["id"] for m in twin["machines"]} >= {primary.id, standby.id}
+    assert twin["page"] == {
+        "number": 1,
+        "pages": 1,
+        "first": 1,
+        "rows_per_page": 100,
+        "machines": 3,
+    }
+    assert console.refusal("/apps/web?page=0") == (400, "page: must be a page number, 1 or more")
+    assert console.refusal("/apps/web?page=2") == (404, "page: app web has 1 pages")
+    assert console.refusal("/apps/Not_An_App")[0] == 400
+    assert console.refusal("/machines/w1-0000000000ff")[0] == 404
 
 
 async def test_the_placement_explanation_matches_simulate_placement(

@@ -112,6 +112,32 @@ def test_an_app_shows_who_stands_by_for_whom_and_what_the_proxy_sees() -> None:
     assert model.app("web", [primary], {}, None, None, "down")["routed"] is None
 
 
+def test_an_app_of_many_machines_is_shown_a_page_at_a_time() -> None:
+    many = [machine(f"ams-1-{i:04x}", "ams-1") for i in range(model.PAGE_ROWS * 2 + 50)]
+    many[-1].state = S.MACHINE_STATE_STOPPED
+    last = model.app("web", many, {}, {}, None, page=3)
+    assert [r["id"] for r in last["machines"]] == [m.id for m in many[-50:]]
+    assert last["page"] == {
+        "number": 3,
+        "pages": 3,
+        "first": 2 * model.PAGE_ROWS + 1,
+        "rows_per_page": model.PAGE_ROWS,
+        "machines": 2 * model.PAGE_ROWS + 50,
+    }
+    # The counts are the whole app's, whichever page is shown.
+    first = model.app("web", many, {}, {}, None)
+    assert len(first["machines"]) == model.PAGE_ROWS
+    assert (
+        first["by_state"]
+        == last["by_state"]
+        == {
+            "started": 2 * model.PAGE_ROWS + 49,
+            "stopped": 1,
+        }
+    )
+    assert model.app("web", many, {}, {}, None, page=4)["machines"] == []
+
+
 def stats(
     total: int, by_status: dict[str, int], buckets: list[tuple[float, int]]
 ) -> proxy_pb2.AppStats:
