@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import os
 import secrets
 import shutil
 import sys
@@ -301,9 +302,17 @@ def _run(res: Results, root: Path, quick: bool) -> None:
             "live events /events": "/events",
         }
         loads = 10 if quick else 40
+        load_before = os.getloadavg()[0]
         _measure_http(res, web, pages, loads)
         progress("measured over HTTP")
         _measure_browser(res, root, cluster.console, pages, loads // 2)
+        res.add(
+            "host load average (1 min), the higher of before and after",
+            round(max(load_before, os.getloadavg()[0]), 1),
+            "",
+            note=f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after, on "
+            f"{os.cpu_count()} cores: the browser's times grow with the host's other work",
+        )
         res.details.update(machines=MACHINES, workers=4, loads_per_page=loads)
     finally:
         _run_async(cluster.fleet.close())
