@@ -79,10 +79,14 @@ def _fleet(*ops: str) -> Rule:
 
 
 def _create(request: Any) -> Sequence[Need]:
-    # A standby reads its primaries: the token must be allowed to read them too.
-    return [Need(("create",), app=request.app)] + [
+    # A standby reads its primaries: the token must be allowed to read them too. Secrets
+    # copied from a machine need what could read them there: changing its command.
+    needs = [Need(("create",), app=request.app)] + [
         Need(("read",), machine=primary) for primary in request.standby_for
     ]
+    if request.secrets_from:
+        needs.append(Need(("update",), machine=request.secrets_from))
+    return needs
 
 
 RULES: dict[str, Rule] = {

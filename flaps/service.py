@@ -42,7 +42,7 @@ from flyd.pages import checked_page_size
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
-from flyd.validate import CONFIG_LIMITS, check_config
+from flyd.validate import CONFIG_LIMITS, REDACTED, check_config
 from registry.replica import Replica
 from registry.rows import MachineQuery
 from registry.supply import Resources
@@ -298,6 +298,8 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
             if primary not in config.standbys:
                 config.standbys.append(primary)
             skip_launch = True  # a standby waits, stopped, for its primary's worker to die
+        if request.secrets_from:
+            await self._inherit_secrets(request.app, request.secrets_from, config)
         bid = self.x.request(
             request.app, regions, config, request.standby_for, request.idempotency_key or None
         )
@@ -385,6 +387,36 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
         self.x.watchers.publish(
             app, decision, outcome, winner=winner, machine_id=machine_id, fallback=fallback
         )
+
+    async def _inherit_secrets(self, app: str, source: str, config: pb.MachineConfig) -> None:
+        """Give `config` the secrets of machine `source` (of `app`) that it does not set, or
+        sets to REDACTED: the values come from the source's worker, over mTLS, to go straight
+        to the new machine's worker, which seals them with its own key."""
+        check_name("secrets_from", source)
+        try:
+            got = await self._call(source, "GetMachine", w.GetMachineRequest(machine_id=source))
+            assert isinstance(got, w.GetMachineResponse)
+            if got.machine.app != app:
+                raise InvalidArgument(
+                    "secrets_from", f"machine {source} is of app {got.machine.app!r}"
+                )
+            opened = await self._call(
+                source, "RevealSecrets", w.RevealSecretsRequest(machine_id=source)
+            )
+        except (NotFound, Upstream) as err:
+            if isinstance(err, Upstream) and err.code != grpc.StatusCode.NOT_FOUND:
+                raise
+            raise InvalidArgument("secrets_from", f"machine {source} not found") from None
+        assert isinstance(opened, w.RevealSecretsResponse)
+        for name, value in opened.secrets.items():
+            if config.secrets.get(name, REDACTED) == REDACTED:
+                config.secrets[name] = value
+        for name, value in config.secrets.items():
+            if value == REDACTED:
+                raise InvalidArgument(
+                    f"config.secrets[{name}]",
+                    f"{REDACTED} takes machine {source}'s value, and it has no {name}",
+                )
 
     def _roll_back(self, machine_id: str) -> None:
         """Destroy a machine just created for a caller who will never hear of it, in the

@@ -186,6 +186,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     ) -> w.GetMachineResponse:
         return w.GetMachineResponse(machine=self.worker.get(request.machine_id).machine)
 
+    async def RevealSecrets(
+        self, request: w.RevealSecretsRequest, context: grpc.aio.ServicerContext
+    ) -> w.RevealSecretsResponse:
+        return w.RevealSecretsResponse(secrets=self.worker.reveal_secrets(request.machine_id))
+
     async def ListMachines(
         self, request: w.ListMachinesRequest, context: grpc.aio.ServicerContext
     ) -> w.ListMachinesResponse:

@@ -37,7 +37,7 @@ from flyd.images.cache import ImageCache
 from flyd.metrics import CREATE_SECONDS
 from flyd.reservations import Reservations
 from flyd.runner import Runner
-from flyd.secrets import REDACTED, SecretBox
+from flyd.secrets import REDACTED, SecretBox, SecretsUnreadable
 from flyd.settings import CapacitySettings
 from flyd.spec import argv, published
 from flyd.store import MachineLog
@@ -182,6 +182,14 @@ class Worker:
             check_name("machine_id", machine_id)
             raise NotFound(f"machine {machine_id} not found on worker {self.identity.worker_id}")
         return row
+
+    def reveal_secrets(self, machine_id: str) -> dict[str, str]:
+        """The machine's secrets, opened (flaps copies them to a new machine of its app)."""
+        row = self.get(machine_id)
+        try:
+            return self.secret_box.open_all(row.machine.id, row.secrets)
+        except SecretsUnreadable as err:
+            raise FailedPrecondition(str(err)) from None
 
     def list_machines(
         self, *, app: str = "", state: int = 0, include_destroyed: bool = False

@@ -262,6 +262,7 @@ class Client:
         skip_launch: bool = False,
         standby_for: Iterable[str] = (),
         idempotency_key: str = "",
+        secrets_from: str = "",
         timeout: float | None = None,
     ) -> pb.Machine:
         """Place and create a machine in `region` (or the first of `regions` with room).
@@ -269,6 +270,8 @@ class Client:
         Fails fast with ResourceExhausted (its `rejections` say why, by reason) when no worker
         can take it. With `standby_for`, the machine is a stopped standby on a worker other than
         each named machine's. The same `idempotency_key` returns the same machine on retry.
+        `secrets_from` names a machine of the app whose secrets it gets too (those `config`
+        does not set).
         """
         response = await self._create(
             app,
@@ -279,6 +282,7 @@ class Client:
             skip_launch,
             standby_for,
             idempotency_key,
+            secrets_from,
             None,
             timeout,
         )
@@ -296,6 +300,7 @@ class Client:
         skip_launch: bool = False,
         standby_for: Iterable[str] = (),
         idempotency_key: str = "",
+        secrets_from: str = "",
         timeout: float | None = None,
     ) -> tuple[pb.Machine, pb.Lease]:
         """`create_machine`, holding a lease of `lease_ttl` seconds on the new machine."""
@@ -308,6 +313,7 @@ class Client:
             skip_launch,
             standby_for,
             idempotency_key,
+            secrets_from,
             lease_ttl,
             timeout,
         )
@@ -323,6 +329,7 @@ class Client:
         skip_launch: bool,
         standby_for: Iterable[str],
         idempotency_key: str,
+        secrets_from: str,
         lease_ttl: float | None,
         timeout: float | None,
     ) -> m.CreateMachineResponse:
@@ -335,6 +342,7 @@ class Client:
             skip_launch=skip_launch,
             standby_for=list(standby_for),
             idempotency_key=idempotency_key,
+            secrets_from=secrets_from,
         )
         if lease_ttl is not None:
             request.lease_ttl.CopyFrom(_duration(lease_ttl))

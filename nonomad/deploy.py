@@ -396,6 +396,7 @@ class _Deployer:
         self.report = DeployReport(spec.app, spec.digest)
         self.changes: list[_Change] = []
         self.current: dict[str, Machine] = {}  # slot -> the machine as last seen
+        self.secrets_from = ""  # a machine whose secrets the machines this deploy creates get
         self.hosts: dict[str, str] = {}  # worker id -> the host its machines' ports are on
 
     # -- plumbing --------------------------------------------------------------------------
@@ -702,11 +703,20 @@ class _Deployer:
         return "previous config, started, checks pass"
 
     async def create_missing(self, the_plan: Plan) -> None:
+        # The app's secrets live on its machines only: a new machine gets them from one that
+        # stays up while this deploy creates (the one with the most of them).
+        sources = [
+            p.machine
+            for p in the_plan.slots
+            if p.machine and p.machine.config.secrets and p.action != REPLACE
+        ]
+        source = max(sources, key=lambda m: len(m.config.secrets), default=None)
+        self.secrets_from = source.id if source else ""
         secrets = sorted({n for p in the_plan.slots if p.machine for n in p.machine.config.secrets})
-        if secrets and any(p.action in (CREATE, REPLACE) for p in the_plan.slots):
-            # Their values are on the app's machines only, so new machines cannot copy them.
+        missing = [n for n in secrets if source is None or n not in source.config.secrets]
+        if missing and any(p.action in (CREATE, REPLACE) for p in the_plan.slots):
             warning = (
-                f"new machines start without the app's secrets ({', '.join(secrets)}): "
+                f"new machines start without the app's secrets ({', '.join(missing)}): "
                 f"set them again with `nonomad secrets set {self.spec.app} NAME=VALUE ...`"
             )
             self.report.warnings.append(warning)
@@ -773,6 +783,7 @@ class _Deployer:
                     name=p.slot,
                     standby_for=[standby_for] if standby_for else [],
                     idempotency_key=key,
+                    secrets_from=self.secrets_from,
                 )
             except ResourceExhausted as err:
                 reasons = ", ".join(f"{r}: {n}" for r, n in sorted(err.rejections.items()))

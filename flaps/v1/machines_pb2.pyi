@@ -33,6 +33,7 @@ class CreateMachineRequest(_message.Message):
     STANDBY_FOR_FIELD_NUMBER: _builtins.int
     IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
     LEASE_TTL_FIELD_NUMBER: _builtins.int
+    SECRETS_FROM_FIELD_NUMBER: _builtins.int
     app: _builtins.str
     region: _builtins.str
     """The region to place in. Either region or regions is required."""
@@ -41,6 +42,13 @@ class CreateMachineRequest(_message.Message):
     """Create (and reserve) without starting."""
     idempotency_key: _builtins.str
     """Retries with the same key return the same machine."""
+    secrets_from: _builtins.str
+    """A machine of the same app whose secrets the new machine gets too (the way an app's
+    secrets reach the machines a deploy adds): each of its secrets that the config does not
+    set, or sets to "<redacted>", takes that machine's value. The token must be allowed to
+    update that machine (which could read them anyway). INVALID_ARGUMENT when it is not
+    found or is of another app.
+    """
     @_builtins.property
     def regions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """An ordered list of acceptable regions, tried in order after region."""
@@ -71,10 +79,11 @@ class CreateMachineRequest(_message.Message):
         standby_for: _abc.Iterable[_builtins.str] | None = ...,
         idempotency_key: _builtins.str = ...,
         lease_ttl: _duration_pb2.Duration | None = ...,
+        secrets_from: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "lease_ttl", b"lease_ttl"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["app", b"app", "config", b"config", "idempotency_key", b"idempotency_key", "lease_ttl", b"lease_ttl", "name", b"name", "region", b"region", "regions", b"regions", "skip_launch", b"skip_launch", "standby_for", b"standby_for"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["app", b"app", "config", b"config", "idempotency_key", b"idempotency_key", "lease_ttl", b"lease_ttl", "name", b"name", "region", b"region", "regions", b"regions", "secrets_from", b"secrets_from", "skip_launch", b"skip_launch", "standby_for", b"standby_for"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

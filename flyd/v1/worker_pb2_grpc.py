@@ -137,6 +137,11 @@ class WorkerServiceStub:
                 request_serializer=flyd_dot_v1_dot_worker__pb2.SupersedeMachineRequest.SerializeToString,
                 response_deserializer=flyd_dot_v1_dot_worker__pb2.SupersedeMachineResponse.FromString,
                 _registered_method=True)
+        self.RevealSecrets = channel.unary_unary(
+                '/flyd.v1.WorkerService/RevealSecrets',
+                request_serializer=flyd_dot_v1_dot_worker__pb2.RevealSecretsRequest.SerializeToString,
+                response_deserializer=flyd_dot_v1_dot_worker__pb2.RevealSecretsResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -330,6 +335,17 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RevealSecrets(self, request, context):
+        """The values of the machine's secrets, opened: what flaps copies to a new machine of the
+        same app (flaps' CreateMachineRequest.secrets_from), so that a deploy's new machines get
+        the app's secrets. The only call that returns a secret's value; like every call to a
+        worker it is served to the cluster's parts only (mTLS). NOT_FOUND for an unknown id; a
+        destroyed machine has none.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -427,6 +443,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.SupersedeMachine,
                     request_deserializer=flyd_dot_v1_dot_worker__pb2.SupersedeMachineRequest.FromString,
                     response_serializer=flyd_dot_v1_dot_worker__pb2.SupersedeMachineResponse.SerializeToString,
+            ),
+            'RevealSecrets': grpc.unary_unary_rpc_method_handler(
+                    servicer.RevealSecrets,
+                    request_deserializer=flyd_dot_v1_dot_worker__pb2.RevealSecretsRequest.FromString,
+                    response_serializer=flyd_dot_v1_dot_worker__pb2.RevealSecretsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -950,6 +971,33 @@ class WorkerService:
             '/flyd.v1.WorkerService/SupersedeMachine',
             flyd_dot_v1_dot_worker__pb2.SupersedeMachineRequest.SerializeToString,
             flyd_dot_v1_dot_worker__pb2.SupersedeMachineResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RevealSecrets(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flyd.v1.WorkerService/RevealSecrets',
+            flyd_dot_v1_dot_worker__pb2.RevealSecretsRequest.SerializeToString,
+            flyd_dot_v1_dot_worker__pb2.RevealSecretsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -144,6 +144,13 @@ class WorkerServiceStub:
     `primary` (a claim that does not outrank it changes nothing). INVALID_ARGUMENT for a
     generation of 0 or a malformed primary id.
     """
+    RevealSecrets: _grpc.UnaryUnaryMultiCallable[_worker_pb2.RevealSecretsRequest, _worker_pb2.RevealSecretsResponse]
+    """The values of the machine's secrets, opened: what flaps copies to a new machine of the
+    same app (flaps' CreateMachineRequest.secrets_from), so that a deploy's new machines get
+    the app's secrets. The only call that returns a secret's value; like every call to a
+    worker it is served to the cluster's parts only (mTLS). NOT_FOUND for an unknown id; a
+    destroyed machine has none.
+    """
 
 @_typing.type_check_only
 class WorkerServiceAsyncStub(WorkerServiceStub):
@@ -260,6 +267,13 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     that outranks the machine's own claim, the machine is stopped and becomes a standby of
     `primary` (a claim that does not outrank it changes nothing). INVALID_ARGUMENT for a
     generation of 0 or a malformed primary id.
+    """
+    RevealSecrets: _aio.UnaryUnaryMultiCallable[_worker_pb2.RevealSecretsRequest, _worker_pb2.RevealSecretsResponse]  # type: ignore[assignment]
+    """The values of the machine's secrets, opened: what flaps copies to a new machine of the
+    same app (flaps' CreateMachineRequest.secrets_from), so that a deploy's new machines get
+    the app's secrets. The only call that returns a secret's value; like every call to a
+    worker it is served to the cluster's parts only (mTLS). NOT_FOUND for an unknown id; a
+    destroyed machine has none.
     """
 
 class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -488,6 +502,19 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         that outranks the machine's own claim, the machine is stopped and becomes a standby of
         `primary` (a claim that does not outrank it changes nothing). INVALID_ARGUMENT for a
         generation of 0 or a malformed primary id.
+        """
+
+    @_abc_1.abstractmethod
+    def RevealSecrets(
+        self,
+        request: _worker_pb2.RevealSecretsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.RevealSecretsResponse, _abc.Awaitable[_worker_pb2.RevealSecretsResponse]]:
+        """The values of the machine's secrets, opened: what flaps copies to a new machine of the
+        same app (flaps' CreateMachineRequest.secrets_from), so that a deploy's new machines get
+        the app's secrets. The only call that returns a secret's value; like every call to a
+        worker it is served to the cluster's parts only (mTLS). NOT_FOUND for an unknown id; a
+        destroyed machine has none.
         """
 
 def add_WorkerServiceServicer_to_server(servicer: WorkerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from flyd.v1 import machine_pb2 as pb
+from flyd.v1 import worker_pb2 as w
 from nonomad.client import Client, state_name
 from nonomad.deploy import DeployEvent, deploy
 from nonomad.spec import META_DIGEST
@@ -309,3 +311,27 @@ async def test_an_app_that_crashes_with_the_new_env_is_rolled_back(fleet: Fleet)
         assert "PYTHONHOME" not in after.config.env
         assert state_name(after.state) == "started"
         assert (await http_get(after)).startswith(f"hello from {before.id}")
+
+
+async def test_machines_a_deploy_adds_get_the_apps_secrets(fleet: Fleet) -> None:
+    """Secrets live on an app's machines (`nonomad secrets set` puts them there): a deploy
+    that adds machines copies them from one that stays, over the cluster's mTLS only."""
+    async with await three_workers(fleet) as flaps:
+        report = await deploy(flaps, make_spec(regions={"ams": 1}, standbys=0))
+        assert report.ok, report.reason
+        [first] = (await by_name(flaps)).values()
+        config = pb.MachineConfig()
+        config.CopyFrom(first.config)
+        config.secrets["API_KEY"] = "k-123"
+        await flaps.update_machine(first.id, config)
+
+        grown = await deploy(flaps, make_spec(regions={"ams": 2}, standbys=0))
+        assert grown.ok, grown.reason
+        assert not [w for w in grown.warnings if "secrets" in w], grown.warnings
+        [added] = grown.created
+        machine = await flaps.get_machine(added)
+        assert dict(machine.config.secrets) == {"API_KEY": "<redacted>"}
+        opened = await fleet.worker(machine.worker_id).RevealSecrets(
+            w.RevealSecretsRequest(machine_id=added), timeout=10
+        )
+        assert dict(opened.secrets) == {"API_KEY": "k-123"}

@@ -216,11 +216,40 @@ async def test_a_secret_reaches_its_machine_and_nowhere_else(
         seen(await admin.ListRoutes(p.ListRoutesRequest(), timeout=T))
         seen(await admin.GetStats(p.GetStatsRequest(), timeout=T))
 
-        seen(
-            await machines.DestroyMachine(
-                m.DestroyMachineRequest(machine_id=mid, force=True), timeout=60
+        # A machine a deploy adds gets them from one of the app's, through flaps and the
+        # workers, the first one gone, it serves the same.
+        twin = seen(
+            await machines.CreateMachine(
+                m.CreateMachineRequest(
+                    app="vault", region="ams", config=config(), secrets_from=mid
+                ),
+                timeout=T,
             )
+        ).machine
+        assert dict(twin.config.secrets) == {"API_KEY": REDACTED, "SECOND": REDACTED}
+        wait_twin = m.WaitMachineRequest(
+            machine_id=twin.id, state=pb.MACHINE_STATE_STARTED, timeout=seconds(20)
         )
+        seen(await machines.WaitMachine(wait_twin, timeout=30))
+        await seen.refused(
+            machines.CreateMachine(
+                m.CreateMachineRequest(
+                    app="other", region="ams", config=config(), secrets_from=mid
+                ),
+                timeout=T,
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        )
+        for gone in (mid, twin.id):
+            if gone == twin.id:
+                await fleet.until_routed("vault", 1)
+                reply = await get(proxy.http, "vault")
+                assert reply.body.decode() == expected
+            seen(
+                await machines.DestroyMachine(
+                    m.DestroyMachineRequest(machine_id=gone, force=True), timeout=60
+                )
+            )
         # Stopped gracefully, so every span is exported and every log line written.
         for proc in [registry, *fleet.proxies, fleet.flaps, *fleet.workers.values()]:
             assert proc.terminate() == 0, proc.stderr_tail()

@@ -422,3 +422,69 @@ def test_a_token_known_by_its_digest_still_expires() -> None:
     # A token one character off is another token: its signature is checked, and fails.
     with pytest.raises(InvalidToken):
         keys.verify(tampered(token))
+
+
+def with_secrets(**values: str) -> pb.MachineConfig:
+    made = config()
+    made.secrets.update(values)
+    return made
+
+
+async def test_secrets_copy_only_from_a_machine_of_the_app_the_token_may_update(
+    flaps: Flaps,
+) -> None:
+    """secrets_from: the new machine gets the source's secrets it does not set itself; the
+    token must be allowed to update the source, which must be of the same app."""
+    admin = flaps.stub(machines_pb2_grpc.MachinesServiceStub, flaps.mint())
+    source = await admin.CreateMachine(
+        m.CreateMachineRequest(
+            app="a", region="ams", config=with_secrets(KEY_A="one", KEY_B="two")
+        ),
+        timeout=T,
+    )
+    src = source.machine.id
+    await flaps.fleet.seen(src)
+
+    def create(app: str, cfg: pb.MachineConfig, source: str = src) -> m.CreateMachineRequest:
+        return m.CreateMachineRequest(app=app, region="ams", config=cfg, secrets_from=source)
+
+    create_only = flaps.stub(machines_pb2_grpc.MachinesServiceStub, flaps.mint("ops = create"))
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await create_only.CreateMachine(create("a", config()), timeout=T)
+    assert denied_by(raised.value, "ops = create")
+    app_b = flaps.stub(
+        machines_pb2_grpc.MachinesServiceStub, flaps.mint("apps = b", "ops = create,update")
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await app_b.CreateMachine(create("b", config()), timeout=T)
+    assert denied_by(raised.value, "apps = b")
+
+    # Refused, with the field named, and nothing created.
+    before = flaps.fleet.machine_ids()
+    refusals = [
+        (create("b", config()), "secrets_from", "is of app 'a'"),
+        (create("a", config(), f"{src}x"), "secrets_from", "not found"),
+        (create("a", config(), "Bad Id"), "secrets_from", ""),
+        (create("a", with_secrets(NOPE="<redacted>")), "config.secrets[NOPE]", "has no NOPE"),
+    ]
+    for request, field, words in refusals:
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await admin.CreateMachine(request, timeout=T)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value.details()
+        assert field in (raised.value.details() or ""), raised.value.details()
+        assert words in (raised.value.details() or ""), raised.value.details()
+    assert flaps.fleet.machine_ids() == before
+
+    # Allowed: what the config sets (or keeps as <redacted>) and the rest from the source.
+    allowed = flaps.stub(
+        machines_pb2_grpc.MachinesServiceStub, flaps.mint("apps = a", "ops = create,update")
+    )
+    made = await allowed.CreateMachine(
+        create("a", with_secrets(KEY_B="mine", KEY_A="<redacted>")), timeout=T
+    )
+    assert dict(made.machine.config.secrets) == {"KEY_A": "<redacted>", "KEY_B": "<redacted>"}
+    worker = flaps.fleet.owner_of(made.machine.id).worker
+    assert worker.reveal_secrets(made.machine.id) == {"KEY_A": "one", "KEY_B": "mine"}
+    copied = await allowed.CreateMachine(create("a", config()), timeout=T)
+    owner = flaps.fleet.owner_of(copied.machine.id).worker
+    assert owner.reveal_secrets(copied.machine.id) == {"KEY_A": "one", "KEY_B": "two"}

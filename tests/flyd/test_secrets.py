@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from flyd.errors import AlreadyExists, InvalidArgument
+from flyd.errors import AlreadyExists, InvalidArgument, NotFound
 from flyd.secrets import REDACTED, SecretBox
 from flyd.store import LmdbMachineLog
 from flyd.v1 import machine_pb2 as pb
@@ -203,3 +203,19 @@ def test_bad_secrets_are_named_and_never_quoted(
     assert raised.value.field == field
     for value in secrets.values():
         assert value not in str(raised.value)
+
+
+async def test_revealed_only_for_a_living_machine(flyd: Flyd) -> None:
+    """What flaps copies to a new machine of the app: the values, while the machine lives."""
+    w = flyd.worker
+    await w.create(
+        machine_id="m1", name="", app="web", config=with_secrets(K=SECRET), skip_launch=False
+    )
+    assert w.reveal_secrets("m1") == {"K": SECRET}
+    with pytest.raises(NotFound):
+        w.reveal_secrets("m2")
+    with pytest.raises(InvalidArgument, match="machine_id"):
+        w.reveal_secrets("")
+    await w.destroy("m1", force=True)
+    await until(w, lambda: w.get("m1").machine.state == pb.MACHINE_STATE_DESTROYED)
+    assert w.reveal_secrets("m1") == {}
