@@ -239,6 +239,13 @@ def app(
     traffic, the counts over all its machines. `statuses`: worker id -> liveness; `routes`:
     machine id -> route (None when the proxy could not be asked)."""
     back = standbys_of(machines)
+
+    def order(m: pb.Machine) -> tuple[str, str, bool, str]:
+        slot = slot_of(m)
+        return (m.region, slot.id, slot.primary != m.id, m.id)
+
+    first = (page - 1) * PAGE_ROWS
+    shown = sorted(machines, key=order)[first : first + PAGE_ROWS]  # rows for these only
     rows = [
         machine_row(
             m,
@@ -246,22 +253,20 @@ def app(
             standbys=back.get(m.id, ()),
             routed=None if routes is None else routes.get(m.id),
         )
-        for m in machines
+        for m in shown
     ]
-    rows.sort(key=lambda r: (r["region"], r["slot"], r["role"] != "primary", r["id"]))
-    first = (page - 1) * PAGE_ROWS
     return {
         "app": name,
-        "machines": rows[first : first + PAGE_ROWS],
+        "machines": rows,
         "page": {
             "number": page,
-            "pages": max(1, math.ceil(len(rows) / PAGE_ROWS)),
+            "pages": max(1, math.ceil(len(machines) / PAGE_ROWS)),
             "first": first + 1,
             "rows_per_page": PAGE_ROWS,
-            "machines": len(rows),
+            "machines": len(machines),
         },
-        "by_state": dict(sorted(Counter(r["state"] for r in rows).items())),
-        "routed": None if routes is None else sum(1 for r in rows if r["route"]),
+        "by_state": dict(sorted(Counter(state_name(m.state) for m in machines).items())),
+        "routed": None if routes is None else sum(1 for m in machines if m.id in routes),
         "traffic": stats,
         "proxy_error": proxy_error,
     }
