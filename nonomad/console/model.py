@@ -17,7 +17,7 @@ from google.protobuf import json_format
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from flaps.v1 import platform_pb2
-from flyd.slots import slot_of
+from flyd.slots import Claim, claim, outranks, slot_of
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
 from flyd.validate import REDACTED
@@ -234,10 +234,10 @@ def app(
     proxy_error: str = "",
     page: int = 1,
 ) -> Data:
-    """An app's page: its machines (by region, slot, then role), page `page` of them
-    (`PAGE_ROWS` a page; a page past the last has none), counts by state, the proxy's view and
-    traffic, the counts over all its machines. `statuses`: worker id -> liveness; `routes`:
-    machine id -> route (None when the proxy could not be asked)."""
+    """An app's page: its machines (by region, slot, then role: primary, superseded or
+    standby), page `page` of them (`PAGE_ROWS` a page; a page past the last has none), the
+    proxy's view and traffic, and counts over all its machines. `statuses`: worker id ->
+    liveness; `routes`: machine id -> route (None when the proxy could not be asked)."""
     back = standbys_of(machines)
 
     def order(m: pb.Machine) -> tuple[str, str, bool, str]:
@@ -255,6 +255,17 @@ def app(
         )
         for m in shown
     ]
+    # A row that still says it serves, though another member's outranks it (its worker, dead
+    # or cut off, has not been told yet), is shown superseded, with who serves now.
+    best: dict[str, Claim] = {}
+    for m in machines:
+        slot_id, own = slot_of(m).id, claim(m)
+        if slot_id not in best or outranks(own, best[slot_id]):
+            best[slot_id] = own
+    for r in rows:
+        serving = best[r["slot"]][1]
+        if r["role"] == "primary" and serving != r["id"]:
+            r["role"], r["serving"] = "superseded", serving
     return {
         "app": name,
         "machines": rows,

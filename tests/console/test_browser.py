@@ -341,6 +341,7 @@ async def test_a_killed_worker_turns_dead_and_its_standby_starts_without_a_reloa
 
     page.until(lambda: page.attr(f"#m-{standby.id}", "data-state") == "started", "promoted")
     page.until(lambda: page.attr(f"#m-{standby.id}", "data-role") == "primary", "now primary")
+    page.until(lambda: page.attr(f"#m-{primary.id}", "data-role") == "superseded", "superseded")
     page.until(
         lambda: page.attr(f"#m-{primary.id}", "data-worker-status") == "dead", "w1 dead here"
     )

@@ -112,6 +112,16 @@ def test_an_app_shows_who_stands_by_for_whom_and_what_the_proxy_sees() -> None:
     assert model.app("web", [primary], {}, None, None, "down")["routed"] is None
 
 
+def test_a_primary_whose_row_is_outranked_shows_superseded() -> None:
+    """Its worker died before it was told: the promoted standby's row outranks it."""
+    old, promoted = machine("ams-1-a", "ams-1"), machine("ams-2-b", "ams-2", standbys=("ams-1-a",))
+    promoted.slot.CopyFrom(pb.SlotState(id="ams-1-a", primary="ams-2-b", generation=1))
+    data = model.app("web", [old, promoted], {"ams-1": "dead"}, None, None)
+    rows = {r["id"]: r for r in data["machines"]}
+    assert (rows["ams-1-a"]["role"], rows["ams-1-a"]["serving"]) == ("superseded", "ams-2-b")
+    assert (rows["ams-2-b"]["role"], rows["ams-2-b"]["generation"]) == ("primary", 1)
+
+
 def test_an_app_of_many_machines_is_shown_a_page_at_a_time() -> None:
     many = [machine(f"ams-1-{i:04x}", "ams-1") for i in range(model.PAGE_ROWS * 2 + 50)]
     many[-1].state = S.MACHINE_STATE_STOPPED
