@@ -26,7 +26,6 @@ app and state. A reader gets a fresh `pb.Machine` parsed from those bytes.
 from __future__ import annotations
 
 import bisect
-import re
 import sys
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
@@ -35,7 +34,8 @@ from typing import Literal, TypeAlias
 
 import structlog
 
-from flyd.pages import PAGE_BYTES, snapshot_parts
+from flyd import pages
+from flyd.pages import snapshot_parts
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
 from registry.errors import (
@@ -49,7 +49,7 @@ from registry.rows import Kept, MachineQuery, Row, RowIndex, key_hash
 from registry.supply import Resources, Supply
 from registry.v1 import registry_pb2
 from runtime import parse_host_port
-from runtime.validate import is_name, quote
+from runtime.validate import is_boot_id, is_name, quote
 
 log = structlog.get_logger("registry.view")
 
@@ -59,7 +59,6 @@ ALIVE: Status = registry_pb2.MEMBER_STATUS_ALIVE
 SUSPECT: Status = registry_pb2.MEMBER_STATUS_SUSPECT
 DEAD: Status = registry_pb2.MEMBER_STATUS_DEAD
 
-_BOOT_ID_RE = re.compile(r"^[A-Za-z0-9._-]{0,64}$")
 DESTROYED = pb.MACHINE_STATE_DESTROYED
 
 
@@ -149,7 +148,7 @@ def check_worker_info(info: pb.WorkerInfo, field_prefix: str = "worker") -> None
         raise InvalidArgument(f"{field_prefix}.address", str(err)) from None
     if port == 0:
         raise InvalidArgument(f"{field_prefix}.address", "port 0 is not an address to dial")
-    if not _BOOT_ID_RE.match(info.boot_id):
+    if not is_boot_id(info.boot_id):
         raise InvalidArgument(f"{field_prefix}.boot_id", "at most 64 letters, digits, . _ -")
 
 
@@ -692,7 +691,7 @@ class View:
             if not query.keep(machine_id, row[0], row[1]):
                 continue
             cost = len(row[3]) + 8
-            if out and (len(out) == query.size or used + cost > PAGE_BYTES):
+            if out and (len(out) == query.size or used + cost > pages.PAGE_BYTES):
                 return out, out[-1].id
             out.append(pb.Machine.FromString(row[3]))
             used += cost

@@ -39,6 +39,7 @@ from pydantic_settings import (
 )
 
 from runtime.tracing import CLUSTER_NAME, ChannelTLS
+from runtime.validate import quote
 
 __all__ = [
     "ServiceSettings",
@@ -76,18 +77,19 @@ def parse_host_port(value: str) -> tuple[str, int]:
     """
     host, sep, port_text = value.rpartition(":")
     if not sep or not host:
-        raise ValueError(f"expected host:port, got {value!r}")
+        raise ValueError(f"expected host:port, got {quote(value)}")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     elif ":" in host:
-        raise ValueError(f"IPv6 addresses need brackets, as in [::1]:50051, got {value!r}")
+        raise ValueError(f"IPv6 addresses need brackets, as in [::1]:50051, got {quote(value)}")
     if not host:
-        raise ValueError(f"expected host:port, got {value!r}")
+        raise ValueError(f"expected host:port, got {quote(value)}")
     if not port_text.isdigit():
-        raise ValueError(f"port must be a number, got {port_text!r}")
-    port = int(port_text)
+        raise ValueError(f"port must be a number, got {quote(port_text)}")
+    # (A digit string of any length would be parsed, and echoed, in full.)
+    port = int(port_text) if len(port_text) <= 5 else -1
     if not 0 <= port <= 65535:
-        raise ValueError(f"port must be in 0..65535, got {port}")
+        raise ValueError(f"port must be in 0..65535, got {quote(port_text)}")
     return host, port
 
 

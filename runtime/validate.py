@@ -19,6 +19,8 @@ NAME_RE = re.compile(NAME_PATTERN)
 """An id or name: 1-63 lowercase letters, digits or dashes, not starting or ending with a
 dash. Match it with `is_name` (a full match): `re.match` with `$` lets a trailing newline in."""
 ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+BOOT_ID_RE = re.compile(r"[A-Za-z0-9._-]{0,64}")
+"""A worker's boot id: at most 64 letters, digits, dots, underscores or dashes."""
 QUOTE_LIMIT = 40
 
 
@@ -36,6 +38,11 @@ def is_name(value: str) -> bool:
 
 def is_env_key(value: str) -> bool:
     return ENV_KEY_RE.fullmatch(value) is not None
+
+
+def is_boot_id(value: str) -> bool:
+    """True when the whole of `value` is a valid boot id (empty included)."""
+    return BOOT_ID_RE.fullmatch(value) is not None
 
 
 def check_name(field: str, value: str, *, required: bool = True) -> None:
