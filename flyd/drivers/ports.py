@@ -1,8 +1,9 @@
 """Host ports held for machines' published services.
 
 A published port is never a guess: a port is "free" only when binding it succeeds, and the
-bound socket is then kept (listening, so nobody else can bind it, SO_REUSEADDR or not) until
-its machine is destroyed or hands it on. `HeldPorts` keeps these sockets per machine; the
+bound socket is then kept (bound, not listening: a connection to it is refused; SO_REUSEADDR
+cleared once bound, so no other socket can bind the port) until its machine is destroyed or
+hands it on. `HeldPorts` keeps these sockets per machine; the
 drivers decide what happens to them (the process driver lets its machine bind the port while
 it runs and takes it back when it stops; the OCI driver hands them to netd, which forwards
 them into the machine's namespace).
@@ -37,7 +38,7 @@ def bind_port(host: str, port: int) -> socket.socket | None:
 
 
 class HeldPorts:
-    """The listening sockets this flyd holds, by machine and host port."""
+    """The bound (not listening) sockets this flyd holds, by machine and host port."""
 
     def __init__(self) -> None:
         self._held: dict[str, dict[int, socket.socket]] = {}
