@@ -50,6 +50,27 @@ PROXY_DOMAIN = "nonomad.localhost"  # the proxy's default: <app>.nonomad.localho
 RPC_TIMEOUT = 10.0
 
 
+MAX_LOCAL_WORKERS = 12
+"""How many workers `nonomad up` gives a sandbox range of their own (see worker_sandbox_args)."""
+_UIDS_PER_WORKER = 1 << 28  # 4096 machines of 65536 uids: a /20 holds 4093
+
+
+def worker_sandbox_args(n: int) -> list[str]:
+    """The flyd flags of the n-th worker (from 1) of a local cluster that keep its OCI machines
+    apart from every other worker's on this host: a /20 of 10.87.0.0/16 for their addresses and
+    a range of 2**28 host uids from 2**30 on for their users. Two workers with the same range
+    would map the machines of their first slots to the same host uids.
+    """
+    if not 1 <= n <= MAX_LOCAL_WORKERS:
+        raise CliError(f"a local cluster has at most {MAX_LOCAL_WORKERS} workers, not {n}")
+    return [
+        "--network",
+        f"10.87.{16 * (n - 1)}.0/20",
+        "--uid-base",
+        str((1 << 30) + (n - 1) * _UIDS_PER_WORKER),
+    ]
+
+
 @dataclass
 class WorkerProc:
     worker_id: str
@@ -177,6 +198,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     state.mkdir(parents=True, exist_ok=True)
     regions = [r for r in args.regions.split(",") if r]
     worker_ids = [f"{r}-{i + 1}" for r in regions for i in range(args.workers_per_region)]
+    if len(worker_ids) > MAX_LOCAL_WORKERS:
+        raise CliError(
+            f"{len(worker_ids)} workers asked for; a local cluster has at most "
+            f"{MAX_LOCAL_WORKERS} (each gets address and uid ranges of its own)"
+        )
     # Secure by default: a CA and a certificate per part, token root keys, an admin token.
     security = provision(state, ["flaps", "proxy", "console", *(f"flyd-{w}" for w in worker_ids)])
     digest = build_image(
@@ -264,9 +290,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                     f"{base}-{base + 99}",
                     "--cgroup-prefix",
                     f"nonomad-{state.name}-{worker_id}",
-                    # Each worker's machines get addresses of a prefix of its own.
-                    "--network",
-                    f"10.87.{16 * (n - 1)}.0/20",
+                    *worker_sandbox_args(n),
                     "--announce",
                     flaps_cluster,
                     "--announce",
