@@ -36,7 +36,7 @@ from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import Message
 from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from grpc_status import rpc_status
 
 from runtime import tracing
@@ -53,6 +53,7 @@ __all__ = [
     "Mapped",
     "Service",
     "abort_with_details",
+    "add_health_and_reflection",
     "error_info",
     "main_entry",
     "read_announcements",
@@ -147,13 +148,58 @@ def _checked_decoder(
     return decoder
 
 
+def _refusing(handler: Any) -> Any:
+    """`handler` with a behaviour that answers a `_Refused` request INVALID_ARGUMENT itself:
+    for servicers `wrap_servicer` does not wrap (health, reflection), which would read fields
+    of it and answer UNKNOWN. A stream's requests are checked as they are read. grpc.aio runs
+    a behaviour by its kind (coroutine, async generator), so the wrapper keeps the kind."""
+
+    async def refuse(request: Any, context: Any) -> Any:
+        if type(request) is _Refused:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        return request
+
+    async def checked(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+        async for request in requests:
+            yield await refuse(request, context)
+
+    kind = next(
+        k
+        for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
+        if getattr(handler, k) is not None
+    )
+    inner = getattr(handler, kind)
+    streamed_in = kind.startswith("stream")
+
+    async def requests_of(request: Any, context: Any) -> Any:
+        return checked(request, context) if streamed_in else await refuse(request, context)
+
+    if inspect.isasyncgenfunction(inner):
+
+        async def generator(request: Any, context: Any) -> AsyncIterator[Any]:
+            arg = await requests_of(request, context)
+            async with contextlib.aclosing(inner(arg, context)) as responses:
+                async for response in responses:
+                    yield response
+
+        return handler._replace(**{kind: generator})
+
+    async def coroutine(request: Any, context: Any) -> Any:
+        return await inner(await requests_of(request, context), context)
+
+    return handler._replace(**{kind: coroutine})
+
+
 class _CheckingServer:
     """What a generated `add_..._to_server` is given instead of the server: every method handler
-    it registers decodes with `_checked_decoder`."""
+    it registers decodes with `_checked_decoder`. With `refuse`, the handlers answer a request
+    that failed its check themselves (`_refusing`), for servicers not wrapped by
+    `wrap_servicer`."""
 
-    def __init__(self, server: Any, limits: Limits) -> None:
+    def __init__(self, server: Any, limits: Limits, *, refuse: bool = False) -> None:
         self._server = server
         self._limits = limits
+        self._refuse = refuse
 
     def _checked(self, handler: Any) -> Any:
         decode = handler.request_deserializer
@@ -161,7 +207,10 @@ class _CheckingServer:
             return handler
         type_name = getattr(getattr(decode, "__self__", None), "DESCRIPTOR", None)
         name = type_name.full_name if type_name is not None else "request message"
-        return handler._replace(request_deserializer=_checked_decoder(decode, name, self._limits))
+        checked = handler._replace(
+            request_deserializer=_checked_decoder(decode, name, self._limits)
+        )
+        return _refusing(checked) if self._refuse else checked
 
     def add_generic_rpc_handlers(self, handlers: Sequence[Any]) -> None:
         self._server.add_generic_rpc_handlers([_CheckingHandler(h, self) for h in handlers])
@@ -200,6 +249,20 @@ def register(
     `wrap_servicer`, every request decoded without raising and checked against `limits`."""
     wrap_servicer(servicer, service, mapper)
     add_to_server(servicer, _CheckingServer(server, limits))
+
+
+def add_health_and_reflection(
+    server: Any, health_servicer: health.aio.HealthServicer, service_names: Sequence[str]
+) -> None:
+    """Add the standard health and reflection services (reflection naming `service_names` and
+    both of these) to a grpc.aio `server`. Their requests are decoded as the services' are: a
+    malformed one is INVALID_ARGUMENT in plain words, not UNKNOWN naming a Python exception."""
+    standard = _CheckingServer(server, DEFAULT_LIMITS, refuse=True)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, standard)
+    names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+        reflection.aio.ReflectionServicer(names), standard
+    )
 
 
 async def _abort_with_mapped(
@@ -602,10 +665,7 @@ class Service:
         )
         for reg in self._registrations:
             reg.add_to_server(reg.servicer, _CheckingServer(server, reg.limits))
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(
-            [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
-        )
+        add_health_and_reflection(server, self._health, self.service_names)
         return server
 
     def _credentials(self, client_ca: Path | None) -> grpc.ServerCredentials:

@@ -97,6 +97,34 @@ async def test_ready_line_file_health_and_reflection(
     assert not ready_file.exists()
 
 
+@pytest.mark.parametrize(
+    "path",
+    [
+        f"/{HEALTH}/Check",
+        f"/{HEALTH}/Watch",
+        f"/{HEALTH}/List",
+        f"/{REFLECTION}/ServerReflectionInfo",
+    ],
+)
+async def test_health_and_reflection_refuse_bytes_that_are_not_their_request(path: str) -> None:
+    """A malformed request is INVALID_ARGUMENT in plain words (gRPC's own decoding answered
+    UNKNOWN "Unexpected <class 'DecodeError'>"); a good one after it is still served."""
+    service, _ = echo_service()
+    async with running(service), aio_channel(service.address) as channel:
+        garbage = b"\x0a\x05ab"  # a string field that claims five bytes and has two
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            if path.endswith("ServerReflectionInfo"):
+                call = channel.stream_stream(path)(iter([garbage]), timeout=5)
+                await call.read()
+            elif path.endswith("Watch"):
+                await channel.unary_stream(path)(garbage, timeout=5).read()
+            else:
+                await channel.unary_unary(path)(garbage, timeout=5)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "malformed or truncated" in (caught.value.details() or "")
+        assert await health_status(channel) == SERVING
+
+
 # -- error mapping --------------------------------------------------------------------------
 
 
