@@ -94,26 +94,57 @@ class GuestConfig(_message.Message):
     CPU_MILLICORES_FIELD_NUMBER: _builtins.int
     MEMORY_MIB_FIELD_NUMBER: _builtins.int
     DISK_MIB_FIELD_NUMBER: _builtins.int
+    PIDS_MAX_FIELD_NUMBER: _builtins.int
     cpu_millicores: _builtins.int
     """CPU in thousandths of a core; must be > 0."""
     memory_mib: _builtins.int
     """Memory in MiB; must be > 0. Enforced as a hard limit where cgroups exist."""
     disk_mib: _builtins.int
     """Scratch disk reserved on the worker in MiB; 0 means none beyond the image."""
+    pids_max: _builtins.int
+    """At most this many processes and threads at once (a fork bomb stops
+    there); 0 means the worker default, 1024. Between 16 and 32768.
+    """
     def __init__(
         self,
         *,
         cpu_millicores: _builtins.int = ...,
         memory_mib: _builtins.int = ...,
         disk_mib: _builtins.int = ...,
+        pids_max: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpu_millicores", b"cpu_millicores", "disk_mib", b"disk_mib", "memory_mib", b"memory_mib"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpu_millicores", b"cpu_millicores", "disk_mib", b"disk_mib", "memory_mib", b"memory_mib", "pids_max", b"pids_max"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GuestConfig: _TypeAlias = GuestConfig  # noqa: Y015
+
+@_typing.final
+class NetworkConfig(_message.Message):
+    """What a machine's network may reach."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EGRESS_FIELD_NUMBER: _builtins.int
+    egress: _builtins.bool
+    """Let the machine open connections beyond its worker (through the
+    worker's configured uplink, `flyd --egress-via`). Off, it reaches
+    nothing. A worker without an uplink refuses a machine that asks.
+    """
+    def __init__(
+        self,
+        *,
+        egress: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["egress", b"egress"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NetworkConfig: _TypeAlias = NetworkConfig  # noqa: Y015
 
 @_typing.final
 class ConcurrencyConfig(_message.Message):
@@ -395,6 +426,7 @@ class MachineConfig(_message.Message):
     METADATA_FIELD_NUMBER: _builtins.int
     PLACEMENT_FIELD_NUMBER: _builtins.int
     SECRETS_FIELD_NUMBER: _builtins.int
+    NETWORK_FIELD_NUMBER: _builtins.int
     image: _builtins.str
     """OCI image reference: "name:tag", "name" (latest) or "name@sha256:<hex>"."""
     @_builtins.property
@@ -439,6 +471,10 @@ class MachineConfig(_message.Message):
         in env.
         """
 
+    @_builtins.property
+    def network(self) -> Global___NetworkConfig:
+        """What its network may reach; nothing beyond its own namespace by default."""
+
     def __init__(
         self,
         *,
@@ -455,10 +491,11 @@ class MachineConfig(_message.Message):
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         placement: Global___PlacementConfig | None = ...,
         secrets: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        network: Global___NetworkConfig | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["guest", b"guest", "placement", b"placement", "restart", b"restart", "stop", b"stop"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["guest", b"guest", "network", b"network", "placement", b"placement", "restart", b"restart", "stop", b"stop"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checks", b"checks", "cmd", b"cmd", "entrypoint", b"entrypoint", "env", b"env", "guest", b"guest", "image", b"image", "metadata", b"metadata", "placement", b"placement", "restart", b"restart", "secrets", b"secrets", "services", b"services", "standbys", b"standbys", "stop", b"stop"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checks", b"checks", "cmd", b"cmd", "entrypoint", b"entrypoint", "env", b"env", "guest", b"guest", "image", b"image", "metadata", b"metadata", "network", b"network", "placement", b"placement", "restart", b"restart", "secrets", b"secrets", "services", b"services", "standbys", b"standbys", "stop", b"stop"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
