@@ -4,14 +4,19 @@ Those modules use pytest-grpc-aio's fixtures: a module names its servicer (`grpc
 how it is added to a server (`grpc_add_to_server`, built with `registered` so errors are
 mapped as in production) and its stub class (`grpc_stub_cls`); the plugin serves it on a
 grpc.aio server for the test, and the `servicer_stub` fixture (tests/conftest.py) is a stub
-to it. `refused` reads a failed call's status. `serving` runs a whole `runtime.Service` in the
-test's loop, for the servers a servicer under test calls (flyd workers behind flaps).
+to it. `refused` reads a failed call's status. `untested` names the RPCs of a service that a
+test module never calls: each module checks its own, so a new RPC fails there until it has a
+test. `serving` runs a whole `runtime.Service` in the test's loop, for the servers a servicer
+under test calls (flyd workers behind flaps).
 """
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import contextlib
+import inspect
+import textwrap
 from collections.abc import AsyncIterator, Awaitable, Callable
 from types import ModuleType
 from typing import Any
@@ -72,6 +77,20 @@ def answer(stub: Any, rpc: str, request: Any) -> Awaitable[object]:
     first message of a streaming one (where a streaming RPC's refusal shows)."""
     call = getattr(stub, rpc)(request, timeout=T)
     return call.read() if isinstance(call, grpc.aio.UnaryStreamCall) else call
+
+
+def untested(service: ServiceDescriptor, tests: ModuleType | type) -> list[str]:
+    """The RPCs of `service` that the test code of `tests` (a module or a class) never calls,
+    sorted. A call is a stub's attribute (`stub.GetMachine(...)`) or the RPC's name as a
+    string (a table row handed to `answer`)."""
+    names = {method.name for method in service.methods}
+    called = set()
+    for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(tests)))):
+        if isinstance(node, ast.Attribute) and node.attr in names:
+            called.add(node.attr)
+        elif isinstance(node, ast.Constant) and node.value in names:
+            called.add(node.value)
+    return sorted(names - called)
 
 
 def info_of(err: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo:

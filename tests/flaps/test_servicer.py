@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 import pytest
 from google.protobuf.duration_pb2 import Duration
+from pytest_grpc_aio.plugin import GrpcContext
 
 from flaps import placement
 from flaps.errors import map_error
@@ -38,6 +39,7 @@ from tests.servicers import (
     refused,
     registered,
     seconds,
+    untested,
 )
 
 REGIONS = {"w1": "ams", "w2": "ams", "s1": "syd"}
@@ -221,6 +223,18 @@ class TestMachinesService:
         got = await servicer_stub.GetMachine(m.GetMachineRequest(machine_id=placed.id), timeout=T)
         assert got.machine == fleet.owner_of(placed.id).worker.rows[placed.id].machine
 
+    async def test_get_placement_reads_the_decision_its_worker_kept(
+        self, servicer_stub: Machines, fleet: FakeFleet, placed: pb.Machine
+    ) -> None:
+        request = m.GetPlacementRequest(machine_id=placed.id)
+        why = (await servicer_stub.GetPlacement(request, timeout=T)).placement
+        assert why == fleet.owner_of(placed.id).worker.placement(placed.id)
+        assert why.worker_id == placed.worker_id
+        (region,) = why.regions
+        assert (region.region, region.outcome, region.examined) == ("ams", "placed", 2)
+        assert sorted(c.worker_id for c in region.candidates) == ["w1", "w2"]
+        assert region.candidates[0].worker_id == placed.worker_id  # claimed on the best first
+
     @pytest.mark.parametrize(
         ("request_", "names"),
         [
@@ -332,6 +346,11 @@ class TestMachinesService:
             ("ReleaseLease", lambda mid: m.ReleaseLeaseRequest(machine_id=mid, nonce="x")),
             ("ListMachineEvents", lambda mid: m.ListMachineEventsRequest(machine_id=mid)),
             ("GetMachineLogs", lambda mid: m.GetMachineLogsRequest(machine_id=mid)),
+            ("GetPlacement", lambda mid: m.GetPlacementRequest(machine_id=mid)),
+            (
+                "SupersedeMachine",
+                lambda mid: m.SupersedeMachineRequest(machine_id=mid, generation=1, primary="m2"),
+            ),
         ],
     )
     @pytest.mark.parametrize(
@@ -483,13 +502,27 @@ class TestMachinesService:
 
 class TestPlatformService:
     @pytest.fixture
-    def grpc_add_to_server(self) -> Callable[[Any, Any], None]:
-        return registered(
+    def grpc_add_to_server(self, exchange: Exchange) -> Callable[[Any, Any], None]:
+        """PlatformService, and beside it on the same server a MachinesService on the same
+        exchange (as flaps.main serves them), for the creates a watch of placements sees."""
+        platform = registered(
             platform_pb2_grpc.add_PlatformServiceServicer_to_server,
             platform_pb2.DESCRIPTOR.services_by_name["PlatformService"],
             map_error,
             LIMITS,
         )
+        machines = registered(
+            machines_pb2_grpc.add_MachinesServiceServicer_to_server,
+            m.DESCRIPTOR.services_by_name["MachinesService"],
+            map_error,
+            LIMITS,
+        )
+
+        def add(servicer: Any, server: Any) -> None:
+            platform(servicer, server)
+            machines(MachinesServicer(exchange), server)
+
+        return add
 
     @pytest.fixture
     def grpc_stub_cls(self) -> type[Platform]:
@@ -579,3 +612,79 @@ class TestPlatformService:
     ) -> None:
         request = platform_pb2.SimulatePlacementRequest(**bid(**fields))
         await refused(servicer_stub.SimulatePlacement(request, timeout=T), INVALID, field)
+
+    async def test_cordon_worker_goes_to_the_worker_and_placement_passes_it_over(
+        self, servicer_stub: Platform, fleet: FakeFleet
+    ) -> None:
+        def capacity_cordoned(worker_id: str) -> bool:
+            view = fleet.replica.worker(worker_id)
+            return view is not None and view.capacity.cordoned
+
+        cordon = platform_pb2.CordonWorkerRequest(worker_id="w1", cordoned=True)
+        assert (await servicer_stub.CordonWorker(cordon, timeout=T)).cordoned
+        assert fleet.workers["w1"].worker.cordoned
+        # Its next heartbeat tells the replica; then no create is offered to it.
+        await fleet.until(lambda: capacity_cordoned("w1"), "w1 cordoned in the replica")
+        simulate = platform_pb2.SimulatePlacementRequest(**bid())
+        resp = await servicer_stub.SimulatePlacement(simulate, timeout=T)
+        assert [c.worker_id for c in resp.candidates] == ["w2"]
+        uncordon = platform_pb2.CordonWorkerRequest(worker_id="w1", cordoned=False)
+        assert not (await servicer_stub.CordonWorker(uncordon, timeout=T)).cordoned
+        assert not fleet.workers["w1"].worker.cordoned
+        await fleet.until(lambda: not capacity_cordoned("w1"), "w1 uncordoned in the replica")
+
+    @pytest.mark.parametrize(
+        ("worker_id", "code", "words"),
+        [("nope", NOT_FOUND, "worker nope not found"), ("", INVALID, "worker_id: is required")],
+    )
+    async def test_cordon_worker_refuses_an_unknown_or_missing_worker(
+        self,
+        servicer_stub: Platform,
+        fleet: FakeFleet,
+        worker_id: str,
+        code: grpc.StatusCode,
+        words: str,
+    ) -> None:
+        request = platform_pb2.CordonWorkerRequest(worker_id=worker_id, cordoned=True)
+        err = await refused(servicer_stub.CordonWorker(request, timeout=T), code)
+        assert err.details() == words
+        assert not any(f.worker.cordoned for f in fleet.workers.values())
+
+    async def test_watch_placements_sees_each_regions_decision(
+        self, servicer_stub: Platform, grpc_context: GrpcContext
+    ) -> None:
+        machines = Machines(grpc_context.channel)
+        call = servicer_stub.WatchPlacements(platform_pb2.WatchPlacementsRequest(), timeout=T)
+        try:
+            await call.initial_metadata()  # subscribed: every decision from here on reaches it
+            made = await machines.CreateMachine(m.CreateMachineRequest(**bid()), timeout=T)
+            placed = await call.read()
+            assert isinstance(placed, platform_pb2.WatchPlacementsResponse)
+            event = placed.event
+            assert (event.app, event.region, event.outcome) == ("web", "ams", "placed")
+            assert (event.machine_id, event.worker_id) == (made.machine.id, made.machine.worker_id)
+            assert (event.candidates, event.fallback, placed.dropped) == (2, False, False)
+            # Too big for any worker: ams has none (syd still to try), then syd has none.
+            big = m.CreateMachineRequest(**bid(regions=["syd"], config=config(memory=1025)))
+            await refused(
+                machines.CreateMachine(big, timeout=T), grpc.StatusCode.RESOURCE_EXHAUSTED
+            )
+            seen = []
+            for _ in range(2):
+                item = await call.read()
+                assert isinstance(item, platform_pb2.WatchPlacementsResponse)
+                seen.append(item.event)
+            assert [(e.region, e.outcome, e.fallback, e.machine_id) for e in seen] == [
+                ("ams", "exhausted", True, ""),
+                ("syd", "exhausted", False, ""),
+            ]
+            assert dict(seen[0].rejections_by_reason) == {"insufficient_memory": 2}
+        finally:
+            call.cancel()
+
+
+def test_every_rpc_of_each_service_is_called_here() -> None:
+    machines = m.DESCRIPTOR.services_by_name["MachinesService"]
+    platform = platform_pb2.DESCRIPTOR.services_by_name["PlatformService"]
+    assert untested(machines, TestMachinesService) == []
+    assert untested(platform, TestPlatformService) == []

@@ -8,7 +8,9 @@ time (leases, restarts) is a ManualClock the tests advance.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ from google.protobuf.duration_pb2 import Duration
 
 from flyd.errors import DOMAIN
 from flyd.fakes import FakeHost
+from flyd.secrets import SecretBox
 from flyd.service import LIMITS, WorkerServicer, map_error
 from flyd.store import MemoryMachineLog
 from flyd.v1 import machine_pb2 as pb
@@ -49,9 +52,11 @@ from tests.servicers import (
     refused,
     registered,
     seconds,
+    untested,
 )
 
 Stub = worker_pb2_grpc.WorkerServiceStub
+SECRET = "s3cret-" + os.urandom(8).hex()  # a value nothing else could contain by chance
 
 
 @pytest.fixture
@@ -344,6 +349,91 @@ async def test_list_machine_events_tells_the_machines_story(servicer_stub: Stub)
     assert [e.seq for e in resp.events] == sorted(e.seq for e in resp.events)
 
 
+def decision() -> pb.PlacementDecision:
+    """A placement decision as flaps hands it over with a create."""
+    made = pb.PlacementDecision(worker_id="w1", sample_size=8)
+    made.decided_at.FromSeconds(1_700_000_000)
+    region = made.regions.add(region="ams", outcome="placed", examined=2)
+    region.candidates.add(worker_id="w1", score=0.75, sub_scores={"cpu": 0.5, "memory": 1.0})
+    region.rejections_by_reason["cordoned"] = 1
+    return made
+
+
+async def test_get_placement_returns_the_decision_kept_with_the_machine(
+    servicer_stub: Stub,
+) -> None:
+    await create(servicer_stub, "a", placement=decision())
+    await create(servicer_stub, "b")  # straight on the worker: no decision
+    got = await servicer_stub.GetPlacement(w.GetPlacementRequest(machine_id="a"), timeout=T)
+    assert got.placement == decision()
+    none = await servicer_stub.GetPlacement(w.GetPlacementRequest(machine_id="b"), timeout=T)
+    assert not none.HasField("placement")
+    await servicer_stub.DestroyMachine(w.DestroyMachineRequest(machine_id="a", force=True))
+    await wait(servicer_stub, DESTROYED, "a")
+    gone = await servicer_stub.GetPlacement(w.GetPlacementRequest(machine_id="a"), timeout=T)
+    assert not gone.HasField("placement")  # a destroyed machine keeps none
+
+
+async def test_supersede_stops_an_outranked_primary_which_then_stands_by(
+    servicer_stub: Stub, flyd: Flyd
+) -> None:
+    await create(servicer_stub)  # the primary of its own slot, at generation 0
+    request = w.SupersedeMachineRequest(machine_id="m1", generation=1, primary="m2")
+    told = (await servicer_stub.SupersedeMachine(request, timeout=T)).machine
+    assert (told.slot.id, told.slot.generation, told.slot.primary) == ("m1", 1, "m2")
+    assert (await wait(servicer_stub, STOPPED)).slot.primary == "m2"
+    assert flyd.driver.signals == [("m1", signal.SIGTERM)]
+    # A standby now: a plain start is refused, with why.
+    start = w.StartMachineRequest(machine_id="m1")
+    err = await refused(servicer_stub.StartMachine(start, timeout=T), PRECONDITION)
+    assert (info_of(err).domain, info_of(err).reason) == (DOMAIN, "STANDBY")
+
+
+@pytest.mark.parametrize(
+    ("state", "generation", "primary"),
+    [
+        ("promoted", 1, "a"),  # a stale generation: the slot is at 2
+        ("promoted", 2, "m9"),  # the same generation, a higher id: m1 keeps it
+        ("started", 5, "m1"),  # the machine's own id
+        ("destroyed", 1, "m2"),  # a destroyed machine has no claim to give up
+    ],
+    ids=["stale-generation", "same-generation-higher-id", "itself", "destroyed"],
+)
+async def test_supersede_with_a_claim_that_does_not_outrank_changes_nothing(
+    servicer_stub: Stub, flyd: Flyd, state: str, generation: int, primary: str
+) -> None:
+    """The worker answers OK with the machine as it is (a claim is a fact about the slot, not
+    a request that can fail): no FAILED_PRECONDITION, nothing written."""
+    if state == "promoted":
+        await create(servicer_stub)
+        promote = w.StartMachineRequest(machine_id="m1", generation=2)
+        assert (await servicer_stub.StartMachine(promote, timeout=T)).machine.slot.generation == 2
+    else:
+        await machine_in(servicer_stub, state)
+    before, seq = flyd.worker.rows["m1"].machine, flyd.store.last_seq()
+    signals = list(flyd.driver.signals)
+    request = w.SupersedeMachineRequest(machine_id="m1", generation=generation, primary=primary)
+    resp = await servicer_stub.SupersedeMachine(request, timeout=T)
+    assert resp.machine == before
+    assert (flyd.worker.rows["m1"].machine, flyd.store.last_seq()) == (before, seq)
+    assert flyd.driver.signals == signals  # nothing was stopped
+
+
+async def test_reveal_secrets_opens_them_while_the_machine_lives(
+    servicer_stub: Stub, flyd: Flyd
+) -> None:
+    cfg = config()
+    cfg.secrets.update({"TOKEN": SECRET, "OTHER": "two"})
+    await create(servicer_stub, cfg=cfg)
+    got = await servicer_stub.GetMachine(w.GetMachineRequest(machine_id="m1"), timeout=T)
+    assert SECRET not in str(got.machine)  # only names where anyone reads the machine
+    request = w.RevealSecretsRequest(machine_id="m1")
+    opened = await servicer_stub.RevealSecrets(request, timeout=T)
+    assert dict(opened.secrets) == {"TOKEN": SECRET, "OTHER": "two"}
+    await bring(servicer_stub, w, "m1", "destroyed")
+    assert dict((await servicer_stub.RevealSecrets(request, timeout=T)).secrets) == {}
+
+
 # -- refusals -----------------------------------------------------------------------------------
 
 
@@ -405,6 +495,18 @@ async def test_list_machine_events_tells_the_machines_story(servicer_stub: Stub)
         ("AcquireLease", w.AcquireLeaseRequest(machine_id="m1"), "ttl"),
         ("AcquireLease", w.AcquireLeaseRequest(machine_id="m1", ttl=seconds(0.5)), "ttl"),
         ("AcquireLease", w.AcquireLeaseRequest(machine_id="m1", ttl=seconds(3601)), "ttl"),
+        (
+            "SupersedeMachine",
+            w.SupersedeMachineRequest(machine_id="m1", generation=0, primary="m2"),
+            "generation",
+        ),
+        (
+            "SupersedeMachine",
+            w.SupersedeMachineRequest(machine_id="m1", generation=1, primary="Not An Id"),
+            "primary",
+        ),
+        ("RevealSecrets", w.RevealSecretsRequest(), "machine_id"),
+        ("GetPlacement", w.GetPlacementRequest(), "machine_id"),
     ],
 )
 async def test_bad_input_is_refused_naming_the_field_and_changes_nothing(
@@ -432,6 +534,12 @@ async def test_bad_input_is_refused_naming_the_field_and_changes_nothing(
         ("AcquireLease", w.AcquireLeaseRequest(machine_id="ghost", ttl=seconds(10))),
         ("ReleaseLease", w.ReleaseLeaseRequest(machine_id="ghost", nonce="x")),
         ("ListMachineEvents", w.ListMachineEventsRequest(machine_id="ghost")),
+        ("GetPlacement", w.GetPlacementRequest(machine_id="ghost")),
+        (
+            "SupersedeMachine",
+            w.SupersedeMachineRequest(machine_id="ghost", generation=1, primary="m2"),
+        ),
+        ("RevealSecrets", w.RevealSecretsRequest(machine_id="ghost")),
     ],
 )
 async def test_an_unknown_machine_is_not_found(
@@ -514,6 +622,18 @@ async def test_an_operation_the_state_forbids_fails_its_precondition_with_a_reas
     assert flyd.worker.rows["m1"].machine == before  # nothing changed
 
 
+async def test_secrets_the_workers_key_no_longer_opens_are_not_revealed(
+    servicer_stub: Stub, flyd: Flyd
+) -> None:
+    cfg = config()
+    cfg.secrets["TOKEN"] = SECRET
+    await create(servicer_stub, cfg=cfg)
+    flyd.worker.secret_box = SecretBox.ephemeral()  # its key file replaced, as after a restart
+    request = w.RevealSecretsRequest(machine_id="m1")
+    err = await refused(servicer_stub.RevealSecrets(request, timeout=T), PRECONDITION)
+    assert err.details() == "secret TOKEN of machine m1 does not open with this worker's key"
+
+
 @pytest.mark.parametrize(
     ("cfg", "resource"),
     [
@@ -544,3 +664,8 @@ async def test_the_same_id_with_another_config_already_exists(
     )
     assert "m1" in (err.details() or "")
     assert flyd.worker.rows["m1"].machine.config.guest.memory_mib == 128
+
+
+def test_every_rpc_of_the_service_is_called_here() -> None:
+    service = w.DESCRIPTOR.services_by_name["WorkerService"]
+    assert untested(service, sys.modules[__name__]) == []
