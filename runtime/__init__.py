@@ -1,4 +1,12 @@
-"""The service runtime shared by flyd, flaps and proxy: settings, logs, tracing, server lifecycle.
+"""The ground floor every service stands on (flyd, registry, flaps, proxy; nonomad and bench
+above them); it imports none of them.
+
+Its modules: server bootstrap and lifecycle, where each service's errors become statuses
+through its own `map_error` (`server`), settings (`settings`), JSON logs (`logs`), tracing and
+client channels (`tracing`), who calls and the metrics endpoint (`endpoints`), the injected
+clock (`clock`), request bounds and field validation (`limits`, `validate`, `errors`), the
+cluster's certificates (`pki`), the collector kept off the event loop (`heap`) and how late
+the loop runs (`looplag`).
 
 A service's entry point loads its `ServiceSettings` subclass with `settings_or_exit`, calls
 `configure_logging` and `setup_tracing`, builds a `Service`, and hands it to `main_entry`.
