@@ -127,8 +127,9 @@ def _states(states: dict[str, int]) -> str:
 
 class AppView(LiveView):
     """An app's machines (one page of them): a row when its machine changes or its worker's
-    status does; the table when machines come or go; the summary with them. Every `TICK`
-    seconds, the proxy's view (health, load, traffic) again."""
+    status does; the table when the page's machines come or go; the summary and the pager
+    (counts over the whole app) with any machine of the app. Every `TICK` seconds, the proxy's
+    view (health, load, traffic) again."""
 
     tick = TICK
 
@@ -141,6 +142,9 @@ class AppView(LiveView):
         self.traffic: model.Data | None = None
         self.rows: dict[str, model.Data] = {}
         self.dirty: set[str] = set()
+        # A machine of the app off this page changed: the counts, and maybe which machines
+        # this page holds (one came, went, or moved between pages).
+        self.elsewhere = False
         self.everything = False
 
     def wants(self, item: model.Data) -> bool:
@@ -166,16 +170,16 @@ class AppView(LiveView):
     def _render(self, data: model.Data, rows: set[str] | None) -> Patches:
         """The summary, and the table (`rows` None) or those rows."""
         fresh = {r["id"]: r for r in data["machines"]}
-        out = {"app-summary": part("app_summary", data)}
+        out = {"app-summary": part("app_summary", data), "pager": part("pager", data)}
         if rows is None or set(fresh) != set(self.rows):
             out["machines"] = part("machines", data)
         else:
-            for machine_id in rows:
+            for machine_id in rows & fresh.keys():
                 if fresh[machine_id] != self.rows[machine_id]:
                     out[f"m-{machine_id}"] = part("machine_row", fresh[machine_id])
         self.rows = fresh
         self.dirty.clear()
-        self.everything = False
+        self.elsewhere = self.everything = False
         return out
 
     async def full(self) -> Patches:
@@ -186,12 +190,15 @@ class AppView(LiveView):
         if notice is RESYNC or notice.kind == "snapshot":
             self.everything = True
         elif notice.kind == "machine" and notice.app == self.app:
-            self.dirty.add(notice.machine_id)
+            if notice.machine_id in self.rows:
+                self.dirty.add(notice.machine_id)
+            else:
+                self.elsewhere = True
         elif notice.kind == "status":
             self.dirty.update(i for i, r in self.rows.items() if r["worker"] == notice.worker_id)
 
     async def patches(self) -> Patches:
-        if not (self.dirty or self.everything):
+        if not (self.dirty or self.elsewhere or self.everything):
             return {}
         return self._render(self._data(), None if self.everything else set(self.dirty))
 
@@ -334,19 +341,24 @@ async def _until(closing: asyncio.Event, items: AsyncIterator[T]) -> AsyncIterat
     """`items` until they end or `closing` is set (then the iterator is closed)."""
     stop = asyncio.ensure_future(closing.wait())
     end = object()
+    step: asyncio.Future[object] | None = None
     try:
         while True:
             step = asyncio.ensure_future(anext(items, end))
             await asyncio.wait({step, stop}, return_when=asyncio.FIRST_COMPLETED)
             if not step.done():
-                step.cancel()
                 return
-            item = step.result()
+            item, step = step.result(), None
             if item is end:
                 return
             yield item  # type: ignore[misc]
     finally:
         stop.cancel()
+        if step is not None and not step.done():
+            # `items` is suspended inside that step (closing, or the page went away): it must
+            # end there, cancelled, before it can be closed ("already running" otherwise).
+            step.cancel()
+            await asyncio.wait({step})
         aclose = getattr(items, "aclose", None)
         if aclose is not None:
             await aclose()
