@@ -40,7 +40,7 @@ from typing import Any, Literal
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from flyd import slots
+from flyd import conditions, slots
 from flyd.errors import (
     BUSY,
     DESTROYED,
@@ -337,6 +337,7 @@ class _Builder:
         from_state = machine.state
         machine.state = state  # type: ignore[assignment]
         machine.updated_at.CopyFrom(timestamp(self.now))
+        conditions.after_step(machine, from_state, self.type, reason)
         new = replace(self.row, machine=machine, **changes)
         return Transition(new, self.type, reason, from_state, tuple(self.effects))
 
@@ -432,7 +433,7 @@ def step(row: Row, event: Event, *, now: float, policy: Policy) -> Transition | 
         case CleanedUp():
             if row.op is None or row.op.step != "cleanup":
                 return None
-            b = _Builder(_tombstone(row), now, "destroy")
+            b = _Builder(tombstone(row), now, "destroy")
             return b.to(S.MACHINE_STATE_DESTROYED, "destroyed", op=None)
         case CleanupFailed(error=error):
             if row.op is None or row.op.step != "cleanup":
@@ -584,7 +585,7 @@ def _update(row: Row, ev: UpdateRequested, now: float) -> Transition:
     return b.to(S.MACHINE_STATE_STARTING, reason, op=Op("update", "spawn"))
 
 
-def _tombstone(row: Row) -> Row:
+def tombstone(row: Row) -> Row:
     """What a destroyed machine's row keeps while it stays readable: who it was, its image and
     size, its events; not the rest of its config, its log tail, its lease, its secrets nor its
     placement decision, so the rows a worker keeps (and sends in snapshots) stay small whatever
@@ -698,7 +699,7 @@ def _retry_cleanup(row: Row, now: float, policy: Policy, error: str) -> Transiti
     assert row.op is not None
     attempts = row.op.attempts + 1
     if attempts >= MAX_CLEANUP_ATTEMPTS:
-        b = _Builder(_tombstone(row), now, "destroy")
+        b = _Builder(tombstone(row), now, "destroy")
         return b.to(
             S.MACHINE_STATE_DESTROYED,
             f"destroyed; cleanup failed {attempts} times, its resources may be left behind: "
@@ -788,6 +789,8 @@ def _apply_restart_policy(
     machine = pb.Machine()
     machine.CopyFrom(row.machine)
     machine.restart_count = len(recent) + 1
+    del machine.log_tail[:]  # what it said before it crashed, for its crash-loop condition
+    machine.log_tail.extend(ev.log_tail[-conditions.RESTART_TAIL :])
     b = _Builder(replace(row, machine=machine), now, "exit", [StartTimer(now + delay)])
     return b.to(
         S.MACHINE_STATE_RESTARTING,

@@ -90,12 +90,24 @@ class Runner:
 
     def recover(self) -> int:
         """Load every row and resume unfinished operations. Returns how many were resumed."""
+        stripped: dict[str, bytes] = {}
         for machine_id, raw in self.store.rows().items():
             row = fsm.decode_row(raw)
+            if row.state == S.MACHINE_STATE_DESTROYED:
+                # Destroyed by a flyd from before destroyed rows were stripped, it still holds
+                # its whole config: it would weigh on every snapshot until it is dropped.
+                slim = fsm.tombstone(row)
+                if slim != row:
+                    row = slim
+                    stripped[machine_id] = fsm.encode_row(row)
             self.rows[machine_id] = row
             self.reservations.account(None, row)
             if row.state != S.MACHINE_STATE_DESTROYED:
                 self.images.use(row.image_digest)
+        if stripped:
+            # Before anything else is committed: nothing writes concurrently yet.
+            self.store.commit([], stripped)
+            log.info("destroyed_rows_stripped", machines=len(stripped))
         resumed = 0
         for machine_id, row in self.rows.items():
             alive = False
