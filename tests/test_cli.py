@@ -95,6 +95,8 @@ def test_up_serves_the_demo_app_and_down_leaves_nothing_behind(tmp_path: Path) -
             "2",
             "--proxy-port",
             "0",
+            "--console-port",
+            "0",
             "--base-port",
             "24000",
         ],
@@ -123,6 +125,31 @@ def test_up_serves_the_demo_app_and_down_leaves_nothing_behind(tmp_path: Path) -
         edge = re.search(r"-H 'Host: (demo\.[a-z.]+)' http://(127\.0\.0\.1:\d+)/", text)
         assert edge, text
         assert "hello from machine" in through_proxy(edge.group(2), edge.group(1))
+
+        # The web console `up` started (on a free port) shows this cluster's workers and the
+        # demo's two machines, as its JSON twin and as the page.
+        console = re.search(r"^the web console: (http://127\.0\.0\.1:\d+/)$", text, re.M)
+        assert console, text
+        console_url = console.group(1)
+        seen: list[object] = []
+
+        def console_shows_the_cluster() -> bool:
+            ask = urllib.request.Request(console_url, headers={"Accept": "application/json"})
+            with urllib.request.urlopen(ask, timeout=10) as resp:
+                assert resp.headers["Content-Type"] == "application/json"
+                fleet = json.load(resp)
+            seen.append(fleet)
+            workers = {w["id"]: w["status"] for w in fleet["workers"]}
+            machines = sum(w["machines"]["total"] for w in fleet["workers"])
+            apps = [a["name"] for a in fleet["apps"]]
+            return (workers, machines, apps) == ({"ams-1": "alive", "ams-2": "alive"}, 2, ["demo"])
+
+        assert eventually_true(console_shows_the_cluster), seen[-1:]
+        with urllib.request.urlopen(console_url, timeout=10) as resp:
+            assert resp.headers["Content-Type"].startswith("text/html")
+            page = resp.read().decode()
+        assert 'id="worker-ams-1" data-status="alive"' in page
+        assert 'id="worker-ams-2" data-status="alive"' in page
 
         # Secure by default: the CA, keys and tokens are the owner's alone, and the grpcurl
         # commands `up` prints (TLS checked with its CA, the admin token) work as printed.
