@@ -576,14 +576,9 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
         if not request.generation:
             known = self.x.replica.machine(request.machine_id)
             if known is not None and not slots.is_primary(known):
-                # Starting a standby is promoting it: at the next generation of its slot.
-                members = [
-                    mm
-                    for mm in self.x.replica.machines(app=known.app)
-                    if slots.slot_of(mm).id == slots.slot_of(known).id
-                ]
-                best = slots.top(members)
-                request.generation = (best[0] if best is not None else 0) + 1
+                # Starting a standby is promoting it: at its own next generation (flyd.slots).
+                members = self.x.replica.machines(app=known.app)
+                request.generation = slots.promotion_generation(known, members)
         return await self._forward("StartMachine", request)
 
     async def SupersedeMachine(

@@ -3,10 +3,11 @@
 Each member's row carries a `SlotState` (flyd.v1): the slot's id, the highest generation its
 worker recorded, and the member that serves at that generation as far as the row knows. A
 member's claim is (generation, primary); a claim outranks another when its generation is higher,
-or equal with a lower primary id (two promotions to one generation can only happen when proxies
-saw different rows; the lower id wins, deterministically). The member that serves is the one
-whose own row holds the claim no other row outranks. Pure functions, no I/O: flyd writes each
-member's row from them, and flaps and the proxy read them (docs/fencing.md).
+or equal with a lower primary id. The member that serves is the one whose own row holds the
+claim no other row outranks. Each generation belongs to one member (`promotion_generation`),
+so two promoters never record two promotions at one generation, however their views differ.
+Pure functions, no I/O: flyd writes each member's row from them, and flaps and the proxy read
+them (docs/fencing.md).
 """
 
 from __future__ import annotations
@@ -70,6 +71,33 @@ def serving(members: Iterable[pb.Machine]) -> pb.Machine | None:
         if m.id == best[1] and claim(m) == best:
             return m
     return None
+
+
+def order(slot: str, member_ids: Iterable[str]) -> list[str]:
+    """The slot's members in their fixed order: its first primary (the slot's id) first, the
+    others by id. A member's place in it says which generations are its own."""
+    ids = set(member_ids)
+    return ([slot] if slot in ids else []) + sorted(ids - {slot})
+
+
+def promotion_generation(member: pb.Machine, members: Iterable[pb.Machine]) -> int:
+    """The generation `member` is promoted to: the lowest above every claim of the slot's rows
+    that is its own. Generation g belongs to the member at place g mod n of `order` (n
+    members), so two promotions naming one generation promote one member, whatever the
+    promoters believed about workers or which standby they tried first (docs/fencing.md)."""
+    slot = slot_of(member).id
+    rows = [m for m in members if slot_of(m).id == slot and m.id != member.id]
+    ids = order(slot, [member.id, *(m.id for m in rows)])
+    place, n = ids.index(member.id), len(ids)
+    best = top([member, *rows])
+    above = (best[0] if best is not None else 0) + 1
+    return above + (place - above) % n
+
+
+def owner(generation: int, slot: str, member_ids: Iterable[str]) -> str:
+    """The member whose own generation `generation` is (see `promotion_generation`)."""
+    ids = order(slot, member_ids)
+    return ids[generation % len(ids)]
 
 
 def with_slot(machine: pb.Machine, slot: pb.SlotState) -> pb.Machine:

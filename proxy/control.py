@@ -10,7 +10,7 @@ router only as the Protocols `RouteTable` and `MachineRoute` (it never imports p
 - the decisions, as pure functions over the table: `checks_of` (what to check on a machine),
   `autostop_victims` (which idle machines to stop without going below min_machines_running),
   `standby_candidates` (which standby takes over a lost primary, at which generation: the same
-  on every proxy);
+  on every proxy, and each generation one member's own: `flyd.slots.promotion_generation`);
 - the loops that act on them: `HealthChecks.watch` (one per started machine), `WorkerWatch`
   (probe a silent worker, declare it dead, promote one standby per lost primary).
 
@@ -435,7 +435,9 @@ def standby_candidates(
 
     The order is by machine id, and every proxy sees the same rows, so every proxy that
     notices the loss picks the same standby (and the same generation: `promotion_generation`);
-    a repeated promotion is idempotent, so they converge on exactly one promoted standby.
+    a repeated promotion is idempotent, so they converge on exactly one promoted standby. A
+    proxy that skips a standby (its worker looks dead from here) promotes the next at that
+    one's own generation, never at the generation of the one it skipped.
     """
     slot = slots.slot_of(primary).id
     running = None
@@ -450,14 +452,6 @@ def standby_candidates(
         elif m.state in _STARTABLE:
             stopped.append(m.id)
     return running, sorted(stopped)
-
-
-def promotion_generation(primary: pb.Machine, machines: Iterable[pb.Machine]) -> int:
-    """The generation a standby of `primary`'s slot is promoted to: one above the highest
-    any member's row records."""
-    slot = slots.slot_of(primary).id
-    best = slots.top(m for m in machines if slots.slot_of(m).id == slot)
-    return (best[0] if best is not None else 0) + 1
 
 
 # -- loops -------------------------------------------------------------------------------------
@@ -621,9 +615,9 @@ class WorkerWatch:
 
     def plan(self, worker_id: str) -> list[Takeover]:
         """For each slot the lost worker served (a running member holding the slot's top claim)
-        with no other member running: the stopped members to promote, best first, and the
-        generation. Synchronous, so the router can mark the chosen standbys as starting before
-        any request looks."""
+        with no other member running: the stopped members to promote, best first, each with
+        its own generation (flyd.slots.promotion_generation). Synchronous, so the router can
+        mark the chosen standbys as starting before any request looks."""
         registry = self.router.registry
         # A slot's members are machines of one app: the cost is the app's, not the fleet's.
         apps: dict[str, dict[str, list[pb.Machine]]] = {}
@@ -651,7 +645,9 @@ class WorkerWatch:
             if running is not None:
                 log.info("standby_already_running", primary=primary.id, standby=running)
             elif stopped:
-                out.append(Takeover(primary, stopped, promotion_generation(primary, members)))
+                rows = {m.id: m for m in members}
+                generations = {s: slots.promotion_generation(rows[s], members) for s in stopped}
+                out.append(Takeover(primary, stopped, generations))
             elif len(members) > 1:
                 log.warning("no_usable_standby", primary=primary.id)
         return out
@@ -691,10 +687,13 @@ class WorkerWatch:
             return False
         tries = 0
         for standby in takeover.standbys:
+            # Each standby at its own generation: after a failure that may have promoted the
+            # one before (a timeout), the next is not a second promotion at the same one.
+            generation = takeover.generations[standby]
             while tries < self.attempts:
                 tries += 1
                 try:
-                    await self.flaps.start(standby, takeover.generation)
+                    await self.flaps.start(standby, generation)
                 except FlapsFailed as err:
                     self.stats.standby_failed()
                     log.warning(
@@ -717,7 +716,7 @@ class WorkerWatch:
                     primary=primary.id,
                     worker=primary.worker_id,
                     standby=standby,
-                    generation=takeover.generation,
+                    generation=generation,
                 )
                 return True
             self.router.standby_failed(standby)
@@ -733,8 +732,8 @@ def _serves(machine: pb.Machine, members: list[pb.Machine]) -> bool:
 @dataclass(frozen=True)
 class Takeover:
     """A lost primary, the members of its slot to promote in its place (best first), and the
-    generation to promote them to."""
+    generation each is promoted to (its own: flyd.slots.promotion_generation)."""
 
     primary: pb.Machine
     standbys: list[str]
-    generation: int
+    generations: dict[str, int]

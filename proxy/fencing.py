@@ -63,6 +63,10 @@ class SlotIndex:
     def members(self, slot: str) -> list[Route]:
         return list(self._members.get(slot, {}).values())
 
+    def promotion_generation(self, r: Route) -> int:
+        """The generation `r` is promoted to, its own (flyd.slots.promotion_generation)."""
+        return slots.promotion_generation(r.machine, [o.machine for o in self.members(r.slot)])
+
     def slots_of(self, routes: list[Route]) -> set[str]:
         return {r.slot for r in routes if r.slot in self._members}
 

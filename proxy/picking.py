@@ -5,7 +5,9 @@ the least loaded of two random choices from the best tier (own region under the 
 then any region; then the same under the hard limit), or why the request must wait (every
 machine at its hard limit, a machine warming up or being started), or NoBackend with the
 reasons counted. When every machine is past its soft limit, or none is up, it starts one
-stopped autostart machine through flaps, one at a time per app (scale from zero).
+stopped autostart machine through flaps, one at a time per app (scale from zero). When the one
+to start serves a slot and sits stopped on a dead worker (autostopped, then its worker died),
+a standby of its slot is promoted instead (docs/fencing.md).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 import structlog
 
+from flyd import slots
 from flyd.v1 import machine_pb2 as pb
 from proxy.control import Counters, Flaps, FlapsFailed
 from proxy.errors import NoBackend
@@ -255,28 +258,79 @@ class Picker:
         region = self.config.region
         candidates = [r for r in state.routes.values() if self._startable(r, now)]
         if not candidates:
-            return None
+            return self._take_over(state, now, cold=cold)
         r = min(candidates, key=lambda r: (r.region != region, r.id))
         self._begin_start(state, r, now, cold=cold)
         return r.id
 
-    def _begin_start(self, state: AppState, r: Route, now: float, *, cold: bool) -> None:
+    def _take_over(self, state: AppState, now: float, *, cold: bool) -> str | None:
+        """Promote a standby of a slot whose serving member is stopped on a dead worker: the
+        failover on worker death looks only at running primaries, and this one was stopped
+        (idle) when its worker died, so nobody else will. The same standby and generation as
+        a failover would pick (proxy.control.standby_candidates); the machine starting, or
+        None."""
+        for r in sorted(state.routes.values(), key=lambda r: r.id):
+            if not (r.serving and r.peers and r.state in STARTABLE and r.autostart):
+                continue
+            if not self._on_dead_worker(r.worker_id):
+                continue
+            members = self.members(r.slot)
+            standbys = sorted(
+                (
+                    o
+                    for o in members
+                    if o is not r
+                    and o.worker_id != r.worker_id
+                    and o.state in STARTABLE
+                    and self.worker_usable(o.worker_id)
+                    and self._alive(o.worker_id)
+                    and (o.start_error is None or now >= o.start_error[0])
+                ),
+                key=lambda o: o.id,
+            )
+            if not standbys:
+                continue
+            standby = standbys[0]
+            generation = slots.promotion_generation(standby.machine, [o.machine for o in members])
+            log.warning(
+                "promoting_for_stopped_primary",
+                primary=r.id,
+                worker=r.worker_id,
+                standby=standby.id,
+                generation=generation,
+            )
+            self._begin_start(state, standby, now, cold=cold, generation=generation)
+            return standby.id
+        return None
+
+    def _on_dead_worker(self, worker_id: str) -> bool:
+        w = self.workers.get(worker_id)
+        if w is not None and w.dead:
+            return True
+        view = self.registry.worker(worker_id)
+        return view is not None and view.status == DEAD
+
+    def _begin_start(
+        self, state: AppState, r: Route, now: float, *, cold: bool, generation: int = 0
+    ) -> None:
         state.starting = r.id
         r.start_requested = now
         r.start_error = None
-        self._spawn(self._start(state, r, cold), f"start {r.id}")
+        self._spawn(self._start(state, r, cold, generation), f"start {r.id}")
 
-    async def _start(self, state: AppState, r: Route, cold: bool) -> None:
+    async def _start(self, state: AppState, r: Route, cold: bool, generation: int = 0) -> None:
         assert self.flaps is not None
-        log.info("starting_machine", machine_id=r.id, app=r.app, cold=cold)
+        log.info("starting_machine", machine_id=r.id, app=r.app, cold=cold, generation=generation)
         try:
-            await self.flaps.start(r.id)
+            await self.flaps.start(r.id, generation)
         except FlapsFailed as err:
             r.start_requested = None
             r.start_error = (self.clock.now() + self.config.start_retry_after, str(err))
             log.warning("start_failed", machine_id=r.id, error=str(err))
         else:
-            if cold:
+            if generation:
+                self.stats.failover()
+            elif cold:
                 self.stats.cold_start()
         finally:
             if state.starting == r.id:

@@ -569,7 +569,7 @@ class Router:
         if now < r.supersede_after:
             return
         r.supersede_after = now + self.config.supersede_retry
-        generation = judged.top[0] + 1
+        generation = self.slots.promotion_generation(r)
         log.warning("promoting_fenced", machine_id=r.id, slot=r.slot, generation=generation)
         self._spawn(self._start_fenced(r.id, generation), f"promote {r.id}")
 

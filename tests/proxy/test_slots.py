@@ -13,7 +13,7 @@ import pytest
 
 from flyd import slots
 from flyd.v1 import machine_pb2 as pb
-from proxy.control import FlapsFailed, promotion_generation
+from proxy.control import FlapsFailed
 from proxy.errors import NoBackend
 from registry.view import DEAD, SUSPECT
 from tests.proxy.support import STARTED, STOPPED, fleet, machine, settle, world
@@ -154,10 +154,11 @@ async def test_a_fenced_primary_alone_with_dead_members_is_promoted_in_place() -
         w.probes.dead_workers.add("w2.test:7000")
         await settle()
         assert w.router.is_dead("w2")
-        assert (w.flaps.starts, w.flaps.generations) == (["p"], [1])
+        # Generation 1 is s's own (flyd.slots.promotion_generation): p's next is 2.
+        assert (w.flaps.starts, w.flaps.generations) == (["p"], [2])
         row = w.registry.machine("p")
         assert row is not None
-        assert (row.slot.generation, row.slot.primary, row.slot.fenced) == (1, "p", False)
+        assert (row.slot.generation, row.slot.primary, row.slot.fenced) == (2, "p", False)
         await w.advance(0.1)
         assert (await w.router.acquire("web")).machine_id == "p"
 
@@ -168,11 +169,10 @@ async def test_a_fenced_primary_waits_while_a_member_can_still_answer() -> None:
         assert w.flaps.starts == []  # its worker will confirm with s's
 
 
-def test_a_promotion_is_one_generation_above_any_member() -> None:
+def test_a_promotion_is_to_the_members_own_generation_above_any_claim() -> None:
     p = claimed(machine("p", worker="w1"), 3, "p")
-    rows = [
-        p,
-        claimed(machine("s", worker="w2", state=STOPPED, standbys=["p"]), 3, "p"),
-        machine("other", worker="w2"),  # another slot
-    ]
-    assert promotion_generation(p, rows) == 4
+    s = claimed(machine("s", worker="w2", state=STOPPED, standbys=["p"]), 3, "p")
+    rows = [p, s, machine("other", worker="w2")]  # (another slot)
+    # Two members, in their order p (the slot's first primary), s: s owns the odd generations.
+    assert slots.promotion_generation(s, rows) == 5
+    assert slots.promotion_generation(p, rows) == 4
