@@ -33,7 +33,7 @@ from flyd.drivers.logs import open_output
 from flyd.drivers.procfs import open_child_pidfd, read_proc_stat, readable
 from flyd.drivers.wrapped import Watched, WrappedDriver, resolve_user
 from flyd.drivers.wrapper import FORWARDED_SIGNALS, wrapper_script
-from flyd.errors import InvalidArgument, Unavailable
+from flyd.errors import InvalidArgument, Unavailable, UnsafeImage
 from flyd.images import confine
 
 __all__ = ["ProcessDriver"]
@@ -97,10 +97,17 @@ class ProcessDriver(WrappedDriver):
         if not cwd.is_dir():
             raise InvalidArgument("workdir", f"{spec.workdir} is not a directory of the image")
         argv = list(spec.argv)
-        if argv[0].startswith("/"):
-            program = confine.host_path(spec.rootfs, argv[0], "entrypoint")
-            if program.exists():
-                argv[0] = str(program)
+        search_path = spec.env.get("PATH", confine.DEFAULT_PATH)
+        program = confine.host_program(spec.rootfs, argv[0], spec.workdir, search_path)
+        if program is not None:
+            argv[0] = str(program)
+        elif not spec.host_runtime:
+            # Not in the image: the host's program of that name would run. Only an image that
+            # names no base (built to use the host's runtime) may do that.
+            raise UnsafeImage(
+                f"image has no program {argv[0][:200]!r} (on its PATH {search_path[:200]!r}); "
+                "the process driver would run the host's"
+            )
         env = {**spec.env, **port_env(spec.ports, inside=False)}
         loop = asyncio.get_running_loop()
         try:

@@ -17,13 +17,19 @@ import os
 import re
 from pathlib import Path
 
-from flyd.errors import UnsafeImage
+from flyd.errors import ImageError, UnsafeImage
 from flyd.images.oci import ImageConfig
 from flyd.images.unpack import Escape, resolve
 
-__all__ = ["check_config", "host_path", "inside"]
+__all__ = ["DEFAULT_PATH", "check_config", "host_path", "host_program", "inside"]
 
 _USER_RE = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_.-]{0,31}")
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+"""Where a program named without a path is looked for when the image sets no PATH."""
+
+
+def _in_workdir(workdir: str, path: str) -> str:
+    return path if path.startswith("/") else f"{workdir.rstrip('/')}/{path}"
 
 
 def inside(rootfs: Path, path: str, what: str) -> str:
@@ -40,12 +46,16 @@ def check_config(rootfs: Path, config: ImageConfig) -> str:
     """Check what `config` names against the unpacked `rootfs`; returns its working directory
     resolved inside the rootfs (what a machine of the image runs in).
 
-    UnsafeImage when the WorkingDir or an absolute Entrypoint leads outside the rootfs, or the
-    User names no user or group of the image's own /etc/passwd and /etc/group.
+    UnsafeImage when the WorkingDir, or the path of the program it runs (its Entrypoint's
+    first word, or its Cmd's without an Entrypoint; relative to the WorkingDir), leads outside
+    the rootfs, or the User names no user or group of the image's own /etc/passwd and
+    /etc/group. A bare program name is looked up on the PATH when a machine starts.
     """
     workdir = inside(rootfs, config.workdir or "/", "WorkingDir")
-    if config.entrypoint and config.entrypoint[0].startswith("/"):
-        inside(rootfs, config.entrypoint[0], "Entrypoint")
+    # The program the image runs: its Entrypoint's, or without one its Cmd's.
+    run = config.entrypoint or config.cmd
+    if run and "/" in run[0]:
+        inside(rootfs, _in_workdir(workdir, run[0]), "Entrypoint" if config.entrypoint else "Cmd")
     user = getattr(config, "user", "")
     if user:
         name, _, group = user.partition(":")
@@ -82,3 +92,29 @@ def host_path(rootfs: Path, path: str, what: str) -> Path:
     if host != root and not host.startswith(root + os.sep):
         raise UnsafeImage(f"image {what} {path[:200]!r} resolves outside its rootfs on the host")
     return real
+
+
+def host_program(rootfs: Path, program: str, workdir: str, search_path: str) -> Path | None:
+    """The host path of the executable file the image at `rootfs` runs as `program`: a path
+    (absolute, or relative to `workdir`), or a name looked up in the directories of
+    `search_path` (a PATH), each inside the rootfs. None when the image has no such file.
+
+    UnsafeImage when the path leads outside the rootfs; a PATH directory that does, or
+    loops, is passed over (the program is not there).
+    """
+    if "/" in program:
+        return _executable(host_path(rootfs, _in_workdir(workdir, program), "entrypoint"))
+    for directory in search_path.split(":"):
+        if not directory.startswith("/"):
+            continue  # relative PATH entries name the host's working directory, not the image
+        try:
+            found = _executable(host_path(rootfs, f"{directory}/{program}", "entrypoint"))
+        except ImageError:  # (UnsafeImage, a symlink loop)
+            continue
+        if found is not None:
+            return found
+    return None
+
+
+def _executable(path: Path) -> Path | None:
+    return path if path.is_file() and os.access(path, os.X_OK) else None

@@ -13,6 +13,7 @@ import structlog
 
 from flyd.drivers.base import ExitStatus
 from flyd.drivers.process import ProcessDriver
+from flyd.errors import UnsafeImage
 from tests.flyd.driver_support import Exits, run_machine, sh, spec
 
 
@@ -51,3 +52,53 @@ async def test_run_as_unprivileged_user(prefix: str) -> None:
     finally:
         await driver.close()
         shutil.rmtree(base)
+
+
+# -- a program the image does not have ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["/bin/true"], ["true"], ["./true"]],
+    ids=["absolute", "on the PATH", "relative"],
+)
+async def test_an_image_without_its_program_is_refused(
+    run_root: Path, image: Path, tmp_path: Path, argv: list[str]
+) -> None:
+    """Issue 19, defect 3: a program the image lacks ran as the host's program of that name
+    (/bin/true, or `true` on the host's PATH). An image with a base of its own is refused."""
+    exits = Exits()
+    driver = ProcessDriver(run_root, on_exit=exits, cgroup_root=tmp_path / "no-cgroups")
+    try:
+        with pytest.raises(UnsafeImage, match="image has no program"):
+            await driver.start(spec("m1", argv, image, host_runtime=False))
+        assert driver.leftovers() == []  # refused before anything was prepared
+        # An image that names no base may borrow the host's program: it has no other.
+        await run_machine(driver, spec("m2", ["true"], image, host_runtime=True))
+        assert await exits.wait("m2") == ExitStatus(0, None)
+    finally:
+        await driver.close()
+
+
+@pytest.mark.parametrize("program", ["/bin/hello", "hello", "./bin/hello"])
+async def test_the_program_of_the_image_runs_not_the_hosts(
+    run_root: Path, image: Path, tmp_path: Path, program: str
+) -> None:
+    (image / "bin").mkdir()
+    hello = image / "bin" / "hello"
+    hello.write_text("#!/bin/sh\necho from the image\n")
+    hello.chmod(0o755)
+    (image / "usr").mkdir()
+    (image / "usr" / "bin").symlink_to("/bin")  # the image's own /bin, as in a chroot
+    exits = Exits()
+    driver = ProcessDriver(run_root, on_exit=exits, cgroup_root=tmp_path / "no-cgroups")
+    try:
+        machine = spec("m1", [program], image, host_runtime=False, env={"PATH": "/usr/bin:/bin"})
+        await run_machine(driver, machine)
+        assert await exits.wait("m1") == ExitStatus(0, None)
+        assert driver.read_logs("m1", 10) == ["from the image"]
+        # The host's /usr/bin has `env`; the image's /usr/bin (its /bin) has not.
+        with pytest.raises(UnsafeImage, match="image has no program 'env'"):
+            await driver.start(spec("m2", ["env"], image, host_runtime=False))
+    finally:
+        await driver.close()

@@ -43,6 +43,18 @@ APP = [directory("bin"), file("bin/app", b"#!/bin/sh\n", 0o755)]
             id="entrypoint climbs out",
         ),
         pytest.param(
+            [APP],
+            {"Cmd": ["/../../bin/sh"]},
+            "Cmd '/../../bin/sh' leads outside its rootfs",
+            id="cmd climbs out, without an entrypoint",
+        ),
+        pytest.param(
+            [APP],
+            {"Entrypoint": ["../../../bin/sh"], "WorkingDir": "/bin"},
+            "Entrypoint '/bin/../../../bin/sh' leads outside its rootfs",
+            id="relative entrypoint climbs out of its workdir",
+        ),
+        pytest.param(
             [[*APP, directory("etc"), file("etc/passwd", b"root:x:0:0::/:/bin/sh\n")]],
             {"Entrypoint": ["/bin/app"], "User": "mallory"},
             "no user 'mallory' in its /etc/passwd",
