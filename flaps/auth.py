@@ -2,17 +2,19 @@
 
 A call comes either from a part of the cluster, with a certificate the cluster CA signed
 (on flaps' `cluster_listen` port: the proxy, workers announcing themselves), which may do
-anything; or from a client (the CLI, the SDK, grpcurl) with `authorization: Bearer <token>`,
-a macaroon (flaps.tokens) that flaps verifies in constant time against its root keys. A
-missing, malformed, tampered, expired or unknown-key token gets UNAUTHENTICATED; a valid one
-whose caveats do not allow the call gets PERMISSION_DENIED naming the caveat. The registry
-service that flaps embeds is for the cluster's parts only.
+what its part needs (`PEER_OPS`, by the certificate's name: the proxy starts and stops
+machines, the console and the CLI read, replicas follow and announce); or from a client
+(the CLI, the SDK, grpcurl) with `authorization: Bearer <token>`, a macaroon (flaps.tokens)
+that flaps verifies in constant time against its root keys. A missing, malformed, tampered,
+expired or unknown-key token gets UNAUTHENTICATED; a valid one whose caveats do not allow the
+call gets PERMISSION_DENIED naming the caveat, and so does a certificate whose part may not
+make the call. The registry service that flaps embeds is for the cluster's parts only.
 
 `RULES` says what each RPC needs (operations, and the app or machine they touch); a machine's
 app comes from the registry view, or from its worker when the view has not seen it yet. A
-handler reads the caller's grant with `current_grant()` (None: a cluster part, allowed all) to
-return from a list only what the token may read. Log lines of the call carry the token's id,
-never the token.
+handler reads the caller's grant with `current_grant()` (None: a cluster part) to return
+from a list only what the token may read. Log lines of the call carry the token's id, never
+the token.
 """
 
 from __future__ import annotations
@@ -37,7 +39,17 @@ from flaps.tokens import Denied, Grant, InvalidToken, Keyring, KeysError
 from runtime import abort_with_details
 from runtime.pki import ClusterMembers
 
-__all__ = ["RULES", "Authorizer", "KeySource", "Need", "current_grant", "guard"]
+__all__ = [
+    "PEER_OPS",
+    "REGISTRY_OPS",
+    "RULES",
+    "Authorizer",
+    "KeySource",
+    "Need",
+    "current_grant",
+    "guard",
+    "peer_ops",
+]
 
 log = structlog.get_logger("flaps.auth")
 REASON_DOMAIN = "flaps.nonomad"
@@ -114,9 +126,52 @@ RULES: dict[str, Rule] = {
     "/flaps.v1.PlatformService/WatchPlacements": lambda request: [
         Need(("read", "regions"), app="*")
     ],
+    "/flaps.v1.PlatformService/CordonWorker": _fleet("cordon"),
 }
 """What each client-facing RPC needs. A method of a guarded service missing here is served
 to the cluster's parts only (the registry)."""
+
+REGISTRY_OPS: dict[str, str] = {
+    "/registry.v1.RegistryService/Announce": "announce",
+    "/registry.v1.RegistryService/ListMembers": "follow",
+    "/registry.v1.RegistryService/Follow": "follow",
+    "/registry.v1.RegistryService/ListSlot": "follow",
+}
+"""The operation each cluster-only RPC (the registry flaps embeds) is: `announce` tells
+flaps of a worker, `follow` reads its replica (members, rows, a slot's claims)."""
+
+_REPLICA = frozenset({"follow", "announce"})
+PEER_OPS: dict[str, frozenset[str]] = {
+    # Parts that run a replica: they follow flaps' and pass on the workers announced to them.
+    "flaps": _REPLICA,
+    "registry": _REPLICA,
+    "flyd": _REPLICA,  # also `flyd-<worker id>`: announces itself, asks a slot's claims
+    # Starts a standby (a promotion) or a stopped machine for a request, stops an idle one,
+    # tells an outranked copy it was: start and stop. Its replica follows flaps'.
+    "proxy": _REPLICA | {"start", "stop"},
+    # Reads, as its token does: it changes nothing.
+    "console": frozenset({"follow", "read", "workers", "regions"}),
+    # The operator's CLI (`nonomad status`): reads; changes take a token.
+    "cli": frozenset({"follow", "read", "workers", "regions"}),
+}
+"""What the certificate of each part of the cluster may do on flaps' cluster port, by its
+common name; a name not here may do nothing. Nothing there needs a certificate to write
+machines, cordon workers or read secrets: those take a token on the public port."""
+
+
+def peer_ops(name: str) -> frozenset[str]:
+    """The operations the cluster certificate named `name` is allowed (PEER_OPS)."""
+    role = "flyd" if name.startswith("flyd-") else name
+    return PEER_OPS.get(role, frozenset())
+
+
+def peer_needs(method: str, request: Any) -> set[str]:
+    """The operations a call needs from a cluster certificate (on every app): those of its
+    rule, or its registry operation; a method with neither needs one no part has."""
+    rule = RULES.get(method)
+    if rule is not None:
+        return {op for need in rule(request) for op in need.ops}
+    return {REGISTRY_OPS.get(method, f"unknown method {method}")}
 
 
 class KeySource:
@@ -176,8 +231,24 @@ class Authorizer:
         self.members = members
 
     async def check(self, method: str, request: Any, context: Any) -> Grant | None:
-        """The caller's grant (None for a cluster part); aborts the call otherwise."""
-        if self.members is not None and self.members.name_of(context) is not None:
+        """The caller's grant (None for a cluster part its role allows); aborts the call
+        otherwise."""
+        peer = self.members.name_of(context) if self.members is not None else None
+        if peer is not None:
+            missing = peer_needs(method, request) - peer_ops(peer)
+            if missing:
+                log.info("peer_denied", method=method, peer=peer, missing=sorted(missing))
+                await abort_with_details(
+                    context,
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"the cluster certificate {peer!r} may not call {method} "
+                    f"(it needs {', '.join(sorted(missing))}); use a token on flaps' public port",
+                    error_details_pb2.ErrorInfo(
+                        reason="CERTIFICATE_ROLE",
+                        domain=REASON_DOMAIN,
+                        metadata={"certificate": peer, "missing": ",".join(sorted(missing))},
+                    ),
+                )
             return None
         rule = RULES.get(method)
         if rule is None:
@@ -193,6 +264,11 @@ class Authorizer:
             log.info("unauthenticated", method=method, reason=str(err))
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"authorization: {err}")
             raise AssertionError("abort returns only by raising") from None
+        # From here on, every line the call logs names the token (a machine not found while
+        # its app is looked up, too). gRPC runs each call in a task of its own, so nothing is
+        # reset: the error mapping around the handler (runtime.server: `rpc_error`,
+        # `rpc_failed`) logs after the handler has returned, and carries it as well.
+        structlog.contextvars.bind_contextvars(token_id=grant.token_id)
         try:
             for need in rule(request):
                 app = need.app
@@ -232,8 +308,8 @@ def guard(servicer: object, service: ServiceDescriptor, authorizer: Authorizer) 
     """Check every call of `service` on `servicer` with `authorizer` before its handler runs.
 
     Replaces the handlers on the instance (before `Service.add`, whose error mapping then
-    wraps these). A unary handler runs with the grant in `current_grant()` and the token's id
-    bound to every log line it writes.
+    wraps these). A handler runs with the grant in `current_grant()`, and every log line of
+    the call, the error mapping's too, carries the token's id.
     """
     for method in service.methods:
         handler = getattr(servicer, method.name, None)
@@ -251,15 +327,10 @@ def _guard_unary(
 ) -> Callable[[Any, Any], Awaitable[Any]]:
     @functools.wraps(handler)
     async def guarded(request: Any, context: Any) -> Any:
-        grant = await authorizer.check(method, request, context)
-        if grant is None:
-            return await handler(request, context)
-        token = _grant.set(grant)
-        try:
-            with structlog.contextvars.bound_contextvars(token_id=grant.token_id):
-                return await handler(request, context)
-        finally:
-            _grant.reset(token)
+        # Set for the rest of the call, never reset: the call's task is its own (and the
+        # token's id was bound by `check`).
+        _grant.set(await authorizer.check(method, request, context))
+        return await handler(request, context)
 
     return guarded
 
@@ -269,9 +340,9 @@ def _guard_stream(
 ) -> Callable[[Any, Any], AsyncIterator[Any]]:
     @functools.wraps(handler)
     async def guarded(request: Any, context: Any) -> AsyncIterator[Any]:
-        # No grant for streams' handlers (none filters by it), and nothing context-bound:
-        # a stream's steps may run in another context than the one that opened it.
-        await authorizer.check(method, request, context)
+        # Set, never reset (as for a unary call): a context manager here would reset in
+        # whatever context runs the generator's last step.
+        _grant.set(await authorizer.check(method, request, context))
         async with contextlib.aclosing(handler(request, context)) as responses:
             async for response in responses:
                 yield response

@@ -747,6 +747,22 @@ class PlatformServicer(platform_pb2_grpc.PlatformServiceServicer):
         async for response in self.x.watchers.watch(subscribed=context.send_initial_metadata):
             yield response
 
+    async def CordonWorker(
+        self, request: platform_pb2.CordonWorkerRequest, context: grpc.aio.ServicerContext
+    ) -> platform_pb2.CordonWorkerResponse:
+        check_name("worker_id", request.worker_id)
+        if self.x.replica.worker(request.worker_id) is None:
+            raise NotFound(f"worker {request.worker_id} not found")
+        stub = self.x.workers.stub(request.worker_id)
+        try:
+            got = await stub.CordonWorker(
+                w.CordonWorkerRequest(cordoned=request.cordoned), timeout=time_left(RPC_TIMEOUT)
+            )
+        except grpc.aio.AioRpcError as err:
+            raise Upstream(err) from None
+        log.info("worker_cordon", worker=request.worker_id, cordoned=got.cordoned)
+        return platform_pb2.CordonWorkerResponse(cordoned=got.cordoned)
+
 
 def _fits(free: Resources, guest: pb.GuestConfig) -> int:
     limits = [free.machines]

@@ -630,6 +630,16 @@ class Client:
         )
         return response
 
+    async def cordon_worker(
+        self, worker_id: str, cordoned: bool = True, *, timeout: float | None = None
+    ) -> bool:
+        """Cordon a worker (`cordoned=False`: uncordon it): a cordoned worker takes no new
+        machines while its machines keep running. Needs a token with the admin operation
+        `cordon`. Returns whether the worker is cordoned now."""
+        request = platform_pb2.CordonWorkerRequest(worker_id=worker_id, cordoned=cordoned)
+        response = await self._unary(self._platform.CordonWorker, "CordonWorker", request, timeout)
+        return bool(response.cordoned)
+
     async def watch_placements(
         self, *, subscribed: Callable[[], None] | None = None
     ) -> AsyncIterator[platform_pb2.WatchPlacementsResponse]:

@@ -487,3 +487,46 @@ class WatchPlacementsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WatchPlacementsResponse: _TypeAlias = WatchPlacementsResponse  # noqa: Y015
+
+@_typing.final
+class CordonWorkerRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    CORDONED_FIELD_NUMBER: _builtins.int
+    worker_id: _builtins.str
+    cordoned: _builtins.bool
+    """True cordons the worker, false uncordons it."""
+    def __init__(
+        self,
+        *,
+        worker_id: _builtins.str = ...,
+        cordoned: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cordoned", b"cordoned", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CordonWorkerRequest: _TypeAlias = CordonWorkerRequest  # noqa: Y015
+
+@_typing.final
+class CordonWorkerResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CORDONED_FIELD_NUMBER: _builtins.int
+    cordoned: _builtins.bool
+    """Whether the worker is cordoned now, as it answered."""
+    def __init__(
+        self,
+        *,
+        cordoned: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cordoned", b"cordoned"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CordonWorkerResponse: _TypeAlias = CordonWorkerResponse  # noqa: Y015

@@ -56,6 +56,11 @@ class PlatformServiceStub:
                 request_serializer=flaps_dot_v1_dot_platform__pb2.WatchPlacementsRequest.SerializeToString,
                 response_deserializer=flaps_dot_v1_dot_platform__pb2.WatchPlacementsResponse.FromString,
                 _registered_method=True)
+        self.CordonWorker = channel.unary_unary(
+                '/flaps.v1.PlatformService/CordonWorker',
+                request_serializer=flaps_dot_v1_dot_platform__pb2.CordonWorkerRequest.SerializeToString,
+                response_deserializer=flaps_dot_v1_dot_platform__pb2.CordonWorkerResponse.FromString,
+                _registered_method=True)
 
 
 class PlatformServiceServicer:
@@ -103,6 +108,17 @@ class PlatformServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CordonWorker(self, request, context):
+        """Cordons a worker (cordoned = true) or uncordons it (false), through the worker's own
+        CordonWorker: a cordoned worker refuses new machines while its machines keep running, and
+        placement passes it over once its next heartbeat says so. The token needs the admin
+        operation cordon (PERMISSION_DENIED otherwise). INVALID_ARGUMENT without a worker_id,
+        NOT_FOUND for a worker this flaps does not know, UNAVAILABLE when it cannot be reached.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PlatformServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -125,6 +141,11 @@ def add_PlatformServiceServicer_to_server(servicer, server):
                     servicer.WatchPlacements,
                     request_deserializer=flaps_dot_v1_dot_platform__pb2.WatchPlacementsRequest.FromString,
                     response_serializer=flaps_dot_v1_dot_platform__pb2.WatchPlacementsResponse.SerializeToString,
+            ),
+            'CordonWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.CordonWorker,
+                    request_deserializer=flaps_dot_v1_dot_platform__pb2.CordonWorkerRequest.FromString,
+                    response_serializer=flaps_dot_v1_dot_platform__pb2.CordonWorkerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -237,6 +258,33 @@ class PlatformService:
             '/flaps.v1.PlatformService/WatchPlacements',
             flaps_dot_v1_dot_platform__pb2.WatchPlacementsRequest.SerializeToString,
             flaps_dot_v1_dot_platform__pb2.WatchPlacementsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CordonWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flaps.v1.PlatformService/CordonWorker',
+            flaps_dot_v1_dot_platform__pb2.CordonWorkerRequest.SerializeToString,
+            flaps_dot_v1_dot_platform__pb2.CordonWorkerResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -59,6 +59,13 @@ class PlatformServiceStub:
     (`dropped`). The token must allow read and regions on every app (PERMISSION_DENIED
     otherwise); the stream ends with UNAVAILABLE when flaps shuts down.
     """
+    CordonWorker: _grpc.UnaryUnaryMultiCallable[_platform_pb2.CordonWorkerRequest, _platform_pb2.CordonWorkerResponse]
+    """Cordons a worker (cordoned = true) or uncordons it (false), through the worker's own
+    CordonWorker: a cordoned worker refuses new machines while its machines keep running, and
+    placement passes it over once its next heartbeat says so. The token needs the admin
+    operation cordon (PERMISSION_DENIED otherwise). INVALID_ARGUMENT without a worker_id,
+    NOT_FOUND for a worker this flaps does not know, UNAVAILABLE when it cannot be reached.
+    """
 
 @_typing.type_check_only
 class PlatformServiceAsyncStub(PlatformServiceStub):
@@ -90,6 +97,13 @@ class PlatformServiceAsyncStub(PlatformServiceStub):
     nothing is kept for later. A watcher that falls behind misses decisions and is told so
     (`dropped`). The token must allow read and regions on every app (PERMISSION_DENIED
     otherwise); the stream ends with UNAVAILABLE when flaps shuts down.
+    """
+    CordonWorker: _aio.UnaryUnaryMultiCallable[_platform_pb2.CordonWorkerRequest, _platform_pb2.CordonWorkerResponse]  # type: ignore[assignment]
+    """Cordons a worker (cordoned = true) or uncordons it (false), through the worker's own
+    CordonWorker: a cordoned worker refuses new machines while its machines keep running, and
+    placement passes it over once its next heartbeat says so. The token needs the admin
+    operation cordon (PERMISSION_DENIED otherwise). INVALID_ARGUMENT without a worker_id,
+    NOT_FOUND for a worker this flaps does not know, UNAVAILABLE when it cannot be reached.
     """
 
 class PlatformServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -143,6 +157,19 @@ class PlatformServiceServicer(metaclass=_abc_1.ABCMeta):
         nothing is kept for later. A watcher that falls behind misses decisions and is told so
         (`dropped`). The token must allow read and regions on every app (PERMISSION_DENIED
         otherwise); the stream ends with UNAVAILABLE when flaps shuts down.
+        """
+
+    @_abc_1.abstractmethod
+    def CordonWorker(
+        self,
+        request: _platform_pb2.CordonWorkerRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_platform_pb2.CordonWorkerResponse, _abc.Awaitable[_platform_pb2.CordonWorkerResponse]]:
+        """Cordons a worker (cordoned = true) or uncordons it (false), through the worker's own
+        CordonWorker: a cordoned worker refuses new machines while its machines keep running, and
+        placement passes it over once its next heartbeat says so. The token needs the admin
+        operation cordon (PERMISSION_DENIED otherwise). INVALID_ARGUMENT without a worker_id,
+        NOT_FOUND for a worker this flaps does not know, UNAVAILABLE when it cannot be reached.
         """
 
 def add_PlatformServiceServicer_to_server(servicer: PlatformServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 import pytest
+import structlog
 from pymacaroons import Macaroon
 
 from flaps import auth, placement
@@ -25,6 +26,7 @@ from flaps.auth import Authorizer, KeySource
 from flaps.errors import map_error
 from flaps.service import Exchange, MachinesServicer, PlatformServicer, Workers
 from flaps.tokens import InvalidToken, Keyring, attenuate, caveats, new_key_line
+from flaps.tokens import inspect as inspect_token
 from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
 from flyd.v1 import machine_pb2 as pb
@@ -97,9 +99,12 @@ async def flaps(tmp_path: Path, security: ClusterSecurity) -> AsyncIterator[Flap
         ):
             auth.guard(servicer, descriptor, authorizer)
             service.add(servicer, add, descriptor, map_error)
+        # Its own replica, knowing a worker: a Follow call has a snapshot to answer with.
+        replica = Replica()
+        replica.add_worker(fleet.workers["w1"].worker.info())
         serve_replica(
             service,
-            Replica(),
+            replica,
             [],
             lambda servicer, descriptor: auth.guard(servicer, descriptor, authorizer),
         )
@@ -119,7 +124,7 @@ async def flaps(tmp_path: Path, security: ClusterSecurity) -> AsyncIterator[Flap
 # -- the table: every RPC, a harmless request on app a's or app b's machine ----------------------
 
 Call = tuple[str, str, Callable[[str, str], Any]]  # (service, rpc, request(machine id, app))
-MACHINES, PLATFORM = "machines", "platform"
+MACHINES, PLATFORM, REGISTRY = "machines", "platform", "registry"
 BAD_SIGNAL = "SIGNOPE"
 
 CALLS: list[Call] = [
@@ -153,6 +158,16 @@ CALLS: list[Call] = [
     (PLATFORM, "SimulatePlacement", lambda mid, app: platform_pb2.SimulatePlacementRequest(
         app=app, region="ams", config=config())),
     (PLATFORM, "WatchPlacements", lambda mid, app: platform_pb2.WatchPlacementsRequest()),
+    (PLATFORM, "CordonWorker", lambda mid, app: platform_pb2.CordonWorkerRequest(
+        worker_id="no-such-worker", cordoned=True)),
+]  # fmt: skip
+# The registry flaps embeds: for the cluster's parts only (no token gets past).
+REGISTRY_CALLS: list[Call] = [
+    (REGISTRY, "Announce", lambda mid, app: registry_pb2.AnnounceRequest(
+        worker=pb.WorkerInfo(id="Not A Worker"))),
+    (REGISTRY, "ListMembers", lambda mid, app: registry_pb2.ListMembersRequest()),
+    (REGISTRY, "Follow", lambda mid, app: registry_pb2.FollowRequest()),
+    (REGISTRY, "ListSlot", lambda mid, app: registry_pb2.ListSlotRequest(app=app, slot="s")),
 ]  # fmt: skip
 READS = {
     "GetMachine",
@@ -162,7 +177,7 @@ READS = {
     "GetMachineLogs",
     "GetPlacement",
 }
-FLEET = {"ListRegions": "regions", "ListWorkers": "workers"}
+FLEET = {"ListRegions": "regions", "ListWorkers": "workers", "CordonWorker": "cordon"}
 WATCH = "WatchPlacements"
 """Every app's decisions: read and regions on every app."""
 
@@ -180,16 +195,24 @@ def test_the_table_covers_every_rpc_and_every_rpc_has_a_rule() -> None:
     assert set(auth.RULES) == served
 
 
-async def outcome(f: Flaps, call: Call, token: str | None, app: str) -> grpc.aio.AioRpcError | None:
-    """Make the call on app `app` (its machine) with `token`: None if it got past the token,
-    else the error that stopped it there (UNAUTHENTICATED or PERMISSION_DENIED)."""
+STUBS: dict[str, Any] = {
+    MACHINES: machines_pb2_grpc.MachinesServiceStub,
+    PLATFORM: platform_pb2_grpc.PlatformServiceStub,
+    REGISTRY: registry_pb2_grpc.RegistryServiceStub,
+}
+
+
+async def outcome(
+    f: Flaps, call: Call, token: str | None, app: str, peer: str | None = None
+) -> grpc.aio.AioRpcError | None:
+    """Make the call on app `app` (its machine) with `token`, or on flaps' cluster port with
+    the cluster certificate `peer`: None if it got past the check, else the error that stopped
+    it there (UNAUTHENTICATED or PERMISSION_DENIED)."""
     service, rpc, request = call
-    cls = (
-        machines_pb2_grpc.MachinesServiceStub
-        if service == MACHINES
-        else platform_pb2_grpc.PlatformServiceStub
-    )
-    stub = f.stub(cls, token)
+    if peer is None:
+        stub = f.stub(STUBS[service], token)
+    else:
+        stub = STUBS[service](channel(f.cluster_address, f.security.member_tls(peer)))
     mid = f.a if app == "a" else f.b
     try:
         answer = getattr(stub, rpc)(request(mid, app), timeout=T)
@@ -295,19 +318,37 @@ async def test_bad_tokens_are_unauthenticated_on_every_rpc(
         assert message in (err.details() or ""), (case, err.details())
 
 
-async def test_attenuation_only_narrows(flaps: Flaps) -> None:
+async def denial(f: Flaps, call: Call, token: str, app: str) -> str | None:
+    """The caveat that refused the call on app `app` (PERMISSION_DENIED), or None when it got
+    past the token."""
+    err = await outcome(f, call, token, app)
+    if err is None:
+        return None
+    assert err.code() == DENIED, (call[1], err.details())
+    info = error_info(err)
+    assert info is not None
+    return info[2]["caveat"]
+
+
+async def test_attenuation_only_narrows_on_every_rpc(flaps: Flaps) -> None:
     admin = flaps.mint()
     narrowed = attenuate(admin, caveats(apps=["a"], ops=["read"]))
     widened = attenuate(narrowed, caveats(apps=["*"], ops=["*"]))  # cannot undo the first
+    only_a = f"machines = {flaps.a}"
     one_machine = attenuate(admin, caveats(machines=[flaps.a]))
-    get, create = CALLS[1], CALLS[0]
-    assert await outcome(flaps, get, narrowed, "a") is None
-    assert denied_by(await outcome(flaps, get, narrowed, "b"), "apps = a")
-    assert denied_by(await outcome(flaps, CALLS[4], widened, "a"), "ops = read")
-    assert denied_by(await outcome(flaps, get, widened, "b"), "apps = a")
-    assert await outcome(flaps, get, one_machine, "a") is None
-    assert denied_by(await outcome(flaps, get, one_machine, "b"), f"machines = {flaps.a}")
-    assert denied_by(await outcome(flaps, create, one_machine, "a"), f"machines = {flaps.a}")
+    for call in CALLS:
+        rpc = call[1]
+        for app in ("a", "b"):
+            expected = "ops = read" if rpc not in READS else "apps = a" if app == "b" else None
+            assert await denial(flaps, call, narrowed, app) == expected, (rpc, app)
+            assert await denial(flaps, call, widened, app) == expected, (rpc, app)
+        # A machines caveat allows calls on those machines and calls that name none (a list
+        # is filtered), and refuses every create.
+        creates = rpc in ("CreateMachine", "SimulatePlacement")
+        names_one = rpc not in ("ListMachines", WATCH, *FLEET) and not creates
+        assert await denial(flaps, call, one_machine, "a") == (only_a if creates else None), rpc
+        on_b = only_a if creates or names_one else None
+        assert await denial(flaps, call, one_machine, "b") == on_b, rpc
 
 
 async def test_lists_return_only_what_the_token_may_read(flaps: Flaps) -> None:
@@ -323,19 +364,20 @@ async def test_lists_return_only_what_the_token_may_read(flaps: Flaps) -> None:
 
 
 async def test_rotation_accepts_old_and_new_keys_until_the_old_one_goes(flaps: Flaps) -> None:
-    get = CALLS[1]
     old = flaps.mint()
     # The new key goes first: it mints; the old one still verifies.
     flaps.keyring[0] = Keyring.parse(f"{ROTATED}\n{KEY}")
     new = flaps.keyring[0].mint([])
-    assert await outcome(flaps, get, old, "a") is None
-    assert await outcome(flaps, get, new, "a") is None
+    for call in CALLS:
+        assert await outcome(flaps, call, old, "a") is None, call[1]
+        assert await outcome(flaps, call, new, "a") is None, call[1]
     # The old key is dropped: its tokens stop working, the new ones go on.
     flaps.keyring[0] = Keyring.parse(ROTATED)
-    err = await outcome(flaps, get, old, "a")
-    assert err is not None
-    assert err.code() == UNAUTHENTICATED
-    assert await outcome(flaps, get, new, "a") is None
+    for call in CALLS:
+        err = await outcome(flaps, call, old, "a")
+        assert err is not None, call[1]
+        assert err.code() == UNAUTHENTICATED, call[1]
+        assert await outcome(flaps, call, new, "a") is None, call[1]
 
 
 def test_the_keys_file_is_read_again_when_it_changes(tmp_path: Path) -> None:
@@ -356,6 +398,52 @@ def test_the_keys_file_is_read_again_when_it_changes(tmp_path: Path) -> None:
         KeySource(path)
 
 
+REPLICA = {"Announce", "ListMembers", "Follow", "ListSlot"}
+LOOKS = READS | {"ListRegions", "ListWorkers", "WatchPlacements"} | (REPLICA - {"Announce"})
+PEERS: list[tuple[str, set[str]]] = [
+    # Promotes a standby, starts a stopped machine for a request, stops an idle one, tells an
+    # outranked copy (and so may restart one: a stop, then a start); its replica follows
+    # flaps' and passes announces on.
+    ("proxy", REPLICA | {"StartMachine", "StopMachine", "RestartMachine", "SupersedeMachine"}),
+    ("console", LOOKS),
+    ("cli", LOOKS),
+    ("flyd-w1", REPLICA),  # announces itself, asks a slot's claims
+    ("flyd", REPLICA),
+    ("registry", REPLICA),
+    ("flaps", REPLICA),
+    ("intruder", set()),  # signed by the cluster CA, but no part of it
+]
+"""What each cluster certificate may call on flaps' cluster port; everything else is
+PERMISSION_DENIED naming the certificate."""
+
+
+@pytest.mark.parametrize(("peer", "allowed"), PEERS, ids=[p[0] for p in PEERS])
+async def test_each_cluster_certificate_may_call_what_its_part_needs(
+    flaps: Flaps, peer: str, allowed: set[str]
+) -> None:
+    ClusterCA.ensure(flaps.security.ca.parent).issue(peer)  # made once, then reused
+    assert auth.peer_ops(peer) or not allowed
+    for call in [*CALLS, *REGISTRY_CALLS]:
+        rpc = call[1]
+        err = await outcome(flaps, call, None, "b", peer=peer)
+        if rpc in allowed:
+            assert err is None, (peer, rpc, err and err.details())
+            continue
+        assert err is not None, (peer, rpc)
+        assert err.code() == DENIED, (peer, rpc)
+        info = error_info(err)
+        assert info is not None
+        assert (info[0], info[2]["certificate"]) == ("CERTIFICATE_ROLE", peer), (peer, rpc)
+        assert f"cluster certificate {peer!r}" in (err.details() or "")
+
+
+def test_every_registry_rpc_is_one_a_cluster_certificate_may_be_given() -> None:
+    registry = registry_pb2.DESCRIPTOR.services_by_name["RegistryService"]
+    names = {f"/{registry.full_name}/{method.name}" for method in registry.methods}
+    assert set(auth.REGISTRY_OPS) == names
+    assert {call[1] for call in REGISTRY_CALLS} == {n.rsplit("/", 1)[1] for n in names}
+
+
 async def test_the_registry_is_for_the_clusters_parts_only(flaps: Flaps) -> None:
     request = registry_pb2.ListMembersRequest()
     public = registry_pb2_grpc.RegistryServiceStub(
@@ -369,7 +457,8 @@ async def test_the_registry_is_for_the_clusters_parts_only(flaps: Flaps) -> None
         channel(flaps.cluster_address, flaps.security.member_tls())
     )
     await member.ListMembers(request, timeout=T)
-    # A part of the cluster may use the Machines API too, with no token.
+    # A part of the cluster may use the Machines API too, with no token, as far as its role
+    # goes (the CLI's certificate reads).
     machines = machines_pb2_grpc.MachinesServiceStub(
         channel(flaps.cluster_address, flaps.security.member_tls())
     )
@@ -488,3 +577,29 @@ async def test_secrets_copy_only_from_a_machine_of_the_app_the_token_may_update(
     copied = await allowed.CreateMachine(create("a", config()), timeout=T)
     owner = flaps.fleet.owner_of(copied.machine.id).worker
     assert owner.reveal_secrets(copied.machine.id) == {"KEY_A": "one", "KEY_B": "two"}
+
+
+async def test_every_line_a_call_logs_names_its_token(flaps: Flaps) -> None:
+    """Its id, from the token's check to the error mapping's line after the handler, for a
+    unary call and a stream; the token itself in none."""
+    token = flaps.mint("ops = read,stop")
+    token_id = inspect_token(token).token_id
+    machines = flaps.stub(machines_pb2_grpc.MachinesServiceStub, token)
+    unknown = f"{flaps.a.rpartition('-')[0]}-000000000000"  # on a known worker: its NOT_FOUND
+    with structlog.testing.capture_logs([structlog.contextvars.merge_contextvars]) as logs:
+        with pytest.raises(grpc.aio.AioRpcError):  # flaps maps the worker's INVALID_ARGUMENT
+            await machines.StopMachine(
+                m.StopMachineRequest(machine_id=flaps.a, signal=BAD_SIGNAL), timeout=T
+            )
+        with pytest.raises(grpc.aio.AioRpcError):
+            await machines.GetMachineLogs(m.GetMachineLogsRequest(machine_id=unknown)).read()
+        with pytest.raises(grpc.aio.AioRpcError):  # denied: the caveat's line
+            await machines.UpdateMachine(m.UpdateMachineRequest(machine_id=flaps.a), timeout=T)
+    mine = [e for e in logs if str(e.get("method", "")).startswith("/flaps.v1.")]
+    assert {(e["event"], e["method"].rsplit("/", 1)[1]) for e in mine} == {
+        ("rpc_error", "StopMachine"),
+        ("rpc_error", "GetMachineLogs"),
+        ("permission_denied", "UpdateMachine"),
+    }
+    assert all(e.get("token_id") == token_id for e in mine), mine
+    assert token not in repr(logs)
