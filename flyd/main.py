@@ -57,17 +57,16 @@ LOG_ROTATE_INTERVAL = 1.0
 def make_driver(
     settings: FlydSettings, on_exit: Callable[[str, Handle, ExitStatus], None]
 ) -> Driver:
-    """The driver `settings.driver` names; `auto` is oci where this host can run it."""
+    """The driver `settings.driver` names; `auto` is oci where this host can run it (crun and
+    cgroup v1 limits), else process with the reason logged. `oci` where it cannot: exits, saying
+    why.
+    """
     choice = settings.driver
     if choice == "auto":
-        problem = oci_probe()
+        problem = oci_probe(settings.cgroup_root)
         choice = "oci" if problem is None else "process"
         if problem is not None:
-            log.warning(
-                "driver_process",
-                reason=problem,
-                message=f"machines run as host processes: {problem}",
-            )
+            _fall_back(problem)
     common: dict[str, Any] = {
         "on_exit": on_exit,
         "cgroup_root": settings.cgroup_root,
@@ -94,6 +93,12 @@ def make_driver(
             )
         return driver
     return ProcessDriver(settings.data_dir / "machines", run_as=settings.run_as, **common)
+
+
+def _fall_back(problem: str) -> None:
+    log.warning(
+        "driver_process", reason=problem, message=f"machines run as host processes: {problem}"
+    )
 
 
 async def build(argv: list[str]) -> Service:
@@ -151,6 +156,8 @@ async def build(argv: list[str]) -> Service:
         if settings.announce
         else None,
         fence_after=settings.fence_after,
+        ready_grace=settings.ready_grace,
+        ready_settle=settings.ready_settle,
         # Machine secrets stay sealed in the log with this worker's own key.
         secret_box=SecretBox.load(data / "secrets.key"),
     )
@@ -223,6 +230,7 @@ async def build(argv: list[str]) -> Service:
 
     service.spawn("worker", run_worker)
     service.spawn("fencing", fencing)
+    service.spawn("readiness", worker.readiness.run)
     if settings.announce:
         service.spawn("announce", announce)
     service.on_shutdown(close)

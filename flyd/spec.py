@@ -9,7 +9,7 @@ every spawn; the worker checks at create and update that there is an argv.
 from __future__ import annotations
 
 from flyd import fsm
-from flyd.drivers.base import Limits, PortMapping, ProcessSpec
+from flyd.drivers.base import DEFAULT_PIDS, Limits, PortMapping, ProcessSpec
 from flyd.errors import NotFound
 from flyd.images.cache import Image, ImageCache
 from flyd.secrets import SecretBox
@@ -61,7 +61,11 @@ def process_spec(
         argv=argv(config, image),
         rootfs=image.rootfs,
         env=env,
-        limits=Limits(cpu_millicores=guest.cpu_millicores, memory_mib=guest.memory_mib),
+        limits=Limits(
+            cpu_millicores=guest.cpu_millicores,
+            memory_mib=guest.memory_mib,
+            pids=guest.pids_max or DEFAULT_PIDS,
+        ),
         workdir=image.workdir,
         user=image.user,
         ports=published(machine),

@@ -24,6 +24,7 @@ MAX_VALUE_BYTES = 4096
 # Limits of a single guest; a worker's own capacity is checked separately.
 MAX_CPU_MILLICORES = 64_000
 MAX_MEMORY_MIB = 256 * 1024
+MIN_PIDS, MAX_PIDS = 16, 32768  # GuestConfig.pids_max; 0 is the worker default
 MAX_CONFIG_BYTES = 64 * 1024
 MAX_ARG_CHARS = 4096
 
@@ -113,6 +114,11 @@ def check_config(config: pb.MachineConfig, field: str = "config") -> None:
         )
     if guest.disk_mib < 0:
         raise InvalidArgument(f"{field}.guest.disk_mib", "must not be negative")
+    if guest.pids_max and not MIN_PIDS <= guest.pids_max <= MAX_PIDS:
+        raise InvalidArgument(
+            f"{field}.guest.pids_max",
+            f"must be 0 (the default) or between {MIN_PIDS} and {MAX_PIDS}",
+        )
     for i, arg in enumerate([*config.entrypoint, *config.cmd]):
         if "\x00" in arg:
             raise InvalidArgument(f"{field}.cmd[{i}]", "must not contain NUL")

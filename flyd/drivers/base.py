@@ -14,7 +14,19 @@ from typing import Protocol
 
 from flyd.errors import CorruptLog
 
-__all__ = ["Driver", "ExitStatus", "Handle", "Limits", "PortMapping", "ProcessSpec", "port_env"]
+__all__ = [
+    "DEFAULT_PIDS",
+    "Driver",
+    "ExitStatus",
+    "Handle",
+    "Limits",
+    "PortMapping",
+    "ProcessSpec",
+    "port_env",
+]
+
+DEFAULT_PIDS = 1024
+"""A machine's pids limit when its config sets none (`GuestConfig.pids_max` 0)."""
 
 
 @dataclass(frozen=True)
@@ -23,7 +35,7 @@ class Limits:
 
     cpu_millicores: int
     memory_mib: int
-    pids: int = 1024
+    pids: int = DEFAULT_PIDS
 
 
 @dataclass(frozen=True)

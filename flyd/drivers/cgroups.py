@@ -23,14 +23,32 @@ import structlog
 from flyd.drivers.base import ExitStatus, Limits
 from flyd.errors import Unavailable
 
-__all__ = ["CONTROLLERS", "Cgroups", "OomCounters", "probe"]
+__all__ = ["CONTROLLERS", "Cgroups", "OomCounters", "cpu_shares", "probe", "v1_missing"]
 
 log = structlog.get_logger(__name__)
 
 CONTROLLERS = ("memory", "cpu", "pids")
 _CPU_PERIOD_US = 100_000
 _CPU_MIN_QUOTA_US = 1_000  # the kernel refuses smaller quotas
+_CPU_SHARES_PER_CORE = 1024  # the kernel's default weight: one core's worth
+_CPU_MIN_SHARES, _CPU_MAX_SHARES = 2, 262_144  # the kernel's bounds
 _RMDIR_TIMEOUT_S = 2.0
+
+
+def v1_missing(cgroup_root: Path) -> str | None:
+    """None if the v1 memory, cpu and pids controllers are mounted under `cgroup_root`, else
+    which is not (on a cgroup v2-only host, none is). Reads only; creates nothing.
+    """
+    for controller in CONTROLLERS:
+        mount = cgroup_root / controller
+        if not (mount / "cgroup.procs").is_file():
+            v2 = (cgroup_root / "cgroup.controllers").is_file()
+            return f"no cgroup v1 {controller} controller mounted at {mount}" + (
+                f" ({cgroup_root} is cgroup v2 alone, which flyd's limits do not support)"
+                if v2
+                else ""
+            )
+    return None
 
 
 def probe(cgroup_root: Path, prefix: str) -> str | None:
@@ -40,13 +58,14 @@ def probe(cgroup_root: Path, prefix: str) -> str | None:
     """
     needs = {
         "memory": ("memory.limit_in_bytes", "memory.oom_control", "memory.failcnt"),
-        "cpu": ("cpu.cfs_period_us", "cpu.cfs_quota_us"),
+        "cpu": ("cpu.cfs_period_us", "cpu.cfs_quota_us", "cpu.shares"),
         "pids": ("pids.max",),
     }
+    missing_v1 = v1_missing(cgroup_root)
+    if missing_v1 is not None:
+        return missing_v1
     for controller, files in needs.items():
         mount = cgroup_root / controller
-        if not (mount / "cgroup.procs").is_file():
-            return f"no cgroup v1 {controller} controller mounted at {mount}"
         parent = mount / prefix
         try:
             parent.mkdir(parents=True, exist_ok=True)
@@ -119,6 +138,8 @@ class Cgroups:
         if not created[1]:  # a new cgroup has the kernel's default period, which is ours
             _write(cpu / "cpu.cfs_period_us", _CPU_PERIOD_US)
         _write(cpu / "cpu.cfs_quota_us", max(_CPU_MIN_QUOTA_US, limits.cpu_millicores * 100))
+        # The quota caps it; its shares weigh it against the others when the CPUs are busy.
+        _write(cpu / "cpu.shares", cpu_shares(limits.cpu_millicores))
         _write(pids / "pids.max", limits.pids)
         counters = None
         if not created[0]:
@@ -183,6 +204,12 @@ class Cgroups:
                     if e.errno != errno.EBUSY or loop.time() > deadline:
                         raise Unavailable(f"cannot remove cgroup {cg}: {e}") from e
                 await self._sleep(0.01)
+
+
+def cpu_shares(cpu_millicores: int) -> int:
+    """A machine's cpu.shares: its CPU in proportion, 1024 to a core, within the kernel's bounds."""
+    shares = cpu_millicores * _CPU_SHARES_PER_CORE // 1000
+    return min(_CPU_MAX_SHARES, max(_CPU_MIN_SHARES, shares))
 
 
 def _read_oom_kill(memory_cgroup: Path) -> int | None:

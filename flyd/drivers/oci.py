@@ -55,6 +55,8 @@ import structlog
 
 from flyd.drivers import bundle as oci_bundle
 from flyd.drivers.base import Driver, ExitStatus, Handle, PortMapping, ProcessSpec, port_env
+from flyd.drivers.cgroups import probe as cgroups_probe
+from flyd.drivers.cgroups import v1_missing
 from flyd.drivers.crun import (
     CRUN_ROOT,
     Tools,
@@ -62,8 +64,8 @@ from flyd.drivers.crun import (
     delete_container,
     find_tools,
     hybrid_cgroups,
-    probe,
 )
+from flyd.drivers.crun import probe as crun_probe
 from flyd.drivers.logs import open_output
 from flyd.drivers.namespaces import idmapped_tree
 from flyd.drivers.netclient import Netd, NetdGone
@@ -105,7 +107,7 @@ class OciDriver(WrappedDriver):
         network: str = "10.87.0.0/20",
         uid_base: int = 1 << 30,
     ) -> None:
-        problem = probe()
+        problem = probe(cgroup_root) or cgroups_probe(cgroup_root, cgroup_prefix)
         if problem is not None:
             raise Unavailable(f"this host cannot run OCI machines: {problem}")
         tools = find_tools()
@@ -582,6 +584,14 @@ class OciDriver(WrappedDriver):
         path.write_text(f"{slot}\n")
         self._slots[machine_id] = slot
         return slot
+
+
+def probe(cgroup_root: Path = Path("/sys/fs/cgroup")) -> str | None:
+    """None when this host can run OCI machines within their limits, else why not: crun's
+    needs (`flyd.drivers.crun.probe`) and cgroup v1 controllers, which is how the driver
+    limits machines (a cgroup v2-only host would run them unlimited: it is refused).
+    """
+    return crun_probe() or v1_missing(cgroup_root)
 
 
 def _tini_ready(pidfd: int) -> bool:

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from flyd.drivers.base import ExitStatus, Handle, Limits, PortMapping
+from flyd.drivers.cgroups import cpu_shares
 from flyd.drivers.spares import SPARES
 from flyd.errors import CorruptLog, FailedPrecondition, InvalidArgument, NotFound
 from tests.flyd.driver_support import (
@@ -426,12 +427,13 @@ async def test_pids_limit_and_leftovers_killed_on_exit(make_driver, image, prefi
 
 
 @needs_cgroups
-async def test_cpu_and_memory_limits_are_written(make_driver, image: Path, prefix) -> None:
+async def test_cpu_memory_and_pids_limits_are_written(make_driver, image: Path, prefix) -> None:
     driver = make_driver(Exits())
     await run_machine(driver, spec("m1", ["sleep", "1000"], image, limits=Limits(250, 96, pids=10)))
     cg = {c: CGROUP_ROOT / c / prefix / "m1" for c in CONTROLLERS}
     assert (cg["cpu"] / "cpu.cfs_quota_us").read_text() == "25000\n"
     assert (cg["cpu"] / "cpu.cfs_period_us").read_text() == "100000\n"
+    assert (cg["cpu"] / "cpu.shares").read_text() == "256\n"  # a quarter core: 1024 / 4
     assert int((cg["memory"] / "memory.limit_in_bytes").read_text()) == 96 << 20
     assert (cg["pids"] / "pids.max").read_text() == "10\n"
     await driver.stop("m1", signal.SIGKILL, timeout=1)
@@ -439,6 +441,15 @@ async def test_cpu_and_memory_limits_are_written(make_driver, image: Path, prefi
     await driver.cleanup("m1")
     assert not any(path.exists() for path in cg.values())
     assert not (driver._run_dirs.root / "m1").exists()
+
+
+@pytest.mark.parametrize(
+    ("millicores", "shares"), [(1, 2), (250, 256), (1000, 1024), (64000, 65536)]
+)
+def test_cpu_shares_are_in_proportion_to_the_cpu_within_the_kernel_s_bounds(
+    millicores: int, shares: int
+) -> None:
+    assert cpu_shares(millicores) == shares
 
 
 # -- logs --------------------------------------------------------------------------------------

@@ -21,12 +21,18 @@ from flyd.drivers.base import ExitStatus, PortMapping
 from flyd.drivers.bundle import CAPABILITIES, Bundle, hold_hook
 from flyd.drivers.crun import hybrid_cgroups
 from flyd.drivers.netclient import kill_netd
-from flyd.drivers.oci import OciDriver
+from flyd.drivers.oci import UIDS_PER_MACHINE, OciDriver
+from flyd.drivers.oci import probe as oci_probe
 from flyd.drivers.rundir import kill_all
+from flyd.errors import Unavailable
+from flyd.main import make_driver as make_flyd_driver
+from flyd.settings import FlydSettings
+from runtime import load_settings
 from tests.flyd.driver_support import (
     DEADLINE,
     OCI_UNAVAILABLE,
     Exits,
+    cgroup_pids,
     logged,
     run_machine,
     sh,
@@ -114,36 +120,63 @@ def _cap_number(name: str) -> int:
 
 
 async def test_an_image_with_no_host_runtime_has_only_its_own_files_and_user(
-    make_driver, tmp_path: Path
+    make_driver, tmp_path: Path, prefix: str
 ) -> None:
-    """A rootfs of its own (a static shell here, copied in), no host directory lent, and the
-    image's user by name from its own /etc/passwd."""
+    """A rootfs of its own (Debian's dash, sleep and libc, copied in), no host directory lent,
+    and the image's user by name from its own /etc/passwd: uid 1000 inside, the 1000th uid of
+    the machine's range on the host."""
     rootfs = tmp_path / "own"
-    (rootfs / "bin").mkdir(parents=True)
-    (rootfs / "etc").mkdir()
-    busybox = shutil.which("busybox")
-    if busybox is None:
-        shutil.copy("/bin/dash", rootfs / "bin" / "sh")
-        for lib in ("/lib/x86_64-linux-gnu/libc.so.6", "/lib64/ld-linux-x86-64.so.2"):
-            if not Path(lib).exists():
-                pytest.skip("the test copies Debian x86_64's dash and libc")
-            target = rootfs / lib.lstrip("/")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(os.path.realpath(lib), target)
-    else:
-        shutil.copy(busybox, rootfs / "bin" / "sh")
+    (rootfs / "etc").mkdir(parents=True)
+    files = {
+        "/bin/dash": "bin/sh",
+        "/usr/bin/sleep": "bin/sleep",
+        "/lib/x86_64-linux-gnu/libc.so.6": "lib/x86_64-linux-gnu/libc.so.6",
+        "/lib64/ld-linux-x86-64.so.2": "lib64/ld-linux-x86-64.so.2",
+    }
+    for source, target in files.items():
+        if not Path(source).exists():
+            pytest.skip("the test copies Debian x86_64's dash, sleep and libc")
+        (rootfs / target).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(os.path.realpath(source), rootfs / target)
     (rootfs / "etc" / "passwd").write_text("root:x:0:0::/:/bin/sh\napp:x:1000:1000::/:/bin/sh\n")
     exits = Exits()
     driver = make_driver(exits)
-    machine = spec("m1", ["/bin/sh", "-c", "echo top: /*"], rootfs, host_runtime=False, user="app")
+    script = (
+        "while read -r key real effective rest; do "
+        '[ "$key" = Uid: ] && echo "uid: $real $effective"; done < /proc/self/status; '
+        "echo top: /*; exec sleep 1000"
+    )
+    machine = spec("m1", ["/bin/sh", "-c", script], rootfs, host_runtime=False, user="app")
     await run_machine(driver, machine)
-    assert await exits.wait("m1") == ExitStatus(0, None)
-    top = set(driver.read_logs("m1", 1)[0].removeprefix("top: ").split())
+    await wait_until(lambda: _line(driver, "top: ") is not None, "the machine to list /")
+    top = set(str(_line(driver, "top: ")).split())
     assert "/usr" not in top  # nothing of the host
     assert {"/bin", "/etc", "/proc", "/dev", "/tmp"} <= top
-    # The machine's process ran as the image's user: uid 1000 of its range on the host.
-    status = (driver._run_dirs.path("m1") / "status" / "exit").read_text()
-    assert status == "0\n"
+    assert _line(driver, "uid: ") == "1000 1000"  # real and effective: the image's "app"
+    # On the host, the same process is uid 1000 of the machine's own range.
+    slot = int((driver._run_dirs.path("m1") / "slot").read_text())
+    expected = (1 << 30) + slot * UIDS_PER_MACHINE + 1000
+    (sleeper,) = [pid for pid in cgroup_pids(prefix, "m1") if _comm(pid) == "sleep"]
+    uid_line = next(
+        line.split()
+        for line in Path(f"/proc/{sleeper}/status").read_text().splitlines()
+        if line.startswith("Uid:")
+    )
+    assert [int(u) for u in uid_line[1:]] == [expected] * 4  # real, effective, saved, fs
+    await driver.stop("m1", signal.SIGTERM, timeout=DEADLINE)
+
+
+def _line(driver: OciDriver, prefix: str) -> str | None:
+    """The rest of m1's first log line that starts with `prefix`, if it printed one."""
+    lines = [line for line in driver.read_logs("m1", 20) if line.startswith(prefix)]
+    return lines[0].removeprefix(prefix) if lines else None
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 async def test_a_dead_netd_is_replaced_and_running_machines_get_their_network_back(
@@ -204,3 +237,34 @@ async def test_a_run_root_anyone_can_search_needs_no_bind_of_the_run_dir(prefix:
         await driver.close()
         kill_all(base / "run")
         shutil.rmtree(base)
+
+
+@pytest.mark.skipif(OCI_UNAVAILABLE is not None, reason=f"crun cannot run here: {OCI_UNAVAILABLE}")
+async def test_a_cgroup_v2_only_host_gets_no_oci_machines_without_limits(
+    tmp_path: Path, prefix: str
+) -> None:
+    """The OCI driver limits machines with cgroup v1 alone: on a host with only cgroup v2
+    (a directory laid out as one here) `--driver oci` stops flyd saying so, and `auto` runs
+    the process driver, with the reason logged, rather than OCI machines without limits."""
+    v2 = tmp_path / "cgroup"
+    v2.mkdir()
+    (v2 / "cgroup.controllers").write_text("cpu memory pids\n")
+    (v2 / "cgroup.procs").write_text("")
+    problem = oci_probe(v2)
+    assert problem is not None
+    assert "cgroup v2" in problem
+    with pytest.raises(Unavailable, match="cgroup v2"):
+        OciDriver(tmp_path / "run", on_exit=Exits(), cgroup_root=v2, cgroup_prefix=prefix)
+
+    def settings(driver: str) -> FlydSettings:
+        argv = ["--driver", driver, "--cgroup-root", str(v2), "--cgroup-prefix", prefix]
+        argv += ["--data-dir", str(tmp_path / "data")]
+        return load_settings(FlydSettings, argv, prog="flyd")
+
+    with pytest.raises(SystemExit, match="cgroup v2"):
+        make_flyd_driver(settings("oci"), Exits())
+    fallback = make_flyd_driver(settings("auto"), Exits())
+    try:
+        assert fallback.name == "process"
+    finally:
+        await fallback.close()

@@ -186,7 +186,9 @@ def port_free_on_host(port: int) -> bool:
 
 @pytest.fixture
 def host_listener() -> Iterator[int]:
-    """Another service on the host's loopback (as flaps, the registry or the proxy are)."""
+    """A stand-in for flaps, the registry or the proxy: a socket listening on the host's
+    loopback, as they do (no real flaps runs here; flyd's own port is the real service probed).
+    """
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
@@ -217,6 +219,7 @@ async def test_a_probe_machine_reaches_nothing_of_the_host(
             timeout=DEADLINE,
         )
     ).machine
+    other_address = machine_address(flyd_dir(tmp_path) / "machines", other.id)
     flyd_port = int(flyd.address.rsplit(":", 1)[1])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -226,7 +229,7 @@ async def test_a_probe_machine_reaches_nothing_of_the_host(
         "token": token,
         "host_file": str(secret),
         "host_ports": [flyd_port, host_listener, other.ports[0].host_port],
-        "other_address": "10.87.0.2",  # the other machine's: the first slot of the prefix
+        "other_address": other_address,
         "other_port": 8080,
         "bind_port": bind_port,
     }
@@ -267,6 +270,15 @@ def flyd_dir(tmp_path: Path, worker_id: str = "w1") -> Path:
     return tmp_path / f"flyd-{worker_id}"
 
 
+def machine_address(machines: Path, machine_id: str) -> str:
+    """The machine's own address, as its run dir's /etc/hosts names it."""
+    for line in (machines / machine_id / "etc" / "hosts").read_text().splitlines():
+        address, _, name = line.partition("\t")
+        if name == machine_id:
+            return address
+    raise AssertionError(f"{machine_id} has no address in its /etc/hosts")
+
+
 async def test_the_image_cache_is_byte_identical_after_a_machine_wrote_everywhere(
     flyd_factory: Callable[..., ServiceProcess], stub_for: Callable[[str], Stub], tmp_path: Path
 ) -> None:
@@ -278,11 +290,15 @@ async def test_the_image_cache_is_byte_identical_after_a_machine_wrote_everywher
         '[ -f "$f" ] && echo x >> "$f"; [ -d "$f" ] && touch "$f/planted"; '
         'chmod 777 "$f"; done 2>/dev/null; echo done scribbling; exec sleep 1000'
     )
-    cfg = pb.MachineConfig(image="probe:v1", guest=guest(), entrypoint=["sh", "-c", scribble])
-    first = (await stub.CreateMachine(w.CreateMachineRequest(app="a", config=cfg))).machine
+    # The image pulled by a machine that writes nothing (it is never started), then its digest
+    # taken before any machine that writes has run.
+    inert = pb.MachineConfig(image="probe:v1", guest=guest(), entrypoint=["true"])
+    await stub.CreateMachine(w.CreateMachineRequest(app="a", config=inert, skip_launch=True))
     images = flyd_dir(tmp_path) / "images" / "images"
     (entry,) = list(images.iterdir())
-    before = tree_digest(entry / "rootfs")  # unpacked before the machine ran anything
+    before = tree_digest(entry / "rootfs")
+    cfg = pb.MachineConfig(image="probe:v1", guest=guest(), entrypoint=["sh", "-c", scribble])
+    first = (await stub.CreateMachine(w.CreateMachineRequest(app="a", config=cfg))).machine
     await log_line(stub, first.id, "done scribbling")
     second = (await stub.CreateMachine(w.CreateMachineRequest(app="a", config=cfg))).machine
     await log_line(stub, second.id, "done scribbling")
@@ -327,6 +343,10 @@ async def test_an_image_with_a_base_runs_on_its_own_rootfs_alone(
     }
 
 
+@pytest.mark.skipif(
+    not (Path("/sys/fs/cgroup/pids") / "cgroup.procs").is_file(),
+    reason="no cgroup v1 pids controller at /sys/fs/cgroup/pids: nothing would stop the bomb",
+)
 async def test_a_fork_bomb_stops_at_the_pids_limit_and_the_worker_stays_healthy(
     flyd_factory: Callable[..., ServiceProcess], stub_for: Callable[[str], Stub], tmp_path: Path
 ) -> None:
@@ -335,7 +355,8 @@ async def test_a_fork_bomb_stops_at_the_pids_limit_and_the_worker_stays_healthy(
     bomb = "echo bombing; b() { b | b & }; b; exec sleep 1000"
     cfg = pb.MachineConfig(
         image="probe:v1",
-        guest=pb.GuestConfig(cpu_millicores=500, memory_mib=512),  # the pids limit comes first
+        # The pids limit comes first (its own, from the config), well before the memory's.
+        guest=pb.GuestConfig(cpu_millicores=500, memory_mib=512, pids_max=300),
         entrypoint=["sh", "-c", bomb],
     )
     machine = (await stub.CreateMachine(w.CreateMachineRequest(app="bomb", config=cfg))).machine
@@ -344,12 +365,15 @@ async def test_a_fork_bomb_stops_at_the_pids_limit_and_the_worker_stays_healthy(
     procs = Path("/sys/fs/cgroup/pids") / prefix / machine.id
     loop = asyncio.get_running_loop()
     deadline = loop.time() + DEADLINE
-    assert int((procs / "pids.max").read_text()) == 1024  # the default
+    assert int((procs / "pids.max").read_text()) == 300
+    cpu = Path("/sys/fs/cgroup/cpu") / prefix / machine.id
+    assert int((cpu / "cpu.shares").read_text()) == 512  # half a core's weight
+    assert int((cpu / "cpu.cfs_quota_us").read_text()) == 50_000  # and at most half a core
     # The kernel refused forks at the limit (pids.events counts them).
     while (procs / "pids.events").read_text().split() == ["max", "0"]:
         assert loop.time() < deadline, "the bomb never reached its limit"
         await asyncio.sleep(0.05)
-    assert int((procs / "pids.current").read_text()) <= 1024
+    assert int((procs / "pids.current").read_text()) <= 300
 
     # flyd answers and starts other machines as usual meanwhile.
     t0 = loop.time()
@@ -364,6 +388,27 @@ async def test_a_fork_bomb_stops_at_the_pids_limit_and_the_worker_stays_healthy(
     await stub.DestroyMachine(w.DestroyMachineRequest(machine_id=machine.id, force=True))
     await wait_state(stub, machine.id, S.MACHINE_STATE_DESTROYED)
     assert not procs.exists()  # every process of it gone, its cgroups removed
+
+
+async def test_a_machine_s_pids_limit_is_its_config_s_or_the_default_and_bounded(
+    flyd_factory: Callable[..., ServiceProcess], stub_for: Callable[[str], Stub]
+) -> None:
+    flyd = flyd_factory("--driver", "oci")
+    stub = stub_for(flyd.address)
+    prefix = next(a for a in flyd.args if a.startswith("nonomad-test-"))
+    for bad in (5, 40000, -1):
+        cfg = pb.MachineConfig(
+            image="demo:v1", guest=pb.GuestConfig(cpu_millicores=100, memory_mib=64, pids_max=bad)
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.CreateMachine(w.CreateMachineRequest(app="p", config=cfg), timeout=DEADLINE)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "config.guest.pids_max" in str(err.value.details())
+    cfg = pb.MachineConfig(image="demo:v1", guest=pb.GuestConfig(cpu_millicores=100, memory_mib=64))
+    machine = (await stub.CreateMachine(w.CreateMachineRequest(app="p", config=cfg))).machine
+    cgroup = Path("/sys/fs/cgroup")
+    assert (cgroup / "pids" / prefix / machine.id / "pids.max").read_text() == "1024\n"
+    assert (cgroup / "cpu" / prefix / machine.id / "cpu.shares").read_text() == "102\n"
 
 
 async def test_a_machine_over_its_memory_is_oom_killed_and_reported(
@@ -485,16 +530,25 @@ async def test_flyd_killed_mid_create_leaves_nothing_behind(
     await stub.DestroyMachine(w.DestroyMachineRequest(machine_id=first.id, force=True))
     await wait_state(stub, first.id, S.MACHINE_STATE_DESTROYED)
 
-    # flyd dies once the container is being made: its bundle is written, nothing committed.
-    bundle = machines / "m-crash" / "config.json"
+    # flyd dies while crun holds the machine's container (made, in its cgroups, not running),
+    # before anything is committed: frozen the moment the wrapper is spawned (its handle file
+    # appears; no commit can come before crun has made the container and said so), killed
+    # once the container is in the machine's pids cgroup.
     assert flyd.proc is not None
-    killer = asyncio.ensure_future(asyncio.to_thread(kill_when_exists, bundle, flyd.proc.pid))
+    killer = asyncio.ensure_future(
+        asyncio.to_thread(
+            kill_when_held,
+            machines / "m-crash" / "handle.json",
+            Path("/sys/fs/cgroup/pids") / prefix / "m-crash" / "cgroup.procs",
+            flyd.proc.pid,
+        )
+    )
     create = stub.CreateMachine(
         w.CreateMachineRequest(machine_id="m-crash", app="d", config=warm), timeout=DEADLINE
     )
     with pytest.raises(grpc.aio.AioRpcError):
         await create
-    assert await killer
+    assert await killer == "killed while crun held the container"
     flyd.kill()
 
     flyd = flyd_factory("--driver", "oci", data_dir=flyd_dir(tmp_path))
@@ -512,18 +566,34 @@ async def test_flyd_killed_mid_create_leaves_nothing_behind(
     assert again.state == S.MACHINE_STATE_STARTED
 
 
-def kill_when_exists(path: Path, pid: int) -> bool:
-    """SIGKILL `pid` the moment `path` appears (polled, for at most DEADLINE)."""
+def kill_when_held(spawned: Path, held: Path, pid: int) -> str:
+    """SIGSTOP `pid` (flyd) the moment `spawned` appears, then SIGKILL it once `held` (the
+    machine's cgroup.procs) lists a process; each waited for at most DEADLINE. What happened.
+    """
     import signal
     import time
 
     end = time.monotonic() + DEADLINE
-    while time.monotonic() < end:
-        if path.exists():
-            os.kill(pid, signal.SIGKILL)
-            return True
+    while not spawned.exists():
+        if time.monotonic() > end:
+            return "the wrapper was never spawned"
         time.sleep(0.0002)
-    return False
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        while not _lists_a_process(held):
+            if time.monotonic() > end:
+                return "crun never held the container"
+            time.sleep(0.001)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+    return "killed while crun held the container"
+
+
+def _lists_a_process(procs: Path) -> bool:
+    try:
+        return bool(procs.read_text().split())
+    except OSError:
+        return False
 
 
 async def test_flyd_killed_mid_stop_leaves_nothing_behind(
