@@ -109,6 +109,7 @@ def cmd_build(args: argparse.Namespace) -> int:
             env=dict(args.env),
             workdir=args.workdir,
             base=args.base,
+            ports=args.port,
         )
     except FlydInvalidArgument as err:
         raise UsageError(f"--{err.field}: {str(err).partition(': ')[2]}") from None

@@ -76,6 +76,7 @@ def build_image(
     env: Mapping[str, str] | None = None,
     workdir: str | None = None,
     base: Path | None = None,
+    ports: Sequence[int] = (),
 ) -> str:
     """Turn `src_dir` into an OCI image tagged `name:tag` under `source_root`.
 
@@ -83,7 +84,9 @@ def build_image(
     it the host's runtime directories). With one (see `flyd.images.base`), the directory's
     layer goes on top of the base's layers, and the image inherits the base's run config
     (Env, which `env` extends, User, WorkingDir unless `workdir` is given): it runs on its
-    own rootfs.
+    own rootfs. `ports` are the TCP ports its command serves on: they become ExposedPorts, and
+    the first is the image's `PORT` unless `env` sets one (a worker sets PORT itself when it
+    starts a machine: the service's port, or with the process driver the host port).
 
     The layout is `source_root/<name>` (a name's path components become nested directories);
     other tags already in it are kept and an earlier image with this tag is replaced. The
@@ -100,6 +103,11 @@ def build_image(
     for key in env:
         if not key or "=" in key:
             raise InvalidArgument("env", f"variable name {key!r} is empty or contains '='")
+    for port in ports:
+        if not 0 < port < 65536:
+            raise InvalidArgument("port", f"{port} is not a TCP port (1-65535)")
+    if ports:
+        env.setdefault("PORT", str(ports[0]))
     src_dir = Path(src_dir)
     if not src_dir.is_dir():
         raise ImageError(f"cannot build {ref}: {src_dir} is not a directory")
@@ -129,6 +137,8 @@ def build_image(
         Env=[f"{k}={v}" for k, v in sorted(env.items())],
         WorkingDir=workdir or str(run.get("WorkingDir") or "/"),
     )
+    if ports:
+        run["ExposedPorts"] = {f"{p}/tcp": {} for p in sorted(set(ports))}
     config = {
         "architecture": _host_architecture(),
         "os": "linux",

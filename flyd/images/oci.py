@@ -128,6 +128,9 @@ class ImageConfig:
     user: str = ""
     # Built from a bare directory (no base): it needs the host's runtime to run anything.
     host_runtime: bool = False
+    # The TCP ports its command serves on (ExposedPorts): what a machine of it publishes
+    # when its config names no services (`nonomad machines run`).
+    ports: tuple[int, ...] = ()
 
 
 def digest_hex(digest: str) -> str:
@@ -190,6 +193,23 @@ def _string_list(value: object, what: str) -> list[str]:
     return list(value)
 
 
+def _exposed_tcp(value: object, what: str) -> tuple[int, ...]:
+    """ExposedPorts' TCP ports ({"8000/tcp": {}, "53/udp": {}} -> (8000,)), sorted."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise ImageError(f"{what}: ExposedPorts is not a JSON object")
+    ports = set()
+    for key in value:
+        number, _, proto = str(key).partition("/")
+        if (proto or "tcp") != "tcp":
+            continue
+        if not number.isdigit() or not 0 < int(number) < 65536:
+            raise ImageError(f"{what}: ExposedPorts: {str(key)[:32]!r} is not PORT[/tcp|/udp]")
+        ports.add(int(number))
+    return tuple(sorted(ports))
+
+
 def parse_config(data: bytes, descriptor: Descriptor) -> ImageConfig:
     """Parse the run config and layer diff_ids out of an image config."""
     what = f"image config {descriptor.digest}"
@@ -218,6 +238,7 @@ def parse_config(data: bytes, descriptor: Descriptor) -> ImageConfig:
     if not isinstance(labels, dict):
         raise ImageError(f"{what}: Labels is not a JSON object")
     return ImageConfig(
+        ports=_exposed_tcp(run.get("ExposedPorts"), what),
         entrypoint=_string_list(run.get("Entrypoint"), "Entrypoint"),
         cmd=_string_list(run.get("Cmd"), "Cmd"),
         env=env,

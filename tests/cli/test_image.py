@@ -106,3 +106,25 @@ async def test_an_image_built_by_the_cli_runs_on_the_fleet(
     assert found, run.out
     body = await asyncio.to_thread(get, f"http://127.0.0.1:{found.group(2)}/")
     assert body == "built by nonomad image build\n"
+
+    # `--port` says where the command serves: `machines run` without --port publishes it.
+    v3 = await nonomad(
+        *local, "image", "build", str(src), "--tag", "cli-site:v3", "--cmd", "python3 -u app.py",
+        "--port", "8080", "--json", env=clean_env(),
+    )  # fmt: skip
+    assert v3.code == 0, v3.err
+    published = await nonomad(
+        *local, "machines", "run", "site", "--image", "cli-site:v3", "--region", "ams",
+        "--memory", "64", "--wait", env=clean_env(),
+    )  # fmt: skip
+    assert published.code == 0, published.err
+    found = re.search(r"ports: 8080->127\.0\.0\.1:(\d+)", published.out)
+    assert found, published.out
+    body = await asyncio.to_thread(get, f"http://127.0.0.1:{found.group(1)}/")
+    assert body == "built by nonomad image build\n"
+    bad = await nonomad(
+        *local, "image", "build", str(src), "--tag", "cli-site:v4", "--cmd", "true",
+        "--port", "70000", env=clean_env(),
+    )  # fmt: skip
+    assert bad.code == 2
+    assert "--port" in bad.err

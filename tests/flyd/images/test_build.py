@@ -117,3 +117,37 @@ def test_build_rejects_bad_arguments(
     with pytest.raises(error):
         build_image(app_dir, source, **args)
     assert list(source.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("ports", "env", "exposed", "port_env"),
+    [
+        ([8000], {}, {"8000/tcp": {}}, "8000"),
+        ([9000, 8000], {}, {"8000/tcp": {}, "9000/tcp": {}}, "9000"),  # the first is $PORT
+        ([8000], {"PORT": "7000"}, {"8000/tcp": {}}, "7000"),  # the caller's PORT wins
+    ],
+)
+def test_ports_become_exposed_ports_and_the_image_port(
+    app_dir: Path,
+    source: Path,
+    ports: list[int],
+    env: dict[str, str],
+    exposed: dict[str, Any],
+    port_env: str,
+) -> None:
+    build_image(
+        app_dir, source, name="site", tag="v1", entrypoint=["python3"], env=env, ports=ports
+    )
+    image = ImageSource(source).resolve("site:v1")
+    config = image.read_config(image.read_manifest())
+    assert config.ports == tuple(sorted(ports))
+    assert config.env["PORT"] == port_env
+    raw = blob_json(source / "site", image.read_manifest().config.digest)
+    assert raw["config"]["ExposedPorts"] == exposed
+
+
+def test_a_port_out_of_range_is_refused_and_nothing_is_written(app_dir: Path, source: Path) -> None:
+    with pytest.raises(InvalidArgument) as err:
+        build_image(app_dir, source, name="site", tag="v1", entrypoint=["x"], ports=[0])
+    assert err.value.field == "port"
+    assert not (source / "site").exists()
