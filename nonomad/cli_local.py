@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import grpc
+import structlog
 
 from flaps.v1 import platform_pb2
 from flyd.drivers.rundir import kill_all
@@ -43,6 +44,7 @@ from nonomad.cli_workers import WORKERS_FILE, process_state, request_done, resta
 from nonomad.client import ApiError, Client
 from nonomad.security import ClusterSecurity, provision
 from runtime import CLUSTER_PREFIX, READY_PREFIX, ChannelTLS, aio_channel, read_announcements
+from runtime.logs import configure_logging
 
 DEMO_SOURCE = Path(__file__).parent / "demo"
 READY_TIMEOUT = 30.0
@@ -152,6 +154,10 @@ async def _deploy_demo(
     spec = load_spec(DEMO_SPEC)
     spec = AppSpec.model_validate({**spec.model_dump(), "regions": dict.fromkeys(regions, 1)})
     print(f"deploying {DEMO_SPEC.name} ({spec.app}: 1 machine + 1 standby per region)")
+    # Its steps are printed as they happen, once: the library's own log lines only when they
+    # warn (as `nonomad deploy` does).
+    if not structlog.is_configured():
+        configure_logging("nonomad-up", "warning")
     async with _client(flaps, security) as client:
         report = await deploy(client, spec, on_event=lambda e: print(event_line(e), flush=True))
         for warning in report.warnings:
@@ -363,9 +369,12 @@ def cmd_up(args: argparse.Namespace) -> int:
             )
             here = "" if args.state_dir == DEFAULT_STATE_DIR else f" --state-dir {args.state_dir}"
             print("\nthe CLI (it finds this cluster's flaps from its state dir):")
+            activate = _activate_hint()
+            if activate:
+                print(f"  {activate}")
             for command in ("machines list demo", f"machines show {first.id}", "regions"):
                 print(f"  nonomad{here} {command}")
-            ca, token = os.path.relpath(security.ca), os.path.relpath(security.admin_token)
+            ca, token = _shown(security.ca), _shown(security.admin_token)
             print("\nthe exchange with grpcurl (TLS checked with the cluster's CA, a token):")
             print(f"  {g} -cacert {ca} {f} list")
             auth = f'-cacert {ca} -H "authorization: Bearer $(cat {token})"'
@@ -509,10 +518,26 @@ class _Watch:
         )
 
 
+def _shown(path: Path) -> str:
+    """A path as a user types it from here: relative below the working directory."""
+    rel = os.path.relpath(path)
+    return str(path) if rel.startswith("..") else rel
+
+
+def _activate_hint() -> str:
+    """How to put `nonomad` and `grpcurl` on the PATH of another terminal, when they live in
+    a virtual environment (`make up` runs from .venv): the commands printed here are typed
+    as `nonomad ...`."""
+    if sys.prefix == sys.base_prefix:
+        return ""
+    activate = Path(sys.prefix) / "bin" / "activate"
+    return f"source {_shown(activate)}   # in a new terminal: puts nonomad and grpcurl on PATH"
+
+
 def _grpcurl() -> str:
-    """How to run grpcurl here: from PATH, or the one the project installs in its venv."""
-    found = shutil.which("grpcurl")
-    if found:
+    """How to run grpcurl here: from PATH (the venv's, once activated as `up` says), or the
+    one the project installs in its venv."""
+    if shutil.which("grpcurl") or _activate_hint():
         return "grpcurl"
     bundled = Path(sys.executable).parent / "grpcurl"
     return os.path.relpath(bundled) if bundled.exists() else "grpcurl"
