@@ -20,9 +20,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from bench.browser import MISSING, chromium
+from flaps.v1 import machines_pb2 as m
 from flaps.v1 import platform_pb2 as p
 from flaps.v1 import platform_pb2_grpc
 from flyd.v1 import machine_pb2 as pb
@@ -183,6 +185,7 @@ def shown_worker(page: Page, worker_id: str) -> dict[str, str | None]:
         "memory": numbers[1] if len(numbers) > 1 else None,
         "total": " / ".join(page.texts(f"{row} .meter .num")),
         "machines": (page.texts(f"{row} .machines .total") or [None])[0],
+        "images": ", ".join(page.texts(f"{row} .images .chip")),
     }
 
 
@@ -197,6 +200,33 @@ def expected_worker(entry: p.WorkerEntry) -> dict[str, str | None]:
         "memory": str(mib),
         "total": f"{cpu} / {cap.total.cpu_millicores} m / {mib} / {cap.total.memory_mib} MiB",
         "machines": str(live),
+        "images": ", ".join(sorted(i.ref for i in cap.images)),
+    }
+
+
+def shown_region(page: Page, region: str) -> dict[str, str]:
+    """What the fleet page's card of the region says: its counts and its sums."""
+    card = f'#regions .card[data-region="{region}"]'
+    return {
+        "counts": " ".join(page.texts(f"{card} > p:first-of-type")),
+        "sums": " / ".join(page.texts(f"{card} .meter .num")),
+    }
+
+
+def expected_region(entries: list[p.WorkerEntry]) -> dict[str, str]:
+    def reserved(part: str) -> tuple[int, int]:
+        total = sum(getattr(e.capacity.total, part) for e in entries)
+        free = sum(getattr(e.capacity.free, part) for e in entries)
+        return total - free, total
+
+    live = sum(
+        n for e in entries for s, n in e.capacity.machines_by_state.items() if s != "destroyed"
+    )
+    alive = sum(1 for e in entries if e.status == p.WORKER_STATUS_ALIVE)
+    (cpu, cpus), (mib, mibs) = reserved("cpu_millicores"), reserved("memory_mib")
+    return {
+        "counts": f"{alive} of {len(entries)} workers alive \N{MIDDLE DOT} {live} machines",
+        "sums": f"{cpu} / {cpus} m / {mib} / {mibs} MiB",
     }
 
 
@@ -228,11 +258,24 @@ async def test_the_fleet_page_shows_every_worker_with_the_right_numbers(
             return want["machines"] == count and shown_worker(page, worker_id) == want
 
         await eventually(agrees, f"the fleet page's {worker_id} as flaps has it")
-    page.shot("fleet-three-machines")
-    # Both as flaps has them: the three machines of 100m and 64 MiB each, two on w2.
+    # Both as flaps has them: the three machines of 100m and 64 MiB each, two on w2, and the
+    # image each worker pulled for them, cached.
     assert shown_worker(page, "w1")["cpu"] == "100"
     assert (shown_worker(page, "w2")["cpu"], shown_worker(page, "w2")["memory"]) == ("200", "128")
-    assert page.attr('#regions .card[data-region="ams"]', "data-region") == "ams"
+    assert shown_worker(page, "w1")["images"] == shown_worker(page, "w2")["images"] == "demo:v1"
+    # The region's card sums its workers.
+
+    async def region_agrees() -> bool:
+        now = await list_workers(fleet)
+        return shown_region(page, "ams") == expected_region(list(now.values()))
+
+    await eventually(region_agrees, "the fleet page's region as flaps has its workers")
+    assert shown_region(page, "ams") == {
+        "counts": "2 of 2 workers alive \N{MIDDLE DOT} 3 machines",
+        "sums": f"300 / {2 * workers['w1'].capacity.total.cpu_millicores} m"
+        f" / 192 / {2 * workers['w1'].capacity.total.memory_mib} MiB",
+    }
+    page.shot("fleet-three-machines")
     # The JSON twin holds the numbers the page is rendered from.
     data = console.json("/")
     rows = {w["id"]: w for w in data["workers"]}
@@ -276,7 +319,16 @@ async def test_the_placement_explanation_matches_simulate_placement(
     sim = await stub.SimulatePlacement(
         p.SimulatePlacementRequest(app="why", region="ams", config=config), timeout=T
     )
-    made = await fleet.create("why", labels={"side": "b"})
+    # Made with a secret: its value reaches the machine and nowhere else, the console included.
+    secret = f"s3cret-{uuid.uuid4().hex}"
+    with_secret = pb.MachineConfig()
+    with_secret.CopyFrom(config)
+    with_secret.secrets["API_KEY"] = secret
+    made = (
+        await fleet.machines().CreateMachine(
+            m.CreateMachineRequest(app="why", region="ams", config=with_secret), timeout=T
+        )
+    ).machine
     assert made.worker_id == sim.candidates[0].worker_id == "w2"
 
     page.visit(f"/machines/{made.id}")
@@ -315,7 +367,88 @@ async def test_the_placement_explanation_matches_simulate_placement(
     assert decision["rejections_by_reason"] == dict(sim.rejections_by_reason)
     # The machine's log tail arrives over its own stream.
     page.until(lambda: page.js("return document.getElementById('logs').textContent") != "", "log")
+    page.until(lambda: page.attr("#live-status", "data-state") == "live", "the stream open")
     page.shot("machine-log")
+    # The secret by name, its value redacted: not in the page (as the browser has it, after
+    # its live updates) nor in its JSON twin.
+    shown = json.loads(page.js("return document.querySelector('pre.config').textContent"))
+    assert shown["secrets"] == twin["config"]["secrets"] == {"API_KEY": "<redacted>"}
+    assert secret not in page.js("return document.documentElement.outerHTML")
+    assert secret not in json.dumps(console.json(f"/machines/{made.id}"))
+
+
+def feed_has(page: Page, kind: str, css: str, text: str) -> bool:
+    """Whether the page's feed has an item of `kind` holding an element `css` selects, and
+    saying `text`."""
+    return bool(
+        page.js(
+            "return [...document.querySelectorAll('#feed .feed-item')].some(li =>"
+            " li.dataset.kind === arguments[0] && li.querySelector(arguments[1])"
+            " && li.textContent.includes(arguments[2]))",
+            kind,
+            css,
+            text,
+        )
+    )
+
+
+async def test_the_events_page_shows_a_placement_and_a_refusal_as_they_happen(
+    cluster: tuple[ProxyFleet, Console], page: Page
+) -> None:
+    fleet, console = cluster
+    await fleet.until_alive()
+    await eventually(
+        lambda: console.json("/events")["placements_watched"], "the console watching placements"
+    )
+    page.visit("/events")
+    page.js("window.notReloaded = true")
+    page.until(lambda: page.attr("#live-status", "data-state") == "live", "the stream open")
+    page.shot("events")
+
+    made = await fleet.create("events", labels={"side": "b"})
+    page.until(
+        lambda: feed_has(page, "placed", f'a[href="/machines/{made.id}"]', "placed on w2"),
+        "the placement on the events page",
+    )
+    # Bigger than any worker: refused, and the page says why.
+    too_big = pb.MachineConfig(
+        image="demo:v1", guest=pb.GuestConfig(cpu_millicores=100, memory_mib=8192)
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await fleet.machines().CreateMachine(
+            m.CreateMachineRequest(app="toobig", region="ams", config=too_big), timeout=T
+        )
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    page.until(
+        lambda: feed_has(page, "refused", 'a[href="/apps/toobig"]', "no worker in ams took it"),
+        "the refusal on the events page",
+    )
+    assert page.js("return window.notReloaded") is True
+    page.shot("events-placed-and-refused")
+
+    # The JSON twin has them, newest first; asked for one app, that app's only.
+    def kinds() -> list[tuple[str, str, str]]:
+        return [(i["kind"], i["app"], i["machine_id"]) for i in console.json("/events")["events"]]
+
+    # (the worker's own word of the create comes through the registry, on its own time)
+    await eventually(lambda: ("created", "events", made.id) in kinds(), "the create in events")
+    said = kinds()
+    assert said.index(("refused", "toobig", "")) < said.index(("placed", "events", made.id))
+    only = console.json("/events?app=toobig")["events"]
+    assert [(i["kind"], i["region"]) for i in only] == [("refused", "ams")]
+    assert only[0]["text"] == "no worker in ams took it (2 insufficient_memory)"
+
+    # The apps page lists every app with its machines, as its JSON twin does.
+    page.visit("/apps")
+    page.shot("apps")
+    listed = page.js(
+        "return [...document.querySelectorAll('#apps-list a.chip')].map(a =>"
+        " [a.getAttribute('href'), a.querySelector('.muted').textContent])"
+    )
+    twin = console.json("/apps")["apps"]
+    assert listed == [[f"/apps/{a['name']}", str(a["machines"])] for a in twin]
+    assert {"name": "events", "machines": 1} in twin
+    assert "toobig" not in [a["name"] for a in twin]  # refused: no machine
 
 
 async def test_a_killed_worker_turns_dead_and_its_standby_starts_without_a_reload(
@@ -336,6 +469,13 @@ async def test_a_killed_worker_turns_dead_and_its_standby_starts_without_a_reloa
     page.until(lambda: page.attr("#live-status", "data-state") == "live", "the stream open")
     assert page.attr(f"#m-{standby.id}", "data-state") != "started"
     page.shot("before-failover")
+    # A third: the live events.
+    page.driver.switch_to.new_window("tab")
+    page.visit("/events")
+    events_tab = page.driver.current_window_handle
+    page.js("window.notReloaded = true")
+    page.until(lambda: page.attr("#live-status", "data-state") == "live", "the events stream")
+    page.driver.switch_to.window(app_tab)
 
     fleet.workers["w1"].kill()  # flyd is gone; the proxy fails the slot over to the standby
 
@@ -361,7 +501,21 @@ async def test_a_killed_worker_turns_dead_and_its_standby_starts_without_a_reloa
     assert page.js("return window.notReloaded") is True
     page.shot("fleet-after-failover")
     page.collect_errors()
-    page.driver.switch_to.window(app_tab)
-    page.driver.close()
+    page.driver.switch_to.window(events_tab)
+    page.until(
+        lambda: feed_has(page, "worker_dead", "time", "worker w1 is dead"), "w1's death in events"
+    )
+    page.until(
+        lambda: feed_has(page, "promoted", f'a[href="/machines/{standby.id}"]', ""),
+        "the promotion in events",
+    )
+    assert page.js("return window.notReloaded") is True
+    page.shot("events-after-failover")
+    page.collect_errors()
+    for tab in (app_tab, events_tab):
+        page.driver.switch_to.window(tab)
+        page.driver.close()
     page.driver.switch_to.window(fleet_tab)
     assert console.json("/")["workers"][0]["status"] == "dead"
+    dead = [i for i in console.json("/events")["events"] if i["kind"] == "worker_dead"]
+    assert [i["worker_id"] for i in dead] == ["w1"]
