@@ -205,23 +205,27 @@ class Fencing:
         self._awake = now
         if away <= self.fence_after:
             return False
-        loop = asyncio.get_running_loop()
-        done = self._fencing = loop.create_future()
+        # A task of its own, not the caller's: the caller is often a stream's heartbeat, and a
+        # replica tears a stream silent for long down (a long freeze) and so cancels it. The
+        # fencing must still finish and wake the confirming loop, or the fence stays on.
+        fencing = self._fencing = asyncio.ensure_future(self._fence_all(away))
+        await asyncio.shield(fencing)
+        return True
+
+    async def _fence_all(self, away: float) -> None:
+        fenced = 0
         try:
-            fenced = 0
             reason = f"flyd was away for {away:.3g}s (frozen or starved)"
             for mid in self._returning():
                 with contextlib.suppress(Exception):  # (a machine destroyed meanwhile)
                     before = self.rows[mid].machine.slot.fenced
                     await self.runner.drive(mid, fsm.Fence(reason))
                     fenced += int(not before and self.rows[mid].machine.slot.fenced)
-            self._count(fenced)
             log.warning("worker_was_away", seconds=round(away, 3), fenced=fenced)
         finally:
+            self._count(fenced)
             self._awake = self._monotonic()
             self._fencing = None
-            done.set_result(None)
-        return True
 
     def _count(self, fenced: int) -> None:
         if fenced:

@@ -227,6 +227,31 @@ async def test_a_worker_away_longer_than_fence_after_fences_before_its_next_hear
     assert not await flyd.worker.fencing.check_awake()
 
 
+async def test_a_fence_whose_heartbeat_was_cancelled_is_still_confirmed(world: Host) -> None:
+    """After a long freeze the replicas tear the stream down, cancelling the heartbeat that
+    noticed the absence mid-fence: the fencing finishes anyway and the fence is confirmed
+    (here: superseded), not left on for good."""
+    flyd = world.boot()
+    primary = await started_primary(flyd)
+    world.peers.rows["w2-sb"] = standby_row(primary, 1, "w2-sb")  # promoted while frozen
+    shutdown = asyncio.Event()
+    runner = asyncio.create_task(flyd.worker.fencing.run(shutdown))
+    try:
+        await asyncio.sleep(0)
+        world.away.now += 5.0
+        heartbeat = asyncio.create_task(flyd.worker.fencing.check_awake())
+        await asyncio.sleep(0)  # it started fencing ...
+        heartbeat.cancel()  # ... and its stream went away
+        with contextlib.suppress(asyncio.CancelledError):
+            await heartbeat
+        await until(flyd.worker, lambda: flyd.worker.get("w1-p").machine.slot.primary == "w2-sb")
+        await flyd.worker.wait("w1-p", STOPPED, DEADLINE)
+        assert flyd.worker.fencing.fenced_total == 1
+    finally:
+        shutdown.set()
+        await runner
+
+
 async def test_without_a_replica_to_ask_nothing_is_fenced(world: Host) -> None:
     flyd = world.boot(peers=False)
     await started_primary(flyd)
