@@ -624,6 +624,7 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
                 state=request.state,
                 timeout=Duration(seconds=int(timeout), nanos=int(timeout % 1 * 1e9)),
                 instance_id=request.instance_id,
+                ready=request.ready,
             ),
             timeout=timeout + 5,
         )

@@ -230,7 +230,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             present=request.HasField("timeout"),
         )
         machine = await self.worker.wait(
-            request.machine_id, request.state, timeout, request.instance_id
+            request.machine_id, request.state, timeout, request.instance_id, ready=request.ready
         )
         return w.WaitMachineResponse(machine=machine)
 

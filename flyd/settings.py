@@ -86,6 +86,14 @@ class FlydSettings(ServiceSettings):
         description="s away (frozen, starved) after which flyd fences its slot primaries until "
         "the other members confirm them; at most the proxies' suspect_after",
     )
+    ready_grace: float = Field(
+        default=10.0,
+        ge=0,
+        description="s after a start before a machine whose ports or checks still fail shows why",
+    )
+    ready_settle: float = Field(
+        default=1.0, ge=0, description="s a machine with no services or checks runs to be ready"
+    )
     restart_window: float = Field(default=300.0, gt=0, description="restart counting window, s")
     restart_max_retries: int = Field(default=10, gt=0, description="default on-failure retries")
     log_max_bytes: int = Field(default=1 << 20, gt=0, description="machine log size to rotate at")

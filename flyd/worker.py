@@ -35,6 +35,7 @@ from flyd.errors import (
 from flyd.fencing import Fencing, SlotPeers
 from flyd.images.cache import ImageCache
 from flyd.metrics import CREATE_SECONDS
+from flyd.readiness import Readiness, probe_host
 from flyd.reservations import Reservations
 from flyd.runner import Runner
 from flyd.secrets import REDACTED, SecretBox, SecretsUnreadable
@@ -88,12 +89,15 @@ class Worker:
         fence_after: float = 0.5,
         monotonic: Callable[[], float] = time.monotonic,
         secret_box: SecretBox | None = None,
+        ready_grace: float = 10.0,
+        ready_settle: float = 1.0,
     ) -> None:
         """`op_tracer`: spans of machine operations; None (tracing off) costs nothing.
         `peers`: how a returning worker confirms its slots (flyd.fencing); `fence_after`: how
         long away (frozen, starved) counts as having been away. `secret_box`: seals machine
         secrets (flyd.main's is the worker's key file; without one, a key of this Worker's own
-        that is never stored)."""
+        that is never stored). `ready_grace`, `ready_settle`: see flyd.readiness (its loop is
+        `readiness.run`, which flyd.main runs)."""
         self.identity = identity
         self.store = store
         self.driver = driver
@@ -126,6 +130,15 @@ class Worker:
             log_keep=log_keep,
             op_tracer=op_tracer,
             secret_box=self.secret_box,
+        )
+        self.readiness = Readiness(
+            rows=self.rows,
+            runner=self.runner,
+            stream=self.stream,
+            clock=clock,
+            grace=ready_grace,
+            settle=ready_settle,
+            host=probe_host(machine_host),
         )
         self.fencing = Fencing(
             self.runner,
@@ -383,10 +396,11 @@ class Worker:
                 # hears of the machine.
                 self.runner.spawn_task(self.roll_back(machine_id))
             raise
-        if deadline is not None and asyncio.get_running_loop().time() >= deadline:
+        # Ready within the margin of the deadline, the answer would reach the caller too late.
+        if deadline is not None and asyncio.get_running_loop().time() >= deadline - COMMIT_MARGIN:
             self.runner.spawn_task(self.roll_back(machine_id))
             raise DeadlineExceeded(
-                f"machine {machine_id} was ready after its caller's deadline; rolled back"
+                f"machine {machine_id} was ready too late to answer its caller in time; rolled back"
             )
         return self.rows[machine_id].machine
 
@@ -605,15 +619,30 @@ class Worker:
         return sig, timeout
 
     async def wait(
-        self, machine_id: str, state: int, timeout: float, instance_id: str = ""
+        self,
+        machine_id: str,
+        state: int,
+        timeout: float,
+        instance_id: str = "",
+        *,
+        ready: bool = False,
     ) -> pb.Machine:
+        """Until the machine is in `state` (as `instance_id`, when given; with `ready`, started
+        and ready: Machine.ready). DeadlineExceeded says where it is and, with `ready`, why it
+        is not ready; waiting for ready on a failed machine is FailedPrecondition at once."""
         if state == S.MACHINE_STATE_UNSPECIFIED or state not in pb.MachineState.values():
             raise InvalidArgument("state", "must name a machine state")
+        if ready and state != S.MACHINE_STATE_STARTED:
+            raise InvalidArgument("ready", "applies only to waiting for state started")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
             row = self.get(machine_id)
-            if row.state == state and (not instance_id or row.machine.instance_id == instance_id):
+            if (
+                row.state == state
+                and (not instance_id or row.machine.instance_id == instance_id)
+                and (not ready or row.machine.ready.ready)
+            ):
                 return row.machine
             if instance_id and row.machine.instance_id != instance_id:
                 raise FailedPrecondition(
@@ -626,13 +655,32 @@ class Worker:
                     f"machine {machine_id} is destroyed; it will never be {fsm.state_name(state)}",
                     DESTROYED,
                 )
+            if ready and row.state == S.MACHINE_STATE_FAILED:
+                raise FailedPrecondition(
+                    f"machine {machine_id} failed; it will not be ready: {row.machine.ready.reason}"
+                )
             remaining = deadline - loop.time()
             if remaining <= 0:
+                if ready:
+                    raise DeadlineExceeded(self._not_ready(row, timeout))
                 raise DeadlineExceeded(
                     f"machine {machine_id} is {fsm.state_name(row.state)}, not "
                     f"{fsm.state_name(state)}, after {timeout:g}s"
                 )
             await self.stream.changed(remaining)
+
+    def _not_ready(self, row: fsm.Row, timeout: float) -> str:
+        """Why a wait for ready ran out: the row's condition, or what its probes say now."""
+        mid = row.machine.id
+        why = row.machine.ready.reason
+        live = self.readiness.detail(mid) if row.state == S.MACHINE_STATE_STARTED else ""
+        if live and live not in why:
+            # While it starts, the row says what it waits for; the probes say why it waits.
+            why = live if not why or why.startswith("starting") else f"{why}; now: {live}"
+        return (
+            f"machine {mid} is {fsm.state_name(row.state)}, not ready after {timeout:g}s: "
+            f"{why or 'no reason known'}"
+        )
 
     def cordon(self, cordoned: bool) -> bool:
         self.cordoned = cordoned

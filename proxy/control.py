@@ -7,7 +7,8 @@ router only as the Protocols `RouteTable` and `MachineRoute` (it never imports p
   fake in the tests: `Flaps` (start and stop machines, `FlapsClient` over gRPC) and `Probes`
   (is a worker's flyd answering, does a machine's port accept, does its HTTP check pass:
   `NetProbes`);
-- the decisions, as pure functions over the table: `checks_of` (what to check on a machine),
+- the decisions, as pure functions over the table: `checks_of` (what to check on a machine:
+  flyd.checks, which flyd's readiness runs too),
   `autostop_victims` (which idle machines to stop without going below min_machines_running),
   `standby_candidates` (which standby takes over a lost primary, at which generation: the same
   on every proxy, and each generation one member's own: `flyd.slots.promotion_generation`);
@@ -20,7 +21,6 @@ Every loop takes the shutdown event and sleeps on the injected clock, so tests d
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
@@ -32,7 +32,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.trace import SpanKind, Tracer
 
 from flaps.v1 import machines_pb2, machines_pb2_grpc
-from flyd import slots
+from flyd import checks, slots
+from flyd.checks import DEFAULT_CHECK_TIMEOUT, CheckSpec, checks_of
 from flyd.v1 import machine_pb2 as pb
 from proxy.errors import ProxyError
 from registry.replica import WorkerView
@@ -43,9 +44,6 @@ from runtime.clock import Clock
 log = structlog.get_logger("proxy.control")
 S = pb.MachineState
 
-# A check without an interval or timeout of its own.
-DEFAULT_CHECK_INTERVAL = 10.0
-DEFAULT_CHECK_TIMEOUT = 2.0
 # While a machine warms up (just started, or its worker came back), its checks are polled this
 # fast, doubling up to the max: the first request waits for the port, not for an interval.
 READY_POLL_MIN = 0.005
@@ -55,8 +53,6 @@ SLOW_READY_POLL = 1.0
 # flaps calls: deadline of one call, and the pause before retrying a retryable failure.
 FLAPS_TIMEOUT = 10.0
 FLAPS_RETRY = 0.2
-# Response head bytes an HTTP check reads at most.
-CHECK_HEAD_LIMIT = 8192
 
 # Codes after which another try of the same call may succeed.
 _RETRYABLE = {
@@ -222,39 +218,10 @@ class NetProbes:
         return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
 
     async def tcp(self, host: str, port: int, timeout: float) -> bool:
-        try:
-            async with asyncio.timeout(timeout):
-                _, writer = await asyncio.open_connection(host, port)
-        except (OSError, TimeoutError):
-            return False
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
-        return True
+        return await checks.tcp(host, port, timeout) is None
 
     async def http(self, host: str, port: int, path: str, method: str, timeout: float) -> bool:
-        try:
-            async with asyncio.timeout(timeout):
-                reader, writer = await asyncio.open_connection(host, port)
-                try:
-                    writer.write(
-                        f"{method or 'GET'} {path or '/'} HTTP/1.1\r\nHost: {host}:{port}\r\n"
-                        "User-Agent: nonomad-proxy-check\r\nConnection: close\r\n\r\n".encode(
-                            "latin-1"
-                        )
-                    )
-                    await writer.drain()
-                    line = await reader.readline()
-                finally:
-                    writer.close()
-                    with contextlib.suppress(OSError):
-                        await writer.wait_closed()
-        except (OSError, TimeoutError, UnicodeEncodeError, ValueError):
-            return False
-        parts = line[:CHECK_HEAD_LIMIT].split(None, 2)
-        if len(parts) < 2 or not parts[0].startswith(b"HTTP/") or not parts[1].isdigit():
-            return False
-        return 200 <= int(parts[1]) < 400
+        return await checks.http(host, port, path, method, timeout) is None
 
 
 class Counters(Protocol):
@@ -350,49 +317,6 @@ class RouteTable(Protocol):
 
 
 # -- decisions ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CheckSpec:
-    """One check of one machine, resolved to the host port it runs against."""
-
-    name: str
-    kind: str  # "http" or "tcp"
-    host: str
-    port: int
-    path: str
-    method: str
-    interval: float
-    timeout: float
-
-
-def _seconds(d: object, default: float) -> float:
-    seconds = getattr(d, "seconds", 0) + getattr(d, "nanos", 0) / 1e9
-    return seconds if seconds > 0 else default
-
-
-def checks_of(machine: pb.Machine, host: str) -> list[CheckSpec]:
-    """The machine's configured checks against its host ports (a check on an unmapped port
-    is kept with port 0: it fails, so the machine gets no traffic rather than unchecked)."""
-    ports = {p.internal_port: p.host_port for p in machine.ports}
-    services = machine.config.services
-    first = services[0].internal_port if services else 0
-    out = []
-    for i, check in enumerate(machine.config.checks):
-        internal = check.port or first
-        out.append(
-            CheckSpec(
-                name=check.name or f"check-{i}",
-                kind="http" if check.WhichOneof("kind") == "http" else "tcp",
-                host=host,
-                port=ports.get(internal, 0),
-                path=check.http.path or "/",
-                method=check.http.method or "GET",
-                interval=_seconds(check.interval, DEFAULT_CHECK_INTERVAL),
-                timeout=_seconds(check.timeout, DEFAULT_CHECK_TIMEOUT),
-            )
-        )
-    return out
 
 
 def autostop_victims(

@@ -687,6 +687,7 @@ class Machine(_message.Message):
     LEASE_FIELD_NUMBER: _builtins.int
     IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
     SLOT_FIELD_NUMBER: _builtins.int
+    READY_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Unique across the fleet; never reused."""
     name: _builtins.str
@@ -730,6 +731,12 @@ class Machine(_message.Message):
     def slot(self) -> Global___SlotState:
         """Its place in its slot: which member serves, at which generation (docs/fencing.md)."""
 
+    @_builtins.property
+    def ready(self) -> Global___MachineCondition:
+        """Whether it serves: set by its worker while it is started, restarting or failed (unset in
+        other states). Not kept across a flyd restart as such: the worker probes again.
+        """
+
     def __init__(
         self,
         *,
@@ -751,14 +758,52 @@ class Machine(_message.Message):
         lease: Global___Lease | None = ...,
         idempotency_key: _builtins.str = ...,
         slot: Global___SlotState | None = ...,
+        ready: Global___MachineCondition | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "created_at", b"created_at", "last_exit", b"last_exit", "lease", b"lease", "slot", b"slot", "updated_at", b"updated_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "created_at", b"created_at", "last_exit", b"last_exit", "lease", b"lease", "ready", b"ready", "slot", b"slot", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["app", b"app", "config", b"config", "created_at", b"created_at", "events", b"events", "id", b"id", "idempotency_key", b"idempotency_key", "instance_id", b"instance_id", "last_exit", b"last_exit", "lease", b"lease", "log_tail", b"log_tail", "name", b"name", "ports", b"ports", "region", b"region", "restart_count", b"restart_count", "slot", b"slot", "state", b"state", "updated_at", b"updated_at", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["app", b"app", "config", b"config", "created_at", b"created_at", "events", b"events", "id", b"id", "idempotency_key", b"idempotency_key", "instance_id", b"instance_id", "last_exit", b"last_exit", "lease", b"lease", "log_tail", b"log_tail", "name", b"name", "ports", b"ports", "ready", b"ready", "region", b"region", "restart_count", b"restart_count", "slot", b"slot", "state", b"state", "updated_at", b"updated_at", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Machine: _TypeAlias = Machine  # noqa: Y015
+
+@_typing.final
+class MachineCondition(_message.Message):
+    """Whether a started machine serves, and why not. Its worker probes it: every service's host
+    port accepts a TCP connection and every configured check passes (a machine with neither is
+    ready once its process has stayed up a moment). A crash loop or a failure says so here too.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    READY_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    SINCE_FIELD_NUMBER: _builtins.int
+    ready: _builtins.bool
+    reason: _builtins.str
+    """In words, for humans: "starting: waiting for port 8080", "nothing listening on 8080
+    after 10s", "check web: GET /healthz answered 500", "crash-looping: exit 1, 5 restarts;
+    last log: ...". Empty when ready with nothing to add.
+    """
+    @_builtins.property
+    def since(self) -> _timestamp_pb2.Timestamp:
+        """When `ready` last changed (or the machine last started)."""
+
+    def __init__(
+        self,
+        *,
+        ready: _builtins.bool = ...,
+        reason: _builtins.str = ...,
+        since: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["since", b"since"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ready", b"ready", "reason", b"reason", "since", b"since"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MachineCondition: _TypeAlias = MachineCondition  # noqa: Y015
 
 @_typing.final
 class SlotState(_message.Message):

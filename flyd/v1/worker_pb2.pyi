@@ -450,10 +450,15 @@ class WaitMachineRequest(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     TIMEOUT_FIELD_NUMBER: _builtins.int
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    READY_FIELD_NUMBER: _builtins.int
     machine_id: _builtins.str
     state: _machine_pb2.MachineState.ValueType
     instance_id: _builtins.str
     """When set, only this instance (config version) satisfies the wait."""
+    ready: _builtins.bool
+    """With state STARTED: wait until it is also ready (Machine.ready). DEADLINE_EXCEEDED names
+    why it is not; FAILED_PRECONDITION when it failed. INVALID_ARGUMENT with another state.
+    """
     @_builtins.property
     def timeout(self) -> _duration_pb2.Duration:
         """Default 30s, at most 60s."""
@@ -465,10 +470,11 @@ class WaitMachineRequest(_message.Message):
         state: _machine_pb2.MachineState.ValueType = ...,
         timeout: _duration_pb2.Duration | None = ...,
         instance_id: _builtins.str = ...,
+        ready: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "machine_id", b"machine_id", "state", b"state", "timeout", b"timeout"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "machine_id", b"machine_id", "ready", b"ready", "state", b"state", "timeout", b"timeout"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

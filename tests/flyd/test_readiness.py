@@ -1,0 +1,230 @@
+"""Ready means ready: flyd's readiness condition of each machine, on a fake host and clock.
+
+The probes are scripted (`Probes`): each check or port answers what the test says. The real
+probes against real processes are in tests/cli/test_ready.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+from google.protobuf.duration_pb2 import Duration
+
+from flyd import conditions
+from flyd.checks import CheckSpec
+from flyd.drivers.base import ExitStatus
+from flyd.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
+from flyd.readiness import NO_SERVICES, Readiness, probe_host
+from flyd.store import MemoryMachineLog
+from flyd.v1 import machine_pb2 as pb
+from runtime.clock import ManualClock
+from tests.flyd.support import (
+    DEADLINE,
+    STARTED,
+    Flyd,
+    RecordingHost,
+    boot,
+    config,
+    image_cache,
+    image_source,
+    until,
+)
+
+GRACE = 10.0
+RESTARTING = pb.MACHINE_STATE_RESTARTING
+FAILED = pb.MACHINE_STATE_FAILED
+
+
+class Probes:
+    """Scripted probes: what each check answers (by internal port), None meaning it passes."""
+
+    def __init__(self) -> None:
+        self.answers: dict[int, str | None] = {}
+        self.calls = 0
+
+    async def __call__(self, check: CheckSpec) -> str | None:
+        self.calls += 1
+        assert check.host == "127.0.0.1"
+        return self.answers.get(check.internal_port, "nothing listening")
+
+
+@pytest.fixture
+async def setup(tmp_path: Path) -> AsyncIterator[tuple[Flyd, ManualClock, Probes]]:
+    clock = ManualClock()
+    flyd = boot(
+        store=MemoryMachineLog(),
+        host=RecordingHost(clock),
+        clock=clock,
+        images=image_cache(tmp_path, image_source(tmp_path)),
+    )
+    probes = Probes()
+    worker = flyd.worker
+    worker.readiness = Readiness(
+        rows=worker.rows,
+        runner=worker.runner,
+        stream=worker.stream,
+        clock=clock,
+        grace=GRACE,
+        settle=1.0,
+        probe=probes,
+    )
+    worker.recover()
+    shutdown = asyncio.Event()
+    loop = asyncio.create_task(worker.readiness.run(shutdown))
+    yield flyd, clock, probes
+    shutdown.set()
+    await asyncio.wait_for(loop, DEADLINE)
+    await flyd.kill()
+
+
+def ready_is(flyd: Flyd, mid: str, ready: bool, reason: str = "") -> Callable[[], bool]:
+    def check() -> bool:
+        row = flyd.worker.rows.get(mid)
+        return (
+            row is not None
+            and row.machine.ready.ready == ready
+            and reason in row.machine.ready.reason
+        )
+
+    return check
+
+
+async def eventually(done: Callable[[], bool]) -> None:
+    """Return once `done()` holds (the loop and its probes run meanwhile); fail at DEADLINE."""
+    end = asyncio.get_running_loop().time() + DEADLINE
+    while not done():
+        assert asyncio.get_running_loop().time() < end, "timed out"
+        await asyncio.sleep(0.005)
+
+
+async def advance_until(flyd: Flyd, clock: ManualClock, done: Callable[[], bool]) -> None:
+    """Move the clock a second at a time (a real moment between) until `done()`."""
+    async with asyncio.timeout(DEADLINE):
+        while not done():
+            clock.advance(1.0)
+            with contextlib.suppress(TimeoutError):
+                await until(flyd.worker, done, timeout=0.05)
+
+
+async def create(flyd: Flyd, cfg: pb.MachineConfig, mid: str = "m1") -> pb.Machine:
+    return await flyd.worker.create(
+        machine_id=mid, name="", app="app", config=cfg, skip_launch=False
+    )
+
+
+async def test_a_port_that_never_accepts_says_so_and_a_wait_for_ready_fails(
+    setup: tuple[Flyd, ManualClock, Probes],
+) -> None:
+    flyd, clock, probes = setup
+    machine = await create(flyd, config(services=1))
+    # Started at once, and says what it waits for.
+    assert machine.state == STARTED
+    assert not machine.ready.ready
+    assert machine.ready.reason == "starting: waiting for port 8080 to accept connections"
+    # Before the grace runs out, a wait says what the probes say now.
+    await eventually(lambda: flyd.worker.readiness.detail("m1") != "")
+    with pytest.raises(
+        DeadlineExceeded, match=r"not ready after 0\.01s: nothing listening on 8080"
+    ):
+        await flyd.worker.wait("m1", STARTED, 0.01, ready=True)
+    # Past the grace, the row says it: what every reader of the row sees.
+    await advance_until(flyd, clock, ready_is(flyd, "m1", False, "after 10s"))
+    assert flyd.worker.rows["m1"].machine.ready.reason == "nothing listening on 8080 after 10s"
+    # The service comes up late: ready, and a wait for it returns.
+    probes.answers[8080] = None
+    await advance_until(flyd, clock, ready_is(flyd, "m1", True))
+    waited = await flyd.worker.wait("m1", STARTED, 1.0, ready=True)
+    assert waited.ready.ready
+    assert waited.ready.reason == ""
+
+
+async def test_a_failing_check_shows_its_reason_after_it_passed(
+    setup: tuple[Flyd, ManualClock, Probes],
+) -> None:
+    flyd, clock, probes = setup
+    cfg = config(services=1)
+    cfg.checks.add(
+        name="web", port=8080, http=pb.HttpCheck(path="/healthz"), interval=Duration(seconds=5)
+    )
+    probes.answers[8080] = None
+    machine = await create(flyd, cfg)
+    assert machine.ready.reason == "starting: waiting for check web"
+    await until(flyd.worker, ready_is(flyd, "m1", True))
+    # The check fails at its next interval: not ready at once (it was ready), with its words.
+    probes.answers[8080] = "GET /healthz answered 500"
+    await advance_until(flyd, clock, ready_is(flyd, "m1", False))
+    assert flyd.worker.rows["m1"].machine.ready.reason == "check web: GET /healthz answered 500"
+    with pytest.raises(DeadlineExceeded, match="check web: GET /healthz answered 500"):
+        await flyd.worker.wait("m1", STARTED, 0.01, ready=True)
+
+
+async def test_a_machine_with_nothing_to_probe_is_ready_once_it_keeps_running(
+    setup: tuple[Flyd, ManualClock, Probes],
+) -> None:
+    flyd, clock, probes = setup
+    machine = await create(flyd, config())
+    assert machine.ready.reason == "starting: no services; ready once it keeps running"
+    await advance_until(flyd, clock, ready_is(flyd, "m1", True))
+    assert flyd.worker.rows["m1"].machine.ready.reason == NO_SERVICES
+    assert probes.calls == 0
+
+
+async def test_a_crash_loop_says_so_with_its_last_log_line_then_fails(
+    setup: tuple[Flyd, ManualClock, Probes],
+) -> None:
+    flyd, clock, _ = setup
+    await create(flyd, config(max_retries=2))
+    for restarts in (1, 2):
+        flyd.driver.write_log("m1", "Traceback (most recent call last):")
+        flyd.driver.write_log("m1", "KeyError: 'PORT'")
+        flyd.driver.exit("m1", ExitStatus(exit_code=1, signal=None))
+        await until(flyd.worker, lambda: flyd.worker.rows["m1"].state == RESTARTING)
+        row = flyd.worker.rows["m1"].machine
+        s = "" if restarts == 1 else "s"
+        assert row.ready.reason == (
+            f"crash-looping: exit 1, {restarts} restart{s}; last log: KeyError: 'PORT'"
+        )
+        assert list(row.log_tail)[-1] == "KeyError: 'PORT'"
+        with pytest.raises(DeadlineExceeded, match=r"is restarting, not ready .*crash-looping"):
+            await flyd.worker.wait("m1", STARTED, 0.01, ready=True)
+        # Back up after its backoff: still not ready, still says it crash-loops.
+        await advance_until(flyd, clock, lambda: flyd.worker.rows["m1"].state == STARTED)
+        assert flyd.worker.rows["m1"].machine.ready.reason.startswith(conditions.CRASH_LOOP)
+    flyd.driver.write_log("m1", "KeyError: 'PORT'")
+    flyd.driver.exit("m1", ExitStatus(exit_code=1, signal=None))
+    await until(flyd.worker, lambda: flyd.worker.rows["m1"].state == FAILED)
+    with pytest.raises(FailedPrecondition, match="failed; it will not be ready: failed: exited"):
+        await flyd.worker.wait("m1", STARTED, 5.0, ready=True)
+    assert flyd.worker.rows["m1"].machine.ready.reason.endswith("last log: KeyError: 'PORT'")
+
+
+async def test_a_stopped_machine_has_no_condition(setup: tuple[Flyd, ManualClock, Probes]) -> None:
+    flyd, _, _ = setup
+    await create(flyd, config(services=1))
+    await flyd.worker.stop("m1", None, 1.0)
+    await until(flyd.worker, lambda: flyd.worker.rows["m1"].state == pb.MACHINE_STATE_STOPPED)
+    assert not flyd.worker.rows["m1"].machine.HasField("ready")
+
+
+@pytest.mark.parametrize("state", [pb.MACHINE_STATE_STOPPED, pb.MACHINE_STATE_DESTROYED])
+async def test_ready_is_only_for_waiting_for_started(
+    setup: tuple[Flyd, ManualClock, Probes], state: int
+) -> None:
+    flyd, _, _ = setup
+    await create(flyd, config())
+    seq = flyd.worker.store.last_seq()
+    with pytest.raises(InvalidArgument, match="ready"):
+        await flyd.worker.wait("m1", state, 1.0, ready=True)
+    assert flyd.worker.store.last_seq() == seq  # changed nothing
+
+
+def test_probes_go_to_loopback_only() -> None:
+    assert probe_host("127.0.0.2") == "127.0.0.2"
+    assert probe_host("10.0.0.1") == "127.0.0.1"
+    assert probe_host("worker.example") == "127.0.0.1"
+    with pytest.raises(ValueError, match="loopback"):
+        Readiness(rows={}, runner=None, stream=None, clock=ManualClock(), host="10.0.0.1")  # type: ignore[arg-type]
