@@ -92,6 +92,8 @@ REFUSALS: dict[grpc.StatusCode, metrics.Claim] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: "refused",
     grpc.StatusCode.UNAVAILABLE: "unreachable",
 }
+# A claim that ended so may have created the machine on the worker all the same.
+_GAVE_UP = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
 def machine_suffix(app: str, idempotency_key: str) -> str:
@@ -488,11 +490,20 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
                 # it could not answer for in time.
                 timeout=time_left(CLAIM_TIMEOUT),
             )
+        except asyncio.CancelledError:
+            # Our caller is gone (its deadline, a cancel) while the worker may be committing
+            # the machine: without a key no retry could find it, so it must not stay.
+            if not request.idempotency_key:
+                self._roll_back(machine_id)
+            raise
         except grpc.aio.AioRpcError as err:
             reason = REFUSALS.get(err.code())
             if reason is None:
                 # Anything else is final: a timeout may have created the machine, and trying
-                # elsewhere could create it twice. A retry with the same key is safe.
+                # elsewhere could create it twice. A retry with the same key is safe; without
+                # a key, what a timeout may have created goes.
+                if err.code() in _GAVE_UP and not request.idempotency_key:
+                    self._roll_back(machine_id)
                 metrics.claimed("failed")
                 raise Upstream(err) from None
             metrics.claimed(reason)

@@ -108,6 +108,61 @@ class TestDeadlines:
         assert again.machine.id == machine_id
         assert again.machine.state != DESTROYED
 
+    @pytest.mark.parametrize("key", ["", "k-1"], ids=["without a key", "with a key"])
+    async def test_a_claim_whose_caller_leaves_after_the_commit_is_rolled_back(
+        self,
+        servicer_stub: Machines,
+        fleet: FakeFleet,
+        monkeypatch: pytest.MonkeyPatch,
+        key: str,
+    ) -> None:
+        """The worker commits, but its answer is not back when flaps' caller goes: without an
+        idempotency key flaps destroys the machine it was creating (the worker's own answer
+        never comes, so only flaps can); with one, it stays for the retry."""
+        committed = asyncio.Event()
+        for flyd in fleet.workers.values():
+            real = flyd.worker.create
+
+            async def create(*args: Any, real: Any = real, **kwargs: Any) -> Any:
+                machine = await real(*args, **kwargs)
+                committed.set()
+                await asyncio.Event().wait()  # the answer is held until the call is cancelled
+                return machine
+
+            monkeypatch.setattr(flyd.worker, "create", create)
+        request = m.CreateMachineRequest(**bid(idempotency_key=key))
+        call = servicer_stub.CreateMachine(request, timeout=T)
+        async with asyncio.timeout(DEADLINE):
+            await committed.wait()
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        [machine_id] = fleet.machine_ids()
+        if key:
+            await fleet.seen(machine_id)
+            assert fleet.owner_of(machine_id).worker.rows[machine_id].state != DESTROYED
+        else:
+            await holds(lambda: gone(fleet))
+
+    async def test_a_claim_past_its_callers_deadline_leaves_no_machine(
+        self, servicer_stub: Machines, fleet: FakeFleet, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The same with a deadline: DEADLINE_EXCEEDED means no machine."""
+        for flyd in fleet.workers.values():
+            real = flyd.worker.create
+
+            async def create(*args: Any, real: Any = real, **kwargs: Any) -> Any:
+                kwargs["deadline"] = None  # the worker would commit however late
+                machine = await real(*args, **kwargs)
+                await asyncio.Event().wait()
+                return machine
+
+            monkeypatch.setattr(flyd.worker, "create", create)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await servicer_stub.CreateMachine(m.CreateMachineRequest(**bid()), timeout=0.5)
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await holds(lambda: bool(fleet.machine_ids()) and gone(fleet))
+
 
 class TestNames:
     grpc_add_to_server = machines_tests.TestMachinesService.grpc_add_to_server

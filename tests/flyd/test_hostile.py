@@ -25,6 +25,7 @@ import grpc
 import pytest
 
 from flyd import fsm, pages
+from flyd import worker as worker_module
 from flyd.errors import DeadlineExceeded, Unavailable
 from flyd.fakes import FakeHost
 from flyd.runner import Runner
@@ -406,6 +407,27 @@ async def test_a_create_committed_past_its_deadline_is_rolled_back(
         machine_id="m1", name="", app="web", config=config(), skip_launch=True
     )
     assert again.state == CREATED
+
+
+async def test_a_create_ready_within_the_margin_of_its_deadline_is_rolled_back(
+    flyd: Flyd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ready before the deadline, but with less time left than its answer needs to travel
+    (COMMIT_MARGIN, made an hour here): the caller would hear of it too late."""
+    monkeypatch.setattr(Runner, "_check_in_time", staticmethod(lambda *_: None))
+    monkeypatch.setattr(worker_module, "COMMIT_MARGIN", 3600.0)
+    loop = asyncio.get_running_loop()
+    with pytest.raises(DeadlineExceeded, match="rolled back"):
+        await flyd.worker.create(
+            machine_id="m1",
+            name="",
+            app="web",
+            config=config(),
+            skip_launch=False,
+            deadline=loop.time() + 1800,
+        )
+    await holds(lambda: "m1" not in flyd.worker.rows)
+    assert flyd.worker.reserved().machines == 0
 
 
 async def test_a_create_past_its_commit_deadline_is_not_committed(flyd: Flyd) -> None:
