@@ -8,16 +8,20 @@ apps have the other 500. A few of big's primaries run the demo app (their log ta
 routes are real); the others are created without being launched: rows like any other, which the
 pages read the same way, without 1,000 processes on the benchmark's machine.
 
-Measured, once the console's replica holds every machine:
+Measured, once the console's replica holds every machine, with a live stream of each kind
+held open meanwhile as open tabs hold them (the fleet's, both apps' first pages, the running
+machine's and its log's, the events'; each read as it comes; they render on every heartbeat
+and change, on the loop the pages are served from):
 
 - over HTTP (a kept-alive connection, one request after another): each page as HTML and as
   its JSON twin, from the request sent to the last byte of the answer: the fleet, the apps,
-  big's page (500 machine rows with their slots and the proxy's health and load), a small
-  app's, a running machine's (its config, events, log tail and placement decision: calls to
-  flaps and the worker), and the live events;
+  big's first page (100 of its 500 machines a page, with their slots and the proxy's health
+  and load; its counts over all 500), a small app's, a running machine's (its config, events,
+  log tail and placement decision: calls to flaps and the worker), and the live events;
 - in a real browser (headless chromium, bench.browser; skipped with the reason when it is not
   installed): the same HTML pages navigated to, until the load event (the server's answer,
-  the parsing and the layout of the page, its stylesheet and script).
+  the parsing and the layout of the page, its stylesheet and script); each page opens its own
+  stream too, as it does for a user.
 
 Targets: p95 of every page at most 200 ms. `python -m bench --only console [--quick]`.
 Bounded: a fixed number of loads, every wait and request has a deadline, and the cluster's
@@ -27,13 +31,16 @@ set-up is cut off after RUN_DEADLINE.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 import os
 import secrets
 import shutil
+import socket
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -198,6 +205,62 @@ class Http:
         return json.loads(body)
 
 
+class OpenStream:
+    """A page's live stream held open, read as it comes (in a thread, so it never backs up)
+    until `close`."""
+
+    def __init__(self, address: str, path: str) -> None:
+        host, _, port = address.rpartition(":")
+        self.path = path
+        self.conn = http.client.HTTPConnection(host, int(port), timeout=WAIT)
+        self.conn.request("GET", path, headers={"Accept": "text/event-stream"})
+        self.reply = self.conn.getresponse()
+        kind = self.reply.headers.get("Content-Type", "")
+        if self.reply.status != 200 or not kind.startswith("text/event-stream"):
+            raise RuntimeError(f"GET {path}: {self.reply.status} {kind}")
+        assert self.conn.sock is not None
+        self.conn.sock.settimeout(None)  # a quiet stream is fine; `close` ends the read
+        self.received = 0
+        self.started = threading.Event()
+        self.thread = threading.Thread(target=self._read, name=f"stream {path}", daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        with contextlib.suppress(OSError, ValueError, http.client.HTTPException):
+            while chunk := self.reply.read1(65536):
+                self.received += len(chunk)
+                self.started.set()
+
+    @property
+    def open(self) -> bool:
+        return self.thread.is_alive()
+
+    def close(self) -> None:
+        # The socket shut ends the reader's read; the connection is closed once it is done
+        # with it (closing it under the reader races it).
+        if self.conn.sock is not None:
+            with contextlib.suppress(OSError):
+                self.conn.sock.shutdown(socket.SHUT_RDWR)
+        self.thread.join(WAIT)
+        self.conn.close()
+
+
+def _open_streams(address: str, paths: list[str]) -> list[OpenStream]:
+    """Every stream open, each past its first event."""
+    opened: list[OpenStream] = []
+    try:
+        for path in paths:
+            opened.append(OpenStream(address, path))
+        for stream in opened:
+            if not stream.started.wait(WAIT):
+                raise TimeoutError(f"{stream.path}: no first event")
+    except BaseException:
+        for stream in opened:
+            stream.close()
+        raise
+    return opened
+
+
 def _until(check: Callable[[], bool], what: str) -> None:
     end = time.monotonic() + WAIT
     while not check():
@@ -302,10 +365,27 @@ def _run(res: Results, root: Path, quick: bool) -> None:
             "live events /events": "/events",
         }
         loads = 10 if quick else 40
-        load_before = os.getloadavg()[0]
-        _measure_http(res, web, pages, loads)
-        progress("measured over HTTP")
-        _measure_browser(res, root, cluster.console, pages, loads // 2)
+        paths = [
+            "/live/fleet",
+            "/live/apps/big?page=1",
+            "/live/apps/app-0?page=1",
+            f"/live/machines/{machine}",
+            f"/live/machines/{machine}/logs",
+            "/live/events",
+        ]
+        held = _open_streams(cluster.console, paths)
+        try:
+            load_before = os.getloadavg()[0]
+            _measure_http(res, web, pages, loads)
+            progress("measured over HTTP")
+            _measure_browser(res, root, cluster.console, pages, loads // 2)
+            ended = [s.path for s in held if not s.open]
+            if ended:
+                raise RuntimeError(f"streams ended during the timing: {ended}")
+            res.details["streams_held_open"] = {s.path: f"{s.received:,} bytes" for s in held}
+        finally:
+            for stream in held:
+                stream.close()
         res.add(
             "host load average (1 min), the higher of before and after",
             round(max(load_before, os.getloadavg()[0]), 1),
