@@ -221,13 +221,17 @@ def add_platform(
     workers = sub.add_parser(
         "workers",
         parents=[conn, out],
-        help="the workers flaps knows; kill|pause|resume|restart ID: faults on the local cluster",
+        help="the workers flaps knows; cordon|uncordon ID; kill|pause|resume|restart ID: faults "
+        "on the local cluster",
         description=WORKERS_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     workers.add_argument("--region", help="only this region")
     workers.add_argument(
-        "action", nargs="?", choices=["kill", "pause", "resume", "restart"], help=argparse.SUPPRESS
+        "action",
+        nargs="?",
+        choices=["cordon", "uncordon", "kill", "pause", "resume", "restart"],
+        help=argparse.SUPPRESS,
     )
     workers.add_argument("worker_id", nargs="?", metavar="ID", help=argparse.SUPPRESS)
     workers.add_argument(
@@ -264,6 +268,8 @@ WORKERS_DESCRIPTION = """\
 The workers flaps knows, or a fault on one worker of the local cluster `nonomad up` runs:
 
   nonomad workers                     every worker: region, status, free capacity
+  nonomad workers cordon ID           it takes no new machines; its machines keep running
+  nonomad workers uncordon ID         it takes new machines again
   nonomad workers kill ID             SIGKILL its flyd (its machines run on: a daemon crash)
   nonomad workers kill ID --with-machines   its machines die too (the host died)
   nonomad workers pause ID            SIGSTOP its flyd (a hang); `resume ID` SIGCONTs it
@@ -413,8 +419,13 @@ def add_tokens(sub: argparse._SubParsersAction[Parser], out: Parser) -> None:
 SECRETS_DESCRIPTION = """\
 An app's secrets are environment variables of its machines whose values reach the machines
 and nowhere else: flaps and every read show names only, and each worker keeps the values
-encrypted. `set` and `unset` update every machine of the app (its standbys too), so each
+encrypted. `set` and `unset` update every machine the app has now (its standbys too), so each
 started machine restarts with them, as `fly secrets set` redeploys.
+
+Unlike `fly secrets`, there is no store of the app's own: the values live on its machines.
+An app with no machines cannot be given secrets (create one with `nonomad machines run APP
+... --secret NAME=VALUE`), and a machine made later has only what it is given: `nonomad
+deploy` copies them from one of the app's machines, a plain `machines run` gets none.
 
   nonomad secrets set web DATABASE_URL=postgres://... API_KEY=...
   nonomad secrets list web

@@ -64,6 +64,10 @@ def cmd_workers(args: argparse.Namespace) -> int:
     if args.action is not None:
         if args.worker_id is None:
             raise UsageError(f"workers {args.action} needs a worker ID")
+        if args.action in ("cordon", "uncordon"):
+            from nonomad.cli_workers import cmd_cordon
+
+            return cmd_cordon(args)
         from nonomad.cli_workers import cmd_fault
 
         return cmd_fault(args)

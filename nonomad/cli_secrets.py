@@ -5,6 +5,11 @@ returns it, secrets redacted: a redacted value keeps what the machine has, so on
 given change. A started machine restarts with the new config, and is waited for (--timeout)
 until it has started again; others stay as they are.
 Nothing printed here holds a value.
+
+Secrets are kept per machine, by its worker: there is no store of the app's own. So an app
+with no machines has nowhere to keep them (`set` says so, and how to go on), and a machine
+made later has only what it is given: `machines run --secret`, or `deploy`, which copies
+them from one of the app's machines.
 """
 
 from __future__ import annotations
@@ -36,11 +41,21 @@ async def _update(flaps: Client, machine: Machine, config: MachineConfig) -> Mac
             await asyncio.sleep(BUSY_RETRY)
 
 
+def no_machines(app: str) -> str:
+    """Why secrets cannot be set on an app without machines, and what to do instead."""
+    return (
+        f"app {app} has no machines, and secrets are kept on machines (there is no store for "
+        f"the app itself): create one with them, `nonomad machines run {app} --image IMAGE "
+        f"--secret NAME=VALUE ...`, or run `nonomad deploy` first, then `nonomad secrets set "
+        f"{app}`"
+    )
+
+
 def _apply(args: argparse.Namespace, change: Callable[[MachineConfig], bool]) -> int:
     async def body(flaps: Client) -> int:
         machines = await flaps.list_machines(args.app)
         if not machines:
-            raise CliError(f"app {args.app} has no machines")
+            raise CliError(no_machines(args.app))
         rows: list[list[str]] = []
         report: list[dict[str, str]] = []
         for listed in sorted(machines, key=lambda m: m.id):

@@ -1,5 +1,9 @@
-"""`nonomad workers kill|pause|resume|restart ID`: faults on the local cluster `nonomad up` runs,
-to watch a failover and the return (docs/fencing.md).
+"""`nonomad workers cordon|uncordon ID` through flaps, on any cluster; `nonomad workers
+kill|pause|resume|restart ID`: faults on the local cluster `nonomad up` runs, to watch a
+failover and the return (docs/fencing.md).
+
+`cordon` asks flaps (PlatformService.CordonWorker, a token allowed the admin operation
+`cordon`) to cordon the worker: it takes no new machines while its machines keep running.
 
 `kill` SIGKILLs the worker's flyd (its machines run on, as after a daemon crash; with
 `--with-machines` they die too, as with the host), `pause` and `resume` SIGSTOP and SIGCONT it
@@ -16,8 +20,12 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from nonomad.cli_common import PID_FILE, CliError, pid_alive
+from nonomad.cli_common import PID_FILE, CliError, emit, pid_alive, run
+
+if TYPE_CHECKING:
+    from nonomad.client import Client
 
 REQUESTS = "requests"
 WORKERS_FILE = "workers.json"
@@ -57,6 +65,23 @@ def _worker(state: Path, worker_id: str) -> dict[str, object]:
             f"the local cluster has no worker {worker_id} (it has {', '.join(sorted(workers))})"
         )
     return workers[worker_id]
+
+
+def cmd_cordon(args: argparse.Namespace) -> int:
+    """cordon or uncordon one worker, through flaps."""
+    worker_id: str = args.worker_id
+    wanted = args.action == "cordon"
+
+    async def body(flaps: Client) -> int:
+        cordoned = await flaps.cordon_worker(worker_id, wanted)
+        if cordoned:
+            said = f"{worker_id} cordoned: it takes no new machines; its machines keep running"
+        else:
+            said = f"{worker_id} uncordoned: it takes new machines again"
+        emit(args, {"worker_id": worker_id, "cordoned": cordoned}, lambda: said)
+        return 0
+
+    return run(args, body)
 
 
 def cmd_fault(args: argparse.Namespace) -> int:

@@ -10,12 +10,19 @@ import re
 import secrets
 from pathlib import Path
 
+import grpc
+import pytest
+
 from flaps.tokens import new_key_line
-from runtime.pki import write_private
-from tests.cli.conftest import CliFleet, nonomad
+from flyd.v1 import machine_pb2 as pb
+from flyd.v1 import worker_pb2 as w
+from flyd.v1 import worker_pb2_grpc
+from nonomad.security import CONSOLE_PART
+from runtime.pki import ClusterCA, write_private
+from tests.cli.conftest import CliFleet, Result, nonomad
 from tests.cli.test_machines import one_line_error
 from tests.flaps.conftest import eventually
-from tests.harness import clean_env
+from tests.harness import channel, clean_env
 
 # Prints the SHA-256 of $API_KEY: the log shows the machine has it, never what it is.
 HASHER = 'echo "key:$(printf %s "$API_KEY" | sha256sum | cut -c1-64)"; exec sleep 1000'
@@ -163,3 +170,79 @@ async def test_secrets_reach_every_machine_of_the_app_and_are_never_shown(
 async def _listed(flaps: object, ids: set[str]) -> bool:
     machines = await flaps.list_machines("web")  # type: ignore[attr-defined]
     return {m.id for m in machines} == ids
+
+
+async def test_only_flaps_certificate_reads_a_workers_secrets(cli_fleet: CliFleet) -> None:
+    """RevealSecrets (how flaps copies an app's secrets to a new machine) answers flaps'
+    certificate; every other part's, each signed by the same CA, is refused."""
+    value = f"s3cret-{secrets.token_hex(8)}"
+    cfg = pb.MachineConfig(image="demo:v1", guest=pb.GuestConfig(cpu_millicores=100, memory_mib=64))
+    cfg.secrets["API_KEY"] = value
+    async with cli_fleet.client() as flaps:
+        made = await flaps.create_machine("vault", cfg, region="ams", skip_launch=True)
+    security = cli_fleet.security
+    ClusterCA.ensure(security.ca.parent).issue(CONSOLE_PART)  # the fleet here runs none
+    address = cli_fleet.fleet.workers[made.worker_id].address
+    request = w.RevealSecretsRequest(machine_id=made.id)
+    for part in ("cli", CONSOLE_PART, "proxy", "flyd"):
+        stub = worker_pb2_grpc.WorkerServiceStub(channel(address, security.member_tls(part)))
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await stub.RevealSecrets(request, timeout=10)
+        assert raised.value.code() == grpc.StatusCode.PERMISSION_DENIED, part
+        assert f"not the {part!r} certificate" in (raised.value.details() or ""), part
+        assert value not in str(raised.value)
+    flaps_cert = worker_pb2_grpc.WorkerServiceStub(channel(address, security.member_tls("flaps")))
+    revealed = await flaps_cert.RevealSecrets(request, timeout=10)
+    assert dict(revealed.secrets) == {"API_KEY": value}
+
+
+async def test_workers_cordon_and_uncordon_through_flaps(
+    cli_fleet: CliFleet, tmp_path: Path
+) -> None:
+    def cordoned(result: Result) -> dict[str, bool]:
+        assert result.code == 0, result.err
+        return {w["info"]["id"]: w["capacity"]["cordoned"] for w in result.json()}
+
+    done = await cli_fleet("workers", "cordon", "ams-1")
+    assert done.code == 0, done.err
+    assert done.out.startswith("ams-1 cordoned: it takes no new machines"), done.out
+
+    async def seen_cordoned() -> bool:
+        return cordoned(await cli_fleet("workers", "--json")) == {"ams-1": True, "ams-2": False}
+
+    await eventually(seen_cordoned, 15, "flaps seeing ams-1 cordoned")
+    placed = await cli_fleet(
+        "machines", "run", "web", "--image", "demo:v1", "--region", "ams", "--memory", "64",
+        "--json", "--", "sleep", "1000",
+    )  # fmt: skip
+    assert placed.json()["worker_id"] == "ams-2", placed.out
+
+    # Cordoning takes the admin operation cordon: a deploy token may not.
+    keys = ["--keys", str(cli_fleet.security.token_keys)]
+    deployer = await nonomad("tokens", "create", *keys, "--all-apps", "--ops", "deploy")
+    token = tmp_path / "deploy.token"
+    token.write_text(deployer.out)
+    refused = await nonomad(
+        "workers", "uncordon", "ams-1", "--token-file", str(token), *cli_fleet.tls,
+        env=cli_fleet.env,
+    )  # fmt: skip
+    one_line_error(refused, 1, "PERMISSION_DENIED", 'token caveat "ops = deploy"')
+    unknown = await cli_fleet("workers", "cordon", "ams-9")
+    one_line_error(unknown, 1, "NOT_FOUND", "worker ams-9 not found")
+
+    back = await cli_fleet("workers", "uncordon", "ams-1", "--json")
+    assert back.json() == {"worker_id": "ams-1", "cordoned": False}
+
+    async def seen_uncordoned() -> bool:
+        return cordoned(await cli_fleet("workers", "--json")) == {"ams-1": False, "ams-2": False}
+
+    await eventually(seen_uncordoned, 15, "flaps seeing ams-1 uncordoned")
+
+
+async def test_secrets_on_an_app_without_machines_say_what_to_do(cli_fleet: CliFleet) -> None:
+    result = await cli_fleet("secrets", "set", "empty", "API_KEY=x")
+    one_line_error(
+        result, 1, "app empty has no machines", "no store for the app itself",
+        "nonomad machines run empty --image IMAGE --secret NAME=VALUE",
+    )  # fmt: skip
+    assert "API_KEY=x" not in result.out + result.err
