@@ -2,9 +2,11 @@
 
 The whole secure fleet runs as processes (two workers, flaps, the proxy, a standalone
 registry), logging at debug level and exporting spans to a real OTLP receiver. A machine gets a
-secret; the test then calls every RPC that could show it (flaps' Machines and Platform APIs, the
-workers', the registry's, the proxy's admin API), changes the machine (update, stop, start,
-restart, leases, bad requests), reaches it through the edge, and destroys it. Then it searches
+secret; the test then calls every RPC of every service (flaps' Machines and Platform APIs, the
+workers', the registry's, the proxy's admin API: a call the scenario does not make is made by a
+sweep over the service descriptors, and a test fails when an RPC was never called), changes the
+machine (update, stop, start, restart, leases, bad requests), reaches it through the edge, and
+destroys it. Then it searches
 everything: each RPC's answer and error text, every exported span, and every file the run left
 (service logs, the workers' LMDB logs, the machines' own files). The secret's value must be in
 none of them, while the machine proves it had it (it answers with its hash). The admin token
@@ -15,12 +17,14 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AsyncExitStack
 from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 import pytest
+from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import Message
 
 from flaps.tokens import inspect, read_token
@@ -68,13 +72,16 @@ def config(**secret_values: str) -> pb.MachineConfig:
     )
 
 
+M = TypeVar("M", bound=Message)
+
+
 class Seen:
     """Everything the test was shown: answers, error texts, stream messages."""
 
     def __init__(self) -> None:
         self.parts: list[bytes] = []
 
-    def __call__(self, message: Message) -> Message:
+    def __call__(self, message: M) -> M:
         self.parts.append(message.SerializeToString())
         return message
 
@@ -88,6 +95,112 @@ class Seen:
         return any(needle.encode() in part for part in self.parts)
 
 
+SERVICES: list[ServiceDescriptor] = [
+    m.DESCRIPTOR.services_by_name["MachinesService"],
+    platform_pb2.DESCRIPTOR.services_by_name["PlatformService"],
+    w.DESCRIPTOR.services_by_name["WorkerService"],
+    registry_pb2.DESCRIPTOR.services_by_name["RegistryService"],
+    p.DESCRIPTOR.services_by_name["ProxyService"],
+]
+"""Every service of the fleet: each of their RPCs is called, and its answer searched."""
+
+
+class Tracked:
+    """A stub whose RPCs, as the test looks them up, are noted in `called` (`<service>/<rpc>`)."""
+
+    def __init__(self, stub: object, service: ServiceDescriptor, called: set[str]) -> None:
+        self._stub, self._service, self._called = stub, service.full_name, called
+
+    def __getattr__(self, rpc: str) -> Any:
+        self._called.add(f"{self._service}/{rpc}")
+        return getattr(self._stub, rpc)
+
+
+BAD_SIGNAL = "SIGNOPE"
+# A harmless request for each RPC of the services the sweep covers, on the machine with the
+# secrets (`mid`): a read, or a change refused (a bad signal, an empty config...) or that
+# changes nothing (start a started machine, uncordon an uncordoned worker). A new RPC without
+# one here fails the sweep, naming it.
+SWEEP: dict[str, Callable[[str], Message]] = {
+    "flyd.v1.WorkerService/CreateMachine": lambda mid: w.CreateMachineRequest(
+        machine_id=mid, app="vault", config=pb.MachineConfig()
+    ),
+    "flyd.v1.WorkerService/StartMachine": lambda mid: w.StartMachineRequest(machine_id=mid),
+    "flyd.v1.WorkerService/StopMachine": lambda mid: w.StopMachineRequest(
+        machine_id=mid, signal=BAD_SIGNAL
+    ),
+    "flyd.v1.WorkerService/RestartMachine": lambda mid: w.RestartMachineRequest(
+        machine_id=mid, signal=BAD_SIGNAL
+    ),
+    "flyd.v1.WorkerService/SignalMachine": lambda mid: w.SignalMachineRequest(
+        machine_id=mid, signal=BAD_SIGNAL
+    ),
+    "flyd.v1.WorkerService/DestroyMachine": lambda mid: w.DestroyMachineRequest(machine_id=mid),
+    "flyd.v1.WorkerService/GetMachine": lambda mid: w.GetMachineRequest(machine_id=mid),
+    "flyd.v1.WorkerService/ListMachines": lambda mid: w.ListMachinesRequest(),
+    "flyd.v1.WorkerService/WaitMachine": lambda mid: w.WaitMachineRequest(
+        machine_id=mid, state=pb.MACHINE_STATE_STARTED, timeout=seconds(5)
+    ),
+    "flyd.v1.WorkerService/GetCapacity": lambda mid: w.GetCapacityRequest(),
+    "flyd.v1.WorkerService/WatchEvents": lambda mid: w.WatchEventsRequest(from_seq=0),
+    "flyd.v1.WorkerService/GetMachineLogs": lambda mid: w.GetMachineLogsRequest(
+        machine_id=mid, tail_lines=100
+    ),
+    "flyd.v1.WorkerService/CordonWorker": lambda mid: w.CordonWorkerRequest(cordoned=False),
+    "flyd.v1.WorkerService/UpdateMachine": lambda mid: w.UpdateMachineRequest(
+        machine_id=mid, config=pb.MachineConfig()
+    ),
+    "flyd.v1.WorkerService/AcquireLease": lambda mid: w.AcquireLeaseRequest(
+        machine_id=mid, ttl=seconds(-1)
+    ),
+    "flyd.v1.WorkerService/ReleaseLease": lambda mid: w.ReleaseLeaseRequest(
+        machine_id=mid, nonce="not-the-nonce"
+    ),
+    "flyd.v1.WorkerService/ListMachineEvents": lambda mid: w.ListMachineEventsRequest(
+        machine_id=mid
+    ),
+    "flyd.v1.WorkerService/GetPlacement": lambda mid: w.GetPlacementRequest(machine_id=mid),
+    "flyd.v1.WorkerService/SupersedeMachine": lambda mid: w.SupersedeMachineRequest(
+        machine_id=mid, generation=0, primary="nobody"
+    ),
+    # Refused: the test holds the CLI's certificate, and only flaps' reads secrets.
+    "flyd.v1.WorkerService/RevealSecrets": lambda mid: w.RevealSecretsRequest(machine_id=mid),
+    "registry.v1.RegistryService/Announce": lambda mid: registry_pb2.AnnounceRequest(
+        worker=pb.WorkerInfo(id="Not A Worker")
+    ),
+    "registry.v1.RegistryService/ListMembers": lambda mid: registry_pb2.ListMembersRequest(),
+    "registry.v1.RegistryService/Follow": lambda mid: registry_pb2.FollowRequest(),
+    "registry.v1.RegistryService/ListSlot": lambda mid: registry_pb2.ListSlotRequest(
+        app="vault", slot=mid
+    ),
+    "proxy.v1.ProxyService/ListRoutes": lambda mid: p.ListRoutesRequest(),
+    "proxy.v1.ProxyService/GetStats": lambda mid: p.GetStatsRequest(),
+    "proxy.v1.ProxyService/DrainWorker": lambda mid: p.DrainWorkerRequest(worker_id="nope"),
+}
+REFUSED = {"flyd.v1.WorkerService/RevealSecrets": grpc.StatusCode.PERMISSION_DENIED}
+
+
+async def sweep(stub: Tracked, service: ServiceDescriptor, mid: str, seen: Seen) -> None:
+    """Call each RPC of `service` not called yet with its SWEEP request; note what it showed
+    (the first message of a stream; an error's text)."""
+    for method in service.methods:
+        name = f"{service.full_name}/{method.name}"
+        if name in stub._called:
+            continue
+        assert name in SWEEP, f"no harmless request for {name} in SWEEP"
+        call = getattr(stub, method.name)(SWEEP[name](mid), timeout=T)
+        try:
+            if method.server_streaming:
+                seen(await call.read())
+                call.cancel()
+            else:
+                seen(await call)
+            assert name not in REFUSED, name
+        except grpc.aio.AioRpcError as err:
+            assert REFUSED.get(name, err.code()) == err.code(), (name, err.details())
+            seen.parts.append(str(err).encode())
+
+
 def files(root: Path, skip: Path) -> Iterator[Path]:
     for path in root.rglob("*"):
         if path.is_file() and not path.is_symlink() and skip not in path.parents:
@@ -99,6 +212,8 @@ async def test_a_secret_reaches_its_machine_and_nowhere_else(
 ) -> None:
     env = otlp.env(**DEBUG)
     seen = Seen()
+    called: set[str] = set()
+    machines_api, platform_api, worker_api, registry_api, proxy_api = SERVICES
     async with proxy_fleet(tmp_path, image_source, env=env) as fleet, AsyncExitStack() as stack:
         security = fleet.security
         assert security is not None
@@ -114,10 +229,12 @@ async def test_a_secret_reaches_its_machine_and_nowhere_else(
             env=clean_env(**env),
         ).start()
         stack.callback(registry.kill)  # the fleet stops its own; this one too, whatever happens
-        machines = fleet.machines()
+        machines = Tracked(fleet.machines(), machines_api, called)
         assert fleet.flaps is not None
-        platform = platform_pb2_grpc.PlatformServiceStub(
-            fleet._channel(fleet.flaps.address, flaps=True)
+        platform = Tracked(
+            platform_pb2_grpc.PlatformServiceStub(fleet._channel(fleet.flaps.address, flaps=True)),
+            platform_api,
+            called,
         )
 
         # The machine, created with a secret (and created again: the same idempotent create).
@@ -161,6 +278,18 @@ async def test_a_secret_reaches_its_machine_and_nowhere_else(
             )
         ).lease
         seen(await machines.ReleaseLease(m.ReleaseLeaseRequest(machine_id=mid, nonce=lease.nonce)))
+        seen(await machines.GetPlacement(m.GetPlacementRequest(machine_id=mid), timeout=T))
+        # A claim at no generation: refused, naming the field (a real one could stop it).
+        supersede = m.SupersedeMachineRequest(machine_id=mid, generation=0, primary="nobody")
+        await seen.refused(
+            machines.SupersedeMachine(supersede, timeout=T), grpc.StatusCode.INVALID_ARGUMENT
+        )
+        await seen.refused(
+            platform.CordonWorker(
+                platform_pb2.CordonWorkerRequest(worker_id="nope", cordoned=True), timeout=T
+            ),
+            grpc.StatusCode.NOT_FOUND,
+        )
 
         # Changes: the secret kept (redacted in), another added; bad requests that name it.
         update = m.UpdateMachineRequest(
@@ -199,25 +328,36 @@ async def test_a_secret_reaches_its_machine_and_nowhere_else(
         reply = await get(proxy.http, "vault")
         assert reply.body.decode() == expected
 
-        # The workers', the registry's and the proxy's own APIs.
-        worker = fleet.worker(made.worker_id)
+        # The workers', the registry's and the proxy's own APIs: what the scenario reads, then
+        # every other RPC of theirs.
+        worker = Tracked(fleet.worker(made.worker_id), worker_api, called)
         seen(await worker.GetMachine(w.GetMachineRequest(machine_id=mid), timeout=T))
         seen(await worker.ListMachines(w.ListMachinesRequest(), timeout=T))
         watch = worker.WatchEvents(w.WatchEventsRequest(from_seq=0), timeout=T)
         seen(await watch.read())  # the snapshot: every row
         watch.cancel()
-        follow_stub = registry_pb2_grpc.RegistryServiceStub(
-            channel(registry.address, security.member_tls())
+        follow_stub = Tracked(
+            registry_pb2_grpc.RegistryServiceStub(channel(registry.address, security.member_tls())),
+            registry_api,
+            called,
         )
         follow_call = follow_stub.Follow(registry_pb2.FollowRequest(), timeout=T)
         seen(await follow_call.read())
         follow_call.cancel()
-        admin = fleet.admin()
+        admin = Tracked(fleet.admin(), proxy_api, called)
         seen(await admin.ListRoutes(p.ListRoutesRequest(), timeout=T))
         seen(await admin.GetStats(p.GetStatsRequest(), timeout=T))
+        for stub, service in (
+            (worker, worker_api),
+            (follow_stub, registry_api),
+            (admin, proxy_api),
+        ):
+            await sweep(stub, service, mid, seen)
 
         # A machine a deploy adds gets them from one of the app's, through flaps and the
-        # workers, the first one gone, it serves the same.
+        # workers, the first one gone, it serves the same. Placement watchers see it placed.
+        watch = platform.WatchPlacements(platform_pb2.WatchPlacementsRequest(), timeout=60)
+        await watch.initial_metadata()  # subscribed: every decision from now on comes
         twin = seen(
             await machines.CreateMachine(
                 m.CreateMachineRequest(
@@ -227,6 +367,9 @@ async def test_a_secret_reaches_its_machine_and_nowhere_else(
             )
         ).machine
         assert dict(twin.config.secrets) == {"API_KEY": REDACTED, "SECOND": REDACTED}
+        decision = seen(await watch.read())
+        assert (decision.event.outcome, decision.event.machine_id) == ("placed", twin.id)
+        watch.cancel()
         wait_twin = m.WaitMachineRequest(
             machine_id=twin.id, state=pb.MACHINE_STATE_STARTED, timeout=seconds(20)
         )
@@ -254,6 +397,8 @@ async def test_a_secret_reaches_its_machine_and_nowhere_else(
         for proc in [registry, *fleet.proxies, fleet.flaps, *fleet.workers.values()]:
             assert proc.terminate() == 0, proc.stderr_tail()
 
+    # Every RPC of every service was called, and what it showed searched below.
+    assert called == {f"{s.full_name}/{rpc.name}" for s in SERVICES for rpc in s.methods}
     token = read_token(security.admin_token)
     token_id = inspect(token).token_id
     spans = b"".join(otlp.raw)
