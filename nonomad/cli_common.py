@@ -339,10 +339,16 @@ def quiet_broken_pipe() -> None:
 
 
 async def wait_state(
-    flaps: Client, machine_id: str, state: str, budget: float, instance_id: str = ""
+    flaps: Client,
+    machine_id: str,
+    state: str,
+    budget: float,
+    instance_id: str = "",
+    *,
+    ready: bool = False,
 ) -> Machine:
     """Wait up to `budget` seconds for the machine to be in `state` (as `instance_id`, when
-    given), in calls of at most 60 s.
+    given; with `ready`, started and ready), in calls of at most 60 s.
 
     Raises the SDK's DeadlineExceeded (whose message says the state it is in) when time runs out.
     """
@@ -357,6 +363,7 @@ async def wait_state(
                 state,
                 wait=round(max(0.1, min(left, MAX_WAIT_CALL)), 1),
                 instance_id=instance_id,
+                ready=ready,
             )
         except DeadlineExceeded:
             if deadline - time.monotonic() <= 0:

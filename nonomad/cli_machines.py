@@ -23,6 +23,7 @@ from nonomad.cli_common import (
     when,
 )
 from nonomad.client import (
+    ApiError,
     Client,
     GuestConfig,
     Machine,
@@ -58,12 +59,39 @@ def role(machine: Machine) -> str:
     return text + (" fenced" if slot.fenced else "")
 
 
-def machines_table(machines: list[Machine]) -> str:
+# The longest reason a table cell shows (`machines show` has all of it).
+REASON_CELL = 100
+# Worker statuses (flaps.v1.WorkerStatus) that `machines list` marks: its heartbeats stopped.
+WORKER_MARKS = {2: "worker suspect", 3: "worker dead"}
+
+
+def state_text(machine: Machine, worker_status: int = 0, *, cut: int = 0) -> str:
+    """The state with its readiness: `started`, `started, not ready: nothing listening on
+    8080 after 10s`, `restarting: crash-looping: exit 1, 3 restarts; last log: ...`, and
+    `(worker dead)` when flaps has lost its worker. `cut`: the most characters of the reason."""
+    text = state_name(machine.state)
+    cond = machine.ready
+    reason = cond.reason if not cut or len(cond.reason) <= cut else cond.reason[: cut - 3] + "..."
+    if not machine.HasField("ready") or reason in ("", text):
+        pass
+    elif cond.ready:
+        text += f" ({reason})"
+    elif text == "started":
+        text += f", not ready: {reason}"
+    else:
+        text += f": {reason}"
+    mark = WORKER_MARKS.get(worker_status)
+    return f"{text} ({mark})" if mark else text
+
+
+def machines_table(machines: list[Machine], workers: dict[str, int] | None = None) -> str:
+    """`workers`: each worker's status (flaps.v1.WorkerStatus) by id, to mark the lost."""
+    statuses = workers or {}
     rows = [
         [
             m.id,
             display_name(m),
-            state_name(m.state),
+            state_text(m, statuses.get(m.worker_id, 0), cut=REASON_CELL),
             role(m),
             m.region,
             m.worker_id,
@@ -118,7 +146,7 @@ def show_text(machine: Machine) -> str:
         ("id", machine.id),
         ("name", display_name(machine)),
         ("app", machine.app),
-        ("state", state_name(machine.state)),
+        ("state", state_text(machine)),
         ("region", machine.region),
         ("worker", machine.worker_id),
         ("instance", machine.instance_id),
@@ -206,10 +234,17 @@ def cmd_list(args: argparse.Namespace) -> int:
         machines = await flaps.list_machines(
             args.app, region=args.region or "", state=args.state, include_destroyed=args.all
         )
+        workers: dict[str, int] = {}
+        if machines and not args.json:
+            # A token that may not list workers gets the machines without the marks.
+            with contextlib.suppress(ApiError):
+                workers = {w.info.id: int(w.status) for w in await flaps.list_workers()}
         emit(
             args,
             machines,
-            lambda: machines_table(machines) if machines else f"no machines in app {args.app}",
+            lambda: (
+                machines_table(machines, workers) if machines else f"no machines in app {args.app}"
+            ),
         )
         return 0
 
@@ -269,12 +304,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
         standby = bool(args.standby_for)
         if args.wait and not standby:
-            machine = await wait_state(flaps, machine.id, "started", wait_budget(args))
+            machine = await wait_state(flaps, machine.id, "started", wait_budget(args), ready=True)
 
         def human() -> str:
             what = f"standby for {', '.join(args.standby_for)}" if standby else ""
             line = f"{machine.id} in {machine.region} on {machine.worker_id}: "
-            line += state_name(machine.state) + (f" ({what})" if what else "")
+            line += state_text(machine) + (f" ({what})" if what else "")
             return line + (f"\nports: {ports(machine)}" if machine.ports else "")
 
         emit(args, machine, human)
@@ -304,8 +339,9 @@ def cmd_lifecycle(args: argparse.Namespace) -> int:
             machine = await flaps.destroy_machine(args.id, force=args.force)
             target = "destroyed"
         if args.wait:
-            machine = await wait_state(flaps, args.id, target, wait_budget(args))
-        emit(args, machine, lambda: f"{machine.id}: {state_name(machine.state)}")
+            ready = target == "started"  # started means serving: its ports and checks answer
+            machine = await wait_state(flaps, args.id, target, wait_budget(args), ready=ready)
+        emit(args, machine, lambda: f"{machine.id}: {state_text(machine)}")
         return 0
 
     return run(args, body)
@@ -313,8 +349,9 @@ def cmd_lifecycle(args: argparse.Namespace) -> int:
 
 def cmd_wait(args: argparse.Namespace) -> int:
     async def body(flaps: Client) -> int:
-        machine = await wait_state(flaps, args.id, args.state, wait_budget(args))
-        emit(args, machine, lambda: f"{machine.id}: {state_name(machine.state)}")
+        ready = args.state == "started"  # started means serving: its ports and checks answer
+        machine = await wait_state(flaps, args.id, args.state, wait_budget(args), ready=ready)
+        emit(args, machine, lambda: f"{machine.id}: {state_text(machine)}")
         return 0
 
     return run(args, body)

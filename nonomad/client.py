@@ -488,18 +488,27 @@ class Client:
         *,
         wait: float = 30.0,
         instance_id: str = "",
+        ready: bool = False,
     ) -> pb.Machine:
-        """Wait up to `wait` seconds (at most 60) for the machine to be in `state`.
+        """Wait up to `wait` seconds (at most 60) for the machine to be in `state`; with
+        `ready` (state "started" only), until it also serves: its ports accept and its checks
+        pass (`machine.ready`).
 
-        Returns at once when it already is; DeadlineExceeded when the wait runs out.
+        Returns at once when it already is. DeadlineExceeded when the wait runs out, its message
+        saying why it is not ready ("nothing listening on 8080 after 10s", "crash-looping: exit
+        1, 3 restarts; last log: ..."); FailedPrecondition when it failed.
         """
         if not 0 < wait <= MAX_WAIT:
             raise ValueError(f"wait must be in (0, {MAX_WAIT:g}] seconds, got {wait}")
+        target = parse_state(state)
+        if ready and target != pb.MACHINE_STATE_STARTED:
+            raise ValueError(f"ready: only a wait for started can wait for ready, not {state!r}")
         request = m.WaitMachineRequest(
             machine_id=machine_id,
-            state=parse_state(state),
+            state=target,
             timeout=_duration(wait),
             instance_id=instance_id,
+            ready=ready,
         )
         return await self._machine_call("WaitMachine", request, wait + _WAIT_MARGIN)
 

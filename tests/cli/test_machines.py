@@ -12,7 +12,11 @@ from tests.cli.conftest import NONOMAD, CliFleet, Result, nonomad
 from tests.flaps.conftest import eventually
 from tests.harness import REPO_ROOT
 
-TICKER = "echo hello-$GREETING; i=0; while true; do i=$((i+1)); echo tick-$i; sleep 0.2; done"
+# It serves $PORT too (quietly), so that it is ready: started means serving.
+TICKER = (
+    "python3 -m http.server --bind 127.0.0.1 $PORT >/dev/null 2>&1 & "
+    "echo hello-$GREETING; i=0; while true; do i=$((i+1)); echo tick-$i; sleep 0.2; done"
+)
 
 
 def one_line_error(result: Result, code: int, *fragments: str) -> None:
@@ -80,6 +84,7 @@ async def test_a_machine_from_run_to_destroy(cli_fleet: CliFleet) -> None:
             return "tick-3" in [line async for line in flaps.machine_logs(mid, tail_lines=1000)]
 
         await eventually(ticked, 15, "three ticks logged")
+        await flaps.wait_machine(mid, "started", ready=True)
 
     table, as_json, started, show, show_json, logs, logs_json, why, why_json = await asyncio.gather(
         cli_fleet("machines", "list", "web"),
