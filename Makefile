@@ -8,13 +8,14 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 BUF := node_modules/.bin/buf
 PROTOS := $(shell find protos -name '*.proto' | sort)
 
-.PHONY: help env system gen check-gen lint typecheck unit test up bench clean
+.PHONY: help env system gen check-gen lint typecheck unit test up bench clean base-image
 
 help:
 	@echo "make up     start a local cluster serving a demo app (Ctrl-C stops it)"
 	@echo "make test   lint, type-check, check generated code, run the tests"
 	@echo "make gen    regenerate gRPC code from protos/"
 	@echo "make bench  run the benchmarks and print tables"
+	@echo "make base-image  build a small Debian base for directory images (mmdebstrap)"
 
 # The environment comes from the project's own files: uv.lock for Python,
 # package-lock.json for buf (it lists every platform's optional buf binary, so `npm ci` installs
@@ -71,6 +72,27 @@ unit: env
 	$(VENV)/bin/pytest
 
 test: lint check-gen typecheck unit
+
+# A small Debian (bookworm, minbase, python3-minimal) as a rootfs tar, built from Debian's
+# packages by mmdebstrap (installed with apt-get when missing and root; no device nodes, which
+# images may not hold): a base for directory images (`nonomad image build DIR --base
+# $(BASE_IMAGE)`). Built once; `make base-image BASE_IMAGE=path` puts it elsewhere.
+BASE_IMAGE ?= .nonomad/base/debian.tar
+base-image: $(BASE_IMAGE)
+
+$(BASE_IMAGE):
+	@command -v mmdebstrap >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing mmdebstrap with apt-get" >&2; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends mmdebstrap \
+	      >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && \
+	      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	      mmdebstrap >/dev/null; }; \
+	  else echo "mmdebstrap is missing (Debian package mmdebstrap)" >&2; exit 1; fi; }
+	@mkdir -p "$(dir $@)"
+	mmdebstrap --quiet --variant=minbase --include=python3-minimal --format=tar --skip=output/dev \
+	  bookworm "$@.part"
+	@mv "$@.part" "$@"
 
 up: env
 	$(VENV)/bin/nonomad up --demo
