@@ -5,19 +5,23 @@ Feasibility has two kinds of stage, and a worker is rejected once, for the first
 - index stages, answered for a whole region at once from the replica's `registry.supply.Supply`
   (counts it keeps as rows and heartbeats arrive, never a pass over the region): liveness
   (`dead`, `suspect`, `unknown`), `cordoned`, `missing_label`, `machine_limit`,
-  `insufficient_memory`, `insufficient_cpu`;
-- candidate stages (`CANDIDATE_CHECKS`), run on each worker that fits the index stages as it
-  is drawn: `insufficient_disk`, `standby_conflict`, `app_spread_limit`.
+  `insufficient_memory`, `insufficient_cpu`, `insufficient_disk`;
+- candidate stages (`CANDIDATE_CHECKS`): `standby_conflict`, `app_spread_limit`. They can only
+  reject the app's own workers (those holding a primary the standby must avoid, or the app's
+  machines), a small set `Supply.holders` names: each of those that fits the index stages is
+  judged up front, so what they exclude is known exactly without looking at anyone else.
 
 The workers that fit are drawn uniformly at random, without a scan (seeded by the idempotency
-key when there is one, so a retry draws the same way), until `sample_size` of them pass the
-candidate stages: the power of d choices keeps a decision's cost flat as the fleet grows. The
-draw goes on until the sample is full or every fitting worker was drawn, so if any worker of
-the region can take the machine, the decision has a candidate; a refusal's rejections are then
-exact counts. Ranking stages each add one named sub-score to the drawn candidates.
+key when there is one, so a retry draws the same way), until `sample_size` of them are
+feasible or every feasible one was drawn: the power of d choices keeps a decision's cost flat
+as the fleet grows, and at most the sample plus the excluded workers are drawn. If any worker
+of the region can take the machine, the decision has a candidate; a refusal's rejections are
+exact counts, of which the excluded workers drawn are also named. Ranking stages each add one
+named sub-score to the drawn candidates.
 
 One key, one machine: with an idempotency key, the first candidate is the worker the key itself
-picks, the first that fits on the pool's hash ring from the key's point. Two flaps racing the
+picks, the first that fits walking the pool's hash ring from the key's point (a few ring
+neighbours at a time, by rendezvous weight). Two flaps racing the
 same key claim on that same worker first, and the worker holds a key for one machine. The
 ranked list is a proposal; the worker's answer to the claim is final.
 """
@@ -25,6 +29,7 @@ ranked list is a proposal; the worker's answer to the claim is final.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import itertools
 import math
 import random
@@ -33,11 +38,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from flyd.v1 import machine_pb2 as pb
-from registry.supply import Pool, Supplier, Supply, key_point
+from registry.supply import Fit, Pool, Supplier, Supply, key_point
 from registry.view import ALIVE, status_name
 
 # How many candidates a simulation ranks per region.
 SIMULATE_SAMPLE = 64
+# A key's own worker is chosen among this many ring neighbours at a time (see Pipeline._home).
+HOME_CHOICES = 4
 
 
 @dataclass(frozen=True)
@@ -85,7 +92,8 @@ class Decision:
     rejections: list[Rejection] = field(default_factory=list)
     """Workers drawn and rejected by a candidate stage, and claims refused (named)."""
     counted: Counter[str] = field(default_factory=Counter)
-    """Workers the index stages rejected, by reason (counted, not named)."""
+    """Workers rejected and not named, by reason: all those of the index stages, and those
+    of the candidate stages that were not drawn."""
     examined: int = 0
     """Workers drawn at random."""
     keyed: str = ""
@@ -97,15 +105,10 @@ class Decision:
 
 # --- feasibility: the candidate stages ----------------------------------------------------------
 
-# A stage returns None (feasible) or (reason, detail).
+# A stage returns None (feasible) or (reason, detail). A candidate stage may reject only a
+# worker named in the request's `primaries` or, when it sets `max_per_worker`, one holding
+# machines of its app: those are the workers it is asked about (see `Pipeline.decide`).
 Check = Callable[[Supplier, Request], tuple[str, str] | None]
-
-
-def has_disk(w: Supplier, r: Request) -> tuple[str, str] | None:
-    need, free = r.guest.disk_mib, w.free.disk_mib
-    if need > free:
-        return "insufficient_disk", f"needs {need} MiB, {free} free"
-    return None
 
 
 def not_with_primary(w: Supplier, r: Request) -> tuple[str, str] | None:
@@ -121,15 +124,16 @@ def under_app_limit(w: Supplier, r: Request) -> tuple[str, str] | None:
     return None
 
 
-CANDIDATE_CHECKS: list[Check] = [has_disk, not_with_primary, under_app_limit]
+CANDIDATE_CHECKS: list[Check] = [not_with_primary, under_app_limit]
 
 
 # --- feasibility: the index stages --------------------------------------------------------------
 
 
-def count_rejections(base: Pool, pool: Pool, with_memory: int, fitting: int) -> Counter[str]:
+def count_rejections(base: Pool, pool: Pool, fit: Fit) -> Counter[str]:
     """What the index stages reject in a region, by reason, in stage order. `base` is the
-    region's pool, `pool` the one of its workers with the required labels."""
+    region's pool, `pool` the one of its workers with the required labels, `fit` its open
+    workers measured against the guest."""
     counted: Counter[str] = Counter()
     for status, n in base.by_status.items():
         if status != ALIVE and n:
@@ -137,8 +141,9 @@ def count_rejections(base: Pool, pool: Pool, with_memory: int, fitting: int) -> 
     counted["cordoned"] += base.cordoned
     counted["missing_label"] += base.ready - pool.ready
     counted["machine_limit"] += pool.full
-    counted["insufficient_memory"] += pool.open - with_memory
-    counted["insufficient_cpu"] += with_memory - fitting
+    counted["insufficient_memory"] += pool.open - fit.with_memory
+    counted["insufficient_cpu"] += fit.with_memory - fit.with_cpu
+    counted["insufficient_disk"] += fit.with_cpu - fit.fitting
     return +counted  # without the zeros
 
 
@@ -207,6 +212,12 @@ def score(w: Supplier, r: Request, curve: Curve, weights: Weights) -> Candidate:
 
 # --- the pipeline ----------------------------------------------------------------
 
+
+def rendezvous(app: str, key: str, worker_id: str) -> bytes:
+    """A key's weight for a worker, the same in every process."""
+    return hashlib.blake2b(f"{app}\0{key}\0{worker_id}".encode(), digest_size=8).digest()
+
+
 _RNG = random.Random()
 
 
@@ -227,43 +238,81 @@ class Pipeline:
         if base is None or pool is None:
             return decision
         guest = request.guest
-        fit = pool.fit(guest.memory_mib, guest.cpu_millicores)
-        decision.counted = count_rejections(base, pool, fit.with_memory, fit.fitting)
-        home = self._home(supply, pool, request) if request.seed else None
+        size = (guest.memory_mib, guest.cpu_millicores, guest.disk_mib)
+        fit = pool.fit(*size)
+        decision.counted = count_rejections(base, pool, fit)
+        excluded = self._excluded(supply, pool, request, size)
+        feasible_count = fit.fitting - len(excluded)
+        home = None
+        if request.seed and feasible_count > 0:
+            home = self._home(supply, pool, request, size, excluded)
         feasible = [] if home is None else [home]
         decision.keyed = "" if home is None else home.id
         seed = request.seed
         rng = random.Random(f"{request.app}/{seed}") if seed else _RNG
-        for slot in fit.draw(rng):
-            if len(feasible) >= self.sample_size:
-                break
-            worker = supply.at(slot)
-            if worker is home:
-                continue
-            decision.examined += 1
-            for check in self.checks:
-                rejected = check(worker, request)
+        wanted = min(self.sample_size, feasible_count)
+        unnamed = Counter(reason for reason, _ in excluded.values())
+        if len(feasible) < wanted:
+            for slot in fit.draw(rng):
+                worker = supply.at(slot)
+                if worker is home:
+                    continue
+                decision.examined += 1
+                rejected = excluded.get(slot)
                 if rejected is not None:
                     decision.rejections.append(Rejection(worker.id, *rejected))
-                    break
-            else:
+                    unnamed[rejected[0]] -= 1
+                    continue
                 feasible.append(worker)
+                if len(feasible) >= wanted:
+                    break  # (every feasible worker is drawn before the sample can run dry)
+        decision.counted += unnamed
         ranked = [score(w, request, self.curve, self.weights) for w in feasible]
         first = ranked[:1] if home is not None else []
         # Ties keep the (random) drawing order, so equal workers share the load.
         decision.candidates = first + sorted(ranked[len(first) :], key=lambda c: -c.score)
         return decision
 
-    def _home(self, supply: Supply, pool: Pool, request: Request) -> Supplier | None:
-        """The worker an idempotency key picks: the first on the ring from the key's point
-        that passes every stage (within a bounded walk)."""
+    def _excluded(
+        self, supply: Supply, pool: Pool, request: Request, size: tuple[int, int, int]
+    ) -> dict[int, tuple[str, str]]:
+        """The workers that fit the index stages but a candidate stage rejects, by slot, with
+        why: of the app's own workers (a primary's, or one holding its machines when the
+        request limits them per worker), each judged here. The cost is the app's, not the
+        region's."""
+        suspects = set(request.primaries)
+        if request.placement.max_per_worker:
+            suspects.update(supply.holders(request.app))
+        out: dict[int, tuple[str, str]] = {}
+        for worker_id in suspects:
+            worker = supply.supplier(worker_id)
+            if worker is None or not pool.fits(worker, *size):
+                continue  # (an index stage rejects it, and counted it)
+            for check in self.checks:
+                rejected = check(worker, request)
+                if rejected is not None:
+                    out[worker.slot] = rejected
+                    break
+        return out
+
+    def _home(
+        self,
+        supply: Supply,
+        pool: Pool,
+        request: Request,
+        size: tuple[int, int, int],
+        excluded: Mapping[int, object],
+    ) -> Supplier | None:
+        """The worker an idempotency key picks: walking the ring from the key's point (a
+        bounded walk), the first that passes every stage, the workers taken HOME_CHOICES at
+        a time and each handful ordered by rendezvous weight (key, worker): arcs of a ring
+        differ in length, and choosing among a few neighbours evens out what each gets."""
         assert request.seed is not None
-        guest = request.guest
-        for slot in pool.walk(key_point(request.app, request.seed)):
-            worker = supply.at(slot)
-            free = worker.free
-            if free.memory_mib < guest.memory_mib or free.cpu_millicores < guest.cpu_millicores:
-                continue
-            if all(check(worker, request) is None for check in self.checks):
-                return worker
+        app, key = request.app, request.seed
+        walk = pool.walk(key_point(app, key))
+        while handful := [supply.at(slot) for slot in itertools.islice(walk, HOME_CHOICES)]:
+            handful.sort(key=lambda w: rendezvous(app, key, w.id), reverse=True)
+            for worker in handful:
+                if worker.slot not in excluded and pool.fits(worker, *size):
+                    return worker
         return None

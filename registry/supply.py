@@ -9,15 +9,16 @@ Per region, and per set of required labels (built on first use), a `Pool` keeps:
 
 - how many of its workers are in each liveness state, cordoned, or full (no machine slot);
 - its open workers (alive, not cordoned, a slot free) in a `FitTree`: a Fenwick tree over free
-  memory whose nodes hold their workers sorted by free CPU. "Free memory >= m" is a prefix of
-  at most log2(memory range) nodes and, in each node, "free CPU >= c" is one bisection: the
-  workers that fit both form about twenty sorted ranges of known sizes. Counting them costs
-  O(log^2 n); drawing one uniformly at random is one random index into their union;
+  memory whose nodes are Fenwick trees over free CPU whose nodes hold their workers sorted by
+  free disk. "Free memory >= m, CPU >= c, disk >= d" is a prefix of at most log2(memory
+  range) nodes, in each a prefix of at most log2(CPU range) nodes, in each one bisection: the
+  workers that fit all three form sorted ranges of known sizes. Counting them costs
+  O(log^3 n); drawing one uniformly at random is one random index into their union;
 - its open workers on a hash ring, so that a key names the same first choice in every flaps;
 - sums of total and free resources, and how many workers have each free shape (ListRegions).
 
-Memory and CPU are indexed; disk, and what depends on the request (a standby's primary, the
-app's machines per worker), is checked on each worker drawn.
+What depends on the request beyond its size (a standby's primaries, the app's machines per
+worker) rejects only the app's own workers: `Supply.holders` names them, a small set.
 """
 
 from __future__ import annotations
@@ -48,9 +49,16 @@ SLOT_MASK = (1 << SLOT_BITS) - 1
 # of arrays): most nodes of a Fenwick tree hold one or two workers, a few hold most. Arrays
 # hold no references, so the garbage collector never walks the index.
 BIG_NODE = 1024
-# Points per worker on a pool's hash ring, and how many points a key's walk looks at.
-RING_POINTS = 4
-RING_WALK = 64
+# Free disk beyond this (MiB: 256 TiB) is filed as this, so an entry stays within 63 bits.
+DISK_MAX = (1 << 38) - 1
+# Points per worker on a pool's hash ring, and how many points a key's walk looks at. With
+# few points the arcs differ a lot in length (4 points: 10 equal workers took 875 to 3,199 of
+# 20,000 keys); with 128 a worker's arcs add up to within about a tenth of its share. Points
+# move only when a worker opens or closes (a change of free resources leaves them), so their
+# cost is paid on those transitions. The walk covers as many points as sixteen workers hold,
+# so in a small pool it sees every worker.
+RING_POINTS = 128
+RING_WALK = 16 * RING_POINTS
 # Label sets a region keeps a pool for; the least recently used goes first.
 LABEL_POOLS = 32
 
@@ -77,7 +85,8 @@ class Supplier:
 
     id: str
     slot: int
-    ring: tuple[int, ...]
+    ring: array[int]
+    """Its points on a pool's hash ring (machine ints, not a tuple of int objects)."""
     region: str = ""
     labels: Mapping[str, str] = field(default_factory=dict)
     status: int = UNKNOWN
@@ -104,6 +113,13 @@ class Supplier:
 def _point(text: str) -> int:
     """A 32-bit point on a ring, the same in every process (unlike `hash`)."""
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=4).digest(), "big")
+
+
+def ring_points(worker_id: str) -> array[int]:
+    """A worker's RING_POINTS points on a pool's ring, the same in every process: one hash
+    drawn out to 4 bytes a point (one call, not one per point)."""
+    digest = hashlib.shake_128(worker_id.encode()).digest(4 * RING_POINTS)
+    return array("I", (int.from_bytes(digest[i : i + 4], "big") for i in range(0, len(digest), 4)))
 
 
 def key_point(app: str, key: str) -> int:
@@ -142,8 +158,10 @@ class Fit:
 
     with_memory: int
     """Open workers with enough free memory."""
-    fitting: int
+    with_cpu: int
     """Of those, the ones with enough free CPU too."""
+    fitting: int
+    """Of those, the ones with enough free disk too: the workers that fit."""
     ranges: tuple[tuple[Node, int, int], ...]
     """(node, first index, count): the fitting workers as sorted ranges."""
 
@@ -151,76 +169,103 @@ class Fit:
         """The fitting workers' slots in uniformly random order, each once, lazily: a
         Fisher-Yates shuffle of the union of the ranges that moves only what it visits.
         Consume it before the pool changes."""
+        ends = list(itertools.accumulate(n for _, _, n in self.ranges))
         moved: dict[int, int] = {}
         total = self.fitting
         for i in range(total):
             j = rng.randrange(i, total)
             pick = moved.get(j, j)
             moved[j] = moved.get(i, i)
-            for node, lo, n in self.ranges:
-                if pick < n:
-                    yield node[lo + pick] & SLOT_MASK
-                    break
-                pick -= n
+            k = bisect.bisect_right(ends, pick)
+            node, lo, n = self.ranges[k]
+            yield node[lo + pick - ends[k] + n] & SLOT_MASK
 
 
 class FitTree:
-    """Open workers by free memory and CPU; see the module docstring."""
+    """Open workers by free memory, CPU and disk; see the module docstring."""
 
     def __init__(self) -> None:
-        self.bits = 10
-        self.nodes: dict[int, Node] = {}
-        self._memory: dict[int, int] = {}  # entry -> the free memory it was filed under
+        self.memory_bits = 10
+        self.cpu_bits = 10
+        # memory index -> (CPU index -> entries (disk << SLOT_BITS | slot), sorted)
+        self.nodes: dict[int, dict[int, Node]] = {}
+        self.sizes: dict[int, int] = {}
+        """memory index -> how many workers its node holds."""
+        self._filed: dict[int, tuple[int, int, int]] = {}  # slot -> (memory, cpu, disk)
 
     def __len__(self) -> int:
-        return len(self._memory)
+        return len(self._filed)
 
-    def add(self, memory: int, cpu: int, slot: int) -> None:
-        memory, entry = max(0, memory), max(0, cpu) << SLOT_BITS | slot
-        if memory >> self.bits:
-            self._grow(memory)
-        self._memory[entry] = memory
-        size = 1 << self.bits
-        i = size - memory
-        while i <= size:
-            _insert(self.nodes, i, entry)
+    def __contains__(self, slot: int) -> bool:
+        return slot in self._filed
+
+    def add(self, memory: int, cpu: int, disk: int, slot: int) -> None:
+        memory, cpu, disk = max(0, memory), max(0, cpu), min(max(0, disk), DISK_MAX)
+        if memory >> self.memory_bits or cpu >> self.cpu_bits:
+            self._grow(memory, cpu)
+        self._filed[slot] = (memory, cpu, disk)
+        self._file(memory, cpu, disk << SLOT_BITS | slot, 1)
+
+    def remove(self, slot: int) -> None:
+        memory, cpu, disk = self._filed.pop(slot)
+        self._file(memory, cpu, disk << SLOT_BITS | slot, -1)
+
+    def _file(self, memory: int, cpu: int, entry: int, sign: int) -> None:
+        msize, csize = 1 << self.memory_bits, 1 << self.cpu_bits
+        i = msize - memory
+        while i <= msize:
+            inner = self.nodes.get(i)
+            if inner is None:
+                inner = self.nodes[i] = {}
+            j = csize - cpu
+            while j <= csize:
+                if sign > 0:
+                    _insert(inner, j, entry)
+                else:
+                    _delete(inner, j, entry)
+                j += j & -j
+            size = self.sizes.get(i, 0) + sign
+            if size:
+                self.sizes[i] = size
+            else:
+                del self.sizes[i], self.nodes[i]
             i += i & -i
 
-    def remove(self, memory: int, cpu: int, slot: int) -> None:
-        entry = max(0, cpu) << SLOT_BITS | slot
-        memory = self._memory.pop(entry)
-        size = 1 << self.bits
-        i = size - memory
-        while i <= size:
-            _delete(self.nodes, i, entry)
-            i += i & -i
-
-    def _grow(self, memory: int) -> None:
-        """Widen the memory range to hold `memory`: re-file every worker (rare: once per
+    def _grow(self, memory: int, cpu: int) -> None:
+        """Widen the ranges to hold `memory` and `cpu`: re-file every worker (rare: once per
         doubling of the largest worker seen)."""
-        filed = self._memory
-        self.bits = max(self.bits, memory.bit_length())
-        self.nodes, self._memory = {}, {}
-        for entry, mem in filed.items():
-            self.add(mem, entry >> SLOT_BITS, entry & SLOT_MASK)
+        filed = self._filed
+        self.memory_bits = max(self.memory_bits, memory.bit_length())
+        self.cpu_bits = max(self.cpu_bits, cpu.bit_length())
+        self.nodes, self.sizes, self._filed = {}, {}, {}
+        for slot, (mem, c, d) in filed.items():
+            self.add(mem, c, d, slot)
 
-    def fit(self, memory: int, cpu: int) -> Fit:
-        """The open workers with at least `memory` MiB and `cpu` millicores free."""
-        size = 1 << self.bits
-        i = size - max(0, memory)
-        floor = max(0, cpu) << SLOT_BITS
-        with_memory = fitting = 0
+    def fit(self, memory: int, cpu: int, disk: int = 0) -> Fit:
+        """The open workers with at least `memory` MiB, `cpu` millicores and `disk` MiB free."""
+        msize, csize = 1 << self.memory_bits, 1 << self.cpu_bits
+        memory, cpu = max(0, memory), max(0, cpu)  # (beyond the range: no prefix, none fit)
+        floor = min(max(0, disk), DISK_MAX + 1) << SLOT_BITS
+        with_memory = with_cpu = fitting = 0
         ranges = []
+        i = msize - memory
         while i > 0:
-            node = self.nodes.get(i)
-            if node is not None:
-                with_memory += len(node)
-                lo = _bisect(node, floor)
-                if lo < len(node):
-                    ranges.append((node, lo, len(node) - lo))
-                    fitting += len(node) - lo
+            inner = self.nodes.get(i)
+            if inner is not None:
+                with_memory += self.sizes[i]
+                j = csize - cpu
+                while j > 0:
+                    node = inner.get(j)
+                    if node is not None:
+                        n = len(node)
+                        with_cpu += n
+                        lo = _bisect(node, floor) if floor else 0
+                        if lo < n:
+                            ranges.append((node, lo, n - lo))
+                            fitting += n - lo
+                    j -= j & -j
             i -= i & -i
-        return Fit(with_memory, fitting, tuple(ranges))
+        return Fit(with_memory, with_cpu, fitting, tuple(ranges))
 
 
 class Pool:
@@ -253,8 +298,9 @@ class Pool:
     def open(self) -> int:
         return len(self.tree)
 
-    def join(self, s: Supplier, sign: int = 1) -> None:
-        """Count `s` in (or, with sign -1, out of) every figure and structure."""
+    def join(self, s: Supplier, sign: int = 1, *, ring: bool = True) -> None:
+        """Count `s` in (or, with sign -1, out of) every figure and structure; its ring
+        points too unless `ring` is False (it stays open: only its free resources moved)."""
         self.workers += sign
         self.by_status[s.status] += sign
         if s.status == ALIVE and s.cordoned:
@@ -271,20 +317,32 @@ class Pool:
         if s.free.machines < 1:
             self.full += sign
             return
+        free = s.free
         if sign > 0:
-            self.tree.add(s.free.memory_mib, s.free.cpu_millicores, s.slot)
-            for point in s.ring:
-                self.ring.add(point << SLOT_BITS | s.slot)
+            self.tree.add(free.memory_mib, free.cpu_millicores, free.disk_mib, s.slot)
         else:
-            self.tree.remove(s.free.memory_mib, s.free.cpu_millicores, s.slot)
+            self.tree.remove(s.slot)
+        if ring:
+            change = self.ring.add if sign > 0 else self.ring.remove
             for point in s.ring:
-                self.ring.remove(point << SLOT_BITS | s.slot)
+                change(point << SLOT_BITS | s.slot)
 
-    def leave(self, s: Supplier) -> None:
-        self.join(s, -1)
+    def leave(self, s: Supplier, *, ring: bool = True) -> None:
+        self.join(s, -1, ring=ring)
 
-    def fit(self, memory: int, cpu: int) -> Fit:
-        return self.tree.fit(memory, cpu)
+    def fit(self, memory: int, cpu: int, disk: int = 0) -> Fit:
+        return self.tree.fit(memory, cpu, disk)
+
+    def fits(self, s: Supplier, memory: int, cpu: int, disk: int) -> bool:
+        """Whether `s` is one of the open workers that `fit(memory, cpu, disk)` counts."""
+        free = s.free
+        return (
+            s.slot in self.tree
+            and self.holds(s)
+            and free.memory_mib >= memory
+            and free.cpu_millicores >= cpu
+            and min(free.disk_mib, DISK_MAX) >= min(disk, DISK_MAX + 1)
+        )
 
     def walk(self, point: int) -> Iterator[int]:
         """Open workers' slots in ring order from `point`, each once, at most RING_WALK points:
@@ -311,6 +369,7 @@ class Supply:
         self._regions: dict[str, Pool] = {}
         self._members: dict[str, dict[str, Supplier]] = {}  # region -> its workers
         self._labelled: dict[str, dict[frozenset[tuple[str, str]], Pool]] = {}
+        self._holders: dict[str, dict[str, int]] = {}  # app -> worker id -> its machines
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -332,6 +391,11 @@ class Supply:
 
     def members(self, region: str) -> Mapping[str, Supplier]:
         return self._members.get(region, {})
+
+    def holders(self, app: str) -> Mapping[str, int]:
+        """The workers holding machines (not destroyed) of `app`, with how many: the only
+        workers a per-app stage (spread, a standby's primary) can reject."""
+        return self._holders.get(app, {})
 
     def pool(self, region: str, labels: Mapping[str, str] | None = None) -> Pool | None:
         """The pool of `region`'s workers that carry every one of `labels`; None for a region
@@ -381,7 +445,18 @@ class Supply:
             s.images = images
             return s
         else:
-            self._leave(s)
+            # Open before and after in the same pools: its ring points stay where they are.
+            rejoin = (
+                s.open
+                and (s.region, status, cordoned) == (region, ALIVE, False)
+                and free.machines >= 1
+                and s.labels == labels
+            )
+            self._leave(s, rejoin=rejoin)
+            s.region, s.labels, s.status, s.cordoned = region, dict(labels), status, cordoned
+            s.total, s.free, s.images = total, free, images
+            self._join(s, rejoin=rejoin)
+            return s
         s.region, s.labels, s.status, s.cordoned = region, dict(labels), status, cordoned
         s.total, s.free, s.images = total, free, images
         self._join(s)
@@ -393,6 +468,8 @@ class Supply:
         if s is None:
             return
         self._leave(s)
+        for app in s.apps:
+            self._count_holder(app, worker_id, 0)
         self._slots[s.slot] = None
         self._free_slots.append(s.slot)
 
@@ -404,12 +481,24 @@ class Supply:
             s.apps[app] = held
         else:
             s.apps.pop(app, None)
+        self._count_holder(app, worker_id, held)
+
+    def _count_holder(self, app: str, worker_id: str, held: int) -> None:
+        holders = self._holders.get(app)
+        if held > 0:
+            if holders is None:
+                holders = self._holders[app] = {}
+            holders[worker_id] = held
+        elif holders is not None:
+            holders.pop(worker_id, None)
+            if not holders:
+                del self._holders[app]
 
     def _new(self, worker_id: str) -> Supplier:
         slot = self._free_slots.pop() if self._free_slots else len(self._slots)
         if slot > SLOT_MASK:
             raise OverflowError(f"more than {SLOT_MASK + 1} workers")
-        ring = tuple(_point(f"{worker_id}#{i}") for i in range(RING_POINTS))
+        ring = ring_points(worker_id)
         s = Supplier(id=worker_id, slot=slot, ring=ring)
         if slot == len(self._slots):
             self._slots.append(s)
@@ -424,18 +513,20 @@ class Supply:
             if pool.holds(s):
                 yield pool
 
-    def _join(self, s: Supplier) -> None:
+    def _join(self, s: Supplier, *, rejoin: bool = False) -> None:
         if s.region not in self._regions:
             self._regions[s.region] = Pool(s.region)
             self._members[s.region] = {}
         self._members[s.region][s.id] = s
         for pool in self._pools_of(s):
-            pool.join(s)
+            pool.join(s, ring=not rejoin)
 
-    def _leave(self, s: Supplier) -> None:
+    def _leave(self, s: Supplier, *, rejoin: bool = False) -> None:
+        """Count `s` out of its pools; `rejoin`: it joins the same pools again at once, open
+        before and after (so its ring points and its region's pool stay)."""
         for pool in self._pools_of(s):
-            pool.leave(s)
+            pool.leave(s, ring=not rejoin)
         del self._members[s.region][s.id]
-        if not self._members[s.region]:
+        if not rejoin and not self._members[s.region]:
             del self._members[s.region], self._regions[s.region]
             self._labelled.pop(s.region, None)

@@ -541,8 +541,10 @@ def test_rejections_are_counted_by_reason() -> None:
         }
     )
     assert sorted(ids(decision.candidates)) == ["ok-0", "ok-1"]
-    # Only the workers that fit the index stages are drawn and looked at one by one.
-    assert decision.examined == 3
+    # Only the workers that fit the index stages are drawn, and the drawing stops once both
+    # feasible ones are in: the excluded "primary" is named only if drawn before them.
+    assert decision.examined == 2 + len(decision.rejections)
+    assert [rj.worker_id for rj in decision.rejections] in ([], ["primary"])
 
 
 def test_labels_pick_a_pool_and_count_the_rest_as_missing() -> None:
@@ -558,7 +560,7 @@ def test_labels_pick_a_pool_and_count_the_rest_as_missing() -> None:
 
 
 class CountingCheck:
-    """A first stage that only counts the workers the pipeline looks at."""
+    """A first candidate stage that only counts the workers it is asked about."""
 
     __name__ = "counting"
 
@@ -583,13 +585,16 @@ def test_power_of_d_choices_examines_a_bounded_sample(
 
     monkeypatch.setattr(placement, "score", counting_score)
     counter = CountingCheck()
-    supply = supply_of(fleet(size))
+    workers = fleet(size)
+    workers[0] = worker("w0", machines=apps(web=1))
+    supply = supply_of(workers)
     pipeline = Pipeline(checks=(counter, *CANDIDATE_CHECKS), sample_size=8)
-    decision = pipeline.decide(supply, request(), REGION)
+    decision = pipeline.decide(supply, request(max_per_worker=3), REGION)
     expected = min(size, 8)
     assert len(decision.candidates) == expected
-    assert len(scored) == expected
-    assert counter.calls == decision.examined == expected
+    assert len(scored) == decision.examined == expected
+    # The candidate stages are asked about the app's own workers only, whatever the size.
+    assert counter.calls == 1
 
 
 @pytest.mark.parametrize(
@@ -602,17 +607,57 @@ def test_power_of_d_choices_examines_a_bounded_sample(
     ],
 )
 def test_draws_until_the_sample_is_full(feasible: int, infeasible: int, candidates: int) -> None:
-    # The infeasible ones fail a candidate stage (disk), so they are drawn and rejected.
-    workers = fleet(feasible, prefix="ok-") + fleet(infeasible, prefix="full-", used_disk=20480)
-    decision = decide(workers, request(disk=1), sample_size=8)
+    # The infeasible ones fail a candidate stage (the app's spread), so they are drawn and
+    # rejected by name, or counted when the drawing stops before them.
+    workers = fleet(feasible, prefix="ok-") + fleet(
+        infeasible, prefix="full-", machines=apps(web=2)
+    )
+    decision = decide(workers, request(max_per_worker=2), sample_size=8)
     assert len(decision.candidates) == candidates
     # Every worker drawn is either a candidate or a named rejection.
     assert decision.examined == len(decision.rejections) + candidates
-    assert decision.counts() == Counter({"insufficient_disk": len(decision.rejections)})
-    if candidates < 8:
-        assert decision.examined == feasible + infeasible  # drew them all
-    else:
-        assert decision.examined < len(workers)  # it stops at the eighth
+    assert {r.reason for r in decision.rejections} <= {"app_spread_limit"}
+    assert decision.counts() == Counter({"app_spread_limit": infeasible})
+    # It stops once the sample is full or every feasible worker is in.
+    assert decision.examined < len(workers)
+
+
+@pytest.mark.parametrize(
+    ("kw", "reason"),
+    [
+        pytest.param({"used_disk": 20480}, "insufficient_disk", id="disk"),
+        pytest.param({"machines": apps(web=2)}, "app_spread_limit", id="spread"),
+    ],
+)
+def test_ten_thousand_workers_that_fit_memory_and_cpu_refuse_without_a_scan(
+    kw: dict[str, Any], reason: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every worker has the memory and the CPU; none has the disk, or each already holds as
+    # many of the app as it may. The refusal is exact without drawing them one by one.
+    supply = supply_of(fleet(10_000, **kw))
+    drawn: list[int] = []
+    real_draw = placement.Fit.draw
+
+    def counting_draw(fit: placement.Fit, rng: Any) -> Any:
+        for slot in real_draw(fit, rng):
+            drawn.append(slot)
+            yield slot
+
+    monkeypatch.setattr(placement.Fit, "draw", counting_draw)
+    r = request(disk=1, max_per_worker=2, seed="k")
+    decision = Pipeline(sample_size=8).decide(supply, r, REGION)
+    assert decision.candidates == []
+    assert decision.counts() == Counter({reason: 10_000})
+    assert (drawn, decision.examined, decision.rejections) == ([], 0, [])
+    # One worker with room is found, and it is the only one drawn.
+    supply.update("roomy", region=REGION, labels={}, status=ALIVE, **room(worker("roomy")))
+    decision = Pipeline(sample_size=8).decide(supply, r, REGION)
+    assert [c.worker_id for c in decision.candidates] == ["roomy"]
+    assert decision.counts() == Counter({reason: 10_000})
+
+
+def room(w: Worker) -> dict[str, Resources]:
+    return {"total": w.total, "free": w.free}
 
 
 def test_a_standby_never_lands_with_its_primary() -> None:
@@ -650,6 +695,17 @@ def test_a_key_picks_its_worker_whatever_else_the_view_says() -> None:
         if not home.startswith("new-") and b.candidates[0].worker_id.startswith("new-"):
             continue  # a worker only b knows came first on its ring: fair
         assert b.candidates[0].worker_id == home
+
+
+def test_keyed_creates_spread_evenly_over_equal_workers() -> None:
+    # Each key's own worker comes from the ring: with enough points per worker, equal workers
+    # get about as many keys each (with 4 points they got from 0.4x to 1.6x the mean).
+    supply = supply_of(fleet(10))
+    homes = Counter(
+        Pipeline().decide(supply, request(seed=f"key-{i}"), REGION).keyed for i in range(2000)
+    )
+    assert sorted(homes) == sorted(f"w{i}" for i in range(10))
+    assert all(150 <= n <= 250 for n in homes.values()), homes
 
 
 def test_different_seeds_spread_ties() -> None:

@@ -1,9 +1,11 @@
 """The supply the view keeps step by step equals one built from scratch from the view's state.
 
 Any sequence of worker arrivals (and moves between regions, relabelling), snapshots (rows that
-appear and rows that go), changes, heartbeats (free resources, cordons) and silences (suspect,
-dead) must leave every pool, tree, ring, count and sum exactly as a fresh `Supply` fed the
-final state would have them; the view's own indexes (by app, by key) likewise.
+appear and rows that go), changes, heartbeats (free resources, cordons), silences (suspect,
+dead) and removals (dead past `forget_after`) must leave every pool, tree, ring, count and sum
+exactly as a fresh `Supply` fed the final state would have them; the view's own indexes (by
+app, by key) likewise. A second view follows the first through `apply_upstream` (what it
+relays, as a Follow stream would), and its supply must equal a rebuilt one too.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from hypothesis import strategies as st
 
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
-from registry.supply import SLOT_BITS, SLOT_MASK, Pool, Resources, Supply
-from registry.view import DESTROYED, View
+from registry.supply import SLOT_BITS, SLOT_MASK, FitTree, Pool, Resources, Supply
+from registry.v1 import registry_pb2
+from registry.view import DESTROYED, ReplicaEvent, View
 
 S = pb.MachineState
 WORKERS = ("w0", "w1", "w2", "w3", "w4")
@@ -65,27 +68,32 @@ steps = st.one_of(
         st.tuples(*(st.sampled_from([-5, 0, 1, 500, 4000]) for _ in range(4))),
         st.tuples(*(st.sampled_from([0, 1000, 4000]) for _ in range(4))),
     ),
-    st.tuples(st.just("wait"), st.sampled_from([0.1, 0.7, 1.5])),
+    # Time passes: liveness is judged, the longest dead are forgotten.
+    st.tuples(st.just("wait"), st.sampled_from([0.1, 0.7, 1.5, 2.5])),
 )
 
 
-def apply(view: View, step: tuple[Any, ...], now: float) -> None:
+def apply(view: View, step: tuple[Any, ...], now: float) -> list[registry_pb2.FollowResponse]:
+    """Apply a step to `view`; what it relays to a follower (as Follow stream items)."""
     kind, worker_id = step[0], step[1] if len(step) > 1 else ""
     if kind == "add":
-        view.add(info(worker_id, step[2], LABELS[step[3]]), now)
-        return
-    if kind == "wait" or worker_id not in view:
-        view.tick(now)
-        return
+        return _relay(view, view.add(info(worker_id, step[2], LABELS[step[3]]), now).events)
+    if kind == "wait":
+        out = _relay(view, view.tick(now))
+        _, gone = view.forget(now)
+        assert all(g not in view for g in gone)
+        return out
+    if worker_id not in view:
+        return _relay(view, view.tick(now))
     seq = view.resume_seq(worker_id)
     if kind == "snapshot":
         machines = {m.id: m for m in (_own(m, worker_id) for m in step[2])}
         snap = w.Snapshot(seq=seq + 1, machines=machines.values())
-        view.apply(worker_id, w.WatchEventsResponse(snapshot=snap), now)
+        item = w.WatchEventsResponse(snapshot=snap)
     elif kind == "change":
         m = _own(step[2], worker_id)
         change = w.MachineChange(event=pb.MachineEvent(seq=seq + 1, machine_id=m.id), machine=m)
-        view.apply(worker_id, w.WatchEventsResponse(change=change), now)
+        item = w.WatchEventsResponse(change=change)
     else:
         _, _, cordoned, free, total = step
         cap = pb.Capacity(
@@ -94,7 +102,19 @@ def apply(view: View, step: tuple[Any, ...], now: float) -> None:
             cordoned=cordoned,
         )
         cap.images.add(ref=f"img-{free[0]}", digest="sha256:x")
-        view.apply(worker_id, w.WatchEventsResponse(heartbeat=w.Heartbeat(capacity=cap)), now)
+        item = w.WatchEventsResponse(heartbeat=w.Heartbeat(capacity=cap))
+    applied = view.apply(worker_id, item, now)
+    out = _relay(view, applied.events)
+    if applied.relay:
+        out.append(view.relay(worker_id, item))
+    return out
+
+
+def _relay(view: View, events: list[ReplicaEvent]) -> list[registry_pb2.FollowResponse]:
+    """Status-only items for the workers whose status or info changed (gone ones: nothing)."""
+    return [
+        view.relay(e.worker_id, None) for e in events if e.kind == "worker" and e.worker_id in view
+    ]
 
 
 _FIELDS = ("cpu_millicores", "memory_mib", "disk_mib", "machines")
@@ -129,6 +149,20 @@ def rebuilt(view: View) -> Supply:
     return supply
 
 
+def tree_layout(tree: FitTree) -> tuple[Any, ...]:
+    nodes = {i: {j: list(node) for j, node in inner.items()} for i, inner in tree.nodes.items()}
+    return nodes, tree.sizes
+
+
+def relaid(tree: FitTree) -> FitTree:
+    """The same entries filed from scratch in the same ranges."""
+    fresh = FitTree()
+    fresh.memory_bits, fresh.cpu_bits = tree.memory_bits, tree.cpu_bits
+    for slot, (memory, cpu, disk) in tree._filed.items():
+        fresh.add(memory, cpu, disk, slot)
+    return fresh
+
+
 def pool_print(supply: Supply, pool: Pool) -> dict[str, Any]:
     """Everything a pool holds, with slots (which differ between supplies) read as ids."""
 
@@ -138,7 +172,10 @@ def pool_print(supply: Supply, pool: Pool) -> dict[str, Any]:
     return {
         "figures": (pool.workers, +pool.by_status, pool.cordoned, pool.ready, pool.full),
         "sums": (pool.total, pool.free, +pool.shapes),
-        "tree": sorted((i, named(e)) for i, node in pool.tree.nodes.items() for e in node),
+        # What is filed (the layout depends on the ranges, which only ever widen), and that
+        # the layout is the one those entries give in those ranges.
+        "tree": sorted((supply.at(slot).id, sizes) for slot, sizes in pool.tree._filed.items()),
+        "laid out": tree_layout(pool.tree) == tree_layout(relaid(pool.tree)),
         "ring": sorted(named(e) for e in pool.ring),
     }
 
@@ -161,22 +198,34 @@ def supply_print(supply: Supply) -> dict[str, Any]:
                 s.images,
                 s.apps,
             )
+        for app in ("web", "db"):
+            out[f"holders/{region}/{app}"] = {
+                k: n for k, n in supply.holders(app).items() if k in supply.members(region)
+            }
+    out["holders"] = {app: dict(supply.holders(app)) for app in ("web", "db")}
     return out
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(steps, max_size=40))
 def test_the_kept_supply_equals_a_rebuilt_one(script: list[tuple[Any, ...]]) -> None:
-    view = View(suspect_after=0.6, dead_after=1.0)
+    view = View(suspect_after=0.6, dead_after=1.0, forget_after=2.0)
+    follower = View(suspect_after=0.6, dead_after=1.0, forget_after=2.0, upstream=True)
     now = 0.0
     for step in script:
         if step[0] == "wait":
             now += step[1]
-        apply(view, step, now)
+        for item in apply(view, step, now):
+            follower.apply_upstream(item, now)
+        follower.tick(now)
+        if step[0] == "wait":
+            follower.forget(now)
         if step[0] == "add":  # label pools exist from the start and are kept from then on
-            for labels in LABELS:
-                view.supply.pool(step[2], labels)
+            for v in (view, follower):
+                for labels in LABELS:
+                    v.supply.pool(step[2], labels)
     assert supply_print(view.supply) == supply_print(rebuilt(view))
+    assert supply_print(follower.supply) == supply_print(rebuilt(follower))
     # The view's own indexes: by app, and by key (the latest row with a key holds it).
     everything = view.machines()
     for app in ("web", "db"):
