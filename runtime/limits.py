@@ -28,6 +28,7 @@ __all__ = ["DEFAULT_LIMITS", "Limits", "check"]
 
 _MESSAGE = FieldDescriptor.TYPE_MESSAGE
 _TEXT = (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES)
+_TIMES = {"google.protobuf.Duration", "google.protobuf.Timestamp"}
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,10 @@ DEFAULT_LIMITS = Limits()
 
 
 def check(message: Message, limits: Limits, path: str = "") -> None:
-    """Raise InvalidArgument naming the first field of `message` over its bound."""
+    """Raise InvalidArgument naming the first field of `message` over its bound (or, for a
+    Duration or Timestamp, outside the range its type allows)."""
+    if message.DESCRIPTOR.full_name in _TIMES:
+        _check_time(message, path)
     for fd, value in message.ListFields():
         where = f"{path}.{fd.name}" if path else fd.name
         if fd.is_repeated:
@@ -85,6 +89,15 @@ def check(message: Message, limits: Limits, path: str = "") -> None:
                 path or message.DESCRIPTOR.name,
                 f"at most {size_limit} bytes encoded, got {size}",
             )
+
+
+def _check_time(value: Message, where: str) -> None:
+    # A Duration of -2**63 seconds decodes; whatever converts it (JSON, datetime) raises.
+    try:
+        value.ToJsonString()  # type: ignore[attr-defined]
+    except ValueError:
+        name = value.DESCRIPTOR.name
+        raise InvalidArgument(where or name, f"not a valid {name}: out of its range") from None
 
 
 def _check_map(

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.message import Message
+from google.protobuf.timestamp_pb2 import Timestamp
 
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
@@ -37,10 +40,23 @@ def request(**config: object) -> w.CreateMachineRequest:
             request(env={f"K{i}": "v" * 4000 for i in range(20)}),
             "config: at most 65536 bytes encoded",
         ),
+        # Decodes, but no conversion takes it (flaps' forwarding raised on it: INTERNAL).
+        (
+            w.StopMachineRequest(timeout=Duration(seconds=-(2**63))),
+            "timeout: not a valid Duration: out of its range",
+        ),
+        (
+            w.StopMachineRequest(timeout=Duration(seconds=1, nanos=-1)),
+            "timeout: not a valid Duration",
+        ),
+        (
+            pb.Machine(created_at=Timestamp(seconds=2**62)),
+            "created_at: not a valid Timestamp: out of its range",
+        ),
     ],
 )
 def test_the_first_field_over_its_bound_is_named_with_the_bound(
-    message: w.CreateMachineRequest, error: str
+    message: Message, error: str
 ) -> None:
     with pytest.raises(InvalidArgument) as caught:
         check(message, LIMITS)
