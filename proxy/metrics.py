@@ -4,7 +4,10 @@ The data plane pays nothing per request for them: `ProxyCollector` turns proxy.s
 counters, the router's table and the registry replica's view into metric families when the
 runtime's /metrics endpoint (`--metrics-listen`) is scraped. That endpoint serves from its own
 thread, while everything read here belongs to the event loop, so the reading is done on the
-loop (one hop per scrape, bounded by `READ_TIMEOUT`).
+loop (one hop per scrape, bounded by `READ_TIMEOUT`). What is read there costs the apps and
+a handful of workers, never a pass over the fleet: the replica's age per worker is given for the
+`OLDEST_WORKERS` workers heard from longest ago (the registry's own metrics count workers by
+region and status).
 """
 
 from __future__ import annotations
@@ -26,13 +29,14 @@ from prometheus_client.core import (
 from prometheus_client.registry import REGISTRY, CollectorRegistry
 
 from proxy.stats import Stats
-from registry.replica import WorkerView
 from runtime.clock import Clock
 
 log = structlog.get_logger("proxy.metrics")
 
 READ_TIMEOUT = 2.0
 """Longest a scrape waits for the event loop to read the numbers."""
+OLDEST_WORKERS = 10
+"""Workers (not dead) whose news age a scrape reports: those heard from longest ago."""
 
 
 class Routes(Protocol):
@@ -46,7 +50,7 @@ class Workers(Protocol):
 
     clock: Clock
 
-    def workers(self, region: str | None = None) -> list[WorkerView]: ...
+    def oldest_news(self, limit: int) -> list[tuple[str, float]]: ...
 
 
 class Connections(Protocol):
@@ -109,9 +113,8 @@ class ProxyCollector:
         ages: dict[str, float] = {}
         if replica is not None:
             now = replica.clock.now()
-            for view in replica.workers():
-                if view.last_heartbeat:
-                    ages[view.info.id] = max(0.0, now - view.last_heartbeat)
+            for worker_id, heard in replica.oldest_news(OLDEST_WORKERS):
+                ages[worker_id] = max(0.0, now - heard)
         return _Reading(
             by_app={app: dict(by_status) for app, by_status in stats.by_app.items()},
             buckets=buckets,
@@ -195,7 +198,8 @@ class ProxyCollector:
         yield in_flight
         age = GaugeMetricFamily(
             "nonomad_proxy_registry_heartbeat_age_seconds",
-            "How old the replica's latest news of each worker is: its lag behind the worker.",
+            "How old the replica's latest news of a worker is (its lag behind the worker), "
+            f"for the {OLDEST_WORKERS} workers not judged dead heard from longest ago.",
             labels=["worker"],
         )
         for worker, seconds in sorted(r.heartbeat_age.items()):

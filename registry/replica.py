@@ -317,6 +317,10 @@ class Replica:
     def worker(self, worker_id: str) -> WorkerView | None:
         return self._view.worker(worker_id)
 
+    def oldest_news(self, limit: int) -> list[tuple[str, float]]:
+        """The `limit` workers (not dead) heard from longest ago, with when (View.oldest_news)."""
+        return self._view.oldest_news(limit)
+
     def worker_page(
         self, region: str | None, after: str, limit: int
     ) -> tuple[list[WorkerView], str]:
@@ -649,6 +653,9 @@ class Replica:
         while self._running:
             now = self.clock.now()
             self._publish(self._view.tick(now))
+            while self._view.due(now):  # a fleet gone quiet at once: a batch at a time
+                await asyncio.sleep(0)
+                self._publish(self._view.tick(now))
             self._forget_dead(now)
             self._reopen_silent_streams(now)
             await self.clock.sleep_until(now + LIVENESS_TICK)

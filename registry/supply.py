@@ -14,7 +14,8 @@ Per region, and per set of required labels (built on first use), a `Pool` keeps:
   range) nodes, in each a prefix of at most log2(CPU range) nodes, in each one bisection: the
   workers that fit all three form sorted ranges of known sizes. Counting them costs
   O(log^3 n); drawing one uniformly at random is one random index into their union;
-- its open workers on a hash ring, so that a key names the same first choice in every flaps;
+- its workers on a hash ring (whatever their state: a worker that closes or opens moves only
+  in the tree), so that a key names the same first choice in every flaps;
 - sums of total and free resources, and how many workers have each free shape (ListRegions).
 
 What depends on the request beyond its size (a standby's primaries, the app's machines per
@@ -54,9 +55,9 @@ DISK_MAX = (1 << 38) - 1
 # Points per worker on a pool's hash ring, and how many points a key's walk looks at. With
 # few points the arcs differ a lot in length (4 points: 10 equal workers took 875 to 3,199 of
 # 20,000 keys); with 128 a worker's arcs add up to within about a tenth of its share. Points
-# move only when a worker opens or closes (a change of free resources leaves them), so their
-# cost is paid on those transitions. The walk covers as many points as sixteen workers hold,
-# so in a small pool it sees every worker.
+# move only when a worker joins or leaves a pool (its region or labels change, it is added or
+# removed), never with its liveness or free resources. The walk covers as many points as
+# sixteen workers hold, so in a small pool it sees every worker.
 RING_POINTS = 128
 RING_WALK = 16 * RING_POINTS
 # Label sets a region keeps a pool for; the least recently used goes first.
@@ -300,8 +301,12 @@ class Pool:
 
     def join(self, s: Supplier, sign: int = 1, *, ring: bool = True) -> None:
         """Count `s` in (or, with sign -1, out of) every figure and structure; its ring
-        points too unless `ring` is False (it stays open: only its free resources moved)."""
+        points too unless `ring` is False (it stays in the pool: only its state moved)."""
         self.workers += sign
+        if ring:
+            change = self.ring.add if sign > 0 else self.ring.remove
+            for point in s.ring:
+                change(point << SLOT_BITS | s.slot)
         self.by_status[s.status] += sign
         if s.status == ALIVE and s.cordoned:
             self.cordoned += sign
@@ -322,10 +327,6 @@ class Pool:
             self.tree.add(free.memory_mib, free.cpu_millicores, free.disk_mib, s.slot)
         else:
             self.tree.remove(s.slot)
-        if ring:
-            change = self.ring.add if sign > 0 else self.ring.remove
-            for point in s.ring:
-                change(point << SLOT_BITS | s.slot)
 
     def leave(self, s: Supplier, *, ring: bool = True) -> None:
         self.join(s, -1, ring=ring)
@@ -345,8 +346,8 @@ class Pool:
         )
 
     def walk(self, point: int) -> Iterator[int]:
-        """Open workers' slots in ring order from `point`, each once, at most RING_WALK points:
-        every flaps with the same view walks the same way."""
+        """Open workers' slots in ring order from `point`, each once, within RING_WALK points
+        (of any worker of the pool): every flaps with the same view walks the same way."""
         ring = self.ring
         if not ring:
             return
@@ -354,7 +355,7 @@ class Pool:
         seen = set()
         for entry in itertools.islice(itertools.chain(ring.islice(start), ring), RING_WALK):
             slot = entry & SLOT_MASK
-            if slot not in seen:
+            if slot not in seen and slot in self.tree:
                 seen.add(slot)
                 yield slot
 
@@ -445,13 +446,8 @@ class Supply:
             s.images = images
             return s
         else:
-            # Open before and after in the same pools: its ring points stay where they are.
-            rejoin = (
-                s.open
-                and (s.region, status, cordoned) == (region, ALIVE, False)
-                and free.machines >= 1
-                and s.labels == labels
-            )
+            # In the same pools before and after: its ring points stay where they are.
+            rejoin = s.region == region and s.labels == labels
             self._leave(s, rejoin=rejoin)
             s.region, s.labels, s.status, s.cordoned = region, dict(labels), status, cordoned
             s.total, s.free, s.images = total, free, images
@@ -522,8 +518,8 @@ class Supply:
             pool.join(s, ring=not rejoin)
 
     def _leave(self, s: Supplier, *, rejoin: bool = False) -> None:
-        """Count `s` out of its pools; `rejoin`: it joins the same pools again at once, open
-        before and after (so its ring points and its region's pool stay)."""
+        """Count `s` out of its pools; `rejoin`: it joins the same pools again at once (so its
+        ring points and its region's pool stay)."""
         for pool in self._pools_of(s):
             pool.leave(s, ring=not rejoin)
         del self._members[s.region][s.id]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import pytest
 
@@ -18,7 +19,16 @@ from registry.errors import (
 )
 from registry.rows import MachineQuery
 from registry.v1 import registry_pb2 as r
-from registry.view import ALIVE, DEAD, SUSPECT, UNKNOWN, Added, View, check_worker_info
+from registry.view import (
+    ALIVE,
+    DEAD,
+    SUSPECT,
+    TICK_BATCH,
+    UNKNOWN,
+    Added,
+    View,
+    check_worker_info,
+)
 from tests.registry.support import MALFORMED_WORKERS, view_of
 
 S = pb.MachineState
@@ -154,6 +164,27 @@ def test_rows_never_cross_workers() -> None:
     assert view.regions() == {"ams", "syd"}
 
 
+@pytest.mark.parametrize(
+    ("filters", "expected"),
+    [
+        ({"app": "web"}, ["a1", "a2", "s1"]),
+        ({"app": "web", "region": "ams"}, ["a1", "a2"]),
+        ({"app": "web", "worker_id": "w2"}, ["s1"]),
+        ({"app": "web", "worker_id": "w2", "region": "ams"}, []),
+        ({"app": "db"}, ["d1"]),
+        ({"app": "none"}, []),
+        ({"region": "syd"}, ["s1"]),
+    ],
+)
+def test_machines_filtered_by_app_region_and_worker(
+    filters: dict[str, str], expected: list[str]
+) -> None:
+    view = view_with(info("w1"), info("w2", "syd"))
+    view.apply("w1", snapshot(1, machine("a1"), machine("a2"), machine("d1", app="db")), T0)
+    view.apply("w2", snapshot(1, machine("s1", worker="w2")), T0)
+    assert sorted(m.id for m in view.machines(**filters)) == expected  # type: ignore[arg-type]
+
+
 def test_machines_by_app_follow_an_app_change() -> None:
     view = view_with(info())
     view.apply("w1", snapshot(0), T0)
@@ -244,6 +275,37 @@ def test_a_worker_never_heard_from_turns_suspect_then_dead() -> None:
     assert view.tick(T0 + 0.5) == []
     assert [e.status for e in view.tick(T0 + 0.61)] == [SUSPECT]
     assert [e.status for e in view.tick(T0 + 1.01)] == [DEAD]
+
+
+def test_a_fleet_gone_quiet_at_once_is_judged_a_batch_at_a_time() -> None:
+    view = View(suspect_after=0.6, dead_after=1.0)
+    n = 1000
+    for i in range(n):
+        wi = info(f"w{i}")
+        view.add(wi, T0)
+        view.apply(wi.id, heartbeat(worker=wi), T0)
+    # the whole fleet goes quiet here (its upstream is lost); the clock is moved by hand
+    for now, status in ((T0 + 0.7, SUSPECT), (T0 + 1.1, DEAD)):
+        batches = []
+        while view.due(now) and len(batches) <= n:
+            batches.append(len(view.tick(now)))
+        assert max(batches) == TICK_BATCH  # the loop is let go between batches
+        assert sum(batches) == n
+        assert {v.status for v in view.workers()} == {status}
+        assert +view.supply.regions()["ams"].by_status == Counter({status: n})
+        assert view.tick(now) == []
+
+
+def test_the_oldest_news_are_the_heads_of_the_liveness_queues() -> None:
+    view = View(suspect_after=0.6, dead_after=1.0)
+    for i in range(5):
+        wi = info(f"w{i}")
+        view.add(wi, T0)
+        view.apply(wi.id, heartbeat(worker=wi), T0 + i * 0.3)
+    view.tick(T0 + 1.25)  # w0 dead, w1 suspect, the rest alive
+    assert view.oldest_news(3) == [("w1", T0 + 0.3), ("w2", T0 + 0.6), ("w3", T0 + 0.9)]
+    assert [worker_id for worker_id, _ in view.oldest_news(10)] == ["w1", "w2", "w3", "w4"]
+    assert view.oldest_news(0) == []
 
 
 @pytest.mark.parametrize(
