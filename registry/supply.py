@@ -60,6 +60,8 @@ DISK_MAX = (1 << 38) - 1
 # sixteen workers hold, so in a small pool it sees every worker.
 RING_POINTS = 128
 RING_WALK = 16 * RING_POINTS
+# Free shapes `Pool.room` adds up one by one before it counts each further worker as one.
+ROOM_SHAPES = 128
 # Label sets a region keeps a pool for; the least recently used goes first.
 LABEL_POOLS = 32
 
@@ -269,6 +271,16 @@ class FitTree:
         return Fit(with_memory, with_cpu, fitting, tuple(ranges))
 
 
+def _room(free: Resources, memory: int, cpu: int, disk: int) -> int:
+    """How many machines of this size fit in `free`."""
+    limits = [free.machines]
+    sizes = ((cpu, free.cpu_millicores), (memory, free.memory_mib), (disk, free.disk_mib))
+    for need, have in sizes:
+        if need > 0:
+            limits.append(have // need)
+    return max(0, min(limits))
+
+
 class Pool:
     """The workers of a region (that carry `labels`); see the module docstring."""
 
@@ -333,6 +345,20 @@ class Pool:
 
     def fit(self, memory: int, cpu: int, disk: int = 0) -> Fit:
         return self.tree.fit(memory, cpu, disk)
+
+    def room(self, memory: int, cpu: int, disk: int) -> int:
+        """How many machines of this size fit on the pool's open workers, summed (ListRegions'
+        `fits`): one term per distinct free shape for the first ROOM_SHAPES shapes, and each
+        worker beyond those that fits (the fit tree counts them) as one. Exact while the pool
+        has at most ROOM_SHAPES free shapes, a lower bound past that; never a pass over it."""
+        fitting = self.fit(memory, cpu, disk).fitting
+        total = counted = 0
+        for shape, n in itertools.islice(self.shapes.items(), ROOM_SHAPES):
+            each = _room(shape, memory, cpu, disk)
+            if each:
+                total += n * each
+                counted += n
+        return total + fitting - counted
 
     def fits(self, s: Supplier, memory: int, cpu: int, disk: int) -> bool:
         """Whether `s` is one of the open workers that `fit(memory, cpu, disk)` counts."""

@@ -27,6 +27,7 @@ from flaps.placement import (
     score,
 )
 from flyd.v1 import machine_pb2 as pb
+from registry import supply as supply_module
 from registry.supply import Resources, Supplier, Supply
 from registry.view import ALIVE, DEAD, SUSPECT
 
@@ -734,3 +735,34 @@ def test_ties_keep_a_better_worker_first() -> None:
         assert [c.score for c in decision.candidates] == sorted(
             (c.score for c in decision.candidates), reverse=True
         )
+
+
+# --- room (ListRegions' fits) --------------------------------------------------------------
+
+
+def exact_room(workers: list[Worker], r: Request) -> int:
+    g = r.guest
+    out = 0
+    for w in workers:
+        f = w.free
+        limits = [f.machines, f.cpu_millicores // g.cpu_millicores, f.memory_mib // g.memory_mib]
+        out += max(0, min(limits))
+    return out
+
+
+@pytest.mark.parametrize("shapes", [pytest.param(n, id=f"{n}-shapes") for n in (1, 40, 500)])
+def test_room_is_exact_over_few_shapes_and_a_bound_over_many(shapes: int) -> None:
+    # 1,000 workers in `shapes` distinct free shapes; a third have no room at all.
+    workers = [
+        worker(f"w{i}", used_memory=8192 if i % 3 == 0 else (i % shapes) * 8) for i in range(1000)
+    ]
+    r = request(cpu=100, memory=1000)
+    pool = supply_of(workers).pool(REGION)
+    assert pool is not None
+    got = pool.room(r.guest.memory_mib, r.guest.cpu_millicores, r.guest.disk_mib)
+    exact = exact_room(workers, r)
+    if len(pool.shapes) <= supply_module.ROOM_SHAPES:
+        assert got == exact
+    else:
+        # Each worker that fits counts at least once, and none more than it holds.
+        assert pool.fit(1000, 100).fitting <= got <= exact
