@@ -5,9 +5,12 @@
    through the registry's real Follow protocol (flaps runs with `--upstream`), with one fake
    worker that answers every claim at once. For each size: the time flaps takes to load the
    view, its RSS, create latency (one client), placements per second (16 clients), refusal
-   latency (a guest no worker can hold: NO_CAPACITY), and how late flaps' event loop ran
-   (flaps measures it with a 1 ms timer, `--loop-lag-interval`). RSS per row is the growth of
-   flaps' RSS from the smallest fleet to the largest, per machine row added.
+   latency (a guest no worker can hold: NO_CAPACITY; and one whose memory and CPU fit every
+   worker but whose disk fits none), and how late flaps' event loop ran (flaps measures it with
+   a 1 ms timer, `--loop-lag-interval`), held against 1 ms while loading, with one client and
+   with 16. RSS per row is the growth of flaps' RSS from the smallest fleet to the largest, per
+   machine row added. (A proxy following the same fleet is not measured here: starting one
+   against the simulated upstream needs a proxy fleet the bench does not build yet.)
 2. Ten real flyd processes (one region) followed directly by a real flaps: create latency (a
    machine that starts), create -> started as a client sees it (CreateMachine, then WaitMachine
    STARTED through flaps), and placements per second with 16 clients (creates with
@@ -340,10 +343,14 @@ class SizeResult:
     per_second: float
     cpu_ms: float
     refusal_ms: list[float]
+    disk_refusal_ms: list[float]
+    """Refusals of a guest whose memory and CPU fit everywhere but no worker has its disk."""
     lag_load: tuple[float, int, int]
+    held_load: tuple[float, int, int]
     lag_place: tuple[float, int, int]
     held_place: tuple[float, int, int]
     lag_busy: tuple[float, int, int]
+    held_busy: tuple[float, int, int]
     worst_lag: float
 
 
@@ -412,11 +419,27 @@ async def simulated(size: int, cfg: Config, logs: Path) -> SizeResult:
                 else:
                     raise RuntimeError("a guest no worker can hold was placed")
 
+            # Memory and CPU fit on every worker, the disk on none (the simulated hosts have
+            # none): the refusal the index answers from its disk dimension, not a scan.
+            diskful = pb.MachineConfig()
+            diskful.CopyFrom(config)
+            diskful.guest.disk_mib = 1
+
+            async def refuse_disk(_: int) -> None:
+                try:
+                    await client.create(diskful, rng.choice(REGIONS))
+                except grpc.aio.AioRpcError as err:
+                    if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        raise
+                else:
+                    raise RuntimeError("a guest no worker has the disk for was placed")
+
             # One client at a time: the loop is never saturated, so a late wake-up is a step
             # that held it. Then 16 clients, which keep it busy all the time.
             lag2 = await Lag.read(metrics)
             create_ms = await timed(cfg.creates, cfg.phase_seconds, create)
             refusal_ms = await timed(cfg.refusals, cfg.phase_seconds, refuse)
+            disk_refusal_ms = await timed(cfg.refusals, cfg.phase_seconds, refuse_disk)
             lag3 = await Lag.read(metrics)
             cpu0 = procs.cpu_seconds(flaps_proc.pid)
             per_second, placed = await throughput(
@@ -439,10 +462,13 @@ async def simulated(size: int, cfg: Config, logs: Path) -> SizeResult:
             per_second=per_second,
             cpu_ms=cpu_ms,
             refusal_ms=refusal_ms,
+            disk_refusal_ms=disk_refusal_ms,
             lag_load=lag1.since(lag0),
+            held_load=lag1.since(lag0, held=True),
             lag_place=lag3.since(lag2),
             held_place=lag3.since(lag2, held=True),
             lag_busy=lag4.since(lag3),
+            held_busy=lag4.since(lag3, held=True),
             worst_lag=lag4.worst,
         )
     finally:
@@ -476,12 +502,28 @@ def report_sizes(res: Results, sizes: list[SizeResult], machines_each: int) -> N
         )
         res.add(f"{label}: refusal p50", _ms(s.refusal_ms, 50), "ms")
         res.add(f"{label}: refusal p99", _ms(s.refusal_ms, 99), "ms", ("<=", 2.0))
+        res.add(f"{label}: refusal by disk p50", _ms(s.disk_refusal_ms, 50), "ms")
+        res.add(
+            f"{label}: refusal by disk p99",
+            _ms(s.disk_refusal_ms, 99),
+            "ms",
+            ("<=", 2.0),
+            note="memory and CPU fit on every worker, the disk on none",
+        )
         res.add(
             f"{label}: loop lag while loading, worst under",
             s.lag_load[0] * 1000,
             "ms",
             note=f"{s.lag_load[1]} of {s.lag_load[2]} wake-ups over 1 ms",
         )
+        for what, held in (("loading", s.held_load), (f"{CLIENTS} clients placing", s.held_busy)):
+            res.add(
+                f"{label}: loop held, {what}, wake-ups over 1 ms",
+                held[1],
+                "",
+                ("==", 0) if big else None,
+                note=f"of {held[2]}; all under {held[0] * 1000:g} ms",
+            )
         res.add(
             f"{label}: loop held, one client placing, wake-ups over 1 ms",
             s.held_place[1],
@@ -759,7 +801,8 @@ async def _run(cfg: Config, res: Results) -> None:
             sizes.append(await simulated(size, cfg, logs))
         report_sizes(res, sizes, cfg.machines_each)
         res.details["sizes"] = [dataclasses.asdict(s) for s in sizes]
-        await real(cfg, res, tmp, logs)
+        if cfg.real_flyds:
+            await real(cfg, res, tmp, logs)
     except Exception as err:
         traceback.print_exc()
         res.errors.append(f"{type(err).__name__}: {err}")
@@ -773,11 +816,21 @@ async def _run(cfg: Config, res: Results) -> None:
 
 
 def run(
-    *, quick: bool = False, full: bool = False, out: Path | None = None, strict: bool = False
+    *,
+    quick: bool = False,
+    full: bool = False,
+    out: Path | None = None,
+    strict: bool = False,
+    sizes: tuple[int, ...] = (),
+    simulated_only: bool = False,
 ) -> int:
     cfg = QUICK if quick else FULL
     if full:
         cfg = dataclasses.replace(cfg, machines_each=100)
+    if sizes:
+        cfg = dataclasses.replace(cfg, sizes=sizes)
+    if simulated_only:
+        cfg = dataclasses.replace(cfg, real_flyds=0)
     res = Results(title=f"flaps benchmarks{' (quick)' if quick else ''}")
     t0 = time.perf_counter()
     asyncio.run(_run(cfg, res))
@@ -800,8 +853,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full", action="store_true", help="100 machines per worker")
     parser.add_argument("--out", type=Path, default=RESULTS / "flaps.json")
     parser.add_argument("--strict", action="store_true")
+    parser.add_argument(
+        "--sizes",
+        type=_sizes,
+        default=(),
+        help="simulated fleet sizes, comma-separated (default: 100,1000,10000)",
+    )
+    parser.add_argument(
+        "--simulated-only", action="store_true", help="skip the real flyd runs and the profile"
+    )
     args = parser.parse_args(argv)
-    return run(quick=args.quick, full=args.full, out=args.out, strict=args.strict)
+    return run(
+        quick=args.quick,
+        full=args.full,
+        out=args.out,
+        strict=args.strict,
+        sizes=args.sizes,
+        simulated_only=args.simulated_only,
+    )
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    import argparse
+
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated worker counts") from None
+    if not sizes or any(n < 1 for n in sizes):
+        raise argparse.ArgumentTypeError(f"{text!r}: each size must be at least 1")
+    return sizes
 
 
 if __name__ == "__main__":
