@@ -265,3 +265,87 @@ def test_bad_flags_exit_2(tmp_path: Path) -> None:
     result = nonomad("--state-dir", str(tmp_path), "up", "--workers-per-region", "0")
     assert result.returncode == 2
     assert "--workers-per-region" in result.stderr
+
+
+def _roles(state: Path) -> dict[str, tuple[str, str, int]]:
+    """Each demo machine in ams: (state, the primary its slot names, generation)."""
+    rows = listed_until(state, "demo", 2)
+    return {
+        str(m["id"]): (
+            str(m["state"]),
+            str(m["slot"]["primary"]),  # type: ignore[index]
+            int(m["slot"].get("generation", 0)),  # type: ignore[union-attr]
+        )
+        for m in rows
+    }
+
+
+def test_workers_pause_resume_and_a_host_death_fail_over_and_settle(tmp_path: Path) -> None:
+    """`workers pause` then `resume` (a hang) and `workers kill --with-machines` then `restart`
+    (a host death): each time the standby serves, and after the return the slot is back to
+    one started primary and one stopped standby."""
+    state = tmp_path / "cluster"
+    up = subprocess.Popen(
+        [
+            *NONOMAD, "--state-dir", str(state), "up", "--demo", "--regions", "ams",
+            "--workers-per-region", "2", "--proxy-port", "0", "--console-port", "0",
+            "--base-port", "24400",
+        ],
+        cwd=REPO_ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert up.stdout is not None
+        lines: list[str] = []
+        while not lines or not lines[-1].startswith("running;"):
+            lines.append(up.stdout.readline())
+            assert lines[-1], "".join(lines)
+        edge = re.search(r"-H 'Host: (demo\.[a-z.]+)' http://(127\.0\.0\.1:\d+)/", "".join(lines))
+        assert edge, "".join(lines)
+        host, address = edge.group(1), edge.group(2)
+        demo = listed_until(state, "demo", 2)
+        [primary] = [str(m["id"]) for m in demo if m["state"] == "MACHINE_STATE_STARTED"]
+        [standby] = [str(m["id"]) for m in demo if m["id"] != primary]
+        workers = {str(m["id"]): str(m["worker_id"]) for m in demo}
+
+        def one_primary(serving: str, generation: int) -> bool:
+            roles = _roles(state)
+            other = standby if serving == primary else primary
+            return roles[serving] == ("MACHINE_STATE_STARTED", serving, generation) and roles[
+                other
+            ] == ("MACHINE_STATE_STOPPED", serving, generation)
+
+        # A hang: the primary's worker is paused; the standby serves; on resume, roles swap.
+        hung = workers[primary]
+        paused = nonomad("--state-dir", str(state), "workers", "pause", hung)
+        assert paused.returncode == 0, paused.stderr
+        assert paused.stdout.startswith(f"{hung} paused (SIGSTOP, pid ")
+        assert f"{hung} is paused (SIGSTOP)" in read_until(up, f"{hung} is paused")
+        assert f"hello from machine {standby}" in through_proxy(address, host, served_by=standby)
+        resumed = nonomad("--state-dir", str(state), "workers", "resume", hung)
+        assert resumed.returncode == 0, resumed.stderr
+        assert resumed.stdout.startswith(f"{hung} resumed (SIGCONT, pid ")
+        assert eventually_true(lambda: one_primary(standby, 1))
+
+        # A host death: the now serving worker dies with its machines; the old primary is
+        # promoted back (generation 2, its own); after the restart its copy stands by.
+        dead = workers[standby]
+        killed = nonomad("--state-dir", str(state), "workers", "kill", dead, "--with-machines")
+        assert killed.returncode == 0, killed.stderr
+        assert killed.stdout.startswith(f"{dead} killed (SIGKILL, pid ")
+        assert killed.stdout.rstrip().endswith("and its 1 machine(s), as if the host died")
+        assert f"{dead} exited (killed by SIGKILL)" in read_until(up, f"{dead} exited")
+        assert f"hello from machine {primary}" in through_proxy(address, host, served_by=primary)
+        restarted = nonomad("--state-dir", str(state), "workers", "restart", dead)
+        assert restarted.returncode == 0, restarted.stderr
+        assert eventually_true(lambda: one_primary(primary, 2))
+
+        down = nonomad("--state-dir", str(state), "down")
+        assert down.returncode == 0, down.stderr
+        assert up.wait(30) == 0
+    finally:
+        if up.poll() is None:
+            up.send_signal(signal.SIGTERM)
+            up.wait(30)
+        assert up.stdout is not None
+        up.stdout.close()
