@@ -33,6 +33,9 @@ def parse_port_range(value: str) -> range:
     return range(lo, hi + 1)
 
 
+MAX_WORKER_ID = 63 - 13  # room for "-" and the 12 hex digits of a machine id
+
+
 class FlydSettings(ServiceSettings):
     """Settings of one flyd (one worker)."""
 
@@ -69,6 +72,12 @@ class FlydSettings(ServiceSettings):
     network: str = Field(
         default="10.87.0.0/20",
         description="this worker's private IPv4 prefix: each oci machine gets an address in it",
+    )
+    egress_via: Path | None = Field(
+        default=None,
+        description="the uplink of this worker's oci machines that ask for egress: a network "
+        "namespace of the operator's (/run/netns/NAME, `ip netns add NAME`), never the host's "
+        "own; without it no machine has egress",
     )
     uid_base: int = Field(
         default=1 << 30,
@@ -108,6 +117,17 @@ class FlydSettings(ServiceSettings):
             raise ValueError("must be 1-63 lowercase letters, digits or dashes")
         return value
 
+    @field_validator("worker_id")
+    @classmethod
+    def _machine_ids_fit(cls, value: str) -> str:
+        # A machine's id is `<worker id>-<12 hex>` and an id is at most 63 characters.
+        if len(value) > MAX_WORKER_ID:
+            raise ValueError(
+                f"at most {MAX_WORKER_ID} characters: its machines' ids are "
+                "`<worker id>-<12 hex>`, at most 63"
+            )
+        return value
+
     @field_validator("network")
     @classmethod
     def _network(cls, value: str) -> str:
@@ -116,6 +136,15 @@ class FlydSettings(ServiceSettings):
         net = ipaddress.IPv4Network(value)  # a ValueError names what is wrong
         if not net.is_private or net.num_addresses < 4:
             raise ValueError("must be a private IPv4 prefix of at least 4 addresses")
+        return value
+
+    @field_validator("egress_via")
+    @classmethod
+    def _egress_via(cls, value: Path | None) -> Path | None:
+        from flyd.drivers.namespaces import network_namespace_problem
+
+        if value is not None and (problem := network_namespace_problem(str(value))) is not None:
+            raise ValueError(problem)
         return value
 
     @field_validator("uid_base")

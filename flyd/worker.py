@@ -46,7 +46,7 @@ from flyd.stream import EventStream
 from flyd.traces import OpSpan, OpTracer
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
-from flyd.validate import check_config
+from flyd.validate import check_config, check_network
 from runtime.clock import Clock
 from runtime.validate import check_name
 
@@ -247,7 +247,9 @@ class Worker:
         check_name("machine_id", machine_id, required=False)
         if len(idempotency_key) > MAX_KEY:
             raise InvalidArgument("idempotency_key", f"must be at most {MAX_KEY} characters")
-        mid = machine_id or secrets.token_hex(7)
+        # Named for its worker, as flaps names the machines it places: a call on it can be
+        # routed by its id alone, wherever it was created.
+        mid = machine_id or f"{self.identity.worker_id}-{secrets.token_hex(6)}"
         if idempotency_key:
             mid = self.reservations.keys.get((app, idempotency_key), mid)
         machine = await self._traced(
@@ -309,6 +311,7 @@ class Worker:
         if len(name) > 63:
             raise InvalidArgument("name", "must be at most 63 characters")
         check_config(config)
+        check_network(config, self.driver.egress_refusal)
         if (existing := self._existing(machine_id, app, config)) is not None:
             return existing
         if machine_id in self.reservations.pending:
@@ -513,6 +516,7 @@ class Worker:
     ) -> pb.Machine:
         """Replace the machine's config in place: same id, new instance_id."""
         check_config(config)
+        check_network(config, self.driver.egress_refusal)
         return await self._traced(
             "update",
             machine_id,

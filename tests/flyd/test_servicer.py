@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -147,6 +148,14 @@ async def test_create_runs_the_machine_and_a_repeat_returns_it(
     again = await create(servicer_stub, name="first")
     assert again.instance_id == machine.instance_id  # idempotent by id: nothing new ran
     assert len(flyd.driver.starts) == 1
+
+
+async def test_a_machine_created_without_an_id_is_named_for_its_worker(
+    servicer_stub: Stub,
+) -> None:
+    # As flaps names the machines it places: any flaps routes a call on it by its id alone.
+    machine = await create(servicer_stub, machine_id="", skip_launch=True)
+    assert re.fullmatch(r"w1-[0-9a-f]{12}", machine.id), machine.id
 
 
 async def test_create_without_launch_then_start(servicer_stub: Stub, flyd: Flyd) -> None:
