@@ -5,6 +5,10 @@ when none answers does it start one, detached (`setsid -f`, so init reaps it), a
 to say it is listening. Its handle (pid, start time, boot id) goes to `.netd.json`, which is
 how `flyd.drivers.rundir.kill_all` ends it when a whole worker is torn down.
 
+On every connection flyd first tells netd the worker's uplink (`Netd.uplink`: the egress
+namespace, or none), so a netd that outlived flyd follows a changed `--egress-via` and a new
+netd starts with the uplink already made.
+
 Requests are one JSON datagram each, answered in order; an asyncio lock keeps one in flight.
 If netd has died the next request raises `NetdGone`, and `connect` starts a new one.
 """
@@ -28,7 +32,7 @@ from typing import Any
 import structlog
 
 from flyd.drivers.base import Handle
-from flyd.drivers.netd import MAX_MESSAGE, PROTOCOL
+from flyd.drivers.netd import MAX_MESSAGE, PROTOCOL, unix_address
 from flyd.drivers.procfs import open_pidfd, read_boot_id
 from flyd.errors import CorruptLog, Unavailable
 
@@ -48,10 +52,12 @@ class NetdGone(Unavailable):
 
 
 class Netd:
-    """A connection to the netd of `run_root`."""
+    """A connection to the netd of `run_root`; `uplink`: the fields of its `uplink` request
+    (`{"netns": None}`, the default: no uplink, no machine has egress)."""
 
-    def __init__(self, run_root: Path) -> None:
+    def __init__(self, run_root: Path, uplink: dict[str, Any] | None = None) -> None:
         self.run_root = run_root
+        self.uplink = uplink or {"netns": None}
         self.socket_path = run_root / NETD_SOCKET
         self._sock: socket.socket | None = None
         self._lock = asyncio.Lock()
@@ -77,6 +83,7 @@ class Netd:
         if hello.get("protocol") != PROTOCOL:
             raise Unavailable(f"netd speaks protocol {hello.get('protocol')}, flyd {PROTOCOL}")
         self.pid = int(hello["pid"])
+        self._call_blocking({"op": "uplink", **self.uplink})
         sock.setblocking(False)
         return hello
 
@@ -132,7 +139,8 @@ class Netd:
     def _try_connect(self) -> socket.socket | None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
-            sock.connect(str(self.socket_path))
+            with unix_address(str(self.socket_path)) as address:
+                sock.connect(address)
         except OSError:
             sock.close()
             return None

@@ -10,6 +10,13 @@ the worker's *hub*, and for each machine it:
   address (a /32 of the worker's prefix) routed to it in the hub. The hub forwards nothing:
   machines cannot reach each other, the host, or anything beyond; the hub's routes are where
   a later cross-host network plugs in. Nothing is ever added to the host's own namespace;
+- with an uplink (a network namespace the operator names, `flyd --egress-via`): joins the hub
+  to it by a veth (`up0` in the hub, with the address `prefix + 1`; `nn<that address in hex>`
+  in the uplink, with the link-local gateway address 169.254.0.1, and a route back to the
+  hub's address), and lets each machine whose config asks for egress out through it: a
+  default route in its namespace, and an element of the hub's nftables set (`flyd.drivers.nft`:
+  forwarded to the uplink only from that veth and address, SNATed to the hub's address,
+  replies back; everything else dropped);
 - holds the sockets of the machine's published host ports (flyd binds them on 127.0.0.1 and
   hands them over), for the machine's whole life, running or not: a published port is never
   free for someone else to take. A port listens exactly while the machine's service does
@@ -29,9 +36,13 @@ JSON answer each (`{"ok": ...}` or `{"error": "..."}`):
 - `hello` -> netd's pid and what it holds (after a flyd restart, flyd picks up from there)
 - `publish {machine, ports: [[host_port, internal_port], ...]}` + the listening sockets of the
   ports netd does not hold yet: the machine's published ports are exactly these
-- `up {machine, address, uid, uids, netns?, ports?}` -> `{netns, userns}` paths for crun;
-  `netns` adopts a running machine's namespace (after netd itself restarted) instead of a new
-  one; `ports` (and sockets) as for `publish`, in the same round trip
+- `up {machine, address, uid, uids, netns?, ports?, egress?}` -> `{netns, userns}` paths for
+  crun; `netns` adopts a running machine's namespace (after netd itself restarted) instead of a
+  new one; `ports` (and sockets) as for `publish`, in the same round trip; `egress` lets it out
+  through the uplink (refused without one)
+- `uplink {netns, address, prefix}`: the worker's uplink is this namespace (made anew only if
+  it changed), the hub's address on it and the worker's prefix; `{netns: null}`: none (an
+  uplink there was goes, and with it every machine's egress)
 - `down {machine}`: drop its namespaces (it stopped); `forget {machine}`: and its ports
 
 It imports nothing but the standard library and two small siblings (no flyd runtime), so it
@@ -51,13 +62,15 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from flyd.drivers import namespaces
 from flyd.drivers.netlink import Rtnl, SockDiag
+from flyd.drivers.nft import TABLE, UPLINK, Nft, element, table
 
-__all__ = ["PROTOCOL", "main"]
+__all__ = ["PROTOCOL", "main", "unix_address"]
 
 PROTOCOL = 1
 MAX_MESSAGE = 64 << 10
@@ -65,6 +78,9 @@ _MAX_FDS = 64
 _MAX_CONNECTIONS = 8192
 _PIPE_HIGH_WATER = 256 << 10
 _CONNECT_TIMEOUT_S = 5.0
+# The uplink end's address, the hub's gateway: link-local, the same in every hub (a route to
+# each hub's own address tells them apart in a shared uplink).
+_GATEWAY = ipaddress.IPv4Address("169.254.0.1")
 
 
 def _log(event: str, **fields: object) -> None:
@@ -96,6 +112,15 @@ class _Machine:
     address: str | None = None
     diag: SockDiag | None = None  # asks its namespace which ports listen
     watch: asyncio.Task[None] | None = None  # until each published port serves
+    egress: bool = False  # while up: its veth and address are in the hub's egress set
+
+
+@dataclass(frozen=True)
+class _Uplink:
+    netns: str
+    inode: tuple[int, int]  # st_dev, st_ino of the namespace: a new one at the path is new
+    address: ipaddress.IPv4Address  # the hub's, which machines' traffic leaves from
+    prefix: ipaddress.IPv4Network  # the worker's, never reached through the uplink
 
 
 class _Splice(asyncio.Protocol):
@@ -173,6 +198,8 @@ class Netd:
         self.connections: set[_Splice] = set()
         self.links = 0  # veths made: each gets a new name
         self.pid = os.getpid()
+        self.uplink: _Uplink | None = None
+        self._nft: Nft | None = None  # made with the first uplink, in the hub
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -183,10 +210,14 @@ class Netd:
                 "pid": self.pid,
                 "protocol": PROTOCOL,
                 "machines": {
-                    mid: {"ports": sorted(m.ports), "up": m.netns is not None}
+                    mid: {"ports": sorted(m.ports), "up": m.netns is not None, "egress": m.egress}
                     for mid, m in self.machines.items()
                 },
+                "uplink": None if self.uplink is None else self.uplink.netns,
             }
+        if op == "uplink":
+            self._set_uplink(request)
+            return {}
         machine_id = request.get("machine")
         if not isinstance(machine_id, str) or not machine_id:
             raise ValueError("a request names its machine")
@@ -242,6 +273,9 @@ class Netd:
         address = ipaddress.IPv4Address(str(request["address"]))
         uid, uids = int(request["uid"]), int(request["uids"])
         adopt = request.get("netns")
+        egress = request.get("egress") is True
+        if egress and self.uplink is None:
+            raise ValueError("config.network.egress: this worker has no uplink (--egress-via)")
         m = self.machines.setdefault(machine_id, _Machine(machine_id))
         self._down(m)
         userns = namespaces.new_user_namespace(uid, uids) if uids else None
@@ -255,7 +289,9 @@ class Netd:
             try:
                 self.links += 1  # a name of its own: the last run's may still be going away
                 veth = f"v{self.links:x}"
-                self._plumb(netns, veth, address)
+                self._plumb(netns, veth, address, egress=egress)
+                if egress:
+                    self._rules(element("add", veth, str(address)))
             except BaseException:
                 os.close(netns)
                 raise
@@ -264,6 +300,7 @@ class Netd:
                 os.close(userns)
             raise
         m.netns, m.userns, m.veth, m.address = netns, userns, veth, str(address)
+        m.egress = egress
         m.diag = self._in(netns, SockDiag)
         self._watch(m)
         return {
@@ -292,9 +329,13 @@ class Netd:
         finally:
             namespaces.setns(self.hub_netns, namespaces.CLONE_NEWNET)
 
-    def _plumb(self, netns: int, veth: str, address: ipaddress.IPv4Address) -> None:
+    def _plumb(
+        self, netns: int, veth: str, address: ipaddress.IPv4Address, *, egress: bool
+    ) -> None:
         """A veth from the hub into the machine's namespace, `address` on its end (its route
-        replaces one of an earlier run whose veth is still going away).
+        replaces one of an earlier run whose veth is still going away). With `egress`, the
+        machine's default route is the hub's uplink address; without, it has none: anything
+        beyond its own address is unreachable before a packet leaves it.
         """
         machine_rtnl: Rtnl = self._in(netns, Rtnl)
         try:
@@ -303,8 +344,91 @@ class Netd:
             self.rtnl.add_host_route(address, veth)
             machine_rtnl.add_address("eth0", address, 32)
             machine_rtnl.set_up("eth0")
+            if egress:
+                assert self.uplink is not None
+                machine_rtnl.add_default_route(self.uplink.address, "eth0")
         finally:
             machine_rtnl.close()
+
+    # -- the uplink: egress for the machines that ask ---------------------------------------
+
+    def _rules(self, commands: str) -> None:
+        if self._nft is None:
+            self._nft = Nft()  # here, in the hub: its netlink sockets are the hub's
+        self._nft.run(commands)
+
+    def _set_uplink(self, request: dict[str, Any]) -> None:
+        path = request.get("netns")
+        if path is None:
+            self._drop_uplink()
+            return
+        path = str(path)
+        address = ipaddress.IPv4Address(str(request["address"]))
+        prefix = ipaddress.IPv4Network(str(request["prefix"]))
+        # Checked from the host's namespace: the host's own is refused (nothing is ever added
+        # to it), as is anything but a network namespace.
+        problem = self._in(self.host_netns, lambda: namespaces.network_namespace_problem(path))
+        if problem is not None:
+            raise ValueError(f"egress_via: {problem}")
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            hub = os.fstat(self.hub_netns)
+            if (st.st_dev, st.st_ino) == (hub.st_dev, hub.st_ino):
+                raise ValueError("egress_via: that is the worker's hub itself")
+            wanted = _Uplink(path, (st.st_dev, st.st_ino), address, prefix)
+            if wanted == self.uplink and self._has_link(UPLINK):
+                return  # as it is (a flyd restart): its machines keep their flows
+            self._drop_uplink()
+            self._make_uplink(fd, wanted)
+        finally:
+            os.close(fd)
+        self.uplink = wanted
+        _log("uplink", netns=path, address=str(address))
+
+    def _make_uplink(self, fd: int, uplink: _Uplink) -> None:
+        peer = "nn" + uplink.address.packed.hex()  # unique in an uplink shared by workers
+        uplink_rtnl: Rtnl = self._in(fd, Rtnl)
+        try:
+            # One an earlier hub of this worker left, if its namespace is still going away.
+            uplink_rtnl.delete_link(peer)
+            self.rtnl.add_veth(UPLINK, peer, fd)
+            try:
+                self.rtnl.add_address(UPLINK, uplink.address, 32)
+                self.rtnl.set_up(UPLINK)
+                uplink_rtnl.add_address(peer, _GATEWAY, 32, link_scope=True)
+                uplink_rtnl.set_up(peer)
+                uplink_rtnl.add_host_route(uplink.address, peer)
+                self.rtnl.add_default_route(_GATEWAY, UPLINK)
+                egress = [
+                    (m.veth, m.address)
+                    for m in self.machines.values()
+                    if m.egress and m.veth is not None and m.address is not None
+                ]
+                self._rules(table(uplink.address, uplink.prefix, egress))
+                # Only now, with the table deciding what crosses the hub.
+                _sysctl("net/ipv4/ip_forward", "1")
+            except BaseException:
+                self.rtnl.delete_link(UPLINK)
+                raise
+        finally:
+            uplink_rtnl.close()
+
+    def _drop_uplink(self) -> None:
+        if self.uplink is None:
+            return
+        _sysctl("net/ipv4/ip_forward", "0")  # first: nothing crosses while it goes
+        self._rules(f"table ip {TABLE}\ndelete table ip {TABLE}\n")
+        self.rtnl.delete_link(UPLINK)  # and its peer in the uplink, and the route through it
+        self.uplink = None
+        _log("uplink_dropped")
+
+    def _has_link(self, name: str) -> bool:
+        try:
+            self.rtnl.index(name)
+        except OSError:
+            return False
+        return True
 
     def _down(self, m: _Machine) -> None:
         if m.watch is not None:
@@ -315,6 +439,12 @@ class Netd:
         if m.diag is not None:
             m.diag.close()
             m.diag = None
+        if m.egress and self.uplink is not None and m.veth is not None and m.address is not None:
+            try:
+                self._rules(element("delete", m.veth, m.address))
+            except OSError as e:  # its veth goes with its namespace: nothing can use it after
+                _log("egress_not_removed", machine=m.machine_id, error=str(e))
+        m.egress = False
         # Not deleted here: deleting a veth waits for the kernel's network clean-up (~20 ms
         # here). The machine's namespace dies with the last descriptor of it (the machine is
         # gone), and with it the veth pair and its route: the kernel does that on its own time.
@@ -542,6 +672,25 @@ def _hub() -> tuple[int, int, Rtnl]:
     return host, fd, rtnl
 
 
+UNIX_PATH_MAX = 107  # sun_path holds 108 bytes, the last a NUL
+
+
+@contextlib.contextmanager
+def unix_address(path: str) -> Iterator[str]:
+    """`path` as a unix socket address. A deep data dir (a test's tmp dir, a long checkout)
+    gives a path longer than sun_path holds; such a path is named through a descriptor of its
+    directory (`/proc/self/fd/N/NAME`), which the kernel resolves like the directory itself."""
+    if len(os.fsencode(path)) <= UNIX_PATH_MAX:
+        yield path
+        return
+    directory, name = os.path.split(path)
+    fd = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield f"/proc/self/fd/{fd}/{name}"
+    finally:
+        os.close(fd)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flyd.drivers.netd", description=__doc__)
     parser.add_argument("--socket", required=True, help="the control socket to listen on")
@@ -554,7 +703,8 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(args.socket)
     control = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-    control.bind(args.socket)
+    with unix_address(args.socket) as address:
+        control.bind(address)
     control.listen(16)
     if args.handle:
         _write_handle(args.handle)
