@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -295,7 +296,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                     "--ports",
                     f"{base}-{base + 99}",
                     "--cgroup-prefix",
-                    f"nonomad-{state.name}-{worker_id}",
+                    cgroup_prefix(state, worker_id),
                     *worker_sandbox_args(n),
                     "--announce",
                     flaps_cluster,
@@ -516,6 +517,15 @@ class _Watch:
             "its machines until their standbys confirm who serves",
             flush=True,
         )
+
+
+def cgroup_prefix(state: Path, worker_id: str) -> str:
+    """The cgroups of a worker of the cluster run from `state`: named for the state dir's
+    whole path, not its last part, so that two clusters on one host (`.nonomad/cluster` in two
+    checkouts, a test's beside yours) never share a worker's cgroups, nor kill each other's
+    machines when one cleans up."""
+    tag = hashlib.sha256(str(state.absolute()).encode()).hexdigest()[:10]
+    return f"nonomad-{tag}-{worker_id}"
 
 
 def _shown(path: Path) -> str:

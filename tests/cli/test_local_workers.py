@@ -4,13 +4,14 @@ their own, so no machine of one worker maps to the host uids (or address) of ano
 from __future__ import annotations
 
 import ipaddress
+from pathlib import Path
 
 import pytest
 
 from flyd.drivers.oci import UIDS_PER_MACHINE
 from flyd.settings import FlydSettings
 from nonomad.cli_common import CliError
-from nonomad.cli_local import MAX_LOCAL_WORKERS, worker_sandbox_args
+from nonomad.cli_local import MAX_LOCAL_WORKERS, cgroup_prefix, worker_sandbox_args
 from runtime import load_settings
 
 
@@ -38,3 +39,11 @@ def test_each_worker_of_a_local_cluster_gets_disjoint_uid_and_address_ranges() -
 def test_a_worker_beyond_the_ranges_is_refused(n: int) -> None:
     with pytest.raises(CliError, match=f"at most {MAX_LOCAL_WORKERS} workers"):
         worker_sandbox_args(n)
+
+
+def test_two_clusters_on_one_host_never_share_a_workers_cgroups(tmp_path: Path) -> None:
+    # Both state dirs end in "cluster", as `make up`'s does in every checkout.
+    mine, theirs = tmp_path / "a" / "cluster", tmp_path / "b" / "cluster"
+    assert cgroup_prefix(mine, "ams-1") != cgroup_prefix(theirs, "ams-1")
+    assert cgroup_prefix(mine, "ams-1") == cgroup_prefix(mine, "ams-1")
+    assert cgroup_prefix(mine, "ams-1") != cgroup_prefix(mine, "ams-2")
