@@ -45,7 +45,7 @@ from flyd.v1 import worker_pb2_grpc
 from flyd.validate import CONFIG_LIMITS, REDACTED, check_config
 from registry.replica import Replica
 from registry.rows import MachineQuery
-from registry.supply import Resources
+from registry.supply import Pool
 from registry.v1 import registry_pb2
 from registry.view import ALIVE
 from runtime import ChannelTLS, abort_with_details, aio_channel, time_left
@@ -703,8 +703,7 @@ class PlatformServicer(platform_pb2_grpc.PlatformServiceServicer):
             for total, sums in ((region.total, pool.total), (region.free, pool.free)):
                 total.cpu_millicores, total.memory_mib, total.disk_mib, total.machines = sums
             if sized:
-                # One term per distinct free shape, not per worker.
-                region.fits = sum(n * _fits(shape, guest) for shape, n in pool.shapes.items())
+                region.fits = region_fits(pool, guest)
             out.append(region)
         return platform_pb2.ListRegionsResponse(regions=out)
 
@@ -751,6 +750,8 @@ class PlatformServicer(platform_pb2_grpc.PlatformServiceServicer):
                 out.rejections.add(worker_id=r.worker_id, reason=r.reason, detail=r.detail)
             for reason, n in decision.counts().items():
                 out.rejections_by_reason[reason] += n
+        pools = self.x.replica.supply.regions()
+        out.fits = sum(region_fits(pools[r], request.config.guest) for r in regions if r in pools)
         return out
 
     async def WatchPlacements(
@@ -776,12 +777,7 @@ class PlatformServicer(platform_pb2_grpc.PlatformServiceServicer):
         return platform_pb2.CordonWorkerResponse(cordoned=got.cordoned)
 
 
-def _fits(free: Resources, guest: pb.GuestConfig) -> int:
-    limits = [free.machines]
-    if guest.cpu_millicores > 0:
-        limits.append(free.cpu_millicores // guest.cpu_millicores)
-    if guest.memory_mib > 0:
-        limits.append(free.memory_mib // guest.memory_mib)
-    if guest.disk_mib > 0:
-        limits.append(free.disk_mib // guest.disk_mib)
-    return max(0, int(min(limits)))
+def region_fits(pool: Pool, guest: pb.GuestConfig) -> int:
+    """How many machines of `guest`'s size fit in a region's pool (alive, uncordoned workers):
+    bounded, see `Pool.room`."""
+    return pool.room(guest.memory_mib, guest.cpu_millicores, guest.disk_mib)

@@ -254,7 +254,17 @@ def add_deploy(
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     deploy.add_argument("app_toml", type=Path, metavar="APP_TOML", help="the app spec")
-    deploy.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+    deploy.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the plan, and whether each region has room for it; change nothing",
+    )
+    deploy.add_argument(
+        "--keep",
+        action="store_true",
+        help="when the deploy fails part way, keep the machines it created (default: destroy "
+        "them again)",
+    )
     deploy.add_argument(
         "--wait-timeout",
         type=float,
@@ -286,9 +296,14 @@ back on a failed check), destroy what the spec no longer asks for. Running it tw
 nothing.
 
   nonomad deploy app.toml             deploy, one line per step, then a table
-  nonomad deploy app.toml --dry-run   the plan per slot and where flaps would place new
-                                      machines; changes nothing
+  nonomad deploy app.toml --dry-run   the plan per slot, where flaps would place new machines
+                                      and whether each region has room for all of them;
+                                      changes nothing (exit 1 when a region has no room)
   nonomad deploy app.toml --json      the report (or the plan) as JSON
+
+A region without room for everything the deploy would create there fails it before anything
+changes. A deploy that fails part way destroys the machines it created (--keep keeps them)
+and rolls back the machines it updated; the message says what it did.
 
 Exit status: 0 done, 1 the deploy failed or was rolled back (the message says why), 2 the spec
 is invalid (the message names the field).
@@ -310,6 +325,15 @@ def add_image(sub: argparse._SubParsersAction[Parser], out: Parser) -> None:
     build.add_argument("--tag", required=True, metavar="NAME:TAG", help="the image's reference")
     build.add_argument("--entrypoint", metavar="CMD", help="what machines run")
     build.add_argument("--cmd", metavar="ARGS", help="arguments after the entrypoint")
+    build.add_argument(
+        "--port",
+        type=port,
+        action="append",
+        default=[],
+        metavar="PORT",
+        help="a TCP port the command serves on: published by `machines run` when it names no "
+        "--port, and the image's $PORT (repeatable; the first is $PORT)",
+    )
     build.add_argument(
         "--env", type=env_pair, action="append", default=[], metavar="K=V", help="repeatable"
     )

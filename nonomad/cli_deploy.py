@@ -20,6 +20,7 @@ from nonomad.deploy import (
     SlotPlan,
     deploy,
     plan,
+    room,
 )
 from nonomad.spec import AppSpec, SpecError, load_spec
 from runtime.logs import configure_logging
@@ -66,7 +67,9 @@ async def run(args: argparse.Namespace, client: Client) -> int:
         if not args.json:
             print(event_line(event), flush=True)
 
-    report = await deploy(client, spec, on_event=on_event, wait_timeout=args.wait_timeout)
+    report = await deploy(
+        client, spec, on_event=on_event, wait_timeout=args.wait_timeout, keep_created=args.keep
+    )
     if args.json:
         out = report.to_dict()
         out["events"] = [e.to_dict() for e in events]
@@ -102,6 +105,7 @@ def _summary(report: DeployReport) -> str:
         f"{len(report.updated)} updated, {len(report.destroyed)} destroyed, "
         f"{len(report.unchanged)} unchanged"
         + (f", {len(report.rolled_back)} rolled back" if report.rolled_back else "")
+        + (f", {len(report.undone)} created and destroyed again" if report.undone else "")
     )
     lines += [f"warning: {w}" for w in report.warnings]
     return "\n".join(lines)
@@ -146,12 +150,14 @@ async def _dry_run(client: Client, spec: AppSpec, *, as_json: bool) -> int:
         for p in the_plan.slots
         if placements.get(p.slot, "").startswith("no room") and p.role != STANDBY
     ]
+    short = [r for r in await room(client, spec, the_plan) if r.short]
     if as_json:
         out: dict[str, Any] = {
             "app": the_plan.app,
             "digest": the_plan.digest,
             "dry_run": True,
             "counts": the_plan.counts(),
+            "short": [{"region": r.region, "creates": r.creates, "fits": r.fits} for r in short],
             "slots": [
                 {**p.to_dict(), "placement": placements.get(p.slot, "")} for p in the_plan.slots
             ],
@@ -176,6 +182,9 @@ async def _dry_run(client: Client, spec: AppSpec, *, as_json: bool) -> int:
             + ", ".join(f"{n} {a}" for a, n in sorted(counts.items()))
             + "; dry run, nothing changed"
         )
+    if short:
+        print(f"{PROG}: would fail: no room: {'; '.join(map(str, short))}", file=sys.stderr)
+        return 1
     if no_room:
         print(f"{PROG}: would fail: no room for {', '.join(no_room)}", file=sys.stderr)
         return 1

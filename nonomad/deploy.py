@@ -13,9 +13,13 @@ idempotency keys, leases); the policy lives here, in the client:
    When a machine fails, every machine this deploy updated goes back to its previous config
    and the deploy stops with `ok=False` and what the check saw.
 3. create: missing machines, region by region, each primary gated by its checks, then its
-   standby on another worker of the region. Creation is never rolled back: when a region has
-   no room the report says which region, why, and what already exists. Idempotency keys are
-   derived from app, slot and config digest, so a retried deploy cannot create twice.
+   standby on another worker of the region. Before the first create, each region is asked
+   (ListRegions' `fits` for the spec's guest) whether it has room for everything the plan
+   creates there: a region without it fails the deploy before anything changes. When a
+   create fails anyway (another tenant took the room meanwhile, a check fails), what this run
+   created is destroyed again, unless the caller asked to keep it (`keep_created`), and the
+   report says which. Idempotency keys are derived from app, slot and config digest, so a
+   retried deploy cannot create twice.
 4. destroy: machines beyond the spec (a count lowered, a region dropped), standbys first,
    once everything new is healthy.
 5. settle: wait until the fleet's view lists the result, so the next plan sees it.
@@ -60,6 +64,7 @@ __all__ = [
     "make_plan",
     "plan",
     "probe",
+    "room",
 ]
 
 log = structlog.get_logger("nonomad.deploy")
@@ -219,6 +224,39 @@ async def plan(client: Client, spec: AppSpec) -> Plan:
     return make_plan(spec, await client.list_machines(spec.app))
 
 
+@dataclass(frozen=True)
+class Room:
+    """What a plan creates in a region against what fits there now."""
+
+    region: str
+    creates: int
+    fits: int
+
+    @property
+    def short(self) -> bool:
+        return self.creates > self.fits
+
+    def __str__(self) -> str:
+        return f"region {self.region} has room for {self.fits}, the plan creates {self.creates}"
+
+
+async def room(client: Client, spec: AppSpec, the_plan: Plan) -> list[Room]:
+    """Each region the plan creates machines in, with how many of the spec's size fit there
+    (SimulatePlacement's `fits`: summed over the region's alive, open workers). One question
+    per region: asked slot by slot, a region says yes forty times to forty machines when
+    thirty fit."""
+    creates: dict[str, int] = {}
+    for p in the_plan.slots:
+        if p.action == CREATE:
+            creates[p.region] = creates.get(p.region, 0) + 1
+    out = []
+    for region, n in sorted(creates.items()):
+        config = spec.machine_config(region, spec.slot(region, 1))
+        sim = await client.simulate_placement(spec.app, config, region=region)
+        out.append(Room(region, n, sim.fits))
+    return out
+
+
 # -- events and the report ---------------------------------------------------------------------
 
 
@@ -227,7 +265,7 @@ class DeployEvent:
     """One step of a deploy, as it happens.
 
     kind: planned, creating, created, updating, updated, checking, passed, failed, warning,
-    rolling_back, rolled_back, destroying, destroyed, done.
+    rolling_back, rolled_back, undoing, undone, destroying, destroyed, done.
     """
 
     kind: str
@@ -275,6 +313,8 @@ class DeployReport:
     destroyed: list[str] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)
     rolled_back: list[str] = field(default_factory=list)
+    # Machines this run created and destroyed again when it failed (see keep_created).
+    undone: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     failure: Failure | None = None
     machines: list[MachineRow] = field(default_factory=list)
@@ -369,15 +409,19 @@ async def deploy(
     *,
     on_event: EventHandler | None = None,
     wait_timeout: float = 60.0,
+    keep_created: bool = False,
 ) -> DeployReport:
     """Make the app's machines match `spec`; see the module docstring for the steps.
 
     `wait_timeout` bounds each wait for a machine to reach a state. Never raises ApiError: a
-    deploy that could not finish returns `ok=False` with the reason and what it changed.
+    deploy that could not finish returns `ok=False` with the reason and what it changed. A
+    deploy that fails after creating machines destroys them again unless `keep_created`.
     """
     if wait_timeout <= 0:
         raise ValueError(f"wait_timeout must be > 0, got {wait_timeout}")
-    return await _Deployer(client, spec, on_event, wait_timeout).run()
+    deployer = _Deployer(client, spec, on_event, wait_timeout)
+    deployer.keep_created = keep_created
+    return await deployer.run()
 
 
 class _Deployer:
@@ -398,6 +442,7 @@ class _Deployer:
         self.current: dict[str, Machine] = {}  # slot -> the machine as last seen
         self.secrets_from = ""  # a machine whose secrets the machines this deploy creates get
         self.hosts: dict[str, str] = {}  # worker id -> the host its machines' ports are on
+        self.keep_created = False
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -615,10 +660,25 @@ class _Deployer:
             await self.rollback()
             return self.finish(failure)
         try:
+            short = [r for r in await room(self.client, self.spec, the_plan) if r.short]
+        except ApiError as err:
+            return self.finish(Failure(f"cannot ask flaps for room: {err}"))
+        if short:
+            return self.finish(
+                Failure(
+                    "no room: " + "; ".join(map(str, short)),
+                    region=short[0].region,
+                    rejections={"no_room": sum(r.creates - r.fits for r in short)},
+                )
+            )
+        try:
             await self.create_missing(the_plan)
             await self.destroy_extras(the_plan)
         except (_Failed, ApiError) as err:
-            return self.finish(_as_failure(err))
+            failure = _as_failure(err)
+            if not self.keep_created:
+                await self.undo_creates()
+            return self.finish(failure)
         await self.settle()
         return self.finish(None)
 
@@ -630,7 +690,10 @@ class _Deployer:
             report.reason = failure.reason
             if report.rolled_back:
                 report.reason += f"; rolled back {', '.join(report.rolled_back)}"
-            kept = [*report.created, *(i for i in report.updated if i not in report.rolled_back)]
+            if report.undone:
+                report.reason += f"; destroyed what it created: {', '.join(report.undone)}"
+            created = [i for i in report.created if i not in report.undone]
+            kept = [*created, *(i for i in report.updated if i not in report.rolled_back)]
             if kept:
                 report.reason += f"; changed and kept: {', '.join(kept)}"
         self.emit("done", detail="ok" if report.ok else report.reason)
@@ -701,6 +764,22 @@ class _Deployer:
         if bad is not None:
             return f"previous config, started, but check {bad[0]} fails: {bad[1]}"
         return "previous config, started, checks pass"
+
+    async def undo_creates(self) -> None:
+        """Destroy what this run created, newest first (a standby before its primary)."""
+        for machine_id in reversed(self.report.created):
+            slot = next((s for s, m in self.current.items() if m.id == machine_id), "")
+            self.emit("undoing", machine_id=machine_id, detail=slot)
+            try:
+                await self.client.destroy_machine(machine_id, force=True)
+            except ApiError as err:
+                warning = f"could not destroy {machine_id}, which this deploy created: {err}"
+                self.report.warnings.append(warning)
+                self.emit("warning", machine_id=machine_id, detail=warning)
+                continue
+            self.current.pop(slot, None)
+            self.report.undone.append(machine_id)
+            self.emit("undone", machine_id=machine_id, detail=slot)
 
     async def create_missing(self, the_plan: Plan) -> None:
         # The app's secrets live on its machines only: a new machine gets them from one that

@@ -26,7 +26,7 @@ from flyd.v1 import machine_pb2 as flyd_dot_v1_dot_machine__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66laps/v1/platform.proto\x12\x08\x66laps.v1\x1a\x15\x66lyd/v1/machine.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"9\n\x12ListRegionsRequest\x12#\n\x05guest\x18\x01 \x01(\x0b\x32\x14.flyd.v1.GuestConfig\"\x91\x01\n\x06Region\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07workers\x18\x02 \x01(\x05\x12\x15\n\ralive_workers\x18\x03 \x01(\x05\x12!\n\x05total\x18\x04 \x01(\x0b\x32\x12.flyd.v1.Resources\x12 \n\x04\x66ree\x18\x05 \x01(\x0b\x32\x12.flyd.v1.Resources\x12\x0c\n\x04\x66its\x18\x06 \x01(\x05\"8\n\x13ListRegionsResponse\x12!\n\x07regions\x18\x01 \x03(\x0b\x32\x10.flaps.v1.Region\"K\n\x12ListWorkersRequest\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"\xb9\x01\n\x06Worker\x12!\n\x04info\x18\x01 \x01(\x0b\x32\x13.flyd.v1.WorkerInfo\x12&\n\x06status\x18\x02 \x01(\x0e\x32\x16.flaps.v1.WorkerStatus\x12#\n\x08\x63\x61pacity\x18\x03 \x01(\x0b\x32\x11.flyd.v1.Capacity\x12\x32\n\x0elast_heartbeat\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0b\n\x03seq\x18\x05 \x01(\x04\"Q\n\x13ListWorkersResponse\x12!\n\x07workers\x18\x01 \x03(\x0b\x32\x10.flaps.v1.Worker\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x85\x01\n\x18SimulatePlacementRequest\x12\x0b\n\x03\x61pp\x18\x01 \x01(\t\x12\x0e\n\x06region\x18\x02 \x01(\t\x12\x0f\n\x07regions\x18\x03 \x03(\t\x12&\n\x06\x63onfig\x18\x04 \x01(\x0b\x32\x16.flyd.v1.MachineConfig\x12\x13\n\x0bstandby_for\x18\x05 \x03(\t\"\xa7\x01\n\tCandidate\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06region\x18\x02 \x01(\t\x12\r\n\x05score\x18\x03 \x01(\x01\x12\x36\n\nsub_scores\x18\x04 \x03(\x0b\x32\".flaps.v1.Candidate.SubScoresEntry\x1a\x30\n\x0eSubScoresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\">\n\tRejection\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"\x83\x02\n\x19SimulatePlacementResponse\x12\'\n\ncandidates\x18\x01 \x03(\x0b\x32\x13.flaps.v1.Candidate\x12\'\n\nrejections\x18\x02 \x03(\x0b\x32\x13.flaps.v1.Rejection\x12Y\n\x14rejections_by_reason\x18\x03 \x03(\x0b\x32;.flaps.v1.SimulatePlacementResponse.RejectionsByReasonEntry\x1a\x39\n\x17RejectionsByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\x18\n\x16WatchPlacementsRequest\"\xcf\x02\n\x0ePlacementEvent\x12(\n\x04time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0b\n\x03\x61pp\x18\x02 \x01(\t\x12\x0e\n\x06region\x18\x03 \x01(\t\x12\x0f\n\x07outcome\x18\x04 \x01(\t\x12\x12\n\nmachine_id\x18\x05 \x01(\t\x12\x11\n\tworker_id\x18\x06 \x01(\t\x12\r\n\x05score\x18\x07 \x01(\x01\x12\x12\n\ncandidates\x18\x08 \x01(\x05\x12N\n\x14rejections_by_reason\x18\t \x03(\x0b\x32\x30.flaps.v1.PlacementEvent.RejectionsByReasonEntry\x12\x10\n\x08\x66\x61llback\x18\n \x01(\x08\x1a\x39\n\x17RejectionsByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"S\n\x17WatchPlacementsResponse\x12\'\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x18.flaps.v1.PlacementEvent\x12\x0f\n\x07\x64ropped\x18\x02 \x01(\x08\":\n\x13\x43ordonWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08\x63ordoned\x18\x02 \x01(\x08\"(\n\x14\x43ordonWorkerResponse\x12\x10\n\x08\x63ordoned\x18\x01 \x01(\x08*y\n\x0cWorkerStatus\x12\x1d\n\x19WORKER_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_STATUS_ALIVE\x10\x01\x12\x19\n\x15WORKER_STATUS_SUSPECT\x10\x02\x12\x16\n\x12WORKER_STATUS_DEAD\x10\x03\x32\xb0\x03\n\x0fPlatformService\x12J\n\x0bListRegions\x12\x1c.flaps.v1.ListRegionsRequest\x1a\x1d.flaps.v1.ListRegionsResponse\x12J\n\x0bListWorkers\x12\x1c.flaps.v1.ListWorkersRequest\x1a\x1d.flaps.v1.ListWorkersResponse\x12\\\n\x11SimulatePlacement\x12\".flaps.v1.SimulatePlacementRequest\x1a#.flaps.v1.SimulatePlacementResponse\x12X\n\x0fWatchPlacements\x12 .flaps.v1.WatchPlacementsRequest\x1a!.flaps.v1.WatchPlacementsResponse0\x01\x12M\n\x0c\x43ordonWorker\x12\x1d.flaps.v1.CordonWorkerRequest\x1a\x1e.flaps.v1.CordonWorkerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66laps/v1/platform.proto\x12\x08\x66laps.v1\x1a\x15\x66lyd/v1/machine.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"9\n\x12ListRegionsRequest\x12#\n\x05guest\x18\x01 \x01(\x0b\x32\x14.flyd.v1.GuestConfig\"\x91\x01\n\x06Region\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07workers\x18\x02 \x01(\x05\x12\x15\n\ralive_workers\x18\x03 \x01(\x05\x12!\n\x05total\x18\x04 \x01(\x0b\x32\x12.flyd.v1.Resources\x12 \n\x04\x66ree\x18\x05 \x01(\x0b\x32\x12.flyd.v1.Resources\x12\x0c\n\x04\x66its\x18\x06 \x01(\x05\"8\n\x13ListRegionsResponse\x12!\n\x07regions\x18\x01 \x03(\x0b\x32\x10.flaps.v1.Region\"K\n\x12ListWorkersRequest\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"\xb9\x01\n\x06Worker\x12!\n\x04info\x18\x01 \x01(\x0b\x32\x13.flyd.v1.WorkerInfo\x12&\n\x06status\x18\x02 \x01(\x0e\x32\x16.flaps.v1.WorkerStatus\x12#\n\x08\x63\x61pacity\x18\x03 \x01(\x0b\x32\x11.flyd.v1.Capacity\x12\x32\n\x0elast_heartbeat\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0b\n\x03seq\x18\x05 \x01(\x04\"Q\n\x13ListWorkersResponse\x12!\n\x07workers\x18\x01 \x03(\x0b\x32\x10.flaps.v1.Worker\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x85\x01\n\x18SimulatePlacementRequest\x12\x0b\n\x03\x61pp\x18\x01 \x01(\t\x12\x0e\n\x06region\x18\x02 \x01(\t\x12\x0f\n\x07regions\x18\x03 \x03(\t\x12&\n\x06\x63onfig\x18\x04 \x01(\x0b\x32\x16.flyd.v1.MachineConfig\x12\x13\n\x0bstandby_for\x18\x05 \x03(\t\"\xa7\x01\n\tCandidate\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06region\x18\x02 \x01(\t\x12\r\n\x05score\x18\x03 \x01(\x01\x12\x36\n\nsub_scores\x18\x04 \x03(\x0b\x32\".flaps.v1.Candidate.SubScoresEntry\x1a\x30\n\x0eSubScoresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\">\n\tRejection\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"\x91\x02\n\x19SimulatePlacementResponse\x12\'\n\ncandidates\x18\x01 \x03(\x0b\x32\x13.flaps.v1.Candidate\x12\'\n\nrejections\x18\x02 \x03(\x0b\x32\x13.flaps.v1.Rejection\x12Y\n\x14rejections_by_reason\x18\x03 \x03(\x0b\x32;.flaps.v1.SimulatePlacementResponse.RejectionsByReasonEntry\x12\x0c\n\x04\x66its\x18\x04 \x01(\x05\x1a\x39\n\x17RejectionsByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\x18\n\x16WatchPlacementsRequest\"\xcf\x02\n\x0ePlacementEvent\x12(\n\x04time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0b\n\x03\x61pp\x18\x02 \x01(\t\x12\x0e\n\x06region\x18\x03 \x01(\t\x12\x0f\n\x07outcome\x18\x04 \x01(\t\x12\x12\n\nmachine_id\x18\x05 \x01(\t\x12\x11\n\tworker_id\x18\x06 \x01(\t\x12\r\n\x05score\x18\x07 \x01(\x01\x12\x12\n\ncandidates\x18\x08 \x01(\x05\x12N\n\x14rejections_by_reason\x18\t \x03(\x0b\x32\x30.flaps.v1.PlacementEvent.RejectionsByReasonEntry\x12\x10\n\x08\x66\x61llback\x18\n \x01(\x08\x1a\x39\n\x17RejectionsByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"S\n\x17WatchPlacementsResponse\x12\'\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x18.flaps.v1.PlacementEvent\x12\x0f\n\x07\x64ropped\x18\x02 \x01(\x08\":\n\x13\x43ordonWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08\x63ordoned\x18\x02 \x01(\x08\"(\n\x14\x43ordonWorkerResponse\x12\x10\n\x08\x63ordoned\x18\x01 \x01(\x08*y\n\x0cWorkerStatus\x12\x1d\n\x19WORKER_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_STATUS_ALIVE\x10\x01\x12\x19\n\x15WORKER_STATUS_SUSPECT\x10\x02\x12\x16\n\x12WORKER_STATUS_DEAD\x10\x03\x32\xb0\x03\n\x0fPlatformService\x12J\n\x0bListRegions\x12\x1c.flaps.v1.ListRegionsRequest\x1a\x1d.flaps.v1.ListRegionsResponse\x12J\n\x0bListWorkers\x12\x1c.flaps.v1.ListWorkersRequest\x1a\x1d.flaps.v1.ListWorkersResponse\x12\\\n\x11SimulatePlacement\x12\".flaps.v1.SimulatePlacementRequest\x1a#.flaps.v1.SimulatePlacementResponse\x12X\n\x0fWatchPlacements\x12 .flaps.v1.WatchPlacementsRequest\x1a!.flaps.v1.WatchPlacementsResponse0\x01\x12M\n\x0c\x43ordonWorker\x12\x1d.flaps.v1.CordonWorkerRequest\x1a\x1e.flaps.v1.CordonWorkerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,8 +39,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SIMULATEPLACEMENTRESPONSE_REJECTIONSBYREASONENTRY']._serialized_options = b'8\001'
   _globals['_PLACEMENTEVENT_REJECTIONSBYREASONENTRY']._loaded_options = None
   _globals['_PLACEMENTEVENT_REJECTIONSBYREASONENTRY']._serialized_options = b'8\001'
-  _globals['_WORKERSTATUS']._serialized_start=1889
-  _globals['_WORKERSTATUS']._serialized_end=2010
+  _globals['_WORKERSTATUS']._serialized_start=1903
+  _globals['_WORKERSTATUS']._serialized_end=2024
   _globals['_LISTREGIONSREQUEST']._serialized_start=93
   _globals['_LISTREGIONSREQUEST']._serialized_end=150
   _globals['_REGION']._serialized_start=153
@@ -62,21 +62,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REJECTION']._serialized_start=1012
   _globals['_REJECTION']._serialized_end=1074
   _globals['_SIMULATEPLACEMENTRESPONSE']._serialized_start=1077
-  _globals['_SIMULATEPLACEMENTRESPONSE']._serialized_end=1336
-  _globals['_SIMULATEPLACEMENTRESPONSE_REJECTIONSBYREASONENTRY']._serialized_start=1279
-  _globals['_SIMULATEPLACEMENTRESPONSE_REJECTIONSBYREASONENTRY']._serialized_end=1336
-  _globals['_WATCHPLACEMENTSREQUEST']._serialized_start=1338
-  _globals['_WATCHPLACEMENTSREQUEST']._serialized_end=1362
-  _globals['_PLACEMENTEVENT']._serialized_start=1365
-  _globals['_PLACEMENTEVENT']._serialized_end=1700
-  _globals['_PLACEMENTEVENT_REJECTIONSBYREASONENTRY']._serialized_start=1279
-  _globals['_PLACEMENTEVENT_REJECTIONSBYREASONENTRY']._serialized_end=1336
-  _globals['_WATCHPLACEMENTSRESPONSE']._serialized_start=1702
-  _globals['_WATCHPLACEMENTSRESPONSE']._serialized_end=1785
-  _globals['_CORDONWORKERREQUEST']._serialized_start=1787
-  _globals['_CORDONWORKERREQUEST']._serialized_end=1845
-  _globals['_CORDONWORKERRESPONSE']._serialized_start=1847
-  _globals['_CORDONWORKERRESPONSE']._serialized_end=1887
-  _globals['_PLATFORMSERVICE']._serialized_start=2013
-  _globals['_PLATFORMSERVICE']._serialized_end=2445
+  _globals['_SIMULATEPLACEMENTRESPONSE']._serialized_end=1350
+  _globals['_SIMULATEPLACEMENTRESPONSE_REJECTIONSBYREASONENTRY']._serialized_start=1293
+  _globals['_SIMULATEPLACEMENTRESPONSE_REJECTIONSBYREASONENTRY']._serialized_end=1350
+  _globals['_WATCHPLACEMENTSREQUEST']._serialized_start=1352
+  _globals['_WATCHPLACEMENTSREQUEST']._serialized_end=1376
+  _globals['_PLACEMENTEVENT']._serialized_start=1379
+  _globals['_PLACEMENTEVENT']._serialized_end=1714
+  _globals['_PLACEMENTEVENT_REJECTIONSBYREASONENTRY']._serialized_start=1293
+  _globals['_PLACEMENTEVENT_REJECTIONSBYREASONENTRY']._serialized_end=1350
+  _globals['_WATCHPLACEMENTSRESPONSE']._serialized_start=1716
+  _globals['_WATCHPLACEMENTSRESPONSE']._serialized_end=1799
+  _globals['_CORDONWORKERREQUEST']._serialized_start=1801
+  _globals['_CORDONWORKERREQUEST']._serialized_end=1859
+  _globals['_CORDONWORKERRESPONSE']._serialized_start=1861
+  _globals['_CORDONWORKERRESPONSE']._serialized_end=1901
+  _globals['_PLATFORMSERVICE']._serialized_start=2027
+  _globals['_PLATFORMSERVICE']._serialized_end=2459
 # @@protoc_insertion_point(module_scope)

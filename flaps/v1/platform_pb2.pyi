@@ -347,6 +347,12 @@ class SimulatePlacementResponse(_message.Message):
     CANDIDATES_FIELD_NUMBER: _builtins.int
     REJECTIONS_FIELD_NUMBER: _builtins.int
     REJECTIONS_BY_REASON_FIELD_NUMBER: _builtins.int
+    FITS_FIELD_NUMBER: _builtins.int
+    fits: _builtins.int
+    """How many machines of the config's guest size still fit in the regions asked, summed over
+    their alive, uncordoned workers (ListRegions' `fits`): a deploy asks once whether a region
+    has room for all it would create there, not once per machine.
+    """
     @_builtins.property
     def candidates(self) -> _containers.RepeatedCompositeFieldContainer[Global___Candidate]:
         """Best first; the first is what CreateMachine would claim on."""
@@ -361,10 +367,11 @@ class SimulatePlacementResponse(_message.Message):
         candidates: _abc.Iterable[Global___Candidate] | None = ...,
         rejections: _abc.Iterable[Global___Rejection] | None = ...,
         rejections_by_reason: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        fits: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidates", b"candidates", "rejections", b"rejections", "rejections_by_reason", b"rejections_by_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidates", b"candidates", "fits", b"fits", "rejections", b"rejections", "rejections_by_reason", b"rejections_by_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

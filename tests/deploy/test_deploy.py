@@ -9,8 +9,9 @@ import pytest
 
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
+from flyd.v1 import worker_pb2_grpc
 from nonomad.client import Client, state_name
-from nonomad.deploy import DeployEvent, deploy
+from nonomad.deploy import GONE, DeployEvent, deploy
 from nonomad.spec import META_DIGEST
 from tests.deploy.support import (
     by_name,
@@ -21,6 +22,7 @@ from tests.deploy.support import (
     write_spec,
 )
 from tests.flaps.conftest import Fleet
+from tests.harness import channel
 
 
 async def three_workers(fleet: Fleet, syd_memory: int = 512) -> Client:
@@ -261,27 +263,61 @@ async def test_a_failing_check_rolls_back_and_run_exits_1(
             assert after[name].instance_id == before[name].instance_id
 
 
-async def test_no_room_in_a_region_names_it_and_keeps_what_was_created(fleet: Fleet) -> None:
+async def test_a_region_without_room_for_the_whole_plan_fails_before_anything_changes(
+    fleet: Fleet, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # syd has room for one machine of 128 MiB; the spec asks for two there. Each slot asked on
+    # its own would fit: the plan is checked as a whole.
     async with await three_workers(fleet, syd_memory=200) as flaps:
-        spec = make_spec(regions={"syd": 2}, standbys=0, guest={"memory_mib": 128})
+        data = spec_data(regions={"syd": 2}, standbys=0, guest={"memory_mib": 128})
+        code, out, err = await run_cli(flaps, write_spec(tmp_path, data), capsys, "--dry-run")
+        assert code == 1
+        assert "web-syd-2" in out  # the plan is still shown
+        assert "would fail: no room: region syd has room for 1, the plan creates 2" in err
+        assert await flaps.list_machines("web") == []
+
         events: list[DeployEvent] = []
-        report = await deploy(flaps, spec, on_event=events.append)
+        report = await deploy(flaps, make_spec(**data), on_event=events.append)
         assert not report.ok
         assert report.failure is not None
         assert report.failure.region == "syd"
-        assert report.failure.slot == "web-syd-2"
-        assert report.failure.rejections == {"insufficient_memory": 1}
-        assert "no room in region syd" in report.reason
-        assert "insufficient_memory" in report.reason
+        assert report.reason == "no room: region syd has room for 1, the plan creates 2"
+        assert report.created == []
+        assert steps(events, "creating") == []
+        assert await flaps.list_machines("web") == []
 
-        machines = await by_name(flaps)
-        assert set(machines) == {"web-syd-1"}
-        created = machines["web-syd-1"]
-        assert report.created == [created.id]
-        assert created.id in report.reason  # "changed and kept: ..."
-        assert report.rolled_back == []
-        assert state_name(created.state) == "started"
-        assert steps(events, "done") == [("done", "")]
+
+BROKEN = {  # Python cannot even start with this; the worker gives up after one retry
+    "env": {"PYTHONHOME": "/nonexistent"},
+    "restart": {"policy": "on-failure", "max_retries": 1},
+    "checks": [{"type": "http", "interval": "100ms", "grace_period": "1s"}],
+}
+
+
+async def test_a_deploy_that_fails_part_way_destroys_what_it_created(fleet: Fleet) -> None:
+    async with await three_workers(fleet) as flaps:
+        events: list[DeployEvent] = []
+        report = await deploy(
+            flaps, make_spec(regions={"ams": 1}, **BROKEN), on_event=events.append
+        )
+        assert not report.ok
+        [created] = report.created
+        assert report.undone == [created]
+        assert f"destroyed what it created: {created}" in report.reason
+        assert "kept" not in report.reason
+        assert steps(events, "undone") == [("undone", "")]
+        assert [m for m in await flaps.list_machines("web") if m.state not in GONE] == []
+
+
+async def test_keep_created_keeps_what_a_failed_deploy_made(fleet: Fleet) -> None:
+    async with await three_workers(fleet) as flaps:
+        report = await deploy(flaps, make_spec(regions={"ams": 1}, **BROKEN), keep_created=True)
+        assert not report.ok
+        [created] = report.created
+        assert report.undone == []
+        assert f"changed and kept: {created}" in report.reason
+        [kept] = await flaps.list_machines("web")
+        assert kept.id == created
 
 
 async def test_an_app_that_crashes_with_the_new_env_is_rolled_back(fleet: Fleet) -> None:
@@ -290,14 +326,7 @@ async def test_an_app_that_crashes_with_the_new_env_is_rolled_back(fleet: Fleet)
         assert (await deploy(flaps, good)).ok
         [before] = await flaps.list_machines("web")
 
-        # Python cannot even start with this; the worker gives up after one retry.
-        broken = make_spec(
-            regions={"ams": 1},
-            standbys=0,
-            env={"PYTHONHOME": "/nonexistent"},
-            restart={"policy": "on-failure", "max_retries": 1},
-            checks=[{"type": "http", "interval": "100ms", "grace_period": "1s"}],
-        )
+        broken = make_spec(regions={"ams": 1}, standbys=0, **BROKEN)
         report = await deploy(flaps, broken)
         assert not report.ok
         assert report.failure is not None
@@ -331,7 +360,10 @@ async def test_machines_a_deploy_adds_get_the_apps_secrets(fleet: Fleet) -> None
         [added] = grown.created
         machine = await flaps.get_machine(added)
         assert dict(machine.config.secrets) == {"API_KEY": "<redacted>"}
-        opened = await fleet.worker(machine.worker_id).RevealSecrets(
-            w.RevealSecretsRequest(machine_id=added), timeout=10
+        # Read back as flaps reads them: only its certificate may.
+        assert fleet.security is not None
+        as_flaps = worker_pb2_grpc.WorkerServiceStub(
+            channel(fleet.workers[machine.worker_id].address, fleet.security.member_tls("flaps"))
         )
+        opened = await as_flaps.RevealSecrets(w.RevealSecretsRequest(machine_id=added), timeout=10)
         assert dict(opened.secrets) == {"API_KEY": "k-123"}

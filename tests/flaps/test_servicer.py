@@ -596,6 +596,11 @@ class TestPlatformService:
         assert all(c.sub_scores for c in resp.candidates)
         assert list(resp.rejections) == []
         assert fleet.machine_ids() == set()  # nothing was claimed
+        # How many of its size fit in the regions asked, as ListRegions counts them.
+        regions = await servicer_stub.ListRegions(
+            platform_pb2.ListRegionsRequest(guest=request.config.guest), timeout=T
+        )
+        assert resp.fits == sum(r.fits for r in regions.regions if r.name in ("ams", "syd")) > 3
 
     async def test_simulate_placement_counts_every_rejection(self, servicer_stub: Platform) -> None:
         request = platform_pb2.SimulatePlacementRequest(**bid(config=config(memory=2048)))
@@ -605,6 +610,7 @@ class TestPlatformService:
         # one by one (only a candidate stage names the workers it rejects).
         assert list(resp.rejections) == []
         assert dict(resp.rejections_by_reason) == {"insufficient_memory": 2}
+        assert resp.fits == 0
 
     @pytest.mark.parametrize(("fields", "field"), BAD_BIDS)
     async def test_a_bad_simulation_is_refused_naming_the_field(
