@@ -7,16 +7,23 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import shlex
 import signal
+from pathlib import Path
 
+from flyd.errors import FlydError
+from flyd.images.source import ImageSource
 from flyd.slots import slot_of
 from nonomad.cli_common import (
+    FLAPS_ENV,
     CliError,
     UsageError,
     emit,
     key_values,
+    local_cluster,
     run,
+    state_dir,
     table,
     wait_budget,
     wait_state,
@@ -277,6 +284,21 @@ def cmd_why(args: argparse.Namespace) -> int:
     return run(args, body)
 
 
+def image_ports(args: argparse.Namespace) -> list[int]:
+    """The ports the image says its command serves on (`image build --port`), when the CLI
+    talks to the local cluster and the image is in its image source; else none."""
+    if getattr(args, "flaps", None) or os.environ.get(FLAPS_ENV):
+        return []
+    cluster = local_cluster(state_dir(args))
+    if cluster is None:
+        return []
+    try:
+        image = ImageSource(Path(cluster.image_source)).resolve(args.image)
+        return list(image.read_config(image.read_manifest()).ports)
+    except (FlydError, OSError):
+        return []  # not built here: the workers pull it, and it publishes what --port names
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     if args.wait and args.no_start:
         raise UsageError(
@@ -289,7 +311,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         env=dict(args.env),
         secrets=dict(args.secret),
     )
-    for internal in args.port:
+    for internal in args.port or image_ports(args):
         config.services.add(internal_port=internal)
 
     async def body(flaps: Client) -> int:
