@@ -162,7 +162,7 @@ def add_machines(
         "--idempotency-key", metavar="KEY", help="a retry with the same key names the same machine"
     )
     create.add_argument(
-        "cmd_argv", nargs="*", metavar="-- CMD ARGS", help="what to run (see below)"
+        "cmd_argv", nargs="*", default=[], metavar="-- CMD ARGS", help="what to run (see below)"
     )
     create.set_defaults(func="nonomad.cli_machines:cmd_run")
 

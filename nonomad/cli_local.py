@@ -42,7 +42,7 @@ from nonomad.cli_common import (
     table,
 )
 from nonomad.cli_workers import WORKERS_FILE, process_state, request_done, restart_requests
-from nonomad.client import ApiError, Client
+from nonomad.client import ApiError, Client, state_name
 from nonomad.security import ClusterSecurity, provision
 from runtime import CLUSTER_PREFIX, READY_PREFIX, ChannelTLS, aio_channel, read_announcements
 from runtime.logs import configure_logging
@@ -354,7 +354,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                             standby.id,
                             standby.region,
                             standby.worker_id,
-                            f"standby for {primary.id}",
+                            f"{state_name(standby.state)}, standby for {primary.id}",
                             "-",
                         ]
                     )

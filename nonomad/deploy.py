@@ -834,7 +834,8 @@ class _Deployer:
             return
         self.report.created.append(machine.id)
         self.current[p.slot] = machine
-        self.emit("created", p, machine.id, detail=f"on {machine.worker_id}, stopped")
+        state = state_name(machine.state)
+        self.emit("created", p, machine.id, detail=f"on {machine.worker_id}, {state}, standing by")
 
     async def create(self, p: SlotPlan, config: MachineConfig, standby_for: str = "") -> Machine:
         """Create the slot's machine under a key derived from app, slot, digest (and primary):

@@ -44,6 +44,8 @@ async def test_bad_input_and_an_unreachable_flaps(tmp_path: Path) -> None:
         ([*run, "--region", "ams", "--env", "NOEQUALS", *flaps], 2,
          ["--env", "'NOEQUALS' is not KEY=VALUE"]),
         ([*run, *flaps], 2, ["required: --region"]),
+        # a command of its own is optional (the image's is run): never listed as required
+        (["machines", "run", *flaps], 2, ["required: APP, --image, --region ("]),
         ([*run, "--region", "ams", "--memory", "lots", *flaps], 2,
          ["--memory", "'lots' is not a whole number"]),
         ([*run, "--region", "ams", "--no-start", "--wait", *flaps], 2, ["--wait and --no-start"]),
