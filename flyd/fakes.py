@@ -131,6 +131,7 @@ class FakeDriver:
     """The `Driver` contract without processes. `starts` and `signals` record the calls."""
 
     name = "fake"
+    egress_refusal: str | None = None
 
     def __init__(
         self,

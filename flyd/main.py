@@ -82,6 +82,7 @@ def make_driver(
                 settings.data_dir / "machines",
                 network=settings.network,
                 uid_base=settings.uid_base,
+                egress_via=settings.egress_via,
                 **common,
             )
         except Unavailable as e:
@@ -92,6 +93,11 @@ def make_driver(
                 f"{settings.network} and uid_base leave room for {driver.max_machines} machines"
             )
         return driver
+    if settings.egress_via is not None:
+        log.warning(
+            "egress_via_unused",
+            message="process machines share the host's network: egress_via does not apply",
+        )
     return ProcessDriver(settings.data_dir / "machines", run_as=settings.run_as, **common)
 
 

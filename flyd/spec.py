@@ -70,6 +70,7 @@ def process_spec(
         user=image.user,
         ports=published(machine),
         host_runtime=image.host_runtime,
+        egress=config.network.egress,
     )
 
 

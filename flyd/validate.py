@@ -192,6 +192,13 @@ def check_config(config: pb.MachineConfig, field: str = "config") -> None:
     check_secrets(config, field)
 
 
+def check_network(config: pb.MachineConfig, refusal: str | None, field: str = "config") -> None:
+    """A config asking for egress on a worker that cannot give it (`refusal`, the driver's
+    reason) is refused, naming the field: a setting the worker ignored would be a lie."""
+    if config.network.egress and refusal is not None:
+        raise InvalidArgument(f"{field}.network.egress", refusal)
+
+
 def check_secrets(config: pb.MachineConfig, field: str = "config") -> None:
     """Secret names follow env's rules and are not in env too; values are bounded. Nothing
     said here quotes a value."""

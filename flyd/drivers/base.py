@@ -56,7 +56,9 @@ class ProcessSpec:
     are the machine's published services; each driver tells the machine its port in `PORT`
     and `PORT_<internal port>` (see `port_env`). `host_runtime`: the image names no base
     (a directory built by `nonomad image build`), so a sandboxing driver lends it the host's
-    runtime directories read-only.
+    runtime directories read-only. `egress`: its config asks to reach beyond its worker
+    (`network.egress`), which a driver that confines the network grants only through the
+    worker's uplink.
     """
 
     machine_id: str
@@ -68,6 +70,7 @@ class ProcessSpec:
     user: str = ""
     ports: tuple[PortMapping, ...] = ()
     host_runtime: bool = False
+    egress: bool = False
 
 
 def port_env(ports: tuple[PortMapping, ...], *, inside: bool) -> dict[str, str]:
@@ -151,6 +154,8 @@ class Driver(Protocol):
 
     limits_enforced: bool
     name: str
+    egress_refusal: str | None
+    """Why a machine asking for egress (`network.egress`) cannot have it here, or None."""
 
     def hold_ports(self, machine_id: str, candidates: Iterable[int], count: int) -> list[int]: ...
     async def publish(self, machine_id: str, ports: Sequence[PortMapping]) -> None: ...

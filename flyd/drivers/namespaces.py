@@ -6,7 +6,8 @@ tree: a machine's user namespace sees the image cache's root-owned files as its 
 while on disk they stay owned by host root and no machine's host uid can write them.
 `new_user_namespace` makes a user namespace with one mapping and returns a descriptor for it
 (through a short-lived child: a process can enter a new user namespace only when it has a
-single thread, and can never leave it).
+single thread, and can never leave it). `network_namespace_problem` says why a path does not
+name a network namespace other than the caller's.
 
 Every call raises OSError with the errno on failure.
 """
@@ -14,6 +15,7 @@ Every call raises OSError with the errno on failure.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 from typing import Any
 
@@ -21,6 +23,7 @@ __all__ = [
     "CLONE_NEWNET",
     "CLONE_NEWUSER",
     "idmapped_tree",
+    "network_namespace_problem",
     "new_user_namespace",
     "setns",
     "unshare",
@@ -38,6 +41,7 @@ _AT_FDCWD = -100
 _AT_EMPTY_PATH = 0x1000
 _AT_RECURSIVE = 0x8000
 _MOUNT_ATTR_IDMAP = 0x00100000
+_NS_GET_NSTYPE = 0xB703  # ioctl on a namespace file: its CLONE_NEW* type
 
 _libc: Any = ctypes.CDLL(None, use_errno=True)
 
@@ -130,3 +134,26 @@ def new_user_namespace(host_id: int, count: int) -> int:
         os.close(ready_r)
         os.close(done_w)
         os.waitpid(pid, 0)
+
+
+def network_namespace_problem(path: str) -> str | None:
+    """None if `path` names a network namespace (`/run/netns/NAME`, `/proc/PID/ns/net`) other
+    than the calling thread's own, else why not."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        return f"cannot open {path}: {e.strerror}"
+    try:
+        try:
+            kind = fcntl.ioctl(fd, _NS_GET_NSTYPE)
+        except OSError:
+            return f"{path} is not a namespace (`ip netns add NAME` makes /run/netns/NAME)"
+        if kind != CLONE_NEWNET:
+            return f"{path} is a namespace, but not a network namespace"
+        mine = os.stat("/proc/thread-self/ns/net")
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+            return f"{path} is this process's own network namespace (the host's)"
+    finally:
+        os.close(fd)
+    return None

@@ -3,7 +3,8 @@
 A netlink socket belongs to the network namespace it was opened in, whatever namespace its
 process moves to afterwards; so `Rtnl` opened inside a namespace keeps configuring that one.
 Requests: create a veth pair whose peer lands in another namespace, bring a link up, give a
-link an address, route a /32 to a link, delete a link, and find a link's index. Each request
+link an address, route a /32 to a link, route everything through an on-link gateway, delete a
+link, and find a link's index. Each request
 waits for the kernel's acknowledgement and raises OSError with its errno on a refusal.
 
 pyroute2 does all this and much more, but takes ~0.3 s to import; these five messages are
@@ -40,7 +41,9 @@ _VETH_INFO_PEER = 1
 _IFF_UP = 0x1
 
 _IFA_ADDRESS, _IFA_LOCAL = 1, 2
-_RTA_DST, _RTA_OIF = 1, 4
+_RTA_DST, _RTA_OIF, _RTA_GATEWAY = 1, 4, 5
+_RTNH_F_ONLINK = 4
+_RT_SCOPE_UNIVERSE = 0
 _RT_TABLE_MAIN = 254
 _RTPROT_STATIC = 4
 _RT_SCOPE_LINK = 253
@@ -114,10 +117,14 @@ class Rtnl:
         _family, _type, index, _flags, _change = _IFINFOMSG.unpack_from(reply)
         return int(index)
 
-    def add_address(self, name: str, address: ipaddress.IPv4Address, prefixlen: int) -> None:
-        """Give link `name` the address `address/prefixlen`."""
+    def add_address(
+        self, name: str, address: ipaddress.IPv4Address, prefixlen: int, *, link_scope: bool = False
+    ) -> None:
+        """Give link `name` the address `address/prefixlen` (with `link_scope`, one the
+        namespace never picks as the source of traffic leaving by another link)."""
         packed = address.packed
-        body = _IFADDRMSG.pack(socket.AF_INET, prefixlen, 0, 0, self.index(name))
+        scope = _RT_SCOPE_LINK if link_scope else _RT_SCOPE_UNIVERSE
+        body = _IFADDRMSG.pack(socket.AF_INET, prefixlen, 0, scope, self.index(name))
         body += _attr(_IFA_LOCAL, packed) + _attr(_IFA_ADDRESS, packed)
         self._request(_RTM_NEWADDR, _NLM_F_CREATE | _NLM_F_EXCL, body)
 
@@ -139,6 +146,25 @@ class Rtnl:
         body += _attr(_RTA_DST, address.packed) + _attr(
             _RTA_OIF, struct.pack("=I", self.index(name))
         )
+        self._request(_RTM_NEWROUTE, _NLM_F_CREATE | _NLM_F_REPLACE, body)
+
+    def add_default_route(self, gateway: ipaddress.IPv4Address, name: str) -> None:
+        """Route everything through `gateway`, reached directly on link `name` (on-link: the
+        gateway need not be in a prefix of the link's), in place of any default route.
+        """
+        body = _RTMSG.pack(
+            socket.AF_INET,
+            0,
+            0,
+            0,
+            _RT_TABLE_MAIN,
+            _RTPROT_STATIC,
+            _RT_SCOPE_UNIVERSE,
+            _RTN_UNICAST,
+            _RTNH_F_ONLINK,
+        )
+        body += _attr(_RTA_GATEWAY, gateway.packed)
+        body += _attr(_RTA_OIF, struct.pack("=I", self.index(name)))
         self._request(_RTM_NEWROUTE, _NLM_F_CREATE | _NLM_F_REPLACE, body)
 
     def _request(self, kind: int, flags: int, body: bytes) -> bytes:

@@ -11,6 +11,9 @@ What a machine is (see `flyd.drivers.bundle` for its runtime spec):
   `flyd.drivers.netd`, with the machine's own address `prefix + 2 + slot`);
 - its published services are host ports on 127.0.0.1 that netd holds and forwards into the
   machine's namespace, where the service listens on its internal port (`PORT`);
+- it reaches nothing beyond its namespace, unless its config asks for egress
+  (`network.egress`) and the worker has an uplink (`egress_via`, a network namespace the
+  operator made): then netd lets it out through the uplink, masqueraded (see netd);
 - its limits are the machine's cgroups (`flyd.drivers.cgroups`), which the hold hook puts
   the container in (crun and the wrapper stay outside them).
 
@@ -83,6 +86,7 @@ UIDS_PER_MACHINE = 65536
 _READY_TIMEOUT_S = 30.0
 _EXEC_WAIT_S = 1.0  # how long a signal waits for a just-started container's init
 _SLOT_FILE = "slot"
+_EGRESS_FILE = "egress"  # present while the machine's last start asked for egress
 # Where each wrapper binds its machine's run dir, in its own mount namespace (see Bundle.view).
 _VIEW = Path("/run/nonomad/machine")
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -106,7 +110,10 @@ class OciDriver(WrappedDriver):
         machine_host: str = "127.0.0.1",
         network: str = "10.87.0.0/20",
         uid_base: int = 1 << 30,
+        egress_via: Path | None = None,
     ) -> None:
+        """`egress_via`: the worker's uplink, a network namespace of the operator's that
+        reaches what machines may reach; without it no machine has egress."""
         problem = probe(cgroup_root) or cgroups_probe(cgroup_root, cgroup_prefix)
         if problem is not None:
             raise Unavailable(f"this host cannot run OCI machines: {problem}")
@@ -154,7 +161,17 @@ class OciDriver(WrappedDriver):
         self._slots = self._read_slots()
         self._runs: dict[str, int] = {}  # starts per machine, so a late down never undoes one
         self._downs: dict[str, asyncio.Future[None]] = {}  # netd downs under way
-        self._net = Netd(self._run_dirs.root)
+        self.egress_refusal = (
+            None if egress_via is not None else "this worker has no uplink (flyd --egress-via)"
+        )
+        uplink: dict[str, Any] = {"netns": None}
+        if egress_via is not None:
+            uplink = {
+                "netns": str(egress_via),
+                "address": str(prefix.network_address + 1),  # never a machine's: they are +2..
+                "prefix": str(prefix),
+            }
+        self._net = Netd(self._run_dirs.root, uplink)
         hello = self._net.connect()
         # What netd holds, as it said: machine -> its host ports and whether it is up.
         self._netd: dict[str, dict[str, Any]] = dict(hello.get("machines", {}))
@@ -172,10 +189,14 @@ class OciDriver(WrappedDriver):
         if running is not None:
             return running
         mid = spec.machine_id
+        if spec.egress and self.egress_refusal is not None:
+            # Created when the worker had an uplink; it has none now.
+            raise Unavailable(f"machine {mid}: config.network.egress: {self.egress_refusal}")
         uid, gid = oci_bundle.resolve_user(spec.rootfs, spec.user)
         run_dir = self._run_dirs.path(mid)
         try:
             cgroup_procs = self._prepare_run(spec)
+            _mark(run_dir / _EGRESS_FILE, spec.egress)  # for an adoption by a new netd
             slot = self._slot(mid)
             layers = self._prepare_layers(run_dir, self._uid_base + slot * UIDS_PER_MACHINE)
             delete_container(self._crun_root, mid)  # what a killed crun left
@@ -195,6 +216,7 @@ class OciDriver(WrappedDriver):
                 address=address,
                 uid=self._uid_base + slot * UIDS_PER_MACHINE,
                 uids=UIDS_PER_MACHINE,
+                egress=spec.egress,
             )
         except BaseException:
             _close(hold_r, hold_w, ready_r, ready_w)
@@ -494,6 +516,8 @@ class OciDriver(WrappedDriver):
                 uid=0,
                 uids=0,
                 netns=f"/proc/{int(status['pid'])}/ns/net",
+                egress=(self._run_dirs.path(machine_id) / _EGRESS_FILE).exists()
+                and self.egress_refusal is None,
             )
         finally:
             os.close(pidfd)
@@ -621,6 +645,14 @@ def _searchable(path: Path) -> bool:
         return all(os.stat(p).st_mode & stat.S_IXOTH for p in [path, *path.parents])
     except OSError:
         return False
+
+
+def _mark(path: Path, present: bool) -> None:
+    if present:
+        path.touch()
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
 
 
 def _close(*fds: int) -> None:

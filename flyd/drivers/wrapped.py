@@ -96,6 +96,9 @@ class WrappedDriver:
     """Why limits are not enforced, or None."""
 
     name = "wrapped"
+    # A host process shares the host's network: it reaches everything whatever it asks, so
+    # egress is never refused (the OCI driver, which confines it, says otherwise).
+    egress_refusal: str | None = None
 
     def __init__(
         self,

@@ -122,6 +122,31 @@ class GuestConfig(_message.Message):
 Global___GuestConfig: _TypeAlias = GuestConfig  # noqa: Y015
 
 @_typing.final
+class NetworkConfig(_message.Message):
+    """What a machine's network may reach."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EGRESS_FIELD_NUMBER: _builtins.int
+    egress: _builtins.bool
+    """Let the machine open connections beyond its worker (through the
+    worker's configured uplink, `flyd --egress-via`). Off, it reaches
+    nothing. A worker without an uplink refuses a machine that asks.
+    """
+    def __init__(
+        self,
+        *,
+        egress: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["egress", b"egress"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NetworkConfig: _TypeAlias = NetworkConfig  # noqa: Y015
+
+@_typing.final
 class ConcurrencyConfig(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -401,6 +426,7 @@ class MachineConfig(_message.Message):
     METADATA_FIELD_NUMBER: _builtins.int
     PLACEMENT_FIELD_NUMBER: _builtins.int
     SECRETS_FIELD_NUMBER: _builtins.int
+    NETWORK_FIELD_NUMBER: _builtins.int
     image: _builtins.str
     """OCI image reference: "name:tag", "name" (latest) or "name@sha256:<hex>"."""
     @_builtins.property
@@ -445,6 +471,10 @@ class MachineConfig(_message.Message):
         in env.
         """
 
+    @_builtins.property
+    def network(self) -> Global___NetworkConfig:
+        """What its network may reach; nothing beyond its own namespace by default."""
+
     def __init__(
         self,
         *,
@@ -461,10 +491,11 @@ class MachineConfig(_message.Message):
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         placement: Global___PlacementConfig | None = ...,
         secrets: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        network: Global___NetworkConfig | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["guest", b"guest", "placement", b"placement", "restart", b"restart", "stop", b"stop"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["guest", b"guest", "network", b"network", "placement", b"placement", "restart", b"restart", "stop", b"stop"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checks", b"checks", "cmd", b"cmd", "entrypoint", b"entrypoint", "env", b"env", "guest", b"guest", "image", b"image", "metadata", b"metadata", "placement", b"placement", "restart", b"restart", "secrets", b"secrets", "services", b"services", "standbys", b"standbys", "stop", b"stop"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checks", b"checks", "cmd", b"cmd", "entrypoint", b"entrypoint", "env", b"env", "guest", b"guest", "image", b"image", "metadata", b"metadata", "network", b"network", "placement", b"placement", "restart", b"restart", "secrets", b"secrets", "services", b"services", "standbys", b"standbys", "stop", b"stop"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
