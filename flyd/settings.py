@@ -6,7 +6,7 @@ import socket
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from runtime import ServiceSettings
@@ -54,7 +54,11 @@ class FlydSettings(ServiceSettings):
     image_cache_bytes: int = Field(default=4 << 30, gt=0, description="image cache bound")
     capacity: CapacitySettings = CapacitySettings()
     ports: str = Field(default="20000-20999", description="host ports for machine services")
-    machine_host: str = Field(default="127.0.0.1", description="host machines' ports are on")
+    machine_host: str = Field(
+        default="",
+        description="host machines' published ports are on, as others dial them (default: the "
+        "host of --advertise, else of --listen; 127.0.0.1 when that is a wildcard)",
+    )
     advertise: str | None = Field(
         default=None, description="address others reach this worker at (default: bound address)"
     )
@@ -107,6 +111,16 @@ class FlydSettings(ServiceSettings):
     restart_max_retries: int = Field(default=10, gt=0, description="default on-failure retries")
     log_max_bytes: int = Field(default=1 << 20, gt=0, description="machine log size to rotate at")
     log_keep: int = Field(default=10_000, gt=0, description="log records kept behind snapshots")
+
+    @model_validator(mode="after")
+    def _machine_host_follows_advertise(self) -> FlydSettings:
+        # A worker told its address once advertises it for its machines too: a proxy on
+        # another host must never be handed a loopback address to dial.
+        if not self.machine_host:
+            host = (self.advertise or self.listen).rpartition(":")[0].strip("[]")
+            wildcard = host in ("", "0.0.0.0", "::")
+            self.machine_host = "127.0.0.1" if wildcard else host
+        return self
 
     @field_validator("worker_id", "region")
     @classmethod

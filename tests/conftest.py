@@ -50,7 +50,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         print("request", self.path, flush=True)
 
 print("listening on", os.environ["PORT"], flush=True)
-http.server.ThreadingHTTPServer(("127.0.0.1", int(os.environ["PORT"])), Handler).serve_forever()
+http.server.ThreadingHTTPServer(("0.0.0.0", int(os.environ["PORT"])), Handler).serve_forever()
 """
 
 

@@ -12,16 +12,30 @@ them into the machine's namespace).
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import socket
 from collections.abc import Iterable
 
 from flyd.errors import ResourceExhausted
 
-__all__ = ["HeldPorts", "bind_port"]
+__all__ = ["HeldPorts", "bind_address", "bind_port"]
+
+
+def bind_address(host: str) -> str:
+    """Where a port published on `host` is bound: a loopback host as it is (a single-host
+    cluster's), any other on every address of the host: a proxy on another host dials `host`,
+    the worker's readiness probes 127.0.0.1, and a process machine binds 0.0.0.0 itself, so
+    the port is free only when it is free on all of them."""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: never a loopback the worker was told to advertise
+        loopback = host == "localhost"
+    return host if loopback else "0.0.0.0"
 
 
 def bind_port(host: str, port: int) -> socket.socket | None:
-    """A socket bound to host:port, not listening, or None when the port is taken.
+    """A socket bound to host:port (see `bind_address`), not listening, or None when the port
+    is taken.
 
     SO_REUSEADDR is set only for the bind, over connections of an earlier holder still in
     TIME_WAIT; cleared, it keeps any other socket from binding the port.
@@ -29,7 +43,7 @@ def bind_port(host: str, port: int) -> socket.socket | None:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
+        sock.bind((bind_address(host), port))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
     except OSError:
         sock.close()

@@ -22,5 +22,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
 if __name__ == "__main__":
     port = int(os.environ["PORT"])
-    print(f"demo listening on 127.0.0.1:{port}", flush=True)
-    http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+    # Every interface of its own: in its sandbox the machine's loopback and its address, which
+    # a proxy on another host dials when its worker routes machines (flyd --route-machines).
+    print(f"demo listening on 0.0.0.0:{port}", flush=True)
+    http.server.ThreadingHTTPServer(("0.0.0.0", port), Handler).serve_forever()

@@ -452,7 +452,7 @@ async def test_a_partitioned_primary_is_superseded_when_the_link_heals(
             fleet.workers.update(wa=side_a, wb=side_b)
             fleet.start_flaps(netns=ns.b)
             proxies = [fleet.add_proxy(netns=ns.b) for _ in range(2)]
-            app_code = DEMO_APP.replace('"127.0.0.1"', '"0.0.0.0"')
+            app_code = DEMO_APP  # (it binds 0.0.0.0, as the shipped demo does)
             client = await asyncio.create_subprocess_exec(
                 "nsenter",
                 f"--net=/var/run/netns/{ns.b}",

@@ -23,3 +23,33 @@ from runtime import SettingsError, load_settings
 def test_driver_settings_are_checked_at_start(argv: list[str], says: str) -> None:
     with pytest.raises(SettingsError, match=says):
         load_settings(FlydSettings, argv, prog="flyd")
+
+
+@pytest.mark.parametrize(
+    ("argv", "machine_host"),
+    [
+        ([], "127.0.0.1"),
+        (["--listen", "0.0.0.0:7000"], "127.0.0.1"),
+        (["--listen", "10.1.0.2:7000"], "10.1.0.2"),
+        # A worker told its address once advertises it for its machines' ports too.
+        (["--listen", "0.0.0.0:7000", "--advertise", "10.1.0.3:7000"], "10.1.0.3"),
+        (["--advertise", "w1.example:7000", "--machine-host", "10.1.0.4"], "10.1.0.4"),
+    ],
+)
+def test_machine_host_follows_the_advertised_address(argv: list[str], machine_host: str) -> None:
+    assert load_settings(FlydSettings, argv, prog="flyd").machine_host == machine_host
+
+
+@pytest.mark.parametrize(
+    ("host", "bound"),
+    [("127.0.0.1", "127.0.0.1"), ("127.0.0.2", "127.0.0.2"), ("10.1.0.2", "0.0.0.0")],
+)
+def test_a_port_published_beyond_loopback_is_held_on_every_address(host: str, bound: str) -> None:
+    from flyd.drivers.ports import bind_address, bind_port
+
+    assert bind_address(host) == bound
+    if bound == "0.0.0.0":  # (binding sends nothing anywhere)
+        sock = bind_port(host, 0)
+        assert sock is not None
+        with sock:
+            assert sock.getsockname()[0] == "0.0.0.0"
