@@ -45,7 +45,7 @@ JSON answer each (`{"ok": ...}` or `{"error": "..."}`):
   uplink there was goes, and with it every machine's egress)
 - `down {machine}`: drop its namespaces (it stopped); `forget {machine}`: and its ports
 
-It imports nothing but the standard library and two small siblings (no flyd runtime), so it
+It imports nothing but the standard library and three small siblings (no flyd runtime), so it
 starts in ~0.1 s.
 """
 

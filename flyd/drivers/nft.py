@@ -22,7 +22,6 @@ ctypes: a command takes ~0.1 ms, where running `nft` takes ~10 ms and a process 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import ipaddress
 from collections.abc import Iterable
 from typing import Any
@@ -39,9 +38,8 @@ class Nft:
     is in (netlink sockets are opened per command batch there)."""
 
     def __init__(self) -> None:
-        name = ctypes.util.find_library("nftables") or "libnftables.so.1"
         try:
-            lib: Any = ctypes.CDLL(name, use_errno=True)
+            lib: Any = ctypes.CDLL("libnftables.so.1", use_errno=True)
         except OSError as e:
             raise OSError(
                 f"libnftables is missing ({e}): egress needs Debian's nftables package"

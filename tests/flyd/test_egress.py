@@ -16,12 +16,14 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -209,7 +211,7 @@ def probe_config(
     )
 
 
-async def ask(machine: pb.Machine) -> dict[str, object]:
+async def ask(machine: pb.Machine) -> dict[str, Any]:
     """Have the probe try everything once (through its published port); what it reached."""
 
     def once() -> bytes:
@@ -291,7 +293,7 @@ async def test_only_a_machine_that_asks_reaches_the_uplink_and_only_as_the_hub(
     assert source != machine_address(machines, out.id)
     assert sent == f"{out.id} {out.instance_id}"
     # Its loopback is its own: flyd's port and the host's service are not there.
-    assert set(seen["loopback"].values()) == {"ConnectionRefusedError"}  # type: ignore[union-attr]
+    assert set(seen["loopback"].values()) == {"ConnectionRefusedError"}
     # Egress is the uplink alone: the hub forwards nothing to another machine (which serves
     # on 8080) and answers nothing itself; both dropped, so the probe's connects time out.
     assert seen["others"] == {f"{a}:8080": "TimeoutError" for a in others}
@@ -300,7 +302,7 @@ async def test_only_a_machine_that_asks_reaches_the_uplink_and_only_as_the_hub(
     # The machine that did not ask has no route beyond itself: nothing ever leaves it.
     seen = await ask(shut)
     assert seen["uplink"] == "OSError"  # ENETUNREACH
-    assert set(seen["loopback"].values()) == {"ConnectionRefusedError"}  # type: ignore[union-attr]
+    assert set(seen["loopback"].values()) == {"ConnectionRefusedError"}
     assert not uplink.pending()
 
     # Egress turned off by an update: the new instance reaches nothing, its element is gone.
@@ -329,7 +331,7 @@ async def test_only_a_machine_that_asks_reaches_the_uplink_and_only_as_the_hub(
 
 @needs_oci
 @needs_netns
-async def test_egress_outlives_a_flyd_restart_and_goes_with_the_machine(
+async def test_egress_outlives_a_flyd_restart_and_netd_s_and_goes_with_the_machine(
     uplink: Uplink,
     flyd_factory: Callable[..., ServiceProcess],
     stub_for: Callable[[str], Stub],
@@ -354,6 +356,17 @@ async def test_egress_outlives_a_flyd_restart_and_goes_with_the_machine(
     assert (await uplink.accepted())[0] == HUB_UPLINK_ADDRESS
     assert (await ask(shut))["uplink"] == "OSError"
     assert not uplink.pending()
+
+    # netd itself dies (its hub, uplink veth and rules with it): the next request flyd makes
+    # starts a new one, which makes the uplink again and gives the running machines back their
+    # network, egress as each asked.
+    os.kill(json.loads((machines / ".netd.json").read_text())["pid"], signal.SIGKILL)
+    await create(stub, probe_config(uplink, [], egress=False))
+    assert (await ask(out))["uplink"] == "connected"
+    assert (await uplink.accepted())[0] == HUB_UPLINK_ADDRESS
+    assert (await ask(shut))["uplink"] == "OSError"
+    assert not uplink.pending()
+    assert egress_set(machines) == [machine_address(machines, out.id)]
 
     await stub.DestroyMachine(w.DestroyMachineRequest(machine_id=out.id, force=True))
     await stub.WaitMachine(
