@@ -187,6 +187,10 @@ class FakeDriver:
         self.host.watchers[spec.machine_id] = self
         return handle
 
+    def machine_address(self, machine_id: str) -> str:
+        """ "": the fake's machines are reached at their host ports."""
+        return ""
+
     def hold_ports(self, machine_id: str, candidates: Iterable[int], count: int) -> list[int]:
         """Take `count` of `candidates` that no machine holds and no other program has."""
         self._check_open()

@@ -183,6 +183,7 @@ class UpdateRequested:
 @dataclass(frozen=True)
 class Spawned:
     handle: dict[str, Any]
+    address: str = ""  # the machine's own, when its worker routes machines (Machine.address)
 
 
 @dataclass(frozen=True)
@@ -405,17 +406,19 @@ def step(row: Row, event: Event, *, now: float, policy: Policy) -> Transition | 
             return _destroy(row, now, force)
         case UpdateRequested():
             return _update(row, event, now)
-        case Spawned(handle=handle):
+        case Spawned(handle=handle, address=address):
             if row.op is None or row.op.step != "spawn":
                 return None
             # Committed before the release: declared started, with the release still pending.
             b = _Builder(row, now, row.op.kind, [Release()])
-            return b.to(
+            spawned = b.to(
                 S.MACHINE_STATE_STARTED,
                 f"running (pid {handle.get('pid')})",
                 op=replace(row.op, step="release"),
                 handle=handle,
             )
+            spawned.row.machine.address = address  # (a copy of the row's: b.to made it)
+            return spawned
         case SpawnFailed(error=error):
             if row.op is None or row.op.step != "spawn":
                 return None

@@ -83,6 +83,7 @@ def make_driver(
                 network=settings.network,
                 uid_base=settings.uid_base,
                 egress_via=settings.egress_via,
+                route_machines=settings.route_machines,
                 **common,
             )
         except Unavailable as e:
@@ -93,6 +94,11 @@ def make_driver(
                 f"{settings.network} and uid_base leave room for {driver.max_machines} machines"
             )
         return driver
+    if settings.route_machines:
+        log.warning(
+            "route_machines_unused",
+            message="process machines share the host's network: their host ports are reached",
+        )
     if settings.egress_via is not None:
         log.warning(
             "egress_via_unused",

@@ -310,7 +310,7 @@ class Runner:
         except Exception as err:  # any failure to spawn is the machine's, not ours
             log.warning("spawn failed", machine_id=machine_id, error=str(err))
             return fsm.SpawnFailed(str(err))
-        return fsm.Spawned(handle.to_dict())
+        return fsm.Spawned(handle.to_dict(), self.driver.machine_address(machine_id))
 
     async def _perform(self, machine_id: str, t: fsm.Transition) -> fsm.Event | None:
         row = t.row

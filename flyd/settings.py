@@ -83,6 +83,14 @@ class FlydSettings(ServiceSettings):
         "namespace of the operator's (/run/netns/NAME, `ip netns add NAME`), never the host's "
         "own; without it no machine has egress",
     )
+    route_machines: bool = Field(
+        default=False,
+        description="reach each oci machine at its own address from this host's network: netd "
+        "links the worker's hub to the host (a veth, the route of --network into the hub; only "
+        "TCP to published services crosses it), so a proxy on any host that routes --network "
+        "to this one dials machine:internal_port (docs/deploy.md); off, services are reached "
+        "at their host ports",
+    )
     uid_base: int = Field(
         default=1 << 30,
         description="first host uid of the oci machines' ranges (65536 uids each)",
@@ -120,6 +128,15 @@ class FlydSettings(ServiceSettings):
             host = (self.advertise or self.listen).rpartition(":")[0].strip("[]")
             wildcard = host in ("", "0.0.0.0", "::")
             self.machine_host = "127.0.0.1" if wildcard else host
+        return self
+
+    @model_validator(mode="after")
+    def _one_way_out(self) -> FlydSettings:
+        if self.route_machines and self.egress_via is not None:
+            raise ValueError(
+                "route_machines: not together with egress_via yet (each is the way out of the "
+                "worker's hub: its default route)"
+            )
         return self
 
     @field_validator("worker_id", "region")

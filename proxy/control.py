@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Generic, Protocol, TypeVar
 
 import grpc
@@ -438,6 +438,8 @@ class HealthChecks(Generic[R]):
     async def watch(self, route: R, shutdown: asyncio.Event) -> None:
         """Check `route` until cancelled (it left STARTED) or shutdown."""
         configured = checks_of(route.machine, route.host)
+        if route.machine.address:  # dialled on its own address: its checks are too
+            configured = [replace(c, port=c.internal_port if c.port else 0) for c in configured]
         checks = configured or [
             CheckSpec(
                 name="accept",

@@ -193,8 +193,13 @@ class Route:
         self.machine = machine
         internal = self.service.internal_port
         mapping = next((p for p in machine.ports if p.internal_port == internal), None)
-        self.host = (mapping.host if mapping is not None else "") or fallback_host
-        self.port = mapping.host_port if mapping is not None else 0
+        if machine.address and mapping is not None:
+            # Its worker routes machines: the machine itself, on its own address, from any
+            # host that routes the worker's prefix (no hop through the worker's host port).
+            self.host, self.port = machine.address, internal
+        else:
+            self.host = (mapping.host if mapping is not None else "") or fallback_host
+            self.port = mapping.host_port if mapping is not None else 0
         backend = Backend(
             machine_id=machine.id,
             app=machine.app,

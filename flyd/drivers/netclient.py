@@ -7,7 +7,8 @@ how `flyd.drivers.rundir.kill_all` ends it when a whole worker is torn down.
 
 On every connection flyd first tells netd the worker's uplink (`Netd.uplink`: the egress
 namespace, or none), so a netd that outlived flyd follows a changed `--egress-via` and a new
-netd starts with the uplink already made.
+netd starts with the uplink already made; and likewise whether it routes machines' addresses
+to the host (`Netd.routes`, flyd --route-machines).
 
 Requests are one JSON datagram each, answered in order; an asyncio lock keeps one in flight.
 If netd has died the next request raises `NetdGone`, and `connect` starts a new one.
@@ -55,9 +56,17 @@ class Netd:
     """A connection to the netd of `run_root`; `uplink`: the fields of its `uplink` request
     (`{"netns": None}`, the default: no uplink, no machine has egress)."""
 
-    def __init__(self, run_root: Path, uplink: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        run_root: Path,
+        uplink: dict[str, Any] | None = None,
+        routes: dict[str, Any] | None = None,
+    ) -> None:
         self.run_root = run_root
         self.uplink = uplink or {"netns": None}
+        self.routes = routes or {"prefix": None}
+        """The fields of its `routes` request: the worker's prefix and the hub's address when
+        it routes machines to its host (flyd --route-machines), `{"prefix": None}` when not."""
         self.socket_path = run_root / NETD_SOCKET
         self._sock: socket.socket | None = None
         self._lock = asyncio.Lock()
@@ -84,6 +93,7 @@ class Netd:
             raise Unavailable(f"netd speaks protocol {hello.get('protocol')}, flyd {PROTOCOL}")
         self.pid = int(hello["pid"])
         self._call_blocking({"op": "uplink", **self.uplink})
+        self._call_blocking({"op": "routes", **self.routes})
         sock.setblocking(False)
         return hello
 

@@ -17,6 +17,13 @@ the worker's *hub*, and for each machine it:
   default route in its namespace, and an element of the hub's nftables set (`flyd.drivers.nft`:
   forwarded to the uplink only from that veth and address, SNATed to the hub's address,
   replies back; everything else dropped);
+- with `routes` (`flyd --route-machines`): joins the hub to the host's namespace by a veth
+  (`rt0` in the hub, with the address `prefix + 1`; `nr<that address in hex>` on the host,
+  with the link-local address 169.254.0.1 and the route of the worker's prefix through the
+  hub), so a machine's own address is reached from the host and from any host that routes
+  the prefix to this one: the hub forwards to a machine only TCP to its published services
+  (the nftables set `services` of address . port, `flyd.drivers.nft.routes_table`) and the
+  replies back, nothing a machine starts; each machine gets a default route to the hub;
 - holds the sockets of the machine's published host ports (flyd binds them on 127.0.0.1 and
   hands them over), for the machine's whole life, running or not: a published port is never
   free for someone else to take. A port listens exactly while the machine's service does
@@ -43,6 +50,9 @@ JSON answer each (`{"ok": ...}` or `{"error": "..."}`):
 - `uplink {netns, address, prefix}`: the worker's uplink is this namespace (made anew only if
   it changed), the hub's address on it and the worker's prefix; `{netns: null}`: none (an
   uplink there was goes, and with it every machine's egress)
+- `routes {prefix, address}`: route the machines of `prefix` to the host through the hub's
+  `address` (made anew only if it changed); `{prefix: null}`: not (the link goes). Refused
+  with an uplink: both would be the hub's default route
 - `down {machine}`: drop its namespaces (it stopped); `forget {machine}`: and its ports
 
 It imports nothing but the standard library and three small siblings (no flyd runtime), so it
@@ -68,7 +78,17 @@ from typing import Any
 
 from flyd.drivers import namespaces
 from flyd.drivers.netlink import Rtnl, SockDiag
-from flyd.drivers.nft import TABLE, UPLINK, Nft, element, table
+from flyd.drivers.nft import (
+    ROUTED,
+    ROUTES_TABLE,
+    TABLE,
+    UPLINK,
+    Nft,
+    element,
+    routes_table,
+    service_elements,
+    table,
+)
 
 __all__ = ["PROTOCOL", "main", "unix_address"]
 
@@ -113,6 +133,13 @@ class _Machine:
     diag: SockDiag | None = None  # asks its namespace which ports listen
     watch: asyncio.Task[None] | None = None  # until each published port serves
     egress: bool = False  # while up: its veth and address are in the hub's egress set
+    routed: frozenset[int] = frozenset()  # its ports in the hub's `services` set (while up)
+
+
+@dataclass(frozen=True)
+class _Routes:
+    address: ipaddress.IPv4Address  # the hub's on `rt0`: machines' gateway, the host's next hop
+    prefix: ipaddress.IPv4Network  # the worker's, routed by the host into the hub
 
 
 @dataclass(frozen=True)
@@ -199,6 +226,7 @@ class Netd:
         self.links = 0  # veths made: each gets a new name
         self.pid = os.getpid()
         self.uplink: _Uplink | None = None
+        self.routes: _Routes | None = None
         self._nft: Nft | None = None  # made with the first uplink, in the hub
 
     # -- requests -----------------------------------------------------------------------------
@@ -214,9 +242,13 @@ class Netd:
                     for mid, m in self.machines.items()
                 },
                 "uplink": None if self.uplink is None else self.uplink.netns,
+                "routes": None if self.routes is None else str(self.routes.prefix),
             }
         if op == "uplink":
             self._set_uplink(request)
+            return {}
+        if op == "routes":
+            self._set_routes(request)
             return {}
         machine_id = request.get("machine")
         if not isinstance(machine_id, str) or not machine_id:
@@ -228,6 +260,7 @@ class Netd:
             answer = self._up(machine_id, request)
             if "ports" in request:  # and its ports, in the same request
                 await self._publish(machine_id, request["ports"], fds)
+            self._route_services(self.machines[machine_id])
             return answer
         if op == "down":
             m = self.machines.get(machine_id)
@@ -268,6 +301,7 @@ class Netd:
                 port.internal_port = wanted[port.host_port]
                 self._unserve(port)
         self._watch(m)
+        self._route_services(m)
 
     def _up(self, machine_id: str, request: dict[str, Any]) -> dict[str, Any]:
         address = ipaddress.IPv4Address(str(request["address"]))
@@ -347,6 +381,8 @@ class Netd:
             if egress:
                 assert self.uplink is not None
                 machine_rtnl.add_default_route(self.uplink.address, "eth0")
+            elif self.routes is not None:  # its replies to other hosts go through the hub
+                machine_rtnl.add_default_route(self.routes.address, "eth0")
         finally:
             machine_rtnl.close()
 
@@ -362,6 +398,8 @@ class Netd:
         if path is None:
             self._drop_uplink()
             return
+        if self.routes is not None:
+            raise ValueError("egress_via: not with route_machines (each is the hub's way out)")
         path = str(path)
         address = ipaddress.IPv4Address(str(request["address"]))
         prefix = ipaddress.IPv4Network(str(request["prefix"]))
@@ -423,6 +461,79 @@ class Netd:
         self.uplink = None
         _log("uplink_dropped")
 
+    # -- routes: machines' own addresses reached from the host (and hosts beyond) -----------
+
+    def _set_routes(self, request: dict[str, Any]) -> None:
+        if request.get("prefix") is None:
+            self._drop_routes()
+            return
+        wanted = _Routes(
+            ipaddress.IPv4Address(str(request["address"])),
+            ipaddress.IPv4Network(str(request["prefix"])),
+        )
+        if self.uplink is not None:
+            raise ValueError("route_machines: not with an uplink (each is the hub's way out)")
+        if wanted == self.routes and self._has_link(ROUTED):
+            return  # as it is (a flyd restart): connections to machines carry on
+        self._drop_routes()
+        self._make_routes(wanted)
+        _log("routes", prefix=str(wanted.prefix), address=str(wanted.address))
+
+    def _make_routes(self, routes: _Routes) -> None:
+        peer = "nr" + routes.address.packed.hex()  # unique among the host's workers
+        host_rtnl: Rtnl = self._in(self.host_netns, Rtnl)
+        try:
+            host_rtnl.delete_link(peer)  # one an earlier netd of this worker left
+            self.rtnl.add_veth(ROUTED, peer, self.host_netns)
+            try:
+                self.rtnl.add_address(ROUTED, routes.address, 32)
+                self.rtnl.set_up(ROUTED)
+                host_rtnl.add_address(peer, _GATEWAY, 32, link_scope=True)
+                host_rtnl.set_up(peer)
+                host_rtnl.add_route(routes.prefix, routes.address, peer)
+                self.rtnl.add_default_route(_GATEWAY, ROUTED)
+                self.routes = routes
+                for m in self.machines.values():
+                    m.routed = frozenset()
+                self._rules(routes_table(routes.prefix))
+                for m in self.machines.values():
+                    self._route_services(m)
+                _sysctl("net/ipv4/ip_forward", "1")  # only now, with the table deciding
+            except BaseException:
+                self.routes = None
+                self.rtnl.delete_link(ROUTED)
+                raise
+        finally:
+            host_rtnl.close()
+
+    def _drop_routes(self) -> None:
+        if self.routes is None:
+            return
+        _sysctl("net/ipv4/ip_forward", "0")  # first: nothing crosses while it goes
+        self._rules(f"table ip {ROUTES_TABLE}\ndelete table ip {ROUTES_TABLE}\n")
+        self.rtnl.delete_link(ROUTED)  # and its peer on the host, and the route through it
+        self.routes = None
+        for m in self.machines.values():
+            m.routed = frozenset()
+        _log("routes_dropped")
+
+    def _route_services(self, m: _Machine) -> None:
+        """The hub forwards to the machine exactly its published services while it is up."""
+        if self.routes is None or m.address is None:
+            wanted: frozenset[int] = frozenset()
+        else:
+            wanted = frozenset(port.internal_port for port in m.ports.values())
+        if wanted == m.routed:
+            return
+        commands = ""
+        if m.routed and m.address is not None:
+            commands += service_elements("delete", m.address, m.routed - wanted)
+        if wanted and m.address is not None:
+            commands += service_elements("add", m.address, wanted - m.routed)
+        if commands:
+            self._rules(commands)
+        m.routed = wanted
+
     def _has_link(self, name: str) -> bool:
         try:
             self.rtnl.index(name)
@@ -445,6 +556,12 @@ class Netd:
             except OSError as e:  # its veth goes with its namespace: nothing can use it after
                 _log("egress_not_removed", machine=m.machine_id, error=str(e))
         m.egress = False
+        if m.routed and self.routes is not None and m.address is not None:
+            try:
+                self._rules(service_elements("delete", m.address, m.routed))
+            except OSError as e:  # its address is unreachable once its veth goes anyway
+                _log("services_not_removed", machine=m.machine_id, error=str(e))
+        m.routed = frozenset()
         # Not deleted here: deleting a veth waits for the kernel's network clean-up (~20 ms
         # here). The machine's namespace dies with the last descriptor of it (the machine is
         # gone), and with it the veth pair and its route: the kernel does that on its own time.

@@ -152,9 +152,16 @@ class Rtnl:
         """Route everything through `gateway`, reached directly on link `name` (on-link: the
         gateway need not be in a prefix of the link's), in place of any default route.
         """
+        self.add_route(ipaddress.IPv4Network("0.0.0.0/0"), gateway, name)
+
+    def add_route(
+        self, prefix: ipaddress.IPv4Network, gateway: ipaddress.IPv4Address, name: str
+    ) -> None:
+        """Route `prefix` through `gateway`, reached directly on link `name` (on-link), in
+        place of any route to it there is."""
         body = _RTMSG.pack(
             socket.AF_INET,
-            0,
+            prefix.prefixlen,
             0,
             0,
             _RT_TABLE_MAIN,
@@ -163,6 +170,8 @@ class Rtnl:
             _RTN_UNICAST,
             _RTNH_F_ONLINK,
         )
+        if prefix.prefixlen:
+            body += _attr(_RTA_DST, prefix.network_address.packed)
         body += _attr(_RTA_GATEWAY, gateway.packed)
         body += _attr(_RTA_OIF, struct.pack("=I", self.index(name)))
         self._request(_RTM_NEWROUTE, _NLM_F_CREATE | _NLM_F_REPLACE, body)

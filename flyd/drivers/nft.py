@@ -26,11 +26,24 @@ import ipaddress
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["TABLE", "UPLINK", "Nft", "element", "table"]
+__all__ = [
+    "ROUTED",
+    "ROUTES_TABLE",
+    "TABLE",
+    "UPLINK",
+    "Nft",
+    "element",
+    "routes_table",
+    "service_elements",
+    "table",
+]
 
 TABLE = "nonomad"
 UPLINK = "up0"
 """The hub's end of the uplink veth."""
+ROUTES_TABLE = "nonomad_routes"
+ROUTED = "rt0"
+"""The hub's end of the veth to the host's namespace (flyd --route-machines)."""
 
 
 class Nft:
@@ -108,3 +121,36 @@ def element(op: str, veth: str, address: str) -> str:
     assert op in ("add", "delete")
     assert veth.isalnum()  # netd's own names (`v1a`): nothing to quote
     return f'{op} element ip {TABLE} egress {{ "{veth}" . {ipaddress.IPv4Address(address)} }}\n'
+
+
+def routes_table(prefix: ipaddress.IPv4Network) -> str:
+    """The hub's table when it routes machines' addresses to the host (`ROUTED`), replacing
+    any it had: from the host only TCP to a machine's published service (the set `services`,
+    address . port) crosses, and from a machine only the replies of those flows: a machine
+    still starts nothing, and no machine reaches another. The hub itself answers no one."""
+    return f"""\
+table ip {ROUTES_TABLE}
+delete table ip {ROUTES_TABLE}
+table ip {ROUTES_TABLE} {{
+  set services {{ type ipv4_addr . inet_service; }}
+  chain input {{
+    type filter hook input priority filter; policy drop;
+    iifname "lo" accept
+  }}
+  chain forward {{
+    type filter hook forward priority filter; policy drop;
+    iifname "{ROUTED}" ip daddr {prefix} ip daddr . tcp dport @services accept
+    oifname "{ROUTED}" ct state established,related accept
+  }}
+}}
+"""
+
+
+def service_elements(op: str, address: str, ports: Iterable[int]) -> str:
+    """The commands that add (`op` "add") or delete ("delete") a machine's services."""
+    assert op in ("add", "delete")
+    a = ipaddress.IPv4Address(address)
+    return "".join(
+        f"{op} element ip {ROUTES_TABLE} services {{ {a} . {int(port)} }}\n"
+        for port in sorted(ports)
+    )

@@ -111,9 +111,12 @@ class OciDriver(WrappedDriver):
         network: str = "10.87.0.0/20",
         uid_base: int = 1 << 30,
         egress_via: Path | None = None,
+        route_machines: bool = False,
     ) -> None:
         """`egress_via`: the worker's uplink, a network namespace of the operator's that
-        reaches what machines may reach; without it no machine has egress."""
+        reaches what machines may reach; without it no machine has egress. `route_machines`:
+        netd routes each machine's own address to the host (and, through it, to the hosts
+        that route the worker's prefix here), for its published services only."""
         problem = probe(cgroup_root) or cgroups_probe(cgroup_root, cgroup_prefix)
         if problem is not None:
             raise Unavailable(f"this host cannot run OCI machines: {problem}")
@@ -171,7 +174,11 @@ class OciDriver(WrappedDriver):
                 "address": str(prefix.network_address + 1),  # never a machine's: they are +2..
                 "prefix": str(prefix),
             }
-        self._net = Netd(self._run_dirs.root, uplink)
+        self._route_machines = route_machines
+        routes: dict[str, Any] = {"prefix": None}
+        if route_machines:  # the hub's address: the machines' gateway, the host's next hop
+            routes = {"prefix": str(prefix), "address": str(prefix.network_address + 1)}
+        self._net = Netd(self._run_dirs.root, uplink, routes)
         hello = self._net.connect()
         # What netd holds, as it said: machine -> its host ports and whether it is up.
         self._netd: dict[str, dict[str, Any]] = dict(hello.get("machines", {}))
@@ -594,6 +601,14 @@ class OciDriver(WrappedDriver):
             with contextlib.suppress(OSError, ValueError):
                 slots[path.parent.name] = int(path.read_text())
         return slots
+
+    def machine_address(self, machine_id: str) -> str:
+        """The machine's own address when the worker routes machines (`route_machines`) and
+        it has one (a slot, taken on its first start); "" otherwise."""
+        slot = self._slots.get(machine_id)
+        if not self._route_machines or slot is None:
+            return ""
+        return str(self._prefix.network_address + 2 + slot)
 
     def _slot(self, machine_id: str) -> int:
         """The machine's slot (its uid range and address), taken on its first start."""

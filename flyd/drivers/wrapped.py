@@ -339,6 +339,11 @@ class WrappedDriver:
         validate_machine_id(machine_id)
         return self._ports.take(machine_id, self.machine_host, candidates, count)
 
+    def machine_address(self, machine_id: str) -> str:
+        """ "": a machine is reached at its host ports (an OCI worker that routes machines
+        says otherwise)."""
+        return ""
+
     async def publish(self, machine_id: str, ports: Sequence[PortMapping]) -> None:
         """The machine's published services are exactly `ports`: keep their host ports held
         (binding any that is not), let go of any other. The process driver holds them while

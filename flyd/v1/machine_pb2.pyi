@@ -688,6 +688,7 @@ class Machine(_message.Message):
     IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
     SLOT_FIELD_NUMBER: _builtins.int
     READY_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Unique across the fleet; never reused."""
     name: _builtins.str
@@ -702,6 +703,12 @@ class Machine(_message.Message):
     idempotency_key: _builtins.str
     """The idempotency key of the create that made it, if it had one. A worker
     holds each key of an app for one machine: see CreateMachineRequest.
+    """
+    address: _builtins.str
+    """The machine's own address on its worker's private prefix, set while its worker routes
+    machines' addresses to its host (flyd --route-machines): a proxy on any host that routes
+    the prefix dials address:internal_port. Empty otherwise: its services are reached at
+    their ports' host ports.
     """
     @_builtins.property
     def config(self) -> Global___MachineConfig: ...
@@ -759,10 +766,11 @@ class Machine(_message.Message):
         idempotency_key: _builtins.str = ...,
         slot: Global___SlotState | None = ...,
         ready: Global___MachineCondition | None = ...,
+        address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "created_at", b"created_at", "last_exit", b"last_exit", "lease", b"lease", "ready", b"ready", "slot", b"slot", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["app", b"app", "config", b"config", "created_at", b"created_at", "events", b"events", "id", b"id", "idempotency_key", b"idempotency_key", "instance_id", b"instance_id", "last_exit", b"last_exit", "lease", b"lease", "log_tail", b"log_tail", "name", b"name", "ports", b"ports", "ready", b"ready", "region", b"region", "restart_count", b"restart_count", "slot", b"slot", "state", b"state", "updated_at", b"updated_at", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "app", b"app", "config", b"config", "created_at", b"created_at", "events", b"events", "id", b"id", "idempotency_key", b"idempotency_key", "instance_id", b"instance_id", "last_exit", b"last_exit", "lease", b"lease", "log_tail", b"log_tail", "name", b"name", "ports", b"ports", "ready", b"ready", "region", b"region", "restart_count", b"restart_count", "slot", b"slot", "state", b"state", "updated_at", b"updated_at", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -53,3 +53,19 @@ def test_a_port_published_beyond_loopback_is_held_on_every_address(host: str, bo
         assert sock is not None
         with sock:
             assert sock.getsockname()[0] == "0.0.0.0"
+
+
+def test_route_machines_and_egress_via_are_not_both_the_way_out() -> None:
+    import subprocess
+    import uuid
+
+    name = f"nonomad-routes-{uuid.uuid4().hex[:8]}"
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"an uplink needs a network namespace: {made.stderr.strip()}")
+    try:
+        argv = ["--route-machines", "--egress-via", f"/run/netns/{name}"]
+        with pytest.raises(SettingsError, match="route_machines: not together with egress_via"):
+            load_settings(FlydSettings, argv, prog="flyd")
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
