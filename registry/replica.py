@@ -21,6 +21,7 @@ from typing import Any, Generic, TypeVar
 import grpc
 import grpc.aio
 import structlog
+from google.protobuf.message import DecodeError
 
 from flyd.slots import slot_of
 from flyd.v1 import machine_pb2 as pb
@@ -82,6 +83,62 @@ APPLY_SLICE = 0.00025
 # upstream, and the most an upstream sends in one message. Per message, gRPC costs each end
 # some 100 us; applying a heartbeat, a tenth of that.
 FOLLOW_BATCH = 256
+
+
+FollowRequest = registry_pb2.FollowRequest
+FollowResponse = registry_pb2.FollowResponse
+FOLLOW_METHOD = "/registry.v1.RegistryService/Follow"
+# FollowResponse.batch: field 5, length-delimited.
+_BATCH_FIELD = 5
+
+
+def follow_items(message: bytes) -> Iterator[bytes]:
+    """The items of a serialized Follow message, each still serialized: those of its `batch`,
+    or the message itself when it has none (as `message.batch or (message,)` reads it). Only
+    the framing is read here, so a caller parses one item at a time."""
+    items: list[bytes] = []
+    view = memoryview(message)
+    i, end = 0, len(message)
+    while i < end:
+        tag, i = _varint(message, i)
+        wire = tag & 7
+        if wire == 0:
+            _, i = _varint(message, i)
+        elif wire == 1:
+            i += 8
+        elif wire == 5:
+            i += 4
+        elif wire == 2:
+            size, i = _varint(message, i)
+            if tag >> 3 == _BATCH_FIELD:
+                items.append(bytes(view[i : i + size]))
+            i += size
+        else:
+            raise DecodeError(f"wire type {wire} in a Follow message")
+        if i > end:
+            raise DecodeError("a Follow message ends inside a field")
+    return iter(items) if items else iter((message,))
+
+
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if i >= len(data) or shift > 63:
+            raise DecodeError("a Follow message ends inside a varint")
+        byte = data[i]
+        i += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, i
+        shift += 7
+
+
+async def _yield_fairly() -> None:
+    """Let the loop run what is waiting, timers included. A timer that came due while we ran
+    queues its callback behind our own wake-up, so one yield would let it run only after our
+    next slice (a 1 ms timer saw two slices); the second puts us behind it."""
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
 
 
 def event_key(event: ReplicaEvent) -> Hashable:
@@ -269,7 +326,9 @@ class Replica:
         )
         self._subscribers: set[Subscription[ReplicaEvent]] = set()
         self._feeds: set[Subscription[registry_pb2.FollowResponse]] = set()
-        self._changed = asyncio.Event()
+        # Set (and dropped) on the next change; made only when someone waits for one, not
+        # for each of thousands of heartbeats a second.
+        self._changed: asyncio.Event | None = None
         self._followers: dict[str, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._pending_addresses: list[str] = []
@@ -411,6 +470,8 @@ class Replica:
             if remaining <= 0:
                 return False
             changed = self._changed
+            if changed is None:
+                changed = self._changed = asyncio.Event()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), remaining)
         return True
@@ -492,7 +553,9 @@ class Replica:
                 sub.close()
             for feed in list(self._feeds):
                 feed.close()
-            self._changed.set()
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            self._changed.set()  # (and kept: waiters re-check until their deadline)
             log.info("replica_stopped", workers=len(self._view))
 
     # -- publishing ----------------------------------------------------------------------------
@@ -521,8 +584,10 @@ class Replica:
             for sub in list(self._subscribers):
                 for event in events:
                     sub.put(event)
-        self._changed.set()
-        self._changed = asyncio.Event()
+        changed = self._changed
+        if changed is not None and not self._stopped:
+            self._changed = None
+            changed.set()
 
     def _apply(self, worker_id: str, item: worker_pb2.WatchEventsResponse) -> None:
         now = self.clock.now()
@@ -654,7 +719,7 @@ class Replica:
             now = self.clock.now()
             self._publish(self._view.tick(now))
             while self._view.due(now):  # a fleet gone quiet at once: a batch at a time
-                await asyncio.sleep(0)
+                await _yield_fairly()
                 self._publish(self._view.tick(now))
             self._forget_dead(now)
             self._reopen_silent_streams(now)
@@ -762,7 +827,9 @@ class Replica:
             channel = self._channel(self.upstream)
             got_any = False
             try:
-                call = registry_pb2_grpc.RegistryServiceStub(channel).Follow(
+                # Messages as bytes, each item parsed as it is applied: a message of a MiB
+                # of snapshots parsed at once held the loop for 3 ms.
+                call = channel.unary_stream(FOLLOW_METHOD, FollowRequest.SerializeToString)(
                     registry_pb2.FollowRequest(max_batch=FOLLOW_BATCH)
                 )
                 loop = asyncio.get_running_loop()
@@ -772,10 +839,11 @@ class Replica:
                         got_any = True
                         backoff = RETRY_MIN
                         log.info("following_upstream", upstream=self.upstream)
-                    for resp in message.batch or (message,):
+                    for data in follow_items(message):
                         if loop.time() > slice_end:
-                            await asyncio.sleep(0)
+                            await _yield_fairly()
                             slice_end = loop.time() + APPLY_SLICE
+                        resp = FollowResponse.FromString(data)
                         now = self.clock.now()
                         applied = self._view.apply_upstream(resp, now)
                         relayed = (resp.worker_id, resp.item) if resp.HasField("item") else None

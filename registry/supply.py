@@ -144,7 +144,15 @@ def _insert(nodes: dict[int, Node], i: int, entry: int) -> None:
 
 def _delete(nodes: dict[int, Node], i: int, entry: int) -> None:
     node = nodes[i]
-    node.remove(entry)
+    if isinstance(node, SortedInts):
+        node.remove(entry)
+    else:
+        # Found by bisection: array.remove compares entry by entry (a node holds up to
+        # BIG_NODE of them, and a heartbeat that moves a worker deletes from ~log^2 nodes).
+        j = bisect.bisect_left(node, entry)
+        if j == len(node) or node[j] != entry:
+            raise ValueError(f"{entry} is not in node {i}")
+        del node[j]
     if not node:
         del nodes[i]
 
