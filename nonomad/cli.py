@@ -76,7 +76,15 @@ def parser() -> argparse.ArgumentParser:
         help="HTTP port of the web console on 127.0.0.1 (0 picks a free one)",
     )
     up.add_argument("--demo", action="store_true", help="deploy the demo app in every region")
-    up.set_defaults(func="nonomad.cli_local:cmd_up")
+    up.add_argument(
+        "--hosts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run each part on a network-namespace host of its own, with N worker hosts "
+        "(nonomad.hosts; root): reached on 127.0.0.1 through forwarded ports",
+    )
+    up.set_defaults(func="nonomad.cli_hosts:cmd_up")
     status = sub.add_parser(
         "status", parents=[out], help="what each worker of the local cluster says about itself"
     )

@@ -230,7 +230,7 @@ def add_platform(
     workers.add_argument(
         "action",
         nargs="?",
-        choices=["cordon", "uncordon", "kill", "pause", "resume", "restart"],
+        choices=["cordon", "uncordon", "kill", "pause", "resume", "restart", "partition", "heal"],
         help=argparse.SUPPRESS,
     )
     workers.add_argument("worker_id", nargs="?", metavar="ID", help=argparse.SUPPRESS)
@@ -284,6 +284,8 @@ The workers flaps knows, or a fault on one worker of the local cluster `nonomad 
   nonomad workers kill ID --with-machines   its machines die too (the host died)
   nonomad workers pause ID            SIGSTOP its flyd (a hang); `resume ID` SIGCONTs it
   nonomad workers restart ID          start its flyd again on its data dir
+  nonomad workers partition ID        cut its host off from every other (`up --hosts`)
+  nonomad workers heal ID             join it again
 
 A killed or paused worker's machines fail over to their standbys; when it comes back, its
 machines whose standby took over stop and stand by in turn (docs/fencing.md).

@@ -10,6 +10,8 @@ failover and the return (docs/fencing.md).
 (a hang), `restart` asks `up` to start the worker again on its data dir and address (`up` owns
 the worker processes: it writes a request file under the state dir that `up` acts on, then
 reports the new pid in workers.json). `up` says what becomes of each worker as it happens.
+`partition` and `heal` cut the worker's host off from every other host and join it again, on
+a cluster of hosts of their own (`nonomad up --hosts N`, nonomad.hosts).
 """
 
 from __future__ import annotations
@@ -92,6 +94,8 @@ def cmd_fault(args: argparse.Namespace) -> int:
     pid = int(str(worker["pid"]))
     if args.action == "restart":
         return _restart(state, worker_id, pid)
+    if args.action in ("partition", "heal"):
+        return _cut(state, worker_id, args.action == "partition")
     sig = {"kill": signal.SIGKILL, "pause": signal.SIGSTOP, "resume": signal.SIGCONT}[args.action]
     if not pid_alive(pid):
         raise CliError(
@@ -112,6 +116,32 @@ def cmd_fault(args: argparse.Namespace) -> int:
         print(f"{worker_id} paused (SIGSTOP, pid {pid}); `nonomad workers resume {worker_id}`")
     else:
         print(f"{worker_id} resumed (SIGCONT, pid {pid})")
+    return 0
+
+
+def set_cut(fabric: str, link: str, cut: bool) -> None:
+    """Cut a host off the link (its port on the fabric's bridge down) or join it again."""
+    from pyroute2 import NetNS
+
+    with NetNS(fabric) as ns:
+        found = ns.link_lookup(ifname=link)
+        if not found:
+            raise CliError(f"no link {link} in {fabric}")
+        ns.link("set", index=found[0], state="down" if cut else "up")
+
+
+def _cut(state: Path, worker_id: str, cut: bool) -> int:
+    """Cut the worker's host off from every other host, or join it again: a cluster `nonomad
+    up --hosts` runs (its hosts.json names the fabric namespace and each host's link)."""
+    path = state / "hosts.json"
+    if not path.exists():
+        raise CliError("partition and heal need hosts of their own: `nonomad up --hosts N`")
+    record = json.loads(path.read_text())
+    set_cut(record["fabric"], record["hosts"][worker_id]["link"], cut)
+    if cut:
+        print(f"{worker_id} cut off from every other host; `nonomad workers heal {worker_id}`")
+    else:
+        print(f"{worker_id} joined the other hosts again")
     return 0
 
 
