@@ -97,6 +97,16 @@ async def test_ready_line_file_health_and_reflection(
     assert not ready_file.exists()
 
 
+async def _send_raw(channel: grpc.aio.Channel, path: str, request: bytes) -> None:
+    """Send `request` as the bytes of `path`'s request and read the first answer."""
+    if path.endswith("ServerReflectionInfo"):
+        await channel.stream_stream(path)(iter([request]), timeout=5).read()
+    elif path.endswith("Watch"):
+        await channel.unary_stream(path)(request, timeout=5).read()
+    else:
+        await channel.unary_unary(path)(request, timeout=5)
+
+
 @pytest.mark.parametrize(
     "path",
     [
@@ -113,13 +123,7 @@ async def test_health_and_reflection_refuse_bytes_that_are_not_their_request(pat
     async with running(service), aio_channel(service.address) as channel:
         garbage = b"\x0a\x05ab"  # a string field that claims five bytes and has two
         with pytest.raises(grpc.aio.AioRpcError) as caught:
-            if path.endswith("ServerReflectionInfo"):
-                call = channel.stream_stream(path)(iter([garbage]), timeout=5)
-                await call.read()
-            elif path.endswith("Watch"):
-                await channel.unary_stream(path)(garbage, timeout=5).read()
-            else:
-                await channel.unary_unary(path)(garbage, timeout=5)
+            await _send_raw(channel, path, garbage)
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "malformed or truncated" in (caught.value.details() or "")
         assert await health_status(channel) == SERVING
