@@ -5,7 +5,11 @@ over `--regions` in order), each running its deploy/ unit file's command line. F
 machine's own namespace the cluster is reached only on 127.0.0.1: the edge at `--proxy-port`
 and flaps at a port of its own, both forwarded into their hosts; `nonomad machines ...` finds
 flaps there. `nonomad workers partition|heal ID` cuts a worker's host off and joins it again;
-`kill|pause|resume ID` act on its flyd as with `up`.
+`kill|pause|resume|restart ID` act on its flyd as with `up`.
+
+The demo's deploy runs inside the proxy's host (a process of its own there, calling flaps at
+its own address): its checks dial the machines' addresses, which exist only between the hosts,
+never from this machine's own namespace.
 """
 
 from __future__ import annotations
@@ -15,14 +19,30 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
+import sys
+import threading
 import time
+from pathlib import Path
 
 from flyd.images.build import build_image
-from nonomad.cli_common import CLUSTER_FILE, PID_FILE, CliError, LocalCluster, pid_alive, table
-from nonomad.cli_local import DEMO_SOURCE, PROXY_DOMAIN, _deploy_demo, _destroy_all, _until_alive
-from nonomad.cli_workers import WORKERS_FILE
-from nonomad.hosts import HTTP_PORT, PORTS, Hosts, netns_unavailable
+from nonomad.cli_common import CLUSTER_FILE, CliError, LocalCluster, table
+from nonomad.cli_local import (
+    DEMO_SOURCE,
+    PROXY_DOMAIN,
+    StopSignals,
+    _deploy_demo,
+    _destroy_all,
+    _until_alive,
+    free_pid_file,
+)
+from nonomad.cli_workers import WORKERS_FILE, process_state, request_done, restart_requests
+from nonomad.hosts import HTTP_PORT, PORTS, Hosts, HostsError, netns_unavailable
+from nonomad.security import ClusterSecurity
+from runtime.tracing import CLUSTER_NAME, ChannelTLS
+
+DEMO_TIMEOUT = 180.0
+"""The demo's deploy as a whole (each of its waits has a deadline of its own)."""
+DEMO_MARK = "NONOMAD_DEMO "
 
 
 def spread(count: int, regions: list[str]) -> list[tuple[str, str]]:
@@ -46,29 +66,137 @@ def cmd_up(args: argparse.Namespace) -> int:
     return up_here(args)
 
 
+def _save_workers(state: Path, hosts: Hosts, forwards: dict[str, str]) -> None:
+    """workers.json, as `nonomad up` writes it: what `nonomad workers ID` acts on and where
+    `nonomad status` reaches each worker (`forwards`: its 127.0.0.1 port)."""
+    rows = [
+        {
+            "worker_id": h.name,
+            "region": h.env["REGION"],
+            "address": forwards[h.name],
+            "pid": h.proc.pid if h.proc else 0,
+            "log": str(h.log),
+        }
+        for h in hosts.workers
+    ]
+    (state / WORKERS_FILE).write_text(json.dumps(rows, indent=2))
+
+
+def _demo_regions(workers: list[tuple[str, str]]) -> list[str]:
+    """The regions where the demo's standby has another worker host than its primary."""
+    counts: dict[str, int] = {}
+    for _, region in workers:
+        counts[region] = counts.get(region, 0) + 1
+    regions = [r for r, n in counts.items() if n >= 2]
+    if not regions:
+        raise CliError("--demo needs 2 worker hosts in a region (its standby's); --hosts 2 or more")
+    return regions
+
+
+def deploy_demo_in(hosts: Hosts, regions: list[str]) -> list[dict[str, str]]:
+    """Deploy the demo from inside the proxy's host (see the module docstring); its steps are
+    printed as they happen. One row per machine: id, worker, address, standby_for."""
+    argv = [sys.executable, "-m", "nonomad.cli_hosts", hosts["flaps"].grpc, str(hosts.root)]
+    proc = hosts.popen("proxy", [*argv, ",".join(regions)])
+    assert proc.stdout is not None
+    timer = threading.Timer(DEMO_TIMEOUT, proc.kill)
+    timer.start()
+    rows: list[dict[str, str]] = []
+    try:
+        for raw in proc.stdout:
+            line = raw.decode(errors="replace")
+            if line.startswith(DEMO_MARK):
+                rows = json.loads(line.removeprefix(DEMO_MARK))
+            else:
+                print(line, end="", flush=True)
+        code = proc.wait()
+    finally:
+        timer.cancel()
+        proc.stdout.close()
+    if code != 0 or not rows:
+        raise CliError(f"the demo deploy failed (exit {code}); see above")
+    return rows
+
+
+def _demo_here(flaps: str, root: str, regions: str) -> int:
+    """The demo's deploy, run inside the proxy's host by `deploy_demo_in`: flaps at its own
+    address (verified as the cluster's, it has no certificate for the address)."""
+    security = ClusterSecurity(Path(root))
+    tls = ChannelTLS(ca=security.ca, server_name=CLUSTER_NAME)
+    try:
+        deployed = asyncio.run(_deploy_demo(flaps, security, regions.split(","), tls))
+    except CliError as err:
+        print(f"nonomad: {err}", file=sys.stderr)
+        return 1
+    rows = []
+    for primary, standby in deployed:
+        rows.append({"id": primary.id, "worker": primary.worker_id, "address": primary.address})
+        if standby is not None:
+            rows.append({"id": standby.id, "worker": standby.worker_id, "standby_for": primary.id})
+    print(DEMO_MARK + json.dumps(rows), flush=True)
+    return 0
+
+
+class _Watch:
+    """What `up --hosts` does while the cluster runs: say when a worker's flyd exits or is
+    paused, and carry out `nonomad workers restart` (on its data dir and address)."""
+
+    def __init__(self, state: Path, hosts: Hosts, forwards: dict[str, str]) -> None:
+        self.state, self.hosts, self.forwards = state, hosts, forwards
+        self.seen = {h.name: "running" for h in hosts.workers}
+
+    def step(self) -> bool:
+        """Look once; False when the cluster must stop (flaps, the registry or the proxy
+        exited)."""
+        for host in self.hosts.hosts.values():
+            code = host.proc.poll() if host.proc is not None else -1
+            if host.role != "flyd":
+                if code is not None:
+                    print(f"{host.name} exited (code {code}); stopping", file=sys.stderr)
+                    return False
+                continue
+            assert host.proc is not None
+            now = "exited" if code is not None else "running"
+            if now == "running" and process_state(host.proc.pid) == "T":
+                now = "paused"
+            if now != self.seen[host.name]:
+                self.seen[host.name] = now
+                print(f"{host.name}: {now}", flush=True)
+        for worker_id in restart_requests(self.state):
+            if worker_id in self.seen:
+                self._restart(worker_id)
+            request_done(self.state, worker_id)
+        return True
+
+    def _restart(self, worker_id: str) -> None:
+        host = self.hosts[worker_id]
+        if host.proc is not None and host.proc.poll() is None:
+            self.hosts.kill(worker_id)
+        try:
+            self.hosts.start(worker_id)
+        except HostsError as err:
+            print(f"restart of {worker_id} failed: {err}", file=sys.stderr, flush=True)
+            return
+        _save_workers(self.state, self.hosts, self.forwards)
+        self.seen[worker_id] = "running"
+        print(f"{worker_id} started again on its data dir ({host.grpc})", flush=True)
+
+
 def cmd_up_hosts(args: argparse.Namespace) -> int:
     state = args.state_dir.absolute()
-    pid_file = state / PID_FILE
-    if pid_file.exists() and pid_alive(int(pid_file.read_text())):
-        raise CliError(f"a cluster already runs from {state}; run `nonomad down` first")
+    pid_file = free_pid_file(state)
     problem = netns_unavailable()
     if problem is not None:
         raise CliError(f"--hosts needs network namespaces: {problem}")
     regions = [r for r in args.regions.split(",") if r]
     workers = spread(args.hosts, regions)
+    demo_regions = _demo_regions(workers) if args.demo else []
     state.mkdir(parents=True, exist_ok=True)
     build_image(
         DEMO_SOURCE, state / "images", name="demo", tag="v1", entrypoint=["python3", "-u", "app.py"]
     )
     hosts = Hosts(state, workers, image_source=state / "images", region=regions[0])
-    stopping = False
-
-    def request_stop(signum: int, frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, request_stop)
-    signal.signal(signal.SIGTERM, request_stop)
+    stop = StopSignals()
     machine_ids: list[str] = []
     flaps = ""
     try:
@@ -77,21 +205,9 @@ def cmd_up_hosts(args: argparse.Namespace) -> int:
         assert security is not None
         flaps = hosts.forward("flaps", PORTS["flaps"])
         http = hosts.forward("proxy", HTTP_PORT, args.proxy_port)
-        (state / WORKERS_FILE).write_text(
-            json.dumps(
-                [
-                    {
-                        "worker_id": h.name,
-                        "region": h.env["REGION"],
-                        "address": h.grpc,
-                        "pid": h.proc.pid if h.proc else 0,
-                        "log": str(h.log),
-                    }
-                    for h in hosts.workers
-                ],
-                indent=2,
-            )
-        )
+        # Each worker's flyd on 127.0.0.1 too: `nonomad status` asks them there.
+        forwards = {w.name: hosts.forward(w.name, PORTS["flyd"]) for w in hosts.workers}
+        _save_workers(state, hosts, forwards)
         LocalCluster(
             flaps=flaps,
             proxy="",
@@ -103,20 +219,35 @@ def cmd_up_hosts(args: argparse.Namespace) -> int:
         pid_file.write_text(str(os.getpid()))
         asyncio.run(_until_alive(flaps, security, len(workers)))
         rows = [[h.name, h.role, h.address, h.netns, str(h.log)] for h in hosts.hosts.values()]
-        print(table(rows, ["HOST", "RUNS", "ADDRESS", "NAMESPACE", "LOG"]))
-        if args.demo:
-            deployed = asyncio.run(_deploy_demo(flaps, security, list(dict.fromkeys(regions))))
-            for primary, standby in deployed:
-                machine_ids += [primary.id] + ([standby.id] if standby else [])
-                print(f"{primary.id} on {primary.worker_id}, at {primary.address}:8080")
+        print(table(rows, ["HOST", "RUNS", "ADDRESS", "NAMESPACE", "LOG"]), flush=True)
+        if demo_regions:
+            deployed = deploy_demo_in(hosts, demo_regions)
+            machine_ids += [row["id"] for row in deployed]
+            print()
+            print(
+                table(
+                    [
+                        [
+                            r["id"],
+                            r["worker"],
+                            r.get("address") or f"standby for {r.get('standby_for')}",
+                        ]
+                        for r in deployed
+                    ],
+                    ["MACHINE", "WORKER", "ADDRESS"],
+                )
+            )
         print(f"\nflaps (forwarded): {flaps}; the edge (forwarded): http://{http}/")
         print(f"  curl -H 'Host: demo.{PROXY_DOMAIN}' http://{http}/")
+        here = f" --state-dir {args.state_dir}"
+        print(f"  nonomad{here} machines list demo")
         print(
             "\nrunning; Ctrl-C stops everything. Cut a worker's host off: "
-            "nonomad workers partition|heal WORKER",
+            f"nonomad{here} workers partition|heal WORKER (kill|pause|resume|restart as with up)",
             flush=True,
         )
-        while not stopping:
+        watch = _Watch(state, hosts, forwards)
+        while not stop.requested and watch.step():
             time.sleep(0.2)
     finally:
         print("stopping...", flush=True)
@@ -126,5 +257,11 @@ def cmd_up_hosts(args: argparse.Namespace) -> int:
         hosts.close()
         pid_file.unlink(missing_ok=True)
         (state / CLUSTER_FILE).unlink(missing_ok=True)
-        print("stopped")
+        print("stopped", flush=True)
     return 0
+
+
+if __name__ == "__main__":
+    # `python -m nonomad.cli_hosts FLAPS ROOT REGIONS`: the demo's deploy inside a host.
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(_demo_here(*sys.argv[1:4]))

@@ -119,10 +119,14 @@ def _read_ready(
     return announced[READY_PREFIX]
 
 
-def _client(flaps: str, security: ClusterSecurity) -> Client:
-    """The admin's client to the cluster's flaps: TLS checked with its CA, the admin token."""
+def _client(flaps: str, security: ClusterSecurity, tls: ChannelTLS | None = None) -> Client:
+    """The admin's client to the cluster's flaps: TLS checked with its CA (or as `tls` says),
+    the admin token."""
     return Client(
-        flaps, tls=security.client_tls(), token_file=security.admin_token, timeout=RPC_TIMEOUT
+        flaps,
+        tls=tls or security.client_tls(),
+        token_file=security.admin_token,
+        timeout=RPC_TIMEOUT,
     )
 
 
@@ -144,10 +148,11 @@ DEMO_SPEC = DEMO_SOURCE / "app.toml"
 
 
 async def _deploy_demo(
-    flaps: str, security: ClusterSecurity, regions: list[str]
+    flaps: str, security: ClusterSecurity, regions: list[str], tls: ChannelTLS | None = None
 ) -> list[tuple[pb.Machine, pb.Machine | None]]:
     """Deploy nonomad/demo/app.toml (one machine per region, each with a standby on another
-    worker of its region), the way `nonomad deploy` does, and return (primary, standby) pairs."""
+    worker of its region), the way `nonomad deploy` does, and return (primary, standby) pairs.
+    `tls`: how flaps is verified, when not as `security.client_tls()`."""
     from nonomad.cli_deploy import event_line
     from nonomad.deploy import PRIMARY, deploy
     from nonomad.spec import STANDBY_SUFFIX, AppSpec, load_spec
@@ -159,7 +164,7 @@ async def _deploy_demo(
     # warn (as `nonomad deploy` does).
     if not structlog.is_configured():
         configure_logging("nonomad-up", "warning")
-    async with _client(flaps, security) as client:
+    async with _client(flaps, security, tls) as client:
         report = await deploy(client, spec, on_event=lambda e: print(event_line(e), flush=True))
         for warning in report.warnings:
             print(f"note: {warning}", file=sys.stderr)
@@ -194,14 +199,33 @@ def _wait_listening(port: int, timeout: float = READY_TIMEOUT) -> bool:
     return False
 
 
-def cmd_up(args: argparse.Namespace) -> int:
-    state: Path = args.state_dir.absolute()
+def free_pid_file(state: Path) -> Path:
+    """The pid file of a cluster run from `state`, once no running cluster holds it."""
     pid_file = state / PID_FILE
     if pid_file.exists() and pid_alive(int(pid_file.read_text())):
         raise CliError(
             f"a cluster already runs from {state} (pid {pid_file.read_text()}); "
             "run `nonomad down` first"
         )
+    return pid_file
+
+
+class StopSignals:
+    """SIGINT (Ctrl-C) and SIGTERM (`nonomad down`) from now on only set `requested`: `up`
+    sees it in its loop and stops everything in order."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        signal.signal(signal.SIGINT, self._request)
+        signal.signal(signal.SIGTERM, self._request)
+
+    def _request(self, signum: int, frame: object) -> None:
+        self.requested = True
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    state: Path = args.state_dir.absolute()
+    pid_file = free_pid_file(state)
     state.mkdir(parents=True, exist_ok=True)
     regions = [r for r in args.regions.split(",") if r]
     worker_ids = [f"{r}-{i + 1}" for r in regions for i in range(args.workers_per_region)]
@@ -222,14 +246,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     worker_args: dict[str, list[str]] = {}
     machine_ids: list[str] = []
     flaps_address = ""
-    stopping = False
-
-    def request_stop(signum: int, frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, request_stop)
-    signal.signal(signal.SIGTERM, request_stop)
+    stop = StopSignals()
     try:
         # flaps first: workers announce themselves to it and are followed from then on.
         flaps = _start(state, "flaps", "flaps", *security.flaps_args())
@@ -393,7 +410,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             flush=True,
         )
         watch = _Watch(state, procs, worker_args)
-        while not stopping and watch.step():
+        while not stop.requested and watch.step():
             time.sleep(0.2)
     finally:
         print("stopping...", flush=True)

@@ -484,6 +484,9 @@ class Hosts:
         cert = sec.cert(part)
         data = self.root / "hosts" / host.name
         data.mkdir(parents=True, exist_ok=True)
+        # A worker's data where `nonomad up` keeps it: `workers kill --with-machines` finds its
+        # machines there.
+        flyd_data = self.root / "workers" / host.name
         values = {"ADDRESS": host.address, "TLS_CERT": str(cert.cert), "TLS_KEY": str(cert.key)}
         values["CA"] = str(sec.ca)
         flaps = f"{self['flaps'].address}:{PORTS['flaps_cluster']}"
@@ -506,7 +509,7 @@ class Hosts:
                 WORKER_ID=host.name,
                 NETWORK=host.network,
                 CGROUP_PREFIX=f"{PREFIX}{self.tag}-{host.name}",
-                DATA_DIR=str(data / "flyd"),
+                DATA_DIR=str(flyd_data),
                 IMAGES=str(self.image_source),
                 FLAPS_CLUSTER=flaps,
                 PROXY=f"{self['proxy'].address}:{PORTS['proxy']}",
@@ -517,7 +520,7 @@ class Hosts:
 
     def _start_all(self) -> None:
         parts = ["flaps", "proxy", "registry", *(f"flyd-{w.name}" for w in self.workers)]
-        self.security = provision(self.root / "security", parts)
+        self.security = provision(self.root, parts)
         for name in ("flaps", "registry", "proxy"):
             self.start(name)
         with ThreadPoolExecutor(len(self.workers)) as pool:
@@ -538,27 +541,32 @@ class Hosts:
         )
         host.argv = command(host.role, host.env)
         host.log = self.root / "hosts" / name / f"{host.role}.log"
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith(("OTEL_", "NONOMAD_", "FLYD_", "FLAPS_", "PROXY_", "REGISTRY_"))
-        }
-        env[RUN_MARK] = self.tag
         with open(host.log, "ab") as err:
-            host.proc = subprocess.Popen(
-                ["nsenter", f"--net={NETNS_DIR / host.netns}", "--", *host.argv],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=err,
-                env=env,
-                start_new_session=True,
-            )
+            host.proc = self.popen(name, host.argv, stderr=err)
         try:
             host.announced = read_announcements(host.proc, READY_TIMEOUT)
         except RuntimeError as e:
             tail = host.log.read_text(errors="replace").splitlines()[-20:]
             raise HostsError(f"{name} did not start: {e}\n" + "\n".join(tail)) from None
         return host
+
+    def popen(self, name: str, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+        """`argv` started inside host `name` (stdout on a pipe, its own session), marked as this
+        run's so that a sweep finds it; `kwargs` go to Popen (stderr, say)."""
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("OTEL_", "NONOMAD_", "FLYD_", "FLAPS_", "PROXY_", "REGISTRY_"))
+        }
+        env[RUN_MARK] = self.tag
+        return subprocess.Popen(
+            ["nsenter", f"--net={NETNS_DIR / self.hosts[name].netns}", "--", *argv],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+            **kwargs,
+        )
 
     def _save(self) -> None:
         """hosts.json: what `nonomad workers partition|heal` needs to find the hosts."""
