@@ -77,8 +77,10 @@ MIN_STREAM_IDLE = 2.0
 # Items a Follow stream may queue for its downstream before it is resynced from a snapshot.
 FOLLOW_QUEUE = 4096
 # How long the upstream stream may apply items it already has before it lets the loop run
-# something else: a burst of thousands of heartbeats must not hold every other call up.
-APPLY_SLICE = 0.00025
+# something else: a burst of thousands of heartbeats must not hold every other call up. A call
+# waits up to a slice at each of its steps on the loop (a few per RPC), and a yield costs
+# about a microsecond: short slices are cheap.
+APPLY_SLICE = 0.0001
 # Items a Follow message may carry (FollowRequest.max_batch): what a downstream asks of its
 # upstream, and the most an upstream sends in one message. Per message, gRPC costs each end
 # some 100 us; applying a heartbeat, a tenth of that.

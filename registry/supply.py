@@ -157,6 +157,15 @@ def _delete(nodes: dict[int, Node], i: int, entry: int) -> None:
         del nodes[i]
 
 
+def _path(i: int, size: int) -> list[int]:
+    """The Fenwick nodes an entry at index `i` is filed in (of a tree over 1..size)."""
+    out = []
+    while i <= size:
+        out.append(i)
+        i += i & -i
+    return out
+
+
 def _bisect(node: Node, entry: int) -> int:
     if isinstance(node, SortedInts):
         return node.bisect_left(entry)
@@ -220,6 +229,46 @@ class FitTree:
     def remove(self, slot: int) -> None:
         memory, cpu, disk = self._filed.pop(slot)
         self._file(memory, cpu, disk << SLOT_BITS | slot, -1)
+
+    def place(self, memory: int, cpu: int, disk: int, slot: int) -> None:
+        """File `slot` at these free resources, moving it if it is filed: a move leaves alone
+        the nodes on both its old and its new path (a machine placed or gone moves a worker a
+        little, and the paths of nearby indices soon meet), about a third of them."""
+        old = self._filed.get(slot)
+        memory, cpu, disk = max(0, memory), max(0, cpu), min(max(0, disk), DISK_MAX)
+        if old == (memory, cpu, disk):
+            return
+        if old is None or old[2] != disk or memory >> self.memory_bits or cpu >> self.cpu_bits:
+            if old is not None:
+                self.remove(slot)
+            self.add(memory, cpu, disk, slot)
+            return
+        entry = disk << SLOT_BITS | slot
+        msize, csize = 1 << self.memory_bits, 1 << self.cpu_bits
+        old_m, new_m = _path(msize - old[0], msize), _path(msize - memory, msize)
+        old_c, new_c = _path(csize - old[1], csize), _path(csize - cpu, csize)
+        both_m = set(old_m).intersection(new_m)
+        both_c = set(old_c).intersection(new_c)
+        gone_c = [j for j in old_c if j not in both_c]
+        come_c = [j for j in new_c if j not in both_c]
+        nodes, sizes = self.nodes, self.sizes
+        for i in old_m:
+            inner = nodes[i]
+            for j in gone_c if i in both_m else old_c:
+                _delete(inner, j, entry)
+            if i not in both_m:
+                sizes[i] -= 1
+                if not sizes[i]:
+                    del sizes[i], nodes[i]
+        for i in new_m:
+            into = nodes.get(i)
+            if into is None:
+                into = nodes[i] = {}
+            for j in come_c if i in both_m else new_c:
+                _insert(into, j, entry)
+            if i not in both_m:
+                sizes[i] = sizes.get(i, 0) + 1
+        self._filed[slot] = (memory, cpu, disk)
 
     def _file(self, memory: int, cpu: int, entry: int, sign: int) -> None:
         msize, csize = 1 << self.memory_bits, 1 << self.cpu_bits
@@ -319,9 +368,10 @@ class Pool:
     def open(self) -> int:
         return len(self.tree)
 
-    def join(self, s: Supplier, sign: int = 1, *, ring: bool = True) -> None:
+    def join(self, s: Supplier, sign: int = 1, *, ring: bool = True, tree: bool = True) -> None:
         """Count `s` in (or, with sign -1, out of) every figure and structure; its ring
-        points too unless `ring` is False (it stays in the pool: only its state moved)."""
+        points too unless `ring` is False (it stays in the pool: only its state moved); the
+        fit tree too unless `tree` is False (`refile` files it after the change)."""
         self.workers += sign
         if ring:
             change = self.ring.add if sign > 0 else self.ring.remove
@@ -342,14 +392,25 @@ class Pool:
         if s.free.machines < 1:
             self.full += sign
             return
+        if not tree:
+            return
         free = s.free
         if sign > 0:
             self.tree.add(free.memory_mib, free.cpu_millicores, free.disk_mib, s.slot)
         else:
             self.tree.remove(s.slot)
 
-    def leave(self, s: Supplier, *, ring: bool = True) -> None:
-        self.join(s, -1, ring=ring)
+    def leave(self, s: Supplier, *, ring: bool = True, tree: bool = True) -> None:
+        self.join(s, -1, ring=ring, tree=tree)
+
+    def refile(self, s: Supplier) -> None:
+        """File `s` in the fit tree as it is now (it is there exactly when it is open), after
+        a `leave` and a `join` that left the tree alone: a move, not a removal and an add."""
+        if s.open:
+            free = s.free
+            self.tree.place(free.memory_mib, free.cpu_millicores, free.disk_mib, s.slot)
+        elif s.slot in self.tree:
+            self.tree.remove(s.slot)
 
     def fit(self, memory: int, cpu: int, disk: int = 0) -> Fit:
         return self.tree.fit(memory, cpu, disk)
@@ -549,13 +610,15 @@ class Supply:
             self._members[s.region] = {}
         self._members[s.region][s.id] = s
         for pool in self._pools_of(s):
-            pool.join(s, ring=not rejoin)
+            pool.join(s, ring=not rejoin, tree=not rejoin)
+            if rejoin:
+                pool.refile(s)
 
     def _leave(self, s: Supplier, *, rejoin: bool = False) -> None:
         """Count `s` out of its pools; `rejoin`: it joins the same pools again at once (so its
-        ring points and its region's pool stay)."""
+        ring points and its region's pool stay, and it moves in their fit trees)."""
         for pool in self._pools_of(s):
-            pool.leave(s, ring=not rejoin)
+            pool.leave(s, ring=not rejoin, tree=not rejoin)
         del self._members[s.region][s.id]
         if not rejoin and not self._members[s.region]:
             del self._members[s.region], self._regions[s.region]

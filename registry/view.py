@@ -474,7 +474,7 @@ class View:
             m.capacity.CopyFrom(hb.capacity)
         m.last_heartbeat = now
         self._heard(m, now)
-        if hb.HasField("worker"):
+        if hb.HasField("worker") and hb.worker != m.info:  # (mostly it is as we know it)
             # The worker is the truth about itself, except for the address we reach it at.
             theirs = hb.worker
             if (
@@ -829,6 +829,8 @@ def _check_owner(m: _Member, machine: pb.Machine) -> None:
 
 def _dedupe_worker_events(events: list[ReplicaEvent]) -> list[ReplicaEvent]:
     """One "worker" event per worker is enough (the last, with the final status)."""
+    if len(events) < 2:
+        return events
     last_worker = {e.worker_id: i for i, e in enumerate(events) if e.kind == "worker"}
     return [e for i, e in enumerate(events) if e.kind != "worker" or last_worker[e.worker_id] == i]
 

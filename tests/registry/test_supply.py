@@ -262,3 +262,30 @@ def test_counts_follow_rows_through_destroy_and_drop() -> None:
     view.apply("w0", w.WatchEventsResponse(snapshot=w.Snapshot(seq=3)), 0.0)
     assert (s.apps, view.machines(), view.by_key("web", "k1")) == ({}, [], None)
     assert Counter(view.supply.regions()["a"].by_status) == Counter({0: 1})
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 5),  # the slot
+            st.booleans(),  # placed (else removed)
+            st.integers(0, 5000),  # free memory: small moves and, past 1024, a wider tree
+            st.integers(0, 1500),  # free CPU
+            st.sampled_from([0, 0, 0, 7]),  # free disk: mostly unchanged by a move
+        ),
+        max_size=60,
+    )
+)
+def test_a_moved_worker_is_filed_as_if_added_afresh(
+    script: list[tuple[int, bool, int, int, int]],
+) -> None:
+    tree = FitTree()
+    for slot, placed, memory, cpu, disk in script:
+        if placed:
+            tree.place(memory, cpu, disk, slot)
+        elif slot in tree:
+            tree.remove(slot)
+        assert tree_layout(tree) == tree_layout(relaid(tree))
+        if placed:
+            assert tree._filed[slot] == (memory, cpu, disk)
