@@ -21,7 +21,6 @@ import json
 import os
 import sys
 import threading
-import time
 from pathlib import Path
 
 from flyd.images.build import build_image
@@ -241,14 +240,11 @@ def cmd_up_hosts(args: argparse.Namespace) -> int:
         print(f"  curl -H 'Host: demo.{PROXY_DOMAIN}' http://{http}/")
         here = f" --state-dir {args.state_dir}"
         print(f"  nonomad{here} machines list demo")
-        print(
-            "\nrunning; Ctrl-C stops everything. Cut a worker's host off: "
-            f"nonomad{here} workers partition|heal WORKER (kill|pause|resume|restart as with up)",
-            flush=True,
+        stop.run(
+            _Watch(state, hosts, forwards).step,
+            f"Cut a worker's host off: nonomad{here} workers partition|heal WORKER "
+            "(kill|pause|resume|restart as with up)",
         )
-        watch = _Watch(state, hosts, forwards)
-        while not stop.requested and watch.step():
-            time.sleep(0.2)
     finally:
         print("stopping...", flush=True)
         if flaps and machine_ids and hosts.security is not None:

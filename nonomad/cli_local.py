@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -222,6 +223,13 @@ class StopSignals:
     def _request(self, signum: int, frame: object) -> None:
         self.requested = True
 
+    def run(self, step: Callable[[], bool], hint: str) -> None:
+        """Say that the cluster runs (and `hint`), then call `step` every 0.2 s until a stop
+        signal comes or it returns False."""
+        print(f"\nrunning; Ctrl-C stops everything. {hint}", flush=True)
+        while not self.requested and step():
+            time.sleep(0.2)
+
 
 def cmd_up(args: argparse.Namespace) -> int:
     state: Path = args.state_dir.absolute()
@@ -404,14 +412,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                 print(f"  {g} {auth} -d '{body}' {f} {rpc}")
             print(f"\ntokens for one app: nonomad{here} tokens create --app demo --ops read")
         print(f"\nthe web console: {console_url}")
-        print(
-            "\nrunning; Ctrl-C stops everything. Try a failover: "
-            "nonomad workers kill|pause|resume|restart WORKER",
-            flush=True,
-        )
         watch = _Watch(state, procs, worker_args)
-        while not stop.requested and watch.step():
-            time.sleep(0.2)
+        stop.run(watch.step, "Try a failover: nonomad workers kill|pause|resume|restart WORKER")
     finally:
         print("stopping...", flush=True)
         if flaps_address and machine_ids:

@@ -37,13 +37,13 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flyd.drivers.cgroups import remove_tree
 from flyd.drivers.namespaces import CLONE_NEWNET, setns
 from flyd.drivers.rundir import kill_all
 from nonomad.cli_workers import set_cut
@@ -226,23 +226,6 @@ def _cgroups(start: str) -> list[Path]:
     return out
 
 
-def _remove_cgroup(cg: Path) -> None:
-    for child in [p for p in cg.iterdir() if p.is_dir()]:
-        _remove_cgroup(child)
-    for _ in range(200):
-        with contextlib.suppress(OSError):
-            for pid in (cg / "cgroup.procs").read_text().split():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(pid), signal.SIGKILL)
-        try:
-            cg.rmdir()
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            time.sleep(0.01)  # killed processes take a moment to leave
-
-
 def remove_run(tag: str) -> None:
     """Everything of run `tag`: its processes, its machines' cgroups, its namespaces (and
     with them every link, bridge and route it made)."""
@@ -252,7 +235,7 @@ def remove_run(tag: str) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     for cg in _cgroups(f"{PREFIX}{tag}-"):
-        _remove_cgroup(cg)
+        remove_tree(cg)
     for name in netns.listnetns():
         if name.startswith(f"{PREFIX}{tag}-"):
             with contextlib.suppress(OSError):

@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import itertools
-import os
-import signal
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -18,6 +14,7 @@ import pytest
 import structlog
 from pytest_grpc_aio.plugin import GrpcContext
 
+from flyd.drivers.cgroups import remove_tree
 from flyd.drivers.rundir import kill_all
 from flyd.images.build import build_image
 from flyd.v1 import worker_pb2_grpc
@@ -77,21 +74,8 @@ def image_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def remove_cgroup(cg: Path) -> None:
     """Remove one of a test's cgroups, killing what is still in it and waiting for it to leave."""
-    for _ in range(200):
-        with contextlib.suppress(OSError):
-            for pid in (cg / "cgroup.procs").read_text().split():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(pid), signal.SIGKILL)
-        try:
-            cg.rmdir()
-            return
-        except FileNotFoundError:
-            return
-        except OSError as e:
-            if e.errno != errno.EBUSY:
-                raise
-        time.sleep(0.01)  # killed processes take a moment to leave
-    raise AssertionError(f"cgroup {cg} stays busy")
+    if not remove_tree(cg):
+        raise AssertionError(f"cgroup {cg} stays busy")
 
 
 def remove_cgroups(prefix: str) -> None:

@@ -14,6 +14,7 @@ import contextlib
 import errno
 import os
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,15 @@ import structlog
 from flyd.drivers.base import ExitStatus, Limits
 from flyd.errors import Unavailable
 
-__all__ = ["CONTROLLERS", "Cgroups", "OomCounters", "cpu_shares", "probe", "v1_missing"]
+__all__ = [
+    "CONTROLLERS",
+    "Cgroups",
+    "OomCounters",
+    "cpu_shares",
+    "probe",
+    "remove_tree",
+    "v1_missing",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -204,6 +213,30 @@ class Cgroups:
                     if e.errno != errno.EBUSY or loop.time() > deadline:
                         raise Unavailable(f"cannot remove cgroup {cg}: {e}") from e
                 await self._sleep(0.01)
+
+
+def remove_tree(cg: Path, attempts: int = 200) -> bool:
+    """Remove cgroup `cg` and those below it, killing (SIGKILL) what still runs in them and
+    waiting for it to leave, up to `attempts` tries of 10 ms each; False when one stays busy.
+    Blocking: for harnesses and tests cleaning up after a run, not for a driver's loop."""
+    with contextlib.suppress(FileNotFoundError):
+        for child in [p for p in cg.iterdir() if p.is_dir()]:
+            remove_tree(child, attempts)
+    for _ in range(attempts):
+        with contextlib.suppress(OSError):
+            for pid in (cg / "cgroup.procs").read_text().split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+        try:
+            cg.rmdir()
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError as e:
+            if e.errno != errno.EBUSY:
+                raise
+        time.sleep(0.01)  # killed processes take a moment to leave
+    return False
 
 
 def cpu_shares(cpu_millicores: int) -> int:

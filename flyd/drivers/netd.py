@@ -84,6 +84,7 @@ from flyd.drivers.nft import (
     TABLE,
     UPLINK,
     Nft,
+    drop_table,
     element,
     routes_table,
     service_elements,
@@ -452,12 +453,18 @@ class Netd:
         finally:
             uplink_rtnl.close()
 
+    def _close_way_out(self, table_name: str, link: str) -> None:
+        """Take one of the hub's ways out down (the uplink or the routes to the host):
+        forwarding off first, so nothing crosses while it goes, then its table, then its veth
+        (its peer and the route through it go with it)."""
+        _sysctl("net/ipv4/ip_forward", "0")
+        self._rules(drop_table(table_name))
+        self.rtnl.delete_link(link)
+
     def _drop_uplink(self) -> None:
         if self.uplink is None:
             return
-        _sysctl("net/ipv4/ip_forward", "0")  # first: nothing crosses while it goes
-        self._rules(f"table ip {TABLE}\ndelete table ip {TABLE}\n")
-        self.rtnl.delete_link(UPLINK)  # and its peer in the uplink, and the route through it
+        self._close_way_out(TABLE, UPLINK)  # (its peer in the uplink goes with it)
         self.uplink = None
         _log("uplink_dropped")
 
@@ -509,9 +516,7 @@ class Netd:
     def _drop_routes(self) -> None:
         if self.routes is None:
             return
-        _sysctl("net/ipv4/ip_forward", "0")  # first: nothing crosses while it goes
-        self._rules(f"table ip {ROUTES_TABLE}\ndelete table ip {ROUTES_TABLE}\n")
-        self.rtnl.delete_link(ROUTED)  # and its peer on the host, and the route through it
+        self._close_way_out(ROUTES_TABLE, ROUTED)  # (its peer on the host goes with it)
         self.routes = None
         for m in self.machines.values():
             m.routed = frozenset()

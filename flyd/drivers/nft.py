@@ -32,6 +32,7 @@ __all__ = [
     "TABLE",
     "UPLINK",
     "Nft",
+    "drop_table",
     "element",
     "routes_table",
     "service_elements",
@@ -93,15 +94,10 @@ def table(
 ) -> str:
     """The hub's table, replacing any it had, with `machines` (veth, address) given egress;
     `address` is the hub's on the uplink, `prefix` the worker's."""
-    rules = f"""\
-table ip {TABLE}
-delete table ip {TABLE}
-table ip {TABLE} {{
+    rules = _hub_table(
+        TABLE,
+        f"""\
   set egress {{ type ifname . ipv4_addr; }}
-  chain input {{
-    type filter hook input priority filter; policy drop;
-    iifname "lo" accept
-  }}
   chain forward {{
     type filter hook forward priority filter; policy drop;
     iifname "{UPLINK}" oifname != "{UPLINK}" ct state established,related accept
@@ -111,8 +107,8 @@ table ip {TABLE} {{
     type nat hook postrouting priority srcnat; policy accept;
     oifname "{UPLINK}" snat to {address}
   }}
-}}
-"""
+""",
+    )
     return rules + "".join(element("add", veth, a) for veth, a in machines)
 
 
@@ -128,19 +124,32 @@ def routes_table(prefix: ipaddress.IPv4Network) -> str:
     any it had: from the host only TCP to a machine's published service (the set `services`,
     address . port) crosses, and from a machine only the replies of those flows: a machine
     still starts nothing, and no machine reaches another. The hub itself answers no one."""
-    return f"""\
-table ip {ROUTES_TABLE}
-delete table ip {ROUTES_TABLE}
-table ip {ROUTES_TABLE} {{
+    return _hub_table(
+        ROUTES_TABLE,
+        f"""\
   set services {{ type ipv4_addr . inet_service; }}
-  chain input {{
-    type filter hook input priority filter; policy drop;
-    iifname "lo" accept
-  }}
   chain forward {{
     type filter hook forward priority filter; policy drop;
     iifname "{ROUTED}" ip daddr {prefix} ip daddr . tcp dport @services accept
     oifname "{ROUTED}" ct state established,related accept
+  }}
+""",
+    )
+
+
+def drop_table(name: str) -> str:
+    """The commands that delete the hub's table `name`, whether it has one or not."""
+    return f"table ip {name}\ndelete table ip {name}\n"
+
+
+def _hub_table(name: str, body: str) -> str:
+    """The hub's table `name` with `body` (its sets and chains), replacing any it had, and an
+    input chain by which the hub itself answers no one (but its own loopback)."""
+    return f"""\
+{drop_table(name)}table ip {name} {{
+{body}  chain input {{
+    type filter hook input priority filter; policy drop;
+    iifname "lo" accept
   }}
 }}
 """
