@@ -133,12 +133,15 @@ class EventStream:
                         continue
                     yield worker_pb2.WatchEventsResponse(heartbeat=self._heartbeat())
                     next_beat = loop.time() + heartbeat_interval
-                try:
-                    # asyncio.timeout, not wait_for: see changed().
-                    async with asyncio.timeout(max(0.0, next_beat - loop.time())):
-                        queued = await queue.get()
-                except TimeoutError:
-                    continue
+                if not queue.empty():  # (no timer to set and cancel for a change at hand)
+                    queued = queue.get_nowait()
+                else:
+                    try:
+                        # asyncio.timeout, not wait_for: see changed().
+                        async with asyncio.timeout(max(0.0, next_beat - loop.time())):
+                            queued = await queue.get()
+                    except TimeoutError:
+                        continue
                 if queued is None:
                     return
                 if queued is _LAGGED:
