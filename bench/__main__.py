@@ -1,4 +1,4 @@
-"""`python -m bench [--quick] [--full] [--only flyd|registry|proxy|auth|flaps|fencing|console]
+"""`python -m bench [--quick] [--full] [--only flyd|registry|proxy|auth|flaps|fencing|console|hosts]
 [--drivers process,oci]`: run the benchmarks, print tables (flyd's and the proxy control
 plane's with both drivers side by side), write JSON to bench/results/."""
 
@@ -13,6 +13,7 @@ from bench import (
     console_bench,
     fencing_bench,
     flaps_bench,
+    hosts_bench,
     proxy_bench,
     proxy_control_bench,
     registry_bench,
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--only",
-        choices=["flyd", "registry", "proxy", "auth", "flaps", "fencing", "console"],
+        choices=["flyd", "registry", "proxy", "auth", "flaps", "fencing", "console", "hosts"],
         help="run one group of benchmarks",
     )
     parser.add_argument(
@@ -115,6 +116,12 @@ def main(argv: list[str] | None = None) -> int:
         codes.append(
             console_bench.run(
                 quick=args.quick, out=args.out.with_name("console.json"), strict=args.strict
+            )
+        )
+    if args.only in (None, "hosts"):
+        codes.append(
+            hosts_bench.run(
+                quick=args.quick, out=args.out.with_name("hosts.json"), strict=args.strict
             )
         )
     return max(codes)
