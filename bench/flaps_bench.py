@@ -16,7 +16,8 @@
    STARTED through flaps), and placements per second with 16 clients (creates with
    skip_launch, so what is timed is placement and flyd's durable create, not process spawns).
    Then the same load again under py-spy, which writes flame graphs of flaps and of one flyd
-   to bench/results/ (flaps-profile.svg, flyd-profile.svg).
+   to bench/results/ (flaps-profile.svg, flyd-profile.svg); so is flaps placing on the largest
+   simulated fleet, after its timed phases (flaps-<workers>-profile.svg).
 
 Every load loop is bounded in count and in time; every process the run starts is stopped, and
 the machines and cgroups of the real flyds are removed.
@@ -447,6 +448,9 @@ async def simulated(size: int, cfg: Config, logs: Path) -> SizeResult:
             )
             cpu_ms = 1000 * (procs.cpu_seconds(flaps_proc.pid) - cpu0) / max(1, placed)
             lag4 = await Lag.read(metrics)
+            if size == max(cfg.sizes):
+                # The largest fleet's placements again, under py-spy (after the timed phases).
+                await profile_placing(cfg, flaps_proc.pid, f"flaps-{size}", create)
         finally:
             await client.close()
         progress(
@@ -745,6 +749,23 @@ def spy(pid: int, svg: Path, seconds: float) -> subprocess.Popen[bytes]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
+
+
+async def profile_placing(
+    cfg: Config, pid: int, name: str, call: Callable[[int], Awaitable[None]]
+) -> None:
+    """`call` from CLIENTS clients for `profile_seconds` while py-spy records `pid` into
+    RESULTS/<name>-profile.svg (nothing when py-spy is not installed)."""
+    if not PY_SPY.exists():
+        return
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    svg = RESULTS / f"{name}-profile.svg"
+    recorder = spy(pid, svg, cfg.profile_seconds)
+    await throughput(10**6, cfg.profile_seconds, CLIENTS, call)
+    try:
+        await asyncio.to_thread(recorder.communicate, None, 60)
+    except subprocess.TimeoutExpired:
+        recorder.kill()
 
 
 async def profile(
