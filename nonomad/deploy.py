@@ -8,10 +8,13 @@ idempotency keys, leases); the policy lives here, in the client:
    when its machine carries the spec's config digest, to update when it carries another, to
    create when it has no machine; machines in no slot of the spec are destroyed.
 2. rolling update: changed machines are replaced in place (same id, new instance) one at a
-   time, each holding a lease, each gated by the spec's checks run from here against the
-   machine's host port. A standby gets the new config (kept stopped) after its primary passed.
-   When a machine fails, every machine this deploy updated goes back to its previous config
-   and the deploy stops with `ok=False` and what the check saw.
+   time, each holding a lease, each gated on its readiness: the spec's checks travel in its
+   config and its worker runs them (flyd.readiness); the deploy waits for WaitMachine's
+   `ready` and never dials a machine itself (its address may be private to the workers). It
+   waits up to a check's grace_period + timeout after the start for the check flyd names as
+   failing. A standby gets the new config (kept stopped) after its primary passed. When a
+   machine fails, every machine this deploy updated goes back to its previous config and the
+   deploy stops with `ok=False` and the reason flyd gave.
 3. create: missing machines, region by region, each primary gated by its checks, then its
    standby on another worker of the region. Before the first create, each region is asked
    (ListRegions' `fits` for the spec's guest) whether it has room for everything the plan
@@ -31,28 +34,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import structlog
 
-from flyd import slots
+from flyd import checks, slots
 from flyd.v1 import machine_pb2 as pb
 from flyd.validate import REDACTED
 from nonomad.client import (
+    MAX_WAIT,
     ApiError,
     Client,
     DeadlineExceeded,
     FailedPrecondition,
     Machine,
     MachineConfig,
-    PermissionDenied,
     ResourceExhausted,
     Unavailable,
     state_name,
 )
-from nonomad.spec import META_APP, META_DIGEST, META_SLOT, AppSpec, Check
+from nonomad.spec import META_APP, META_DIGEST, META_SLOT, AppSpec
 
 __all__ = [
     "DeployEvent",
@@ -60,10 +64,10 @@ __all__ = [
     "Failure",
     "Plan",
     "SlotPlan",
+    "check_budgets",
     "deploy",
     "make_plan",
     "plan",
-    "probe",
     "room",
 ]
 
@@ -78,10 +82,14 @@ PRIMARY, STANDBY = "primary", "standby"
 
 UPDATE_TIMEOUT = 45.0  # flaps gives an update 40 s (it may stop the old process first)
 WAIT_CHUNK = 5.0  # a long wait is cut into chunks, so a machine that FAILED ends it early
+# A wait for ready asks again at least this much later (a check's budget just short of spent).
+MIN_READY_CHUNK = 0.05
 MAX_LEASE = 3600.0
 MAX_KEY_GENERATIONS = 8
 CREATE_ATTEMPTS = 3
-HEAD_LIMIT = 4096
+# Where flyd's reason starts in a WaitMachine(ready) error: "... not ready after 5s: <reason>",
+# "... it will not be ready: <reason>".
+_NOT_READY = re.compile(r"not (?:be )?ready(?: after [^:]*)?: ")
 
 EventHandler = Callable[["DeployEvent"], None]
 
@@ -338,66 +346,39 @@ class _Change:
     was_running: bool
 
 
-# -- checks ------------------------------------------------------------------------------------
+# -- readiness ---------------------------------------------------------------------------------
 
 
-async def probe(check: Check, host: str, port: int) -> tuple[bool, str]:
-    """Run one attempt of `check` against host:port: (passed, what was seen)."""
-    try:
-        async with asyncio.timeout(check.timeout):
-            reader, writer = await asyncio.open_connection(host, port)
-            try:
-                if check.type == "tcp":
-                    return True, "accepted a connection"
-                request = (
-                    f"{check.method or 'GET'} {check.path or '/'} HTTP/1.1\r\n"
-                    f"Host: {host}:{port}\r\nUser-Agent: nonomad-deploy\r\n"
-                    "Connection: close\r\n\r\n"
-                )
-                writer.write(request.encode("latin-1"))
-                await writer.drain()
-                head = await reader.readline()
-            finally:
-                writer.close()
-                with contextlib.suppress(OSError):
-                    await writer.wait_closed()
-    except TimeoutError:
-        return False, f"no answer within {check.timeout:g}s"
-    except ConnectionRefusedError:
-        return False, f"connection refused on {host}:{port}"
-    except OSError as err:
-        return False, f"{host}:{port}: {err.strerror or err}"
-    parts = head[:HEAD_LIMIT].decode("latin-1").split(None, 2)
-    if len(parts) < 2 or not parts[0].startswith("HTTP/") or not parts[1].isdigit():
-        return False, f"not an HTTP answer: {head[:80]!r}"
-    status = int(parts[1])
-    return 200 <= status < 400, f"HTTP {status} for {check.method or 'GET'} {check.path or '/'}"
+def check_budgets(config: MachineConfig, grace: float) -> dict[str, float]:
+    """How long each of a config's checks may fail after the machine started before a deploy
+    gives up on it: `grace` plus the check's timeout, by the name flyd's reasons give it."""
+    return {
+        c.name or f"check-{i}": grace + checks.seconds(c.timeout, checks.DEFAULT_CHECK_TIMEOUT)
+        for i, c in enumerate(config.checks)
+    }
 
 
-def _seconds(d: Any, default: float) -> float:
-    value = float(d.seconds + d.nanos / 1e9)
-    return value if value > 0 else default
+def _why(message: str) -> str:
+    """flyd's reason in a WaitMachine error ("machine m1 is started, not ready after 5s:
+    check root: answered 500" -> "check root: answered 500"); the message when it has none."""
+    found = _NOT_READY.search(message)
+    return message[found.end() :] if found else message
 
 
-def checks_of(config: MachineConfig, grace: float) -> list[Check]:
-    """A machine config's checks as spec checks, given a grace period (configs have none)."""
-    out = []
-    for i, c in enumerate(config.checks):
-        kind = "http" if c.WhichOneof("kind") == "http" else "tcp"
-        # Built unvalidated: a config written by another client may use other HTTP methods.
-        out.append(
-            Check.model_construct(
-                name=c.name or f"{kind}-{i}",
-                type=kind,
-                port=c.port or None,
-                path=(c.http.path or "/") if kind == "http" else None,
-                method=(c.http.method or None) if kind == "http" else None,
-                interval=_seconds(c.interval, 1.0),
-                timeout=_seconds(c.timeout, 2.0),
-                grace_period=grace,
-            )
-        )
-    return out
+def _named(reason: str, names: list[str]) -> str:
+    """The check a reason of flyd's is about ("check admin: nothing listening on port 9090"),
+    or "" when it names none of `names` (a crash loop, a port nobody checks)."""
+    # Longest first: of checks "web" and "web-2", "check web-2: ..." is about the second.
+    return next((n for n in sorted(names, key=len, reverse=True) if f"check {n}:" in reason), "")
+
+
+@dataclass(frozen=True)
+class _NotReady:
+    """Why a machine did not become ready within its budget: flyd's reason and the check it
+    names, if any."""
+
+    check: str
+    reason: str
 
 
 # -- the deploy --------------------------------------------------------------------------------
@@ -432,8 +413,9 @@ class _Deployer:
         self.spec = spec
         self.on_event = on_event
         self.wait_timeout = wait_timeout
-        # The spec's checks, each named (check.name is optional in the spec).
-        self.checks = [c.model_copy(update={"name": c.label(i)}) for i, c in enumerate(spec.checks)]
+        # Each of the spec's checks by the name flyd gives it: its grace period and timeout.
+        self.budgets = {c.label(i): c.grace_period + c.timeout for i, c in enumerate(spec.checks)}
+        # A previous config's checks have no grace period of their own (configs carry none).
         self.rollback_grace = max((c.grace_period for c in spec.checks), default=10.0)
         grace = max((c.grace_period + c.timeout for c in spec.checks), default=0.0)
         self.lease_ttl = min(MAX_LEASE, 2 * wait_timeout + grace + 60)
@@ -441,7 +423,6 @@ class _Deployer:
         self.changes: list[_Change] = []
         self.current: dict[str, Machine] = {}  # slot -> the machine as last seen
         self.secrets_from = ""  # a machine whose secrets the machines this deploy creates get
-        self.hosts: dict[str, str] = {}  # worker id -> the host its machines' ports are on
         self.keep_created = False
 
     # -- plumbing --------------------------------------------------------------------------
@@ -545,71 +526,58 @@ class _Deployer:
                     raise
                 await asyncio.sleep(0.2)
 
-    async def host_of(self, p: SlotPlan, machine: Machine, mapping: pb.PortMapping) -> str:
-        if mapping.host and mapping.host not in ("0.0.0.0", "::"):
-            return mapping.host
-        if machine.worker_id not in self.hosts:
-            await self.refresh_hosts()
-        if machine.worker_id not in self.hosts:
-            raise self.fail(p, machine.id, f"flaps does not list worker {machine.worker_id}")
-        return self.hosts[machine.worker_id]
-
-    async def refresh_hosts(self) -> None:
-        """Where each worker is, for machines whose ports say only "any address". A deploy
-        token (its app's machines, not the fleet) may not list workers: machines are then
-        reached at the host their ports name."""
-        try:
-            workers = await self.client.list_workers()
-        except PermissionDenied:
-            return
-        for worker in workers:
-            host, _, _ = worker.info.address.rpartition(":")
-            self.hosts[worker.info.id] = host.strip("[]")
-
-    async def run_checks(
-        self, p: SlotPlan, machine: Machine, checks: list[Check]
-    ) -> tuple[str, str] | None:
-        """None when every check passed within its grace period, else (check, what it saw)."""
+    async def wait_ready(
+        self, p: SlotPlan, machine: Machine, budgets: dict[str, float]
+    ) -> tuple[Machine, _NotReady | None]:
+        """Wait until flyd says this started instance serves (WaitMachine with ready: its
+        checks pass on its worker; without checks, its ports accept). (the machine, None) when
+        it does, else (the machine as last seen, why not). flyd runs the checks and keeps
+        probing; the deploy only decides how long to wait: a reason naming a check ends the
+        wait once that check's budget (`budgets`: seconds since the start) is spent, any other
+        reason once the largest is (or `wait_timeout`, when there are no checks)."""
         loop = asyncio.get_running_loop()
-        started = loop.time()
-        services = machine.config.services
-        for i, check in enumerate(checks):
-            port = check.port or (services[0].internal_port if services else 0)
-            mapping = next((m for m in machine.ports if m.internal_port == port), None)
-            if mapping is None:
-                return check.label(i), f"port {port} is not mapped on {machine.id}"
-            host = await self.host_of(p, machine, mapping)
-            deadline = started + check.grace_period
-            while True:
-                passed, seen = await probe(check, host, mapping.host_port)
-                if passed:
-                    break
-                if loop.time() + check.interval > deadline:
-                    return check.label(i), seen
-                await asyncio.sleep(check.interval)
-        return None
+        start = loop.time()
+        total = max(budgets.values(), default=self.wait_timeout)
+        while True:
+            elapsed = loop.time() - start
+            # Ask again when the next budget runs out, within the SDK's limit on one wait.
+            until = min((b for b in budgets.values() if b > elapsed), default=total)
+            chunk = max(MIN_READY_CHUNK, min(until - elapsed, MAX_WAIT))
+            try:
+                ready = await self.client.wait_machine(
+                    machine.id, "started", wait=chunk, instance_id=machine.instance_id, ready=True
+                )
+                return ready, None
+            except DeadlineExceeded as err:
+                reason = _why(err.message)
+            except FailedPrecondition as err:
+                if err.reason:  # replaced by someone else, or destroyed
+                    raise self.fail(p, machine.id, err.message) from None
+                return machine, _NotReady("", _why(err.message))  # failed: never ready
+            check = _named(reason, list(budgets))
+            elapsed = loop.time() - start
+            if elapsed >= (budgets[check] if check else total):
+                return machine, _NotReady(check, reason)
 
     async def gate(self, p: SlotPlan, machine: Machine) -> Machine:
-        """Wait for this instance to start, then for its checks to pass."""
+        """Wait for this instance to start, then for flyd to say it serves (its checks pass)."""
         self.emit("checking", p, machine.id)
         started = await self.wait_state(p, machine, "started")
         self.current[p.slot] = started
-        bad = await self.run_checks(p, started, self.checks)
+        ready, bad = await self.wait_ready(p, started, self.budgets)
         if bad is not None:
-            check, seen = bad
-            seen += await self.exit_note(started)
-            self.emit("failed", p, machine.id, detail=f"check {check}: {seen}")
+            seen = bad.reason + await self.exit_note(started)
+            self.emit("failed", p, machine.id, detail=seen)
             raise self.fail(
                 p,
                 machine.id,
-                f"{p.slot} ({machine.id}) failed check {check!r}: {seen}",
-                check=check,
+                f"{p.slot} ({machine.id}) is not ready: {seen}",
+                check=bad.check,
                 observed=seen,
             )
-        self.emit(
-            "passed", p, machine.id, detail=", ".join(c.name for c in self.checks) or "started"
-        )
-        return started
+        self.current[p.slot] = ready
+        self.emit("passed", p, machine.id, detail=", ".join(self.budgets) or "ready")
+        return ready
 
     async def exit_note(self, machine: Machine) -> str:
         """When the machine's process exited since it started (a crash loop, a config that
@@ -643,7 +611,6 @@ class _Deployer:
     async def run(self) -> DeployReport:
         try:
             the_plan = await plan(self.client, self.spec)
-            await self.refresh_hosts()
         except ApiError as err:
             return self.finish(Failure(f"cannot plan the deploy: {err}"))
         counts = the_plan.counts()
@@ -759,11 +726,17 @@ class _Deployer:
                 return "previous config, kept stopped"
             machine = await self.wait_state(p, machine, "started")
             self.current[p.slot] = machine
-        # The previous config's own checks: the spec's may name ports it does not have.
-        bad = await self.run_checks(p, machine, checks_of(change.previous, self.rollback_grace))
-        if bad is not None:
-            return f"previous config, started, but check {bad[0]} fails: {bad[1]}"
-        return "previous config, started, checks pass"
+        # flyd runs the previous config's own checks: the spec's may name ports it lacks.
+        ready, bad = await self.wait_ready(
+            p, machine, check_budgets(change.previous, self.rollback_grace)
+        )
+        self.current[p.slot] = ready
+        if bad is None:
+            return "previous config, started, checks pass"
+        if bad.check:
+            seen = bad.reason.removeprefix(f"check {bad.check}: ")
+            return f"previous config, started, but check {bad.check} fails: {seen}"
+        return f"previous config, started, but not ready: {bad.reason}"
 
     async def undo_creates(self) -> None:
         """Destroy what this run created, newest first (a standby before its primary)."""

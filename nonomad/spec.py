@@ -27,7 +27,7 @@
     path = "/"
     interval = "1s"                   # seconds as a number, or "500ms", "2s", "1m"
     timeout = "2s"
-    grace_period = "10s"              # how long a new machine has to pass
+    grace_period = "10s"              # how long a deploy waits for a new machine to pass
 
     [restart]
     policy = "always"                 # "no", "always" or "on-failure" (with max_retries)
@@ -178,10 +178,13 @@ class Service(_Model):
 
 
 class Check(_Model):
-    """A health check: the edge routes only to passing machines, and a deploy waits for it.
+    """A health check, run by the machine's worker (flyd.readiness) and the edge: the edge
+    routes only to passing machines, and a deploy waits for flyd to say it passes.
 
-    A new machine passes when one attempt succeeds within `grace_period` of it starting;
-    attempts run every `interval`, each given `timeout`.
+    Attempts run every `interval`, each given `timeout`. Everything but `grace_period` travels
+    in MachineConfig.checks; configs carry no grace period (flyd reports a failing check after
+    its own --ready-grace and keeps probing), so a deploy holds it: it waits `grace_period` +
+    `timeout` after a new machine started for a check flyd names as failing.
     """
 
     name: str = Field(default="", max_length=63)

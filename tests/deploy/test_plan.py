@@ -1,9 +1,8 @@
-"""The deploy plan (pure: machines in, actions out), the check probe, the bad-spec exit."""
+"""The deploy plan (pure: machines in, actions out), the gate on flyd's readiness, the bad-spec
+exit."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import cast
 
@@ -11,9 +10,18 @@ import grpc
 import pytest
 
 from flyd.v1 import machine_pb2 as pb
-from nonomad.client import Client, FailedPrecondition, Machine
-from nonomad.deploy import _Deployer, make_plan, probe
-from nonomad.spec import AppSpec, Check
+from nonomad.client import ApiError, Client, DeadlineExceeded, FailedPrecondition, Machine
+from nonomad.deploy import (
+    SlotPlan,
+    _Deployer,
+    _Failed,
+    _named,
+    _NotReady,
+    _why,
+    check_budgets,
+    make_plan,
+)
+from nonomad.spec import AppSpec
 from tests.deploy.support import make_spec, run_cli, spec_data, write_spec
 
 S = pb.MachineState
@@ -121,44 +129,104 @@ def test_of_two_machines_in_one_slot_the_current_one_stays() -> None:
     ]
 
 
-@pytest.fixture
-async def http_server() -> AsyncIterator[int]:
-    """Answers /ok with 200 and anything else with 404."""
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        line = await reader.readline()
-        status = "200 OK" if line.split()[1] == b"/ok" else "404 Not Found"
-        writer.write(f"HTTP/1.1 {status}\r\nContent-Length: 0\r\n\r\n".encode())
-        await writer.drain()
-        writer.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    yield server.sockets[0].getsockname()[1]
-    server.close()
-    await server.wait_closed()
+# -- flyd's word on readiness -------------------------------------------------------------------
 
 
-async def test_probe_says_what_it_saw(http_server: int) -> None:
-    ok = Check(type="http", path="/ok")
-    assert await probe(ok, "127.0.0.1", http_server) == (True, "HTTP 200 for GET /ok")
-    missing = Check(type="http", path="/missing")
-    assert await probe(missing, "127.0.0.1", http_server) == (
-        False,
-        "HTTP 404 for GET /missing",
+@pytest.mark.parametrize(
+    ("message", "reason", "check"),
+    [
+        (
+            "machine m1 is started, not ready after 2.5s: check admin: nothing listening on "
+            "port 9090",
+            "check admin: nothing listening on port 9090",
+            "admin",
+        ),
+        (
+            "machine m1 is started, not ready after 32s: check web-2: answered 500 after 10s",
+            "check web-2: answered 500 after 10s",
+            "web-2",  # not "web", whose name it starts with
+        ),
+        (
+            "machine m1 is restarting, not ready after 3s: crash-looping: exit 1, 1 restart; "
+            "last log: Fatal Python error: init_fs_encoding",
+            "crash-looping: exit 1, 1 restart; last log: Fatal Python error: init_fs_encoding",
+            "",
+        ),
+        (
+            "machine m1 failed; it will not be ready: failed: gave up after 1 retry",
+            "failed: gave up after 1 retry",
+            "",
+        ),
+        ("WaitMachine: DEADLINE_EXCEEDED: Deadline Exceeded", "", ""),
+    ],
+)
+def test_flyds_reason_and_the_check_it_names(message: str, reason: str, check: str) -> None:
+    assert _why(message) == (reason or message)
+    assert _named(_why(message), ["web", "web-2", "admin"]) == check
+
+
+class _Waits:
+    """A client whose WaitMachine(ready) answers as flyd would: ready, or an error."""
+
+    def __init__(self, error: Exception | None) -> None:
+        self.error = error
+        self.asked: list[dict[str, object]] = []
+
+    async def wait_machine(self, machine_id: str, state: str, **kw: object) -> Machine:
+        self.asked.append({"state": state, **kw})
+        if self.error is not None:
+            raise self.error
+        return Machine(id=machine_id, ready=pb.MachineCondition(ready=True))
+
+
+def _error(kind: type[ApiError], message: str, reason: str = "") -> ApiError:
+    err = kind(grpc.StatusCode.UNKNOWN, message, "WaitMachine")
+    err.reason = reason
+    return err
+
+
+async def test_the_gate_is_flyds_readiness_of_this_instance() -> None:
+    spec = make_spec()
+    started = Machine(id="m1", instance_id="i2", state=S.MACHINE_STATE_STARTED)
+    slot = SlotPlan("web-ams-1", "ams", 1, "primary", "update", machine=started)
+
+    ready = _Waits(None)
+    deployer = _Deployer(cast(Client, ready), spec, None, wait_timeout=30)
+    machine, bad = await deployer.wait_ready(slot, started, deployer.budgets)
+    assert (machine.ready.ready, bad) == (True, None)
+    # The spec's one check: its grace period (30 s) and timeout (2 s) bound the wait.
+    assert deployer.budgets == {"root": 32.0}
+    assert ready.asked == [
+        {"state": "started", "wait": pytest.approx(32.0), "instance_id": "i2", "ready": True}
+    ]
+
+    # A failed machine: at once, with flyd's reason and no check.
+    failed = _Waits(_error(FailedPrecondition, "machine m1 failed; it will not be ready: boom"))
+    deployer = _Deployer(cast(Client, failed), spec, None, wait_timeout=30)
+    _, bad = await deployer.wait_ready(slot, started, deployer.budgets)
+    assert bad == _NotReady("", "boom")
+
+    # A check whose budget is spent: flyd's reason, naming it.
+    late = _Waits(
+        _error(DeadlineExceeded, "machine m1 is started, not ready after 1s: check root: x")
     )
-    assert await probe(Check(type="tcp"), "127.0.0.1", http_server) == (
-        True,
-        "accepted a connection",
-    )
-    # A port nothing listens on: the server's, once it is closed.
-    closed = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
-    port = closed.sockets[0].getsockname()[1]
-    closed.close()
-    await closed.wait_closed()
-    assert await probe(Check(type="tcp"), "127.0.0.1", port) == (
-        False,
-        f"connection refused on 127.0.0.1:{port}",
-    )
+    deployer = _Deployer(cast(Client, late), spec, None, wait_timeout=30)
+    _, bad = await deployer.wait_ready(slot, started, {"root": 0.0})
+    assert bad == _NotReady("root", "check root: x")
+
+    # Replaced by someone else meanwhile: the deploy fails on that, not on readiness.
+    replaced = _Waits(_error(FailedPrecondition, "now instance i3", "INSTANCE_REPLACED"))
+    deployer = _Deployer(cast(Client, replaced), spec, None, wait_timeout=30)
+    with pytest.raises(_Failed, match="now instance i3"):
+        await deployer.wait_ready(slot, started, deployer.budgets)
+
+
+def test_a_previous_configs_checks_get_the_rollback_grace_and_their_timeout() -> None:
+    config = make_spec(
+        checks=[{"type": "http", "timeout": "3s"}, {"name": "tcp", "type": "tcp"}]
+    ).machine_config("ams", "web-ams-1")
+    config.checks[0].name = ""  # written by another client: flyd calls it check-0
+    assert check_budgets(config, 10.0) == {"check-0": 13.0, "tcp": 12.0}
 
 
 async def test_a_bad_spec_exits_2_naming_the_field(

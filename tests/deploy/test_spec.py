@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from flyd import checks
 from flyd.v1 import machine_pb2 as pb
 from nonomad.spec import (
     META_APP,
@@ -70,6 +71,33 @@ def test_machine_config_marks_app_slot_role_and_digest() -> None:
     assert list(standby.standbys) == ["ams-1-abc"]
     assert standby.metadata[META_ROLE] == "standby"
     assert standby.metadata[META_DIGEST] == spec.digest
+
+
+def test_the_spec_checks_are_what_flyd_runs() -> None:
+    """The config carries every field of the spec's checks but the grace period (the deploy's),
+    and flyd resolves them to the machine's host ports as the spec meant them."""
+    spec = parse_spec(
+        spec_data(
+            services=[{"internal_port": 8080}, {"internal_port": 9090}],
+            checks=[
+                {"type": "http", "path": "/up", "interval": "2s", "timeout": "1s"},
+                {"name": "admin", "type": "http", "port": 9090, "method": "HEAD", "path": "/"},
+                {"name": "tcp", "type": "tcp", "timeout": "500ms", "grace_period": "1m"},
+            ],
+        )
+    )
+    machine = pb.Machine(config=spec.machine_config("ams", "web-ams-1"))
+    machine.ports.add(internal_port=8080, host_port=30001)
+    machine.ports.add(internal_port=9090, host_port=30002)
+    resolved = checks.checks_of(machine, "127.0.0.1")
+    assert [
+        (c.name, c.kind, c.port, c.internal_port, c.method, c.path, c.interval, c.timeout)
+        for c in resolved
+    ] == [
+        ("http-0", "http", 30001, 8080, "GET", "/up", 2.0, 1.0),
+        ("admin", "http", 30002, 9090, "HEAD", "/", 1.0, 2.0),
+        ("tcp", "tcp", 30001, 8080, "GET", "/", 1.0, 0.5),
+    ]
 
 
 def test_the_digest_follows_the_machine_config_only() -> None:

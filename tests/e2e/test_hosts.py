@@ -204,6 +204,8 @@ async def test_a_rolling_deploy_across_hosts_answers_every_request(cluster: Clus
             "image": "demo:v1",
             "regions": {"ams": 2},
             "services": [{"internal_port": 8080}],
+            # Run by the worker hosts: this process could not reach the machines' addresses.
+            "checks": [{"type": "http", "path": "/", "interval": "200ms", "grace_period": "30s"}],
         }
     )
     async with client(c) as cl:
