@@ -295,7 +295,8 @@ DEPLOY_DESCRIPTION = """\
 Make an app's machines match its spec: create what is missing (each with a standby on another
 worker of its region), replace changed machines one at a time gated by their checks (rolling
 back on a failed check), destroy what the spec no longer asks for. Running it twice changes
-nothing.
+nothing. The checks run on each machine's worker; the deploy waits for the worker to say the
+machine serves (up to a check's grace_period + timeout) and never dials a machine itself.
 
   nonomad deploy app.toml             deploy, one line per step, then a table
   nonomad deploy app.toml --dry-run   the plan per slot, where flaps would place new machines
