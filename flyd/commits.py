@@ -22,15 +22,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import queue
+import threading
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from flyd.metrics import LOG_TRANSACTION_COMMITS
 from flyd.store import MachineLog, NewRecord
 
 T = TypeVar("T")
+# What the writer is asked: a call, its arguments, and what the loop runs with its outcome.
+Then = Callable[[Any, BaseException | None], None]
+_Call = tuple[Callable[..., Any], tuple[Any, ...], asyncio.AbstractEventLoop, Then]
 
 
 @dataclass(slots=True)
@@ -50,9 +55,7 @@ class GroupCommit:
         self._assigned = store.last_seq()
         self._queue: list[_Commit] = []
         self._busy = False  # a batch is being written, or one is about to start
-        self._executor = (
-            ThreadPoolExecutor(1, thread_name_prefix="flyd-commit") if store.blocking else None
-        )
+        self._writer = _Writer() if store.blocking else None
         self._closed = False
         self._idle: asyncio.Event | None = None
         self._waiting = 0  # calls of `run` waiting for the writer
@@ -112,10 +115,11 @@ class GroupCommit:
         self._waiting -= 1
         self._busy = True
         try:
-            if self._executor is None:
+            if self._writer is None:
                 return work(self.store)
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._executor, work, self.store)
+            done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+            self._writer.call(work, (self.store,), functools.partial(_settle, done))
+            return await done
         finally:
             self._busy = False
             self._next_or_idle()
@@ -125,8 +129,8 @@ class GroupCommit:
         self._closed = True
         while self._busy:
             await self._wait_idle()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
+        if self._writer is not None:
+            self._writer.stop()
 
     async def _wait_idle(self) -> None:
         if self._idle is None:
@@ -145,20 +149,20 @@ class GroupCommit:
             rows.update(c.rows)  # a later commit's row wins
         self.batches += 1
         LOG_TRANSACTION_COMMITS.observe(len(batch))
-        loop = asyncio.get_running_loop()
-        if self._executor is None:
-            written: asyncio.Future[int] = loop.create_future()
+        if self._writer is None:
+            loop = asyncio.get_running_loop()
             try:
-                written.set_result(self.store.commit(records, rows))
+                seq = self.store.commit(records, rows)
             except BaseException as err:  # every waiter hears of it
-                written.set_exception(err)
-            loop.call_soon(self._written, batch, written)
+                loop.call_soon(self._written, batch, 0, err)
+            else:
+                loop.call_soon(self._written, batch, seq, None)
         else:
-            written = loop.run_in_executor(self._executor, self.store.commit, records, rows)
-            written.add_done_callback(lambda fut: self._written(batch, fut))
+            self._writer.call(
+                self.store.commit, (records, rows), functools.partial(self._written, batch)
+            )
 
-    def _written(self, batch: list[_Commit], written: asyncio.Future[int]) -> None:
-        error = asyncio.CancelledError() if written.cancelled() else written.exception()
+    def _written(self, batch: list[_Commit], seq: int, error: BaseException | None) -> None:
         if error is not None:
             # Numbers were handed out past the failed ones: whatever is queued fails too.
             failed, self._queue = batch + self._queue, []
@@ -187,6 +191,50 @@ class GroupCommit:
         elif self._idle is not None:
             self._idle.set()
             self._idle = None
+
+
+class _Writer:
+    """The writer thread: runs calls in order, off the loop, and hands each outcome back to
+    the loop that asked (a queue and `call_soon_threadsafe`: less than an executor's futures,
+    chained from one loop to the other, costs for every transaction)."""
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        # A daemon: at exit, a transaction cut short is one that never committed, as when
+        # flyd is killed (nothing was told of it yet).
+        self._thread = threading.Thread(target=self._serve, name="flyd-commit", daemon=True)
+
+    def call(self, fn: Callable[..., Any], args: tuple[Any, ...], then: Then) -> None:
+        """`fn(*args)` on the writer; then `then(result, None)` or `then(None, error)` on the
+        calling loop."""
+        self._calls.put((fn, args, asyncio.get_running_loop(), then))
+        if not self._thread.is_alive():  # (started on first use, as an executor's would be)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Let the calls queued finish, then end the thread."""
+        if self._thread.is_alive():
+            self._calls.put(None)
+            self._thread.join()
+
+    def _serve(self) -> None:
+        while (item := self._calls.get()) is not None:
+            fn, args, loop, then = item
+            try:
+                result, error = fn(*args), None
+            except BaseException as err:  # the caller hears of it
+                result, error = None, err
+            with contextlib.suppress(RuntimeError):  # (its loop is closed: nobody waits)
+                loop.call_soon_threadsafe(then, result, error)
+
+
+def _settle(future: asyncio.Future[T], result: T, error: BaseException | None) -> None:
+    if future.done():  # (its waiter was cancelled)
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 async def durable(future: asyncio.Future[T]) -> T:
