@@ -450,7 +450,7 @@ async def simulated(size: int, cfg: Config, logs: Path) -> SizeResult:
             lag4 = await Lag.read(metrics)
             if size == max(cfg.sizes):
                 # The largest fleet's placements again, under py-spy (after the timed phases).
-                await profile_placing(cfg, flaps_proc.pid, f"flaps-{size}", create)
+                await profiled(cfg, {f"flaps-{size}": flaps_proc.pid}, create)
         finally:
             await client.close()
         progress(
@@ -655,7 +655,9 @@ async def real(cfg: Config, res: Results, tmp: Path, logs: Path) -> None:
                 note=f"of {total}; all under {bound * 1000:g} ms",
             )
             progress(f"real flyd: {per_second:.0f} placements/s; profiling flaps and one flyd")
-            await profile(cfg, client, config, flaps_proc.pid, flyds[0].pid, res)
+            res.details["profile"] = await profiled(
+                cfg, {"flaps": flaps_proc.pid, "flyd": flyds[0].pid}, place
+            )
         finally:
             await client.close()
     finally:
@@ -751,58 +753,27 @@ def spy(pid: int, svg: Path, seconds: float) -> subprocess.Popen[bytes]:
     )
 
 
-async def profile_placing(
-    cfg: Config, pid: int, name: str, call: Callable[[int], Awaitable[None]]
-) -> None:
-    """`call` from CLIENTS clients for `profile_seconds` while py-spy records `pid` into
-    RESULTS/<name>-profile.svg (nothing when py-spy is not installed)."""
+async def profiled(
+    cfg: Config, pids: dict[str, int], call: Callable[[int], Awaitable[None]]
+) -> dict[str, str]:
+    """`call` from CLIENTS clients for `profile_seconds` while py-spy records each of `pids`
+    into RESULTS/<name>-profile.svg; name -> the SVG's path, or why there is none."""
     if not PY_SPY.exists():
-        return
+        return dict.fromkeys(pids, "py-spy is not installed")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    svg = RESULTS / f"{name}-profile.svg"
-    recorder = spy(pid, svg, cfg.profile_seconds)
+    svgs = {name: RESULTS / f"{name}-profile.svg" for name in pids}
+    spies = {name: spy(pid, svgs[name], cfg.profile_seconds) for name, pid in pids.items()}
     await throughput(10**6, cfg.profile_seconds, CLIENTS, call)
-    try:
-        await asyncio.to_thread(recorder.communicate, None, 60)
-    except subprocess.TimeoutExpired:
-        recorder.kill()
-
-
-async def profile(
-    cfg: Config,
-    client: Flaps,
-    config: pb.MachineConfig,
-    flaps_pid: int,
-    flyd_pid: int,
-    res: Results,
-) -> None:
-    """The placement load again, under py-spy: a flame graph of flaps and one of a flyd."""
-    if not PY_SPY.exists():
-        res.details["profile"] = "py-spy is not installed"
-        return
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    spies = [
-        (
-            name,
-            spy(pid, RESULTS / f"{name}-profile.svg", cfg.profile_seconds),
-            RESULTS / f"{name}-profile.svg",
-        )
-        for name, pid in (("flaps", flaps_pid), ("flyd", flyd_pid))
-    ]
-
-    async def place(_: int) -> None:
-        await client.create(config, "ams", skip_launch=True)
-
-    await throughput(10**6, cfg.profile_seconds, CLIENTS, place)
     out = {}
-    for name, recorder, svg in spies:
+    for name, recorder in spies.items():
         try:
             _, err = await asyncio.to_thread(recorder.communicate, None, 60)
         except subprocess.TimeoutExpired:
             recorder.kill()
             err = b"timed out"
+        svg = svgs[name]
         out[name] = str(svg) if svg.exists() else f"py-spy failed: {err.decode()[-300:]}"
-    res.details["profile"] = out
+    return out
 
 
 # -- the run ---------------------------------------------------------------------------------------
