@@ -7,19 +7,24 @@ is ready once its process has kept running for `settle` seconds. Until then its 
 fails `grace` seconds after the start says why ("nothing listening on 8080 after 10s"). Once
 ready, configured checks go on at their interval and a failing one turns it not ready again.
 
-One loop per worker (`run`, until its shutdown event) finds the started machines and starts
+One loop per worker (`run`, until its shutdown event) follows the started machines and starts
 their probes when due, at most `concurrency` at a time and at most one round per machine in
 flight, each probe within its own deadline, only to loopback ports; time is the injected
-clock's. A change of the condition is committed to the machine's row like any other change
-(the worker is the row's one writer), so WatchEvents, the registry and flaps' ListMachines
-carry it. It is not kept across a flyd restart as such: the probes start over and commit only
-what changed.
+clock's. What it does per change or round does not grow with the worker's machines: the
+runner tells it which rows changed (Runner.listen) and it looks at those only; the planned
+rounds wait in a heap by due time, under one timer for the earliest.
+
+A change of the condition is committed to the machine's row like any other change (the worker
+is the row's one writer), so WatchEvents, the registry and flaps' ListMachines carry it. It is
+not kept across a flyd restart as such: the probes start over and commit only what changed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import ipaddress
+import itertools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -29,7 +34,6 @@ import structlog
 from flyd import checks, conditions, fsm
 from flyd.checks import CheckSpec
 from flyd.runner import Runner
-from flyd.stream import EventStream
 from flyd.v1 import machine_pb2 as pb
 from runtime.clock import Clock
 
@@ -38,10 +42,12 @@ S = pb.MachineState
 # While a machine has not passed yet, its probes run this often, doubling up to the max.
 WARM_MIN = 0.05
 WARM_MAX = 1.0
-# The loop looks at the rows again at most this often when changes come quickly.
+# The loop looks at changed rows at most this often when changes come quickly (a deploy
+# starting many machines is looked at in one go).
 SCAN_EVERY = 0.05
-# How long the loop sleeps at most with nothing due (a change or a finished probe wakes it).
-IDLE = 30.0
+# The due rounds' heap is rebuilt from the live tracks once it holds this many times as many
+# entries (those of forgotten tracks are otherwise dropped only as they come due).
+HEAP_SLACK = 2
 # What a machine with no configured checks and no services says once it is ready.
 NO_SERVICES = "no services: nothing to probe; it keeps running"
 
@@ -82,7 +88,6 @@ class Readiness:
         *,
         rows: dict[str, fsm.Row],
         runner: Runner,
-        stream: EventStream,
         clock: Clock,
         grace: float = 10.0,
         settle: float = 1.0,
@@ -90,18 +95,17 @@ class Readiness:
         host: str = "127.0.0.1",
         probe: Probe = checks.run,
     ) -> None:
-        """`rows`: the worker's rows (read only: changes go through `runner`); `stream`: its
-        changes, to wake on; `grace`: seconds after a start before a failing probe is reported;
-        `settle`: seconds a machine with nothing to probe must keep running; `host`: where the
-        machines' host ports are (a loopback address); `probe`: runs one check (flyd.checks.run;
-        tests give a fake)."""
+        """`rows`: the worker's rows (read only: changes go through `runner`, which tells the
+        loop which rows changed); `grace`: seconds after a start before a failing probe is
+        reported; `settle`: seconds a machine with nothing to probe must keep running; `host`:
+        where the machines' host ports are (a loopback address); `probe`: runs one check
+        (flyd.checks.run; tests give a fake)."""
         if not ipaddress.ip_address(host).is_loopback:
             raise ValueError(f"readiness probes only loopback addresses, not {host}")
         if grace < 0 or settle < 0 or concurrency < 1:
             raise ValueError("grace and settle must be >= 0 and concurrency >= 1")
         self.rows = rows
         self.runner = runner
-        self.stream = stream
         self.clock = clock
         self.grace = grace
         self.settle = settle
@@ -109,8 +113,24 @@ class Readiness:
         self._probe = probe
         self._slots = asyncio.Semaphore(concurrency)
         self._tracks: dict[str, _Track] = {}
+        # The planned rounds, earliest first: (due, tie, machine, track), one entry per track
+        # that waits for its next round. An entry whose track was forgotten is skipped.
+        self._due: list[tuple[float, int, str, _Track]] = []
+        self._ties = itertools.count()
+        self._changed: set[str] = set()  # machines whose rows changed since the loop looked
         self._tasks: set[asyncio.Task[None]] = set()
-        self._woken = asyncio.Event()
+        # Wakes the loop: a change, a finished round, the timer (`_rang`) or shutdown.
+        self._wake = asyncio.Event()
+        self._rang = False
+        self._timer: asyncio.Task[None] | None = None  # the one timer, for the earliest round
+        self._timer_at = 0.0
+        self.examined = 0
+        """Rows the loop has looked at since it started (each changed row once per look)."""
+
+    @property
+    def pending(self) -> int:
+        """Machines whose rows changed since the loop last looked."""
+        return len(self._changed)
 
     def detail(self, machine_id: str) -> str:
         """Why its probes fail right now ("" when they pass, or nothing was probed yet): a
@@ -123,19 +143,36 @@ class Readiness:
 
     async def run(self, shutdown: asyncio.Event) -> None:
         """Probe until `shutdown` is set; then cancel the probes in flight."""
+        stop_listening = self.runner.listen(self._note)
+        self._changed.update(self.rows)  # once: the rows as they are when it starts
+        on_shutdown = asyncio.ensure_future(self._wake_on(shutdown))
         try:
             while not shutdown.is_set():
-                self._scan()
-                now = self.clock.now()
-                for mid, track in self._tracks.items():
-                    if track.due is not None and track.due <= now and not track.busy:
-                        track.busy = True
-                        self._spawn(self._round(mid, track))
-                await self._sleep(shutdown)
+                self._look()
+                self._start_due()
+                self._arm()
+                await self._wake.wait()
+                if not self._rang and not shutdown.is_set():
+                    # A burst of changes (a deploy starting many machines) is looked at in one go.
+                    await asyncio.sleep(SCAN_EVERY)
+                # What woke it meanwhile is in `_changed`, the heap or the timer's state.
+                self._wake.clear()
+                self._rang = False
         finally:
-            for task in list(self._tasks):
+            stop_listening()
+            waits = [on_shutdown, *([self._timer] if self._timer is not None else [])]
+            for task in [*waits, *self._tasks]:
                 task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await asyncio.gather(*waits, *self._tasks, return_exceptions=True)
+
+    def _note(self, machine_id: str) -> None:
+        """The runner's word that the machine's row changed."""
+        self._changed.add(machine_id)
+        self._wake.set()
+
+    async def _wake_on(self, shutdown: asyncio.Event) -> None:
+        await shutdown.wait()
+        self._wake.set()
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -144,71 +181,99 @@ class Readiness:
 
     def _done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
-        self._woken.set()
+        self._wake.set()
         if not task.cancelled() and task.exception() is not None:
             log.error("readiness_probe_failed", exc_info=task.exception())
 
-    async def _sleep(self, shutdown: asyncio.Event) -> None:
-        """Until a probe is due, a row changes (no sooner than SCAN_EVERY), a probe round
-        ends, or shutdown."""
-        dues = [t.due for t in self._tracks.values() if t.due is not None and not t.busy]
+    def _look(self) -> None:
+        """Track each changed machine that is started (a new run of its process: a new track);
+        forget the changed ones that no longer are."""
+        changed, self._changed = self._changed, set()
+        self.examined += len(changed)
         now = self.clock.now()
-        wake = min(dues, default=now + IDLE)
-        waits = [
-            asyncio.ensure_future(self.clock.sleep_until(max(wake, now))),
-            asyncio.ensure_future(self.stream.changed(IDLE)),
-            asyncio.ensure_future(self._woken.wait()),
-            asyncio.ensure_future(shutdown.wait()),
-        ]
-        try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for w in waits:
-                w.cancel()
-        self._woken.clear()
-        if not waits[0].done() and not shutdown.is_set():
-            # A burst of changes (a deploy starting many machines) is looked at in one scan.
-            await asyncio.sleep(SCAN_EVERY)
-
-    def _scan(self) -> None:
-        """Track every started machine (a new run of its process: a new track); forget the
-        rest."""
-        for mid in [m for m, t in self._tracks.items() if not self._current(m, t)]:
-            del self._tracks[mid]
-        now = self.clock.now()
-        for mid, row in self.rows.items():
-            if mid in self._tracks or row.state != S.MACHINE_STATE_STARTED or row.handle is None:
+        for mid in changed:
+            track = self._tracks.get(mid)
+            if track is not None:
+                if self._current(mid, track):
+                    continue
+                del self._tracks[mid]
+            row = self.rows.get(mid)
+            if row is None or row.state != S.MACHINE_STATE_STARTED or row.handle is None:
                 continue
-            configured = checks.checks_of(row.machine, self.host)
-            probes = configured or [
-                CheckSpec(
-                    name=f"port {p.internal_port}",
-                    kind="tcp",
-                    host=self.host,
-                    port=p.host_port,
-                    path="",
-                    method="",
-                    interval=WARM_MAX,
-                    timeout=checks.DEFAULT_CHECK_TIMEOUT,
-                    internal_port=p.internal_port,
-                )
-                for p in row.machine.ports
-            ]
-            self._tracks[mid] = _Track(
-                handle=row.handle,
-                started=now,
-                probes=probes,
-                configured=bool(configured),
-                was_ready=row.machine.ready.ready,
-                due=now if probes else now + self.settle,
-                interval=min((c.interval for c in configured), default=WARM_MAX),
+            track = self._tracks[mid] = self._track(row, now)
+            self._plan(mid, track)
+
+    def _track(self, row: fsm.Row, now: float) -> _Track:
+        assert row.handle is not None
+        configured = checks.checks_of(row.machine, self.host)
+        probes = configured or [
+            CheckSpec(
+                name=f"port {p.internal_port}",
+                kind="tcp",
+                host=self.host,
+                port=p.host_port,
+                path="",
+                method="",
+                interval=WARM_MAX,
+                timeout=checks.DEFAULT_CHECK_TIMEOUT,
+                internal_port=p.internal_port,
             )
+            for p in row.machine.ports
+        ]
+        return _Track(
+            handle=row.handle,
+            started=now,
+            probes=probes,
+            configured=bool(configured),
+            was_ready=row.machine.ready.ready,
+            due=now if probes else now + self.settle,
+            interval=min((c.interval for c in configured), default=WARM_MAX),
+        )
 
     def _current(self, machine_id: str, track: _Track) -> bool:
         row = self.rows.get(machine_id)
         return (
             row is not None and row.state == S.MACHINE_STATE_STARTED and row.handle == track.handle
         )
+
+    def _plan(self, machine_id: str, track: _Track) -> None:
+        """Put the track's next round (if it has one) in the heap."""
+        if track.due is None:
+            return
+        heapq.heappush(self._due, (track.due, next(self._ties), machine_id, track))
+        if len(self._due) > HEAP_SLACK * len(self._tracks) + 64:
+            # Mostly forgotten tracks' entries: keep the heap as small as what it plans.
+            self._due = [e for e in self._due if self._tracks.get(e[2]) is e[3]]
+            heapq.heapify(self._due)
+
+    def _start_due(self) -> None:
+        """Start every round that is due."""
+        now = self.clock.now()
+        while self._due and self._due[0][0] <= now:
+            due, _, mid, track = heapq.heappop(self._due)
+            if self._tracks.get(mid) is track and track.due == due and not track.busy:
+                track.busy = True
+                self._spawn(self._round(mid, track))
+
+    def _arm(self) -> None:
+        """Keep one timer, for the earliest planned round: a new one only when that is sooner
+        than the one set (or it rang)."""
+        while self._due and self._tracks.get(self._due[0][2]) is not self._due[0][3]:
+            heapq.heappop(self._due)  # forgotten
+        if not self._due:
+            return  # a change or a finished round wakes the loop
+        at = self._due[0][0]
+        if self._timer is not None and not self._timer.done():
+            if self._timer_at <= at:
+                return
+            self._timer.cancel()
+        self._timer_at = at
+        self._timer = asyncio.ensure_future(self._ring(at))
+
+    async def _ring(self, at: float) -> None:
+        await self.clock.sleep_until(at)
+        self._rang = True
+        self._wake.set()
 
     async def _round(self, machine_id: str, track: _Track) -> None:
         """Run the machine's probes once, then commit what changed and plan the next round."""
@@ -224,6 +289,8 @@ class Readiness:
                 await self._commit(machine_id, track, *want)
         finally:
             track.busy = False
+            if self._tracks.get(machine_id) is track:
+                self._plan(machine_id, track)
 
     def _judge(self, track: _Track, results: list[str | None]) -> tuple[bool, str] | None:
         """The condition the results call for (None: leave the row's as it is); plans the

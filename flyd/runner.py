@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import functools
 import signal
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 import structlog
 
@@ -84,6 +84,7 @@ class Runner:
         self._op_tracer = op_tracer
         self._locks: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._listeners: list[Callable[[str], None]] = []
         self.closing = False
 
     # --- start and stop ---------------------------------------------------
@@ -104,6 +105,7 @@ class Runner:
             self.reservations.account(None, row)
             if row.state != S.MACHINE_STATE_DESTROYED:
                 self.images.use(row.image_digest)
+            self._tell(machine_id)
         if stripped:
             # Before anything else is committed: nothing writes concurrently yet.
             self.store.commit([], stripped)
@@ -152,6 +154,18 @@ class Runner:
         if flush:
             await self.flush()
         await self.commits.close()
+
+    def listen(self, listener: Callable[[str], None]) -> Callable[[], None]:
+        """Call `listener(machine_id)` whenever a machine's row changes in memory (each durable
+        commit, and each row `recover` loads); it must be quick and must not block. Lazy steps
+        (fsm.Transition) are not told: they change neither the state nor the process. Returns
+        what stops it."""
+        self._listeners.append(listener)
+        return functools.partial(self._listeners.remove, listener)
+
+    def _tell(self, machine_id: str) -> None:
+        for listener in self._listeners:
+            listener(machine_id)
 
     def on_exit(self, machine_id: str, handle: Handle, status: ExitStatus) -> None:
         """The driver's exit callback: turn it into an Exited event."""
@@ -459,6 +473,7 @@ class Runner:
                 self._log_commit(machine_id, steps, seq)
         for change in changes:
             self.stream.publish(change)
+        self._tell(machine_id)
 
     @staticmethod
     def _log_commit(machine_id: str, steps: list[fsm.Transition], seq: int) -> None:

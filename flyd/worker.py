@@ -134,7 +134,6 @@ class Worker:
         self.readiness = Readiness(
             rows=self.rows,
             runner=self.runner,
-            stream=self.stream,
             clock=clock,
             grace=ready_grace,
             settle=ready_settle,

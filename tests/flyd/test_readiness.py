@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from google.protobuf.duration_pb2 import Duration
@@ -19,6 +20,7 @@ from flyd.checks import CheckSpec
 from flyd.drivers.base import ExitStatus
 from flyd.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 from flyd.readiness import NO_SERVICES, Readiness, probe_host
+from flyd.settings import CapacitySettings
 from flyd.store import MemoryMachineLog
 from flyd.v1 import machine_pb2 as pb
 from runtime.clock import ManualClock
@@ -52,21 +54,24 @@ class Probes:
         return self.answers.get(check.internal_port, "nothing listening")
 
 
-@pytest.fixture
-async def setup(tmp_path: Path) -> AsyncIterator[tuple[Flyd, ManualClock, Probes]]:
+@contextlib.asynccontextmanager
+async def running(
+    tmp_path: Path, **boot_args: Any
+) -> AsyncIterator[tuple[Flyd, ManualClock, Probes]]:
+    """A recovered flyd on a fake host whose readiness loop runs with scripted probes."""
     clock = ManualClock()
     flyd = boot(
         store=MemoryMachineLog(),
         host=RecordingHost(clock),
         clock=clock,
         images=image_cache(tmp_path, image_source(tmp_path)),
+        **boot_args,
     )
     probes = Probes()
     worker = flyd.worker
     worker.readiness = Readiness(
         rows=worker.rows,
         runner=worker.runner,
-        stream=worker.stream,
         clock=clock,
         grace=GRACE,
         settle=1.0,
@@ -75,10 +80,18 @@ async def setup(tmp_path: Path) -> AsyncIterator[tuple[Flyd, ManualClock, Probes
     worker.recover()
     shutdown = asyncio.Event()
     loop = asyncio.create_task(worker.readiness.run(shutdown))
-    yield flyd, clock, probes
-    shutdown.set()
-    await asyncio.wait_for(loop, DEADLINE)
-    await flyd.kill()
+    try:
+        yield flyd, clock, probes
+    finally:
+        shutdown.set()
+        await asyncio.wait_for(loop, DEADLINE)
+        await flyd.kill()
+
+
+@pytest.fixture
+async def setup(tmp_path: Path) -> AsyncIterator[tuple[Flyd, ManualClock, Probes]]:
+    async with running(tmp_path) as started:
+        yield started
 
 
 def ready_is(flyd: Flyd, mid: str, ready: bool, reason: str = "") -> Callable[[], bool]:
@@ -222,9 +235,50 @@ async def test_ready_is_only_for_waiting_for_started(
     assert flyd.worker.store.last_seq() == seq  # changed nothing
 
 
+async def test_a_change_to_one_machine_looks_at_that_machine_only(tmp_path: Path) -> None:
+    # A worker with 1,000 ready machines, each checked every 5s.
+    machines = 1000
+    capacity = CapacitySettings(
+        cpu_millicores=100 * (machines + 1),
+        memory_mib=128 * (machines + 1),
+        disk_mib=0,
+        machines=machines + 1,
+    )
+    async with running(tmp_path, capacity=capacity, ports=range(20000, 21100)) as setup:
+        flyd, clock, probes = setup
+        readiness = flyd.worker.readiness
+        cfg = config(services=1)
+        cfg.checks.add(name="web", port=8080, tcp=pb.TcpCheck(), interval=Duration(seconds=5))
+        probes.answers[8080] = None
+        await asyncio.gather(*(create(flyd, cfg, f"m{i}") for i in range(machines)))
+        rows = flyd.worker.rows
+        await eventually(lambda: all(row.machine.ready.ready for row in rows.values()))
+        assert probes.calls == machines
+        await eventually(lambda: readiness.pending == 0)  # it looked at their last commits
+        # Their 1,000 next rounds wait under one timer.
+        assert clock.sleepers == 1
+        examined, calls = readiness.examined, probes.calls
+        # One machine stops and another starts: the loop looks at those two, probes the new one.
+        await flyd.worker.stop("m7", None, 1.0)
+        await until(flyd.worker, lambda: rows["m7"].state == pb.MACHINE_STATE_STOPPED)
+        await create(flyd, cfg, "new")
+        await eventually(ready_is(flyd, "new", True))
+        await eventually(lambda: readiness.pending == 0)
+        assert probes.calls == calls + 1
+        # At most once per commit of theirs (stopping, stopped; created, ready), no other row.
+        assert readiness.examined - examined <= 4, readiness.examined - examined
+        # At the next interval every started machine is probed once, the stopped one not.
+        clock.advance(5.0)
+        await eventually(lambda: probes.calls == calls + 1 + machines)
+        # Then again, under one timer again.
+        await eventually(lambda: clock.sleepers == 1)
+        clock.advance(5.0)
+        await eventually(lambda: probes.calls == calls + 1 + 2 * machines)
+
+
 def test_probes_go_to_loopback_only() -> None:
     assert probe_host("127.0.0.2") == "127.0.0.2"
     assert probe_host("10.0.0.1") == "127.0.0.1"
     assert probe_host("worker.example") == "127.0.0.1"
     with pytest.raises(ValueError, match="loopback"):
-        Readiness(rows={}, runner=None, stream=None, clock=ManualClock(), host="10.0.0.1")  # type: ignore[arg-type]
+        Readiness(rows={}, runner=None, clock=ManualClock(), host="10.0.0.1")  # type: ignore[arg-type]
