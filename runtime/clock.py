@@ -26,8 +26,10 @@ class SystemClock:
         return time.time()
 
     async def sleep_until(self, when: float) -> None:
-        delay = when - time.time()
-        if delay > 0:
+        # Again for what is left: a loop's timer may fire early by a fraction of a millisecond
+        # (uvloop's count whole milliseconds and round the delay down as often as up), and a
+        # caller that checks now() >= when (fsm's TimerFired) would then see its timer never fire.
+        while (delay := when - time.time()) > 0:  # noqa: ASYNC110 - time is what it waits for
             await asyncio.sleep(delay)
 
 
