@@ -126,24 +126,30 @@ def hold_hook(bundle: Bundle) -> dict[str, Any]:
     there until flyd releases it.
 
     crun runs it once the namespaces and mounts are made, before the machine's command can
-    run, with the container's state (its init's pid) on stdin. It moves that process into the
-    machine's cgroups (crun itself and the wrapper stay out: their set-up is not the
-    machine's to pay for, nor throttled by its CPU quota). Then it reaches two pipes through
-    its grandparent, the wrapper (crun is its parent): it says `ready` on one and waits for a
+    run, with the container's state (its init's pid) on stdin. It reaches two pipes through
+    its grandparent, the wrapper (crun is its parent): it says `ready` on one, moves the
+    container's init into the machine's cgroups (crun itself and the wrapper stay out: their
+    set-up is not the machine's to pay for, nor throttled by its CPU quota), and waits for a
     line on the other. flyd writes `go` (release), or its end closes (discard, or flyd died):
     the hook leaves a marker and fails, so crun tears the container down and the wrapper
     records `held`: it ran nothing. Anonymous pipes, not FIFOs: opening one through /proc
     never blocks, whoever has died, and a `go` written before the hook reads it waits in the
     pipe, which the wrapper keeps open.
+
+    `ready` comes before the cgroup moves, which still come before `go` is read: the first
+    move after a quiet spell waits for an RCU grace period (cgroup v1 takes a global lock
+    for writing, 5-9 ms here), which then overlaps flyd's fsynced commit instead of adding
+    to it. A move that fails leaves the marker too: the machine never ran anything.
     """
     q = shlex.quote
     join = "".join(f"echo $pid > {q(str(p))} && " for p in bundle.cgroup_procs)
     script = (
         "trap '' PIPE; { IFS= read -r state || [ -n \"$state\" ]; } && "
         r'pid=${state#*\"pid\":} && pid=${pid%%[!0-9]*} && [ -n "$pid" ] && '
+        "{ read -r _ _ _ wrapper _ < /proc/$PPID/stat && "
+        f"echo ready > /proc/$wrapper/fd/{bundle.ready_fd}; said=$?; }} && "
         f"{join}"
-        "read -r _ _ _ wrapper _ < /proc/$PPID/stat && "
-        f"echo ready > /proc/$wrapper/fd/{bundle.ready_fd} && "
+        '[ "$said" = 0 ] && '
         f'IFS= read -r go < /proc/$wrapper/fd/{bundle.hold_fd} && [ "$go" = go ] || '
         f"{{ : > {q(str(bundle.held_marker))}; exit 1; }}"
     )
