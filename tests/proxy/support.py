@@ -570,12 +570,13 @@ class ProxyFleet:
         return resp.machine
 
     async def starts(self, machine_id: str) -> int:
-        """How many times the machine's worker recorded it becoming started."""
+        """How many times the machine's worker recorded it becoming started (a move into
+        STARTED from another state: a started machine's readiness changes are events too)."""
         worker = machine_id.rpartition("-")[0]
         resp = await self.worker(worker).ListMachineEvents(
             w.ListMachineEventsRequest(machine_id=machine_id), timeout=T
         )
-        return sum(1 for e in resp.events if e.to_state == STARTED)
+        return sum(1 for e in resp.events if e.to_state == STARTED and e.from_state != STARTED)
 
     async def routes(self, app: str, i: int = 0) -> list[proxy_pb2.RouteMachine]:
         resp = await self.admin(i).ListRoutes(proxy_pb2.ListRoutesRequest(app=app), timeout=T)
