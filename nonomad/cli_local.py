@@ -27,6 +27,7 @@ import grpc
 import structlog
 
 from flaps.v1 import platform_pb2
+from flyd.drivers.cgroups import CONTROLLERS, remove_tree
 from flyd.drivers.rundir import kill_all
 from flyd.images.build import build_image
 from flyd.v1 import machine_pb2 as pb
@@ -431,9 +432,13 @@ def cmd_up(args: argparse.Namespace) -> int:
                 proc.wait()
             if proc.stdout is not None:
                 proc.stdout.close()
-        # Whatever a worker could not destroy does not outlive the cluster.
+        # Whatever a worker could not destroy does not outlive the cluster, nor do its
+        # cgroups: each cluster's are named for its state dir, so none is used again.
         for wp, _ in procs:
             kill_all(state / "workers" / wp.worker_id / "machines")
+        for worker_id in worker_args:
+            for controller in CONTROLLERS:
+                remove_tree(CGROUP_ROOT / controller / cgroup_prefix(state, worker_id))
         pid_file.unlink(missing_ok=True)
         (state / CLUSTER_FILE).unlink(missing_ok=True)
         print("stopped")
@@ -536,6 +541,9 @@ class _Watch:
             "its machines until their standbys confirm who serves",
             flush=True,
         )
+
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")  # flyd's default --cgroup-root, which up keeps
 
 
 def cgroup_prefix(state: Path, worker_id: str) -> str:

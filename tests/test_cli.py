@@ -14,7 +14,8 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.harness import REPO_ROOT, clean_env
+from nonomad.cli_local import cgroup_prefix
+from tests.harness import REPO_ROOT, VENV_BIN, clean_env
 
 NONOMAD = [sys.executable, "-c", "from nonomad.cli import main; main()"]
 
@@ -159,8 +160,15 @@ def test_up_serves_the_demo_app_and_down_leaves_nothing_behind(tmp_path: Path) -
         assert printed, text
         assert "-cacert" in printed[0]
         assert "authorization: Bearer" in printed[0]
+        # In a shell where `source .venv/bin/activate` ran, as `up` tells its user to do.
+        activated = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ['PATH']}"}
         listed = subprocess.run(
-            ["bash", "-c", printed[0]], capture_output=True, text=True, cwd=REPO_ROOT, timeout=30
+            ["bash", "-c", printed[0]],
+            capture_output=True,
+            text=True,
+            cwd=REPO_ROOT,
+            timeout=30,
+            env=activated,
         )
         assert listed.returncode == 0, listed.stderr
         assert json.loads(listed.stdout)["regions"][0]["name"] == "ams"
@@ -235,6 +243,13 @@ def test_up_serves_the_demo_app_and_down_leaves_nothing_behind(tmp_path: Path) -
         assert up.wait(30) == 0
         assert not any(alive(w["pid"]) for w in workers)
         assert not (state / "up.pid").exists()
+        # Nor its workers' cgroups: named for this state dir, they would never be used again.
+        left = [
+            cg
+            for w in workers
+            for cg in Path("/sys/fs/cgroup").glob(f"*/{cgroup_prefix(state, w['worker_id'])}")
+        ]
+        assert left == []
     finally:
         if up.poll() is None:
             up.send_signal(signal.SIGTERM)
