@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-import shutil
 import signal
 import sys
 import tempfile
@@ -36,16 +35,21 @@ from pathlib import Path
 
 from bench import procs, report
 from bench.procs import progress
-from bench.proxy_control_bench import DOMAIN, Fleet, Service, _get, _until
+from bench.proxy_control_bench import (
+    Fleet,
+    Service,
+    _get,
+    _until,
+    proxy_args,
+    run_on_demo,
+)
 from bench.report import Results, percentile
 from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc
 from flyd.drivers.rundir import kill_all
-from flyd.images.build import build_image
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
-from nonomad.cli_local import DEMO_SOURCE
 from proxy.v1 import proxy_pb2, proxy_pb2_grpc
 
 S = pb.MachineState
@@ -121,17 +125,8 @@ async def _measure(fleet: Fleet, res: Results, runs: int) -> None:
         fleet.workers[worker_id].args += ["--announce-interval", "0.5"]
     await asyncio.gather(*(asyncio.to_thread(s.start) for s in fleet.workers.values()))
     follow = [arg for s in fleet.workers.values() for arg in ("--workers", s.address)]
-    proxy_args = [
-        "--listen", "127.0.0.1:0",
-        "--http-listen", "127.0.0.1:0",
-        "--domain", DOMAIN,
-        "--region", "ams",
-        "--flaps", flaps.address,
-        "--peers", flaps.address,
-        "--grace-period", "2",
-        *follow,
-    ]  # fmt: skip
-    proxies = [fleet.add("proxy", proxy_args) for _ in range(2)]
+    args = proxy_args(flaps.address, "--peers", flaps.address, *follow)
+    proxies = [fleet.add("proxy", args) for _ in range(2)]
     machines = machines_pb2_grpc.MachinesServiceStub(fleet.channel(flaps.address))
     admins = [proxy_pb2_grpc.ProxyServiceStub(fleet.channel(p.address)) for p in proxies]
     progress(f"flaps at {flaps.address}, proxies at {[p.http for p in proxies]}")
@@ -300,7 +295,6 @@ def run(*, quick: bool = False, out: Path | None = None, strict: bool = False) -
     root = Path(tempfile.mkdtemp(prefix="nonomad-fencing-bench-"))
     prefix = f"nonomad-bench-{secrets.token_hex(4)}"
     fleet = Fleet(root, prefix, procs.clean_env(root / "pycache"))
-    t0 = time.perf_counter()
 
     async def bounded() -> None:
         try:
@@ -312,16 +306,7 @@ def run(*, quick: bool = False, out: Path | None = None, strict: bool = False) -
                     service.proc.send_signal(signal.SIGCONT)  # a stopped one dies too
             await fleet.close()
 
-    try:
-        build_image(
-            DEMO_SOURCE, root / "images", name="demo", tag="v1", entrypoint=["python3", "app.py"]
-        )
-        asyncio.run(bounded())
-    except Exception as err:
-        results.errors.append(f"{type(err).__name__}: {err}")
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    results.details["total_seconds"] = round(time.perf_counter() - t0, 1)
+    run_on_demo(root, results, bounded)
     results.details["quick"] = quick
     return report.finish(results, out, strict)
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-import shutil
 import socket
 import sys
 import tempfile
@@ -40,12 +39,10 @@ from typing import Any
 from bench import procs, report
 from bench.fencing_bench import _restarted
 from bench.procs import progress
-from bench.proxy_control_bench import DOMAIN, Fleet, _get
+from bench.proxy_control_bench import DOMAIN, Fleet, _get, proxy_args, run_on_demo
 from bench.report import Results, percentile
 from flyd.drivers.rundir import kill_all
-from flyd.images.build import build_image
 from flyd.v1 import machine_pb2 as pb
-from nonomad.cli_local import DEMO_SOURCE
 from nonomad.client import Client
 from nonomad.hosts import HTTP_PORT, PORTS, Hosts, netns_unavailable
 
@@ -103,17 +100,7 @@ async def single_host(root: Path) -> AsyncIterator[Side]:
     fleet = Fleet(root, prefix, procs.clean_env(root / "pycache"), driver="auto")
     try:
         flaps = fleet.add("flaps", ["--listen", "127.0.0.1:0", "--grace-period", "2"])
-        proxy = fleet.add(
-            "proxy",
-            [
-                "--listen", "127.0.0.1:0",
-                "--http-listen", "127.0.0.1:0",
-                "--domain", DOMAIN,
-                "--region", "ams",
-                "--flaps", flaps.address,
-                "--grace-period", "2",
-            ],
-        )  # fmt: skip
+        proxy = fleet.add("proxy", proxy_args(flaps.address))
         workers = [fleet.worker(w, flaps.address, proxy.address) for w in WORKERS]
         await asyncio.gather(*(asyncio.to_thread(w.start) for w in workers))
 
@@ -253,22 +240,12 @@ def _run_side(
     counts: tuple[int, int, int],
 ) -> None:
     root = Path(tempfile.mkdtemp(prefix="nonomad-hosts-bench-"))
-    t0 = time.perf_counter()
 
     async def bounded() -> None:
         async with asyncio.timeout(RUN_DEADLINE), cluster(root) as side:
             await _measure(side, results, *counts)
 
-    try:
-        build_image(
-            DEMO_SOURCE, root / "images", name="demo", tag="v1", entrypoint=["python3", "app.py"]
-        )
-        asyncio.run(bounded())
-    except Exception as err:
-        results.errors.append(f"{type(err).__name__}: {err}")
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    results.details["total_seconds"] = round(time.perf_counter() - t0, 1)
+    run_on_demo(root, results, bounded)
 
 
 def run(*, quick: bool = False, out: Path | None = None, strict: bool = False) -> int:

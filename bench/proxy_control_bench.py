@@ -30,10 +30,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -156,6 +157,38 @@ class Fleet:
         procs.remove_cgroups(self.prefix)
 
 
+def proxy_args(flaps: str, *extra: str) -> list[str]:
+    """A bench proxy's command line: ports the kernel picks on 127.0.0.1, the bench's domain,
+    region ams, `flaps` to start machines through; `extra` after."""
+    return [
+        "--listen", "127.0.0.1:0",
+        "--http-listen", "127.0.0.1:0",
+        "--domain", DOMAIN,
+        "--region", "ams",
+        "--flaps", flaps,
+        "--grace-period", "2",
+        *extra,
+    ]  # fmt: skip
+
+
+def run_on_demo(
+    root: Path, results: Results, body: Callable[[], Coroutine[Any, Any, None]]
+) -> None:
+    """Build the demo app `make up` deploys into `root`/images, run `body`, and note in
+    `results` its error (if any) and how long it all took; `root` is removed after."""
+    t0 = time.perf_counter()
+    try:
+        build_image(
+            DEMO_SOURCE, root / "images", name="demo", tag="v1", entrypoint=["python3", "app.py"]
+        )
+        asyncio.run(body())
+    except Exception as err:
+        results.errors.append(f"{type(err).__name__}: {err}")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    results.details["total_seconds"] = round(time.perf_counter() - t0, 1)
+
+
 async def _until(check: Callable[[], Awaitable[bool]], what: str) -> None:
     end = time.monotonic() + WAIT
     while time.monotonic() < end:
@@ -231,18 +264,7 @@ async def _measure(fleet: Fleet, res: Results, cold_runs: int, failover_runs: in
     await asyncio.gather(asyncio.to_thread(base.start), asyncio.to_thread(standby_worker.start))
     follow = ["--workers", base.address, "--workers", standby_worker.address]
     flaps = fleet.add("flaps", ["--listen", "127.0.0.1:0", "--grace-period", "2", *follow])
-    proxy = fleet.add(
-        "proxy",
-        [
-            "--listen", "127.0.0.1:0",
-            "--http-listen", "127.0.0.1:0",
-            "--domain", DOMAIN,
-            "--region", "ams",
-            "--flaps", flaps.address,
-            "--grace-period", "2",
-            *follow,
-        ],
-    )  # fmt: skip
+    proxy = fleet.add("proxy", proxy_args(flaps.address, *follow))
     machines = machines_pb2_grpc.MachinesServiceStub(fleet.channel(flaps.address))
     admin = proxy_pb2_grpc.ProxyServiceStub(fleet.channel(proxy.address))
     progress(f"flaps at {flaps.address}, proxy at {proxy.address} (http {proxy.http})")
@@ -406,7 +428,6 @@ def _run_one(
     root = Path(tempfile.mkdtemp(prefix="nonomad-proxy-bench-"))
     prefix = f"nonomad-bench-{secrets.token_hex(4)}"
     fleet = Fleet(root, prefix, procs.clean_env(root / "pycache"), driver=driver)
-    t0 = time.perf_counter()
 
     async def bounded() -> None:
         try:
@@ -415,16 +436,7 @@ def _run_one(
         finally:
             await fleet.close()
 
-    try:
-        build_image(
-            DEMO_SOURCE, root / "images", name="demo", tag="v1", entrypoint=["python3", "app.py"]
-        )
-        asyncio.run(bounded())
-    except Exception as err:
-        results.errors.append(f"{type(err).__name__}: {err}")
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    results.details["total_seconds"] = round(time.perf_counter() - t0, 1)
+    run_on_demo(root, results, bounded)
     results.details["quick"] = quick
 
 
