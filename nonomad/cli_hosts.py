@@ -8,8 +8,10 @@ flaps there. `nonomad workers partition|heal ID` cuts a worker's host off and jo
 `kill|pause|resume|restart ID` act on its flyd as with `up`.
 
 The demo's deploy runs inside the proxy's host (a process of its own there, calling flaps at
-its own address): its checks dial the machines' addresses, which exist only between the hosts,
-never from this machine's own namespace.
+its own address). A deploy now talks to flaps alone (it gates on the workers' readiness and
+never dials a machine), so it could run from here through the forwarded port; it stays there
+because that was how its first version kept machine addresses, which exist only between the
+hosts, from being dialled from this machine's own namespace, and nothing tests the other way.
 """
 
 from __future__ import annotations
