@@ -194,9 +194,9 @@ def _entries(path: Path) -> list[list[str]]:
     return [line.split(":") for line in text.splitlines() if line.count(":") >= 3]
 
 
-def write_etc(bundle: Bundle, machine_id: str, address: str, *, host_runtime: bool) -> list[str]:
-    """Write the machine's own /etc files into the bundle; returns their names."""
-    bundle.etc.mkdir(exist_ok=True)
+def write_etc(etc: Path, machine_id: str, address: str, *, host_runtime: bool) -> list[str]:
+    """Write the machine's own /etc files into `etc` (a bundle's `etc`); returns their names."""
+    etc.mkdir(exist_ok=True)
     hostname = machine_id[:_HOSTNAME_MAX]
     files = {
         "hostname": f"{hostname}\n",
@@ -210,7 +210,7 @@ def write_etc(bundle: Bundle, machine_id: str, address: str, *, host_runtime: bo
         )
         files["group"] = "root:x:0:\nnogroup:x:65534:\n"
     for name, text in files.items():
-        (bundle.etc / name).write_text(text)
+        (etc / name).write_text(text)
     return sorted(files)
 
 

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
 import json
 import os
@@ -93,6 +94,9 @@ _HIDE_OPTIONS = "ro,nosuid,nodev,noexec,mode=0,size=4k"
 # Where each wrapper binds its machine's run dir, in its own mount namespace (see Bundle.view).
 _VIEW = Path("/run/nonomad/machine")
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# crun runs from the read-only bind the wrapper makes of it (see OciDriver._mounts): it need
+# not copy itself first. crun trusts this only when its binary's mount is read-only too.
+_CRUN_ENV = {"_LIBCONTAINER_CLONED_BINARY": "1"}
 
 
 class OciDriver(WrappedDriver):
@@ -204,15 +208,21 @@ class OciDriver(WrappedDriver):
             raise Unavailable(f"machine {mid}: config.network.egress: {self.egress_refusal}")
         uid, gid = oci_bundle.resolve_user(spec.rootfs, spec.user)
         run_dir = self._run_dirs.path(mid)
-        try:
-            cgroup_procs = self._prepare_run(spec)
-            _mark(run_dir / _EGRESS_FILE, spec.egress)  # for an adoption by a new netd
-            slot = self._slot(mid)
-            layers = self._prepare_layers(run_dir, self._uid_base + slot * UIDS_PER_MACHINE)
-            delete_container(self._crun_root, mid)  # what a killed crun left
-        except OSError as e:
-            raise Unavailable(f"cannot prepare machine {mid}: {e}") from e
+        slot, new_slot = self._claim_slot(mid)
         address = str(self._prefix.network_address + 2 + slot)
+        root_uid = self._uid_base + slot * UIDS_PER_MACHINE
+        # What the run needs on disk is made in a thread while netd makes the namespaces: both
+        # mostly wait on the kernel (a first start's cgroup renames wait for any cgroup move
+        # under way on the host, up to an RCU grace period).
+        disk: asyncio.Future[_Disk] = asyncio.get_running_loop().run_in_executor(
+            None,
+            self._prepare_disk,
+            spec,
+            self._spares.claim(),
+            slot if new_slot else None,
+            root_uid,
+            address,
+        )
         # The hold hook's pipes (see bundle.hold_hook): flyd keeps the write end of `hold`
         # (its only writer: its death, or discard, is EOF for the hook) and reads `ready`.
         hold_r, hold_w = os.pipe2(os.O_CLOEXEC)
@@ -224,13 +234,26 @@ class OciDriver(WrappedDriver):
                 mid,
                 spec.ports,
                 address=address,
-                uid=self._uid_base + slot * UIDS_PER_MACHINE,
+                uid=root_uid,
                 uids=UIDS_PER_MACHINE,
                 egress=spec.egress,
             )
         except BaseException:
             _close(hold_r, hold_w, ready_r, ready_w)
+            disk.add_done_callback(_close_log)
             raise
+        try:
+            prepared = await asyncio.shield(disk)
+        except BaseException as e:
+            _close(hold_r, hold_w, ready_r, ready_w)
+            disk.add_done_callback(_close_log)
+            if new_slot:  # the machine never had it on disk
+                self._slots.pop(mid, None)
+            await asyncio.shield(self._down(mid))
+            if isinstance(e, OSError):
+                raise Unavailable(f"cannot prepare machine {mid}: {e}") from e
+            raise
+        log_fd = prepared.log_fd
         b = oci_bundle.Bundle(
             run_dir=run_dir,
             view=_VIEW if self._bind_view else run_dir,
@@ -240,10 +263,9 @@ class OciDriver(WrappedDriver):
             hold_fd=hold_r,
             ready_fd=ready_w,
             held_marker=run_dir / "status" / "held",
-            cgroup_procs=tuple(cgroup_procs),
+            cgroup_procs=tuple(prepared.cgroup_procs),
         )
         try:
-            etc = oci_bundle.write_etc(b, mid, address, host_runtime=spec.host_runtime)
             spec_json = oci_bundle.config(
                 b,
                 machine_id=mid,
@@ -252,16 +274,15 @@ class OciDriver(WrappedDriver):
                 workdir=spec.workdir,
                 uid=uid,
                 gid=gid,
-                etc_files=etc,
+                etc_files=prepared.etc_files,
                 host_runtime=spec.host_runtime,
             )
             # Root's alone: the machine's environment (its secrets) is in it.
             fd = os.open(run_dir / "config.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(json.dumps(spec_json))
-            log_fd = open_output(run_dir)
         except OSError as e:
-            _close(hold_r, hold_w, ready_r, ready_w)
+            _close(log_fd, hold_r, hold_w, ready_r, ready_w)
             await self._down(mid)
             raise Unavailable(f"cannot prepare machine {mid}: {e}") from e
         try:
@@ -275,7 +296,7 @@ class OciDriver(WrappedDriver):
             await self._down(mid)
             raise Unavailable(f"cannot map the image into machine {mid}: {e}") from e
         try:
-            mounts = self._mounts(run_dir, layers, lower)
+            mounts = self._mounts(run_dir, prepared.layers, lower)
         except OSError as e:
             _close(log_fd, lower, hold_r, hold_w, ready_r, ready_w)
             await self._down(mid)
@@ -304,7 +325,7 @@ class OciDriver(WrappedDriver):
                 pass_fds=(lower, hold_r, ready_w),
                 stdout=log_fd,
                 stderr=log_fd,
-                env={"PATH": _PATH},
+                env={"PATH": _PATH, **_CRUN_ENV},
                 start_new_session=True,
             )
         except OSError as e:
@@ -589,6 +610,11 @@ class OciDriver(WrappedDriver):
         table = []
         if self._hybrid:
             table.append(("none", "/sys/fs/cgroup/unified", "tmpfs", _HIDE_OPTIONS))
+        # crun copies itself before it runs a container (a container that could rewrite the
+        # binary through /proc would own the host: CVE-2019-5736), by a read-only bind under
+        # /tmp and a second exec, unless the binary it runs is already read-only and its
+        # environment says so (`_CRUN_ENV`): a bind made here, where only this run sees it.
+        table.append((self._tools.crun, self._tools.crun, "none", "bind,ro"))
         view = run_dir
         if self._bind_view:
             table.append((str(run_dir), str(_VIEW), "none", "bind"))
@@ -632,17 +658,71 @@ class OciDriver(WrappedDriver):
 
     def _slot(self, machine_id: str) -> int:
         """The machine's slot (its uid range and address), taken on its first start."""
+        slot, new = self._claim_slot(machine_id)
+        if new:
+            try:
+                _write_slot(self._run_dirs.path(machine_id), slot)
+            except BaseException:
+                del self._slots[machine_id]
+                raise
+        return slot
+
+    def _claim_slot(self, machine_id: str) -> tuple[int, bool]:
+        """The machine's slot, and whether it is new: then the caller writes it to its run dir
+        (`_write_slot`), or gives it back if it cannot.
+        """
         slot = self._slots.get(machine_id)
         if slot is not None:
-            return slot
+            return slot, False
         used = set(self._slots.values())
         slot = next((i for i in range(self.max_machines) if i not in used), None)
         if slot is None:
             raise ResourceExhausted("addresses", f"all {self.max_machines} machine slots are taken")
-        path = self._run_dirs.path(machine_id) / _SLOT_FILE
-        path.write_text(f"{slot}\n")
         self._slots[machine_id] = slot
-        return slot
+        return slot, True
+
+    def _prepare_disk(
+        self,
+        spec: ProcessSpec,
+        spare: str | None,
+        new_slot: int | None,
+        root_uid: int,
+        address: str,
+    ) -> _Disk:
+        """In a thread: the run dir and cgroups (`spare`, if claimed, on a first start), the
+        machine's new slot if it has one, its layers, its /etc files and its log. Raises
+        OSError.
+        """
+        mid = spec.machine_id
+        run_dir = self._run_dirs.path(mid)
+        cgroup_procs = self._prepare_run(spec, spare)
+        _mark(run_dir / _EGRESS_FILE, spec.egress)  # for an adoption by a new netd
+        if new_slot is not None:
+            _write_slot(run_dir, new_slot)
+        layers = self._prepare_layers(run_dir, root_uid)
+        delete_container(self._crun_root, mid)  # what a killed crun left
+        etc = oci_bundle.write_etc(run_dir / "etc", mid, address, host_runtime=spec.host_runtime)
+        return _Disk(cgroup_procs, layers, etc, open_output(run_dir))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Disk:
+    """What `OciDriver._prepare_disk` made for a run."""
+
+    cgroup_procs: list[Path]
+    layers: dict[str, Path]
+    etc_files: list[str]
+    log_fd: int  # the caller's to close
+
+
+def _close_log(done: asyncio.Future[_Disk]) -> None:
+    """Close the log a `_prepare_disk` opened for a start that failed meanwhile."""
+    if not done.cancelled() and done.exception() is None:
+        os.close(done.result().log_fd)
+
+
+def _write_slot(run_dir: Path, slot: int) -> None:
+    (run_dir / _SLOT_FILE).write_text(f"{slot}\n")
 
 
 def probe(cgroup_root: Path = Path("/sys/fs/cgroup")) -> str | None:

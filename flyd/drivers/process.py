@@ -111,7 +111,7 @@ class ProcessDriver(WrappedDriver):
         env = {**spec.env, **port_env(spec.ports, inside=False)}
         loop = asyncio.get_running_loop()
         try:
-            cgroup_procs = self._prepare_run(spec)
+            cgroup_procs = self._prepare_run(spec, self._spares.claim())
             log_fd = open_output(self._run_dirs.path(mid))
         except OSError as e:
             raise Unavailable(f"cannot prepare machine {mid}: {e}") from e

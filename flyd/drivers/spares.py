@@ -31,7 +31,9 @@ class Spares:
     A worker thread makes them, up to `SPARES` at a time. Their names say which run root they
     belong to, so a driver on the same run root removes what a dead one left (in that thread,
     before it makes any: not while flyd starts); `close` removes the rest. Taking one is a
-    rename, which fails harmlessly onto anything that exists.
+    rename, which fails harmlessly onto anything that exists: `claim` picks a set on the
+    event loop, `take` renames it, in a thread if the caller likes (a cgroup rename waits for
+    any cgroup move under way on the host: up to an RCU grace period).
     """
 
     def __init__(
@@ -52,14 +54,20 @@ class Spares:
         self._closed = False
         self._swept = False  # what a driver on this run root left when it died is gone
 
-    def take(self, run_dir: Path, cgroups: list[Path]) -> list[bool] | None:
-        """Move a spare set to `run_dir` and `cgroups`; None if none was ready (or `run_dir`
-        exists). Else, per cgroup, whether it is a new one (False: it existed, left as it was).
+    def claim(self) -> str | None:
+        """A ready spare set, kept for the caller's `take`; None if none is ready. Called on
+        the event loop (it starts making more); the `take` may run in any thread.
         """
         self._refill()
-        if not self._ready:
-            return None
-        token = self._ready.popleft()
+        token = self._ready.popleft() if self._ready else None
+        self._refill()
+        return token
+
+    def take(self, token: str, run_dir: Path, cgroups: list[Path]) -> list[bool] | None:
+        """Move the claimed spare set `token` to `run_dir` and `cgroups`; None if `run_dir`
+        exists (the set goes back to the ready ones). Else, per cgroup, whether it is a new
+        one (False: it existed, left as it was). Any thread: it only renames.
+        """
         try:
             os.rename(self._root / token, run_dir)
         except OSError:
@@ -75,7 +83,6 @@ class Spares:
                 with contextlib.suppress(OSError):
                     spare.rmdir()
                 fresh.append(False)
-        self._refill()
         return fresh
 
     def _refill(self) -> None:

@@ -559,15 +559,16 @@ class WrappedDriver:
 
     # -- internals: cgroups ------------------------------------------------------------------
 
-    def _prepare_run(self, spec: ProcessSpec) -> list[Path]:
-        """A run dir and cgroups ready for a new run (a first start takes spares); returns the
-        cgroup.procs files the wrapper joins (none without cgroups). Raises OSError.
+    def _prepare_run(self, spec: ProcessSpec, spare: str | None) -> list[Path]:
+        """A run dir and cgroups ready for a new run (a first start takes the `spare` set the
+        caller claimed, if any); returns the cgroup.procs files the wrapper joins (none without
+        cgroups). Raises OSError. It only touches the disk and cgroups: any thread may run it.
         """
         mid = spec.machine_id
         run_dir = self._run_dirs.path(mid)
         cgroups = self._cgroups.dirs(mid) if self._cgroups is not None else []
         # A first start takes a spare run dir and cgroups; a new run dir has no stale files.
-        new_cgroups = self._spares.take(run_dir, cgroups)
+        new_cgroups = None if spare is None else self._spares.take(spare, run_dir, cgroups)
         fresh = self._run_dirs.prepare(mid, from_spare=new_cgroups is not None)
         if self._cgroups is None:
             return []
