@@ -104,6 +104,34 @@ async def test_a_machine_is_hardened(make_driver, image: Path) -> None:
     }  # fmt: skip
 
 
+async def test_the_crun_running_a_machine_is_read_only_where_it_runs(
+    make_driver, image: Path
+) -> None:
+    """crun's guard against a container rewriting its binary (CVE-2019-5736), which lets crun
+    skip copying itself: the crun that runs a machine is the host's binary, on a read-only
+    bind in the wrapper's mount namespace, and the host's own mount of it is left as it was."""
+    exits = Exits()
+    driver = make_driver(exits)
+    handle = await run_machine(driver, spec("m1", sh("echo up; exec sleep 600"), image))
+    await logged(driver, "m1", "up")
+    children = Path(f"/proc/{handle.pid}/task/{handle.pid}/children").read_text().split()
+    crun = shutil.which("crun")
+    assert crun is not None
+    crun = os.path.realpath(crun)
+    runs_crun = [pid for pid in children if os.readlink(f"/proc/{pid}/exe") == crun]
+    assert len(runs_crun) == 1, [os.readlink(f"/proc/{pid}/exe") for pid in children]
+    assert os.statvfs(f"/proc/{runs_crun[0]}/exe").f_flag & os.ST_RDONLY
+    binds = [
+        line.split()
+        for line in Path(f"/proc/{runs_crun[0]}/mountinfo").read_text().splitlines()
+        if line.split()[4] == crun
+    ]
+    assert binds, "no bind of crun where it runs"
+    assert "ro" in binds[-1][5].split(",")
+    assert not os.statvfs(crun).f_flag & os.ST_RDONLY
+    await driver.stop("m1", signal.SIGTERM, 5.0)
+
+
 def _cap_number(name: str) -> int:
     numbers = {
         "CAP_CHOWN": 0,
