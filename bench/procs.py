@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from flyd.drivers.cgroups import force_empty
 from runtime import READY_PREFIX, read_announcements
 
 VENV_BIN = Path(sys.executable).parent
@@ -244,6 +245,8 @@ def remove_cgroups(prefix: str, deadline_s: float = 5.0) -> list[str]:
                 with contextlib.suppress(OSError, ValueError):
                     kill_all([int(p) for p in (cg / "cgroup.procs").read_text().split()])
                 try:
+                    if not (cg / "cgroup.procs").read_text().split():
+                        force_empty(cg)  # else a removed memory cgroup lingers and slows runs
                     cg.rmdir()
                     break
                 except FileNotFoundError:

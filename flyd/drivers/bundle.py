@@ -194,9 +194,12 @@ def _entries(path: Path) -> list[list[str]]:
     return [line.split(":") for line in text.splitlines() if line.count(":") >= 3]
 
 
+ETC_FILES = ("hostname", "hosts", "resolv.conf", "passwd", "group")  # what write_etc may write
+
+
 def write_etc(etc: Path, machine_id: str, address: str, *, host_runtime: bool) -> list[str]:
     """Write the machine's own /etc files into `etc` (a bundle's `etc`); returns their names."""
-    etc.mkdir(exist_ok=True)
+    etc.mkdir(0o755, exist_ok=True)
     hostname = machine_id[:_HOSTNAME_MAX]
     files = {
         "hostname": f"{hostname}\n",

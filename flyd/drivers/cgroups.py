@@ -200,10 +200,12 @@ class Cgroups:
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + _RMDIR_TIMEOUT_S
-        for cg in self.dirs(machine_id):
+        for controller, cg in zip(CONTROLLERS, self.dirs(machine_id), strict=True):
             while True:
                 self.kill(machine_id)
                 try:
+                    if controller == "memory" and not _populated(cg):
+                        await asyncio.to_thread(force_empty, cg)  # it reclaims: not on the loop
                     cg.rmdir()
                     break
                 except FileNotFoundError:
@@ -213,6 +215,34 @@ class Cgroups:
                     if e.errno != errno.EBUSY or loop.time() > deadline:
                         raise Unavailable(f"cannot remove cgroup {cg}: {e}") from e
                 await self._sleep(0.01)
+
+
+def force_empty(memory_cgroup: Path) -> None:
+    """Reclaim what is still charged to an empty memory cgroup about to be removed: the page
+    cache of the files its processes read or wrote first. Without it the removed cgroup lives
+    on, offline ("dying"), for as long as any of those pages stays cached; a worker that runs
+    many machines gathers hundreds, and every cgroup operation after slows down (here flyd's
+    CPU per OCI create doubled at ~300). Call it once no process is left in the cgroup (it
+    would reclaim theirs too). Raises FileNotFoundError when the cgroup is gone. Blocking.
+    """
+    try:
+        fd = os.open(memory_cgroup / "memory.force_empty", os.O_WRONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        if memory_cgroup.exists():
+            return  # no such file: not a v1 memory cgroup
+        raise
+    try:
+        os.write(fd, b"0")
+    except OSError as e:  # it could not reclaim everything: the removal still goes ahead
+        log.debug("cgroup_not_emptied", cgroup=str(memory_cgroup), error=str(e))
+    finally:
+        os.close(fd)
+
+
+def _populated(cg: Path) -> bool:
+    with contextlib.suppress(FileNotFoundError):
+        return bool((cg / "cgroup.procs").read_text().split())
+    return False
 
 
 def remove_tree(cg: Path, attempts: int = 200) -> bool:
@@ -228,6 +258,8 @@ def remove_tree(cg: Path, attempts: int = 200) -> bool:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(int(pid), signal.SIGKILL)
         try:
+            if not _populated(cg):
+                force_empty(cg)  # (a memory cgroup's: see force_empty)
             cg.rmdir()
             return True
         except FileNotFoundError:

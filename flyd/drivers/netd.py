@@ -46,7 +46,8 @@ JSON answer each (`{"ok": ...}` or `{"error": "..."}`):
 - `up {machine, address, uid, uids, netns?, ports?, egress?}` -> `{netns, userns}` paths for
   crun; `netns` adopts a running machine's namespace (after netd itself restarted) instead of a
   new one; `ports` (and sockets) as for `publish`, in the same round trip; `egress` lets it out
-  through the uplink (refused without one)
+  through the uplink (refused without one); `next {uid, uids}` names the user namespace
+  flyd expects to ask for next, which netd makes ahead, once it has answered (see `Spares`)
 - `uplink {netns, address, prefix}`: the worker's uplink is this namespace (made anew only if
   it changed), the hub's address on it and the worker's prefix; `{netns: null}`: none (an
   uplink there was goes, and with it every machine's egress)
@@ -99,6 +100,9 @@ _MAX_FDS = 64
 _MAX_CONNECTIONS = 8192
 _PIPE_HIGH_WATER = 256 << 10
 _CONNECT_TIMEOUT_S = 5.0
+_SPARE_NETNS = 2  # network namespaces made ahead of need
+_SPARE_USERNS = 2  # user namespaces made ahead, for the uid ranges flyd said come next
+_SPARE_DELAY_S = 0.01  # after an answer: the start it answered is busy making its container
 # The uplink end's address, the hub's gateway: link-local, the same in every hub (a route to
 # each hub's own address tells them apart in a shared uplink).
 _GATEWAY = ipaddress.IPv4Address("169.254.0.1")
@@ -229,6 +233,13 @@ class Netd:
         self.uplink: _Uplink | None = None
         self.routes: _Routes | None = None
         self._nft: Nft | None = None  # made with the first uplink, in the hub
+        # Made ahead of need (`_make_spares`), so an `up` mostly only plumbs: network
+        # namespaces (nothing in them is a machine's), and user namespaces by uid range (never
+        # one a machine has used: a user namespace keeps its users' keyrings).
+        self._spare_netns: list[int] = []
+        self._spare_userns: dict[tuple[int, int], int] = {}
+        self._wanted_userns: tuple[int, int] | None = None
+        self._making: asyncio.TimerHandle | None = None
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -262,6 +273,10 @@ class Netd:
             if "ports" in request:  # and its ports, in the same request
                 await self._publish(machine_id, request["ports"], fds)
             self._route_services(self.machines[machine_id])
+            with contextlib.suppress(TypeError, ValueError, KeyError):  # a hint, no more
+                wanted = request.get("next")
+                self._wanted_userns = (int(wanted["uid"]), int(wanted["uids"]))  # type: ignore[index]
+            self._schedule_spares()  # runs once this answer is sent
             return answer
         if op == "down":
             m = self.machines.get(machine_id)
@@ -313,12 +328,18 @@ class Netd:
             raise ValueError("config.network.egress: this worker has no uplink (--egress-via)")
         m = self.machines.setdefault(machine_id, _Machine(machine_id))
         self._down(m)
-        userns = namespaces.new_user_namespace(uid, uids) if uids else None
+        userns = None
+        if uids:
+            userns = self._spare_userns.pop((uid, uids), None)
+            if userns is None:
+                userns = namespaces.new_user_namespace(uid, uids)
         try:
             if adopt is not None:
                 netns = os.open(str(adopt), os.O_RDONLY | os.O_CLOEXEC)
                 with contextlib.suppress(OSError):  # its old eth0 went with the old hub
                     self._in(netns, lambda: Rtnl().close())
+            elif self._spare_netns:
+                netns = self._spare_netns.pop()
             else:
                 netns = self._new_netns()
             try:
@@ -356,6 +377,27 @@ class Netd:
         finally:
             namespaces.setns(self.hub_netns, namespaces.CLONE_NEWNET)
         return fd
+
+    def _schedule_spares(self) -> None:
+        if self._making is None:
+            loop = asyncio.get_running_loop()
+            self._making = loop.call_later(_SPARE_DELAY_S, self._make_spares)
+
+    def _make_spares(self) -> None:
+        """Make what the next `up` will want: network namespaces, and the user namespace of
+        the uid range flyd named. A failure only means the next `up` makes its own."""
+        self._making = None
+        try:
+            while len(self._spare_netns) < _SPARE_NETNS:
+                self._spare_netns.append(self._new_netns())
+            wanted = self._wanted_userns
+            if wanted is not None and wanted not in self._spare_userns:
+                if len(self._spare_userns) >= _SPARE_USERNS:
+                    oldest = next(iter(self._spare_userns))
+                    os.close(self._spare_userns.pop(oldest))
+                self._spare_userns[wanted] = namespaces.new_user_namespace(*wanted)
+        except OSError as e:
+            _log("spares_failed", error=str(e))
 
     def _in(self, netns: int, work: Any) -> Any:
         namespaces.setns(netns, namespaces.CLONE_NEWNET)

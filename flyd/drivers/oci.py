@@ -71,7 +71,7 @@ from flyd.drivers.crun import (
     hybrid_cgroups,
 )
 from flyd.drivers.crun import probe as crun_probe
-from flyd.drivers.logs import open_output
+from flyd.drivers.logs import LOG_NAME, open_output
 from flyd.drivers.namespaces import idmapped_tree
 from flyd.drivers.netclient import Netd, NetdGone
 from flyd.drivers.ports import bind_port
@@ -90,6 +90,7 @@ _EXEC_WAIT_S = 1.0  # how long a signal waits for a just-started container's ini
 _SLOT_FILE = "slot"
 _EGRESS_FILE = "egress"  # present while the machine's last start asked for egress
 _FSTAB_FILE = "fstab"  # what the wrapper mounts (see OciDriver._mounts)
+_LAYERS = {"upper": 0o755, "work": 0o700, "rootfs": 0o755}  # the overlay's dirs, their modes
 _HIDE_OPTIONS = "ro,nosuid,nodev,noexec,mode=0,size=4k"
 # Where each wrapper binds its machine's run dir, in its own mount namespace (see Bundle.view).
 _VIEW = Path("/run/nonomad/machine")
@@ -237,6 +238,7 @@ class OciDriver(WrappedDriver):
                 uid=root_uid,
                 uids=UIDS_PER_MACHINE,
                 egress=spec.egress,
+                next=self._next_user_range(),
             )
         except BaseException:
             _close(hold_r, hold_w, ready_r, ready_w)
@@ -631,15 +633,28 @@ class OciDriver(WrappedDriver):
 
     def _prepare_layers(self, run_dir: Path, root_uid: int) -> dict[str, Path]:
         """The machine's upper layer (owned by its root), the overlay's work dir and the
-        mount point, made on its first start and kept across restarts.
+        mount point, made on its first start (or by `_spare_layout`) and kept across restarts.
         """
-        layers = {name: run_dir / name for name in ("upper", "work", "rootfs")}
+        layers = {name: run_dir / name for name in _LAYERS}
         for name, path in layers.items():
             with contextlib.suppress(FileExistsError):
-                os.mkdir(path, 0o755 if name != "work" else 0o700)
-                if name == "upper":
-                    os.chown(path, root_uid, root_uid)
+                os.mkdir(path, _LAYERS[name])
+        if os.stat(layers["upper"]).st_uid != root_uid:  # new, or a spare's
+            os.chown(layers["upper"], root_uid, root_uid)
         return layers
+
+    def _spare_layout(self, run_dir: Path) -> None:
+        """The directories and (empty) files a first start writes, made in a spare run dir:
+        writing a file that exists costs a fraction of making one on a busy disk.
+        """
+        for name, mode in _LAYERS.items():
+            os.mkdir(run_dir / name, mode)
+        os.mkdir(run_dir / "etc", 0o755)
+        files = [(f"etc/{name}", 0o644) for name in oci_bundle.ETC_FILES]
+        files += [(_SLOT_FILE, 0o644), (_FSTAB_FILE, 0o600), ("config.json", 0o600)]
+        files += [(LOG_NAME, 0o640)]
+        for name, mode in files:
+            os.close(os.open(run_dir / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode))
 
     def _read_slots(self) -> dict[str, int]:
         slots: dict[str, int] = {}
@@ -666,6 +681,15 @@ class OciDriver(WrappedDriver):
                 del self._slots[machine_id]
                 raise
         return slot
+
+    def _next_user_range(self) -> dict[str, int] | None:
+        """The uid range of the slot the next new machine will take (netd makes its user
+        namespace ahead); None if every slot is taken."""
+        used = set(self._slots.values())
+        slot = next((i for i in range(self.max_machines) if i not in used), None)
+        if slot is None:
+            return None
+        return {"uid": self._uid_base + slot * UIDS_PER_MACHINE, "uids": UIDS_PER_MACHINE}
 
     def _claim_slot(self, machine_id: str) -> tuple[int, bool]:
         """The machine's slot, and whether it is new: then the caller writes it to its run dir

@@ -9,6 +9,7 @@ import hashlib
 import os
 import secrets
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
@@ -25,8 +26,8 @@ SPARES = 8
 
 class Spares:
     """Run dirs and cgroups made ahead of need, so a machine's first start renames a set into
-    place instead of making five directories while its caller waits (each a journalled or
-    cgroup-locked operation that takes long on a busy host).
+    place instead of making directories and files while its caller waits (each a journalled or
+    cgroup-locked operation that takes long on a busy host: 0.02-0.9 ms a file here).
 
     A worker thread makes them, up to `SPARES` at a time. Their names say which run root they
     belong to, so a driver on the same run root removes what a dead one left (in that thread,
@@ -41,8 +42,11 @@ class Spares:
         run_root: Path,
         cgroup_parents: list[Path],
         user: tuple[int, int, list[int]] | None,
+        layout: Callable[[Path], None] | None = None,
     ) -> None:
+        """`layout`: makes what else a driver wants in each spare run dir (in the thread)."""
         self._root = run_root / _SPARE_DIR
+        self._layout = layout
         self._cgroup_parents = cgroup_parents  # one per controller, in CONTROLLERS order
         self._user = user
         self._tag = hashlib.blake2s(str(run_root).encode(), digest_size=4).hexdigest()
@@ -115,6 +119,8 @@ class Spares:
                 os.mkdir(run_dir / "status", 0o700)
                 if self._user is not None:
                     os.chown(run_dir / "status", self._user[0], self._user[1])
+                if self._layout is not None:
+                    self._layout(run_dir)
                 for parent in self._cgroup_parents:
                     os.mkdir(parent / f"{_SPARE_CGROUP}{self._tag}-{token}", 0o755)
                 self._ready.append(token)

@@ -150,9 +150,13 @@ class WrappedDriver:
             self._run_dirs.root,
             self._cgroups.parents if self._cgroups is not None else [],
             user,
+            self._spare_layout,
         )
 
     # -- what a subclass provides ------------------------------------------------------------
+
+    def _spare_layout(self, run_dir: Path) -> None:
+        """Make, in a spare run dir (in a worker thread), what a first start would make."""
 
     async def start(self, spec: ProcessSpec) -> Handle:
         raise NotImplementedError

@@ -7,6 +7,8 @@ own; nothing waits on wall-clock time.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 import signal
@@ -130,6 +132,44 @@ async def test_the_crun_running_a_machine_is_read_only_where_it_runs(
     assert "ro" in binds[-1][5].split(",")
     assert not os.statvfs(crun).f_flag & os.ST_RDONLY
     await driver.stop("m1", signal.SIGTERM, 5.0)
+
+
+async def test_a_start_gets_the_namespaces_netd_made_ahead_for_it(
+    make_driver, image: Path, prefix: str, run_root: Path
+) -> None:
+    """After answering a start, netd makes spare network namespaces and the user namespace of
+    the uid range flyd said comes next; the next new machine runs in that one, mapped to its
+    own range (netd never hands out a user namespace a machine has used)."""
+    exits = Exits()
+    driver = make_driver(exits)
+    await run_machine(driver, spec("m1", sh("echo up; exec sleep 600"), image))
+    await logged(driver, "m1", "up")
+    netd = json.loads((run_root / ".netd.json").read_text())["pid"]
+
+    def held_user_namespaces() -> set[str]:
+        links = set()
+        for fd in Path(f"/proc/{netd}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                links.add(os.readlink(fd))
+        return {link for link in links if link.startswith("user:")}
+
+    def init_user_namespace(machine_id: str) -> str:
+        pids = cgroup_pids(prefix, machine_id)
+        return os.readlink(f"/proc/{pids[0]}/ns/user")
+
+    m1_userns = init_user_namespace("m1")
+    await wait_until(lambda: len(held_user_namespaces() - {m1_userns}) == 1, "a spare userns")
+    (spare,) = held_user_namespaces() - {m1_userns}
+    await run_machine(driver, spec("m2", sh("echo up; exec sleep 600"), image))
+    await logged(driver, "m2", "up")
+    assert init_user_namespace("m2") == spare
+    pid = cgroup_pids(prefix, "m2")[0]
+    first, host, count = Path(f"/proc/{pid}/uid_map").read_text().split()
+    assert (first, int(count)) == ("0", UIDS_PER_MACHINE)
+    m1_host = Path(f"/proc/{cgroup_pids(prefix, 'm1')[0]}/uid_map").read_text().split()[1]
+    assert int(host) == int(m1_host) + UIDS_PER_MACHINE  # the next slot's range
+    for mid in ("m1", "m2"):
+        await driver.stop(mid, signal.SIGTERM, 5.0)
 
 
 def _cap_number(name: str) -> int:

@@ -9,6 +9,7 @@ ports, the image cache). Traffic stays on 127.0.0.1 and inside namespaces flyd m
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -548,12 +549,26 @@ def http_get(port: int) -> str:
 
 
 def netd_namespaces(machines: Path) -> int:
-    """How many machines' network namespaces netd holds (not its hub's nor the host's)."""
+    """How many machines' network namespaces netd holds: not its hub's nor the host's, nor
+    the spares it makes ahead (a spare has no link but its loopback until a machine's eth0)."""
     pid = json.loads((machines / ".netd.json").read_text())["pid"]
     own = {os.readlink(f"/proc/{pid}/ns/net"), os.readlink("/proc/self/ns/net")}
-    fds = Path(f"/proc/{pid}/fd")
-    links = {os.readlink(fd) for fd in fds.iterdir()}
-    return sum(1 for link in links if link.startswith("net:") and link not in own)
+    held = {}
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):  # a descriptor closed meanwhile
+            link = os.readlink(fd)
+            if link.startswith("net:") and link not in own:
+                held[link] = fd
+    plumbed = 0
+    for fd in held.values():
+        links = subprocess.run(
+            ["nsenter", f"--net={fd}", "cat", "/proc/net/dev"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        plumbed += links.returncode != 0 or "eth0:" in links.stdout
+    return plumbed
 
 
 def machine_processes(run_dir: Path) -> list[int]:

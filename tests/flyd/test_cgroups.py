@@ -1,0 +1,55 @@
+"""Removing a machine's memory cgroup leaves nothing charged to it (real cgroup v1)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from flyd.drivers.cgroups import force_empty, remove_tree
+
+MEMORY = Path("/sys/fs/cgroup/memory")
+
+pytestmark = pytest.mark.skipif(
+    not (MEMORY / "cgroup.procs").is_file() or os.geteuid() != 0,
+    reason="needs root and a cgroup v1 memory controller at /sys/fs/cgroup/memory",
+)
+
+
+def _usage(cg: Path) -> int:
+    return int((cg / "memory.usage_in_bytes").read_text())
+
+
+def test_force_empty_reclaims_the_page_cache_a_machine_left(prefix: str, tmp_path: Path) -> None:
+    """The page cache of a file written from inside the cgroup stays charged to it after its
+    processes end (and would keep the cgroup alive once removed); force_empty reclaims it."""
+    cg = MEMORY / prefix / "m1"
+    cg.mkdir(parents=True)
+    data = tmp_path / "data"
+    # A process that joins the cgroup and writes 8 MiB: page cache charged to the cgroup.
+    subprocess.run(
+        [
+            "sh",
+            "-c",
+            f'echo $$ > {cg}/cgroup.procs && head -c 8388608 /dev/zero > "$1"',
+            "sh",
+            data,
+        ],
+        check=True,
+    )
+    assert _usage(cg) >= 4 << 20
+    force_empty(cg)
+    assert _usage(cg) < 1 << 20
+    assert data.stat().st_size == 8 << 20  # reclaimed from memory, not lost
+    assert remove_tree(cg)
+    assert not cg.exists()
+
+
+def test_force_empty_of_a_cgroup_that_is_gone_or_has_no_memory_controller(
+    prefix: str, tmp_path: Path
+) -> None:
+    with pytest.raises(FileNotFoundError):
+        force_empty(MEMORY / prefix / "never-made")
+    force_empty(tmp_path)  # a directory without memory.force_empty: nothing to do
