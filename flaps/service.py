@@ -42,7 +42,7 @@ from flyd.pages import checked_page_size
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
-from flyd.validate import CONFIG_LIMITS, REDACTED, check_config
+from flyd.validate import CONFIG_LIMITS, EGRESS_LABEL, REDACTED, check_config
 from registry.replica import Replica
 from registry.rows import MachineQuery
 from registry.supply import Pool
@@ -218,12 +218,17 @@ class Exchange:
         standby_for: Iterable[str],
         seed: str | None,
     ) -> placement.Request:
+        wanted = config.placement
+        if config.network.egress:  # only a worker that can let it out
+            wanted = pb.PlacementConfig()
+            wanted.CopyFrom(config.placement)
+            wanted.required_labels[EGRESS_LABEL] = "true"
         return placement.Request(
             app=app,
             regions=tuple(regions),
             guest=config.guest,
             image=config.image,
-            placement=config.placement,
+            placement=wanted,
             standby_for=frozenset(standby_for),
             seed=seed,
             primaries=self.primaries(standby_for),
@@ -750,8 +755,9 @@ class PlatformServicer(platform_pb2_grpc.PlatformServiceServicer):
                 out.rejections.add(worker_id=r.worker_id, reason=r.reason, detail=r.detail)
             for reason, n in decision.counts().items():
                 out.rejections_by_reason[reason] += n
-        pools = self.x.replica.supply.regions()
-        out.fits = sum(region_fits(pools[r], request.config.guest) for r in regions if r in pools)
+        supply, labels = self.x.replica.supply, dict(bid.placement.required_labels)
+        pools = [pool for r in regions if (pool := supply.pool(r, labels)) is not None]
+        out.fits = sum(region_fits(pool, request.config.guest) for pool in pools)
         return out
 
     async def WatchPlacements(

@@ -159,6 +159,18 @@ class FlydSettings(ServiceSettings):
             )
         return value
 
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, value: dict[str, str]) -> dict[str, str]:
+        from flyd.validate import EGRESS_LABEL
+
+        if EGRESS_LABEL in value:
+            raise ValueError(
+                f"{EGRESS_LABEL} is flyd's own: it says whether machines here can have egress "
+                "(--egress-via)"
+            )
+        return value
+
     @field_validator("network")
     @classmethod
     def _network(cls, value: str) -> str:

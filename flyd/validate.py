@@ -192,6 +192,12 @@ def check_config(config: pb.MachineConfig, field: str = "config") -> None:
     check_secrets(config, field)
 
 
+EGRESS_LABEL = "nonomad.egress"
+"""The label flyd gives its worker when its machines can have egress (`flyd --egress-via`, or
+the process driver, whose machines share the host's network); flaps requires it of the
+workers it places a machine on whose config asks for egress. Operators cannot set it."""
+
+
 def check_network(config: pb.MachineConfig, refusal: str | None, field: str = "config") -> None:
     """A config asking for egress on a worker that cannot give it (`refusal`, the driver's
     reason) is refused, naming the field: a setting the worker ignored would be a lie."""

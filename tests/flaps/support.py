@@ -79,9 +79,11 @@ class FakeFleet:
 
 
 @contextlib.asynccontextmanager
-async def fake_fleet(root: Path, regions: Mapping[str, str]) -> AsyncIterator[FakeFleet]:
-    """Workers (`regions`: worker id -> region) served on loopback, followed by a running
-    replica; yields once the replica sees every worker alive."""
+async def fake_fleet(
+    root: Path, regions: Mapping[str, str], labels: Mapping[str, dict[str, str]] | None = None
+) -> AsyncIterator[FakeFleet]:
+    """Workers (`regions`: worker id -> region; `labels`: worker id -> its labels) served on
+    loopback, followed by a running replica; yields once the replica sees every worker alive."""
     clock = ManualClock()
     source = image_source(root)
     replica = Replica(clock=clock)
@@ -94,7 +96,13 @@ async def fake_fleet(root: Path, regions: Mapping[str, str]) -> AsyncIterator[Fa
                 host=FakeHost(clock),
                 clock=clock,
                 images=image_cache(root / worker_id, source),
-                identity=Identity(worker_id, region, "", {}, f"boot-{worker_id}"),
+                identity=Identity(
+                    worker_id,
+                    region,
+                    "",
+                    dict((labels or {}).get(worker_id, {})),
+                    f"boot-{worker_id}",
+                ),
             )
             flyd.worker.recover()
             stack.push_async_callback(flyd.kill)

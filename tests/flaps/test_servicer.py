@@ -26,6 +26,7 @@ from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
 from flyd.errors import DOMAIN as FLYD
 from flyd.v1 import machine_pb2 as pb
+from flyd.validate import EGRESS_LABEL
 from tests.flaps.support import FakeFleet, fake_fleet
 from tests.flyd.support import CREATED, DESTROYED, STARTED, STOPPED, config
 from tests.servicers import (
@@ -43,13 +44,14 @@ from tests.servicers import (
 )
 
 REGIONS = {"w1": "ams", "w2": "ams", "s1": "syd"}
+LABELS = {"w1": {EGRESS_LABEL: "true"}}  # as flyd labels a worker whose machines can get out
 Machines = machines_pb2_grpc.MachinesServiceStub
 Platform = platform_pb2_grpc.PlatformServiceStub
 
 
 @pytest.fixture
 async def fleet(tmp_path: Path) -> AsyncIterator[FakeFleet]:
-    async with fake_fleet(tmp_path, REGIONS) as fleet:
+    async with fake_fleet(tmp_path, REGIONS, LABELS) as fleet:
         yield fleet
 
 
@@ -189,6 +191,26 @@ class TestMachinesService:
         full.regions.append("syd")
         moved = await servicer_stub.CreateMachine(full, timeout=T)
         assert moved.machine.worker_id == "s1"
+
+    async def test_a_machine_that_asks_for_egress_goes_only_where_it_can_get_out(
+        self, servicer_stub: Machines, fleet: FakeFleet
+    ) -> None:
+        out = config(memory=64)
+        out.network.egress = True
+        request = m.CreateMachineRequest(**bid(config=out))
+        made = [await servicer_stub.CreateMachine(request, timeout=T) for _ in range(6)]
+        assert {r.machine.worker_id for r in made} == {"w1"}  # w2 has room, not the label
+        # syd's only worker has no way out: refused at once, saying why, and nothing made.
+        err = await refused(
+            servicer_stub.CreateMachine(
+                m.CreateMachineRequest(**bid(region="syd", config=out)), timeout=T
+            ),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+        )
+        info = info_of(err)
+        assert (info.domain, info.reason) == ("flaps.nonomad", "NO_CAPACITY")
+        assert dict(info.metadata) == {"missing_label": "1"}
+        assert len(fleet.machine_ids()) == 6
 
     @pytest.mark.parametrize(
         ("fields", "field"),
@@ -601,6 +623,20 @@ class TestPlatformService:
             platform_pb2.ListRegionsRequest(guest=request.config.guest), timeout=T
         )
         assert resp.fits == sum(r.fits for r in regions.regions if r.name in ("ams", "syd")) > 3
+
+    async def test_a_plan_for_machines_that_ask_for_egress_counts_only_where_they_can_go(
+        self, servicer_stub: Platform
+    ) -> None:
+        out = config()
+        out.network.egress = True
+        request = platform_pb2.SimulatePlacementRequest(**bid(regions=["syd"], config=out))
+        resp = await servicer_stub.SimulatePlacement(request, timeout=T)
+        assert [c.worker_id for c in resp.candidates] == ["w1"]
+        assert dict(resp.rejections_by_reason) == {"missing_label": 2}  # w2 and s1
+        everywhere = await servicer_stub.SimulatePlacement(
+            platform_pb2.SimulatePlacementRequest(**bid(regions=["syd"])), timeout=T
+        )
+        assert 0 < resp.fits < everywhere.fits  # w1's room only
 
     async def test_simulate_placement_counts_every_rejection(self, servicer_stub: Platform) -> None:
         request = platform_pb2.SimulatePlacementRequest(**bid(config=config(memory=2048)))

@@ -34,6 +34,7 @@ from flyd.settings import FlydSettings
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
+from flyd.validate import EGRESS_LABEL
 from runtime import SettingsError, load_settings
 from tests.flyd.driver_support import OCI_UNAVAILABLE
 from tests.flyd.test_sandbox import machine_address
@@ -298,6 +299,9 @@ async def test_only_a_machine_that_asks_reaches_the_uplink_and_only_as_the_hub(
     # on 8080) and answers nothing itself; both dropped, so the probe's connects time out.
     assert seen["others"] == {f"{a}:8080": "TimeoutError" for a in others}
     assert egress_set(machines) == [machine_address(machines, out.id)]
+    # The worker says so, for flaps to send only such machines here.
+    info = (await stub.GetCapacity(w.GetCapacityRequest(), timeout=DEADLINE)).worker
+    assert info.labels[EGRESS_LABEL] == "true"
 
     # The machine that did not ask has no route beyond itself: nothing ever leaves it.
     seen = await ask(shut)
@@ -398,6 +402,9 @@ async def test_egress_on_a_worker_without_an_uplink_is_refused_and_nothing_is_ma
     listed = await stub.ListMachines(w.ListMachinesRequest(), timeout=DEADLINE)
     assert list(listed.machines) == []
     assert not (tmp_path / "flyd-w1" / "machines" / "m-egress").exists()
+    # It does not claim what it cannot give: flaps sends egress machines elsewhere.
+    info = (await stub.GetCapacity(w.GetCapacityRequest(), timeout=DEADLINE)).worker
+    assert EGRESS_LABEL not in info.labels
 
     # Nor can an update turn it on: the machine stays as it was.
     plain = pb.MachineConfig()
@@ -430,6 +437,11 @@ async def test_egress_on_a_worker_without_an_uplink_is_refused_and_nothing_is_ma
 def test_egress_via_must_name_another_network_namespace(path: str, says: str) -> None:
     with pytest.raises(SettingsError, match=says):
         load_settings(FlydSettings, ["--egress-via", path], prog="flyd")
+
+
+def test_the_egress_label_is_flyd_s_own() -> None:
+    with pytest.raises(SettingsError, match=f"{EGRESS_LABEL} is flyd's own"):
+        load_settings(FlydSettings, ["--labels", f'{{"{EGRESS_LABEL}": "true"}}'], prog="flyd")
 
 
 @needs_netns
