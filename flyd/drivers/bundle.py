@@ -38,11 +38,14 @@ from flyd.drivers.seccomp import profile
 from flyd.errors import InvalidArgument
 
 __all__ = [
+    "ETC_FILES",
     "HOST_RUNTIME",
     "Bundle",
     "config",
     "hold_hook",
     "resolve_user",
+    "skeleton",
+    "write_etc",
 ]
 
 # What an image that names no base borrows from the host, read-only (those that exist).
@@ -195,6 +198,21 @@ def _entries(path: Path) -> list[list[str]]:
 
 
 ETC_FILES = ("hostname", "hosts", "resolv.conf", "passwd", "group")  # what write_etc may write
+
+
+def skeleton() -> list[tuple[str, bool]]:
+    """What crun makes in the rootfs of a machine whose image names no base (host_runtime),
+    on its first start, for its mount points: (path relative to the rootfs, is a directory),
+    parents first. Those land in the machine's upper layer; a driver can have them made ahead.
+    /dev's own mount points are not here (they are made in /dev's tmpfs).
+    """
+    points: list[tuple[str, bool]] = [("proc", True), ("dev", True), ("sys", True), ("tmp", True)]
+    points.append(("etc", True))
+    for path in HOST_RUNTIME:
+        if Path(path).exists():
+            points.append((path.lstrip("/"), Path(path).is_dir()))
+    points += [(f"etc/{name}", False) for name in ETC_FILES]
+    return points
 
 
 def write_etc(etc: Path, machine_id: str, address: str, *, host_runtime: bool) -> list[str]:

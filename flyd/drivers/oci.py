@@ -49,6 +49,7 @@ import dataclasses
 import ipaddress
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -91,6 +92,7 @@ _SLOT_FILE = "slot"
 _EGRESS_FILE = "egress"  # present while the machine's last start asked for egress
 _FSTAB_FILE = "fstab"  # what the wrapper mounts (see OciDriver._mounts)
 _LAYERS = {"upper": 0o755, "work": 0o700, "rootfs": 0o755}  # the overlay's dirs, their modes
+_SKELETON = "mountpoints"  # in a spare run dir: a first upper layer (OciDriver._prepare_layers)
 _HIDE_OPTIONS = "ro,nosuid,nodev,noexec,mode=0,size=4k"
 # Where each wrapper binds its machine's run dir, in its own mount namespace (see Bundle.view).
 _VIEW = Path("/run/nonomad/machine")
@@ -158,6 +160,7 @@ class OciDriver(WrappedDriver):
         self.max_machines = min(prefix.num_addresses - 3, (2**32 - uid_base) // UIDS_PER_MACHINE)
         """How many machines it can give an address and a uid range of their own."""
         self._hybrid = hybrid_cgroups()
+        self._skeleton = oci_bundle.skeleton()
         self._crun_root = self._run_dirs.root / CRUN_ROOT
         self._crun_root.mkdir(mode=0o700, exist_ok=True)
         # crun reaches a machine's rootfs and /etc files partly as the machine's root: through
@@ -631,14 +634,35 @@ class OciDriver(WrappedDriver):
             f.write("".join(" ".join(map(_fstab_field, row)) + " 0 0\n" for row in table))
         return [[self._tools.mount, "--all", "--fstab", str(fstab)]]
 
-    def _prepare_layers(self, run_dir: Path, root_uid: int) -> dict[str, Path]:
+    def _prepare_layers(self, run_dir: Path, root_uid: int, spec: ProcessSpec) -> dict[str, Path]:
         """The machine's upper layer (owned by its root), the overlay's work dir and the
         mount point, made on its first start (or by `_spare_layout`) and kept across restarts.
+
+        A spare run dir also holds the mount points crun would make in the upper layer of an
+        image that names no base (`bundle.skeleton`): on such a machine's first start they
+        become its upper layer, owned by its root, less any the image has itself (whose own
+        would otherwise be hidden); any other image's first start drops them.
         """
         layers = {name: run_dir / name for name in _LAYERS}
         for name, path in layers.items():
             with contextlib.suppress(FileExistsError):
                 os.mkdir(path, _LAYERS[name])
+        made = run_dir / _SKELETON
+        if made.is_dir():
+            upper = layers["upper"]
+            if spec.host_runtime and not any(os.scandir(upper)):
+                os.rmdir(upper)
+                os.rename(made, upper)
+                for rel, is_dir in reversed(self._skeleton):  # children first
+                    path = upper / rel
+                    if not os.path.lexists(spec.rootfs / rel):
+                        os.chown(path, root_uid, root_uid, follow_symlinks=False)
+                    elif is_dir:
+                        shutil.rmtree(path)
+                    else:
+                        path.unlink(missing_ok=True)
+            else:
+                shutil.rmtree(made)
         if os.stat(layers["upper"]).st_uid != root_uid:  # new, or a spare's
             os.chown(layers["upper"], root_uid, root_uid)
         return layers
@@ -649,6 +673,12 @@ class OciDriver(WrappedDriver):
         """
         for name, mode in _LAYERS.items():
             os.mkdir(run_dir / name, mode)
+        os.mkdir(run_dir / _SKELETON, 0o755)
+        for rel, is_dir in self._skeleton:
+            if is_dir:
+                os.mkdir(run_dir / _SKELETON / rel, 0o755)
+            else:
+                os.close(os.open(run_dir / _SKELETON / rel, os.O_WRONLY | os.O_CREAT, 0o644))
         os.mkdir(run_dir / "etc", 0o755)
         files = [(f"etc/{name}", 0o644) for name in oci_bundle.ETC_FILES]
         files += [(_SLOT_FILE, 0o644), (_FSTAB_FILE, 0o600), ("config.json", 0o600)]
@@ -723,7 +753,7 @@ class OciDriver(WrappedDriver):
         _mark(run_dir / _EGRESS_FILE, spec.egress)  # for an adoption by a new netd
         if new_slot is not None:
             _write_slot(run_dir, new_slot)
-        layers = self._prepare_layers(run_dir, root_uid)
+        layers = self._prepare_layers(run_dir, root_uid, spec)
         delete_container(self._crun_root, mid)  # what a killed crun left
         etc = oci_bundle.write_etc(run_dir / "etc", mid, address, host_runtime=spec.host_runtime)
         return _Disk(cgroup_procs, layers, etc, open_output(run_dir))

@@ -58,6 +58,11 @@ class Spares:
         self._closed = False
         self._swept = False  # what a driver on this run root left when it died is gone
 
+    @property
+    def ready(self) -> int:
+        """How many spare sets are ready to take."""
+        return len(self._ready)
+
     def claim(self) -> str | None:
         """A ready spare set, kept for the caller's `take`; None if none is ready. Called on
         the event loop (it starts making more); the `take` may run in any thread.

@@ -172,6 +172,39 @@ async def test_a_start_gets_the_namespaces_netd_made_ahead_for_it(
         await driver.stop(mid, signal.SIGTERM, 5.0)
 
 
+async def test_a_first_start_from_a_spare_gets_its_mount_points_made_ahead_as_its_own(
+    make_driver, tmp_path: Path
+) -> None:
+    """A spare run dir holds the mount points crun would make in the upper layer of an image
+    that names no base: they become the machine's, owned by its root (it writes /etc as
+    before), except where the image has its own, which stays as the image has it."""
+    exits = Exits()
+    driver = make_driver(exits)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    own_etc = tmp_path / "own-etc"
+    (own_etc / "etc").mkdir(parents=True)
+    (own_etc / "etc" / "app.conf").write_text("mine\n")
+    os.chmod(own_etc / "etc", 0o750)
+    script = "stat -c '%u %a' /etc; touch /etc/new && echo wrote; cat /etc/app.conf; exec sleep 600"
+    await run_machine(driver, spec("warm", sh("exec sleep 600"), plain, host_runtime=True))
+    for mid, image in (("m-plain", plain), ("m-own", own_etc)):
+        await wait_until(lambda: driver._spares.ready > 0, "a spare run dir")
+        await run_machine(driver, spec(mid, sh(script), image, host_runtime=True))
+        await logged(driver, mid, "wrote")
+    plain_lines = driver.read_logs("m-plain", 5)
+    assert plain_lines[0] == "0 755"  # the machine's root owns its /etc
+    own_lines = driver.read_logs("m-own", 5)
+    assert own_lines[0] == "0 750"  # the image's own /etc, not one made ahead
+    assert "mine" in own_lines
+    upper = driver._run_dirs.path("m-plain") / "upper"
+    # Made ahead (crun makes its mount points 0700), and taken: none is left to take again.
+    assert (upper / "etc" / "hostname").stat().st_mode & 0o777 == 0o644
+    assert not (driver._run_dirs.path("m-plain") / "mountpoints").exists()
+    for mid in ("warm", "m-plain", "m-own"):
+        await driver.stop(mid, signal.SIGTERM, 5.0)
+
+
 def _cap_number(name: str) -> int:
     numbers = {
         "CAP_CHOWN": 0,
