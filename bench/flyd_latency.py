@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
+import shutil
 import statistics
 import time
+from pathlib import Path
 
 from google.protobuf.duration_pb2 import Duration
 
@@ -54,6 +57,20 @@ async def bench_rpc_floor(client: Client, machine_id: str, count: int) -> list[f
     return samples
 
 
+def _file_create_us(data_dir: Path, count: int = 200) -> float:
+    """CPU microseconds to make (and close) an empty file in a new directory in flyd's data
+    dir: how costly the disk under a start is right now, which on a shared VM varies."""
+    probe = data_dir / f".bench-probe-{os.getpid()}"
+    probe.mkdir()
+    try:
+        cpu0 = time.process_time()
+        for i in range(count):
+            os.close(os.open(probe / str(i), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        return (time.process_time() - cpu0) * 1e6 / count
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
+
+
 async def bench_create_latency(
     flyd: FlydProcess, client: Client, cfg: Config, res: Results
 ) -> None:
@@ -62,6 +79,7 @@ async def bench_create_latency(
     warm = [(await client.create("bench-warm", config)).id for _ in range(cfg.latency_warmup)]
     floor = await bench_rpc_floor(client, warm[0], cfg.latency_n)
     await destroy_many(client, warm, cfg.destroy_concurrency)
+    file_us = _file_create_us(flyd.data_dir)
 
     progress(f"create latency: {cfg.latency_n} sequential CreateMachine calls")
     latencies: list[float] = []
@@ -113,6 +131,12 @@ async def bench_create_latency(
     )
     res.add("  flyd CPU per create", cpu_ms, "ms")
     res.add(
+        "  making a file in flyd's data dir, CPU",
+        file_us,
+        "us",
+        note="the disk's share of a start (~35 files a spare set): 15-120 us on this VM",
+    )
+    res.add(
         "  gRPC round trip floor (GetMachine) p50",
         percentile(floor, 50),
         "ms",
@@ -133,6 +157,7 @@ async def bench_create_latency(
             "p50_last_quarter": percentile(latencies[-quarter:], 50),
         },
         "flyd_cpu_ms_per_create": cpu_ms,
+        "file_create_cpu_us": file_us,
         "get_machine_ms": {"p50": percentile(floor, 50), "p99": percentile(floor, 99)},
         "samples_ms": [round(x, 3) for x in latencies],
         "server_commit_to_started_ms": {

@@ -19,8 +19,9 @@ What a machine is (see `flyd.drivers.bundle` for its runtime spec):
 
 A run, as the shared machinery (`flyd.drivers.wrapped`) drives it:
 
-1. `start` prepares the run dir (a spare, on a first start) and cgroups, asks netd for the
-   namespaces, writes the bundle and makes a detached ID-mapped copy of the image's rootfs;
+1. `start` asks netd for the namespaces while a thread prepares the run dir and cgroups (a
+   spare set on a first start, made ahead with the files and mount points a first start
+   writes), then writes the bundle and makes a detached ID-mapped copy of the image's rootfs;
    then it spawns the wrapper under `unshare --mount` (a private mount namespace): the wrapper
    hides /sys/fs/cgroup/unified on a hybrid-cgroup host (crun refuses those) and mounts the
    overlay, in one `mount --all` (see `_mounts`), and runs `crun run` in the foreground.
@@ -215,6 +216,11 @@ class OciDriver(WrappedDriver):
         slot, new_slot = self._claim_slot(mid)
         address = str(self._prefix.network_address + 2 + slot)
         root_uid = self._uid_base + slot * UIDS_PER_MACHINE
+        # The hold hook's pipes (see bundle.hold_hook): flyd keeps the write end of `hold`
+        # (its only writer: its death, or discard, is EOF for the hook) and reads `ready`.
+        hold_r, hold_w = os.pipe2(os.O_CLOEXEC)
+        ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
+        os.set_blocking(ready_r, False)
         # What the run needs on disk is made in a thread while netd makes the namespaces: both
         # mostly wait on the kernel (a first start's cgroup renames wait for any cgroup move
         # under way on the host, up to an RCU grace period).
@@ -227,11 +233,6 @@ class OciDriver(WrappedDriver):
             root_uid,
             address,
         )
-        # The hold hook's pipes (see bundle.hold_hook): flyd keeps the write end of `hold`
-        # (its only writer: its death, or discard, is EOF for the hook) and reads `ready`.
-        hold_r, hold_w = os.pipe2(os.O_CLOEXEC)
-        ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
-        os.set_blocking(ready_r, False)
         self._runs[mid] = self._runs.get(mid, 0) + 1  # a down for an earlier run is moot now
         try:
             namespaces = await self._publish_ports(
