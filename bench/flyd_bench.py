@@ -120,7 +120,15 @@ def _cleanup(
 
 
 async def _phase(res: Results, name: str, work: Awaitable[None]) -> None:
-    """Run one benchmark, noting how busy the host was meanwhile (others share the CPUs)."""
+    """Run one benchmark, noting how busy the host was meanwhile (others share the CPUs).
+
+    It starts with the disk settled: the phase before may have destroyed hundreds of machines,
+    and their deleted files (with the journal and the device's discards behind them) would
+    make every file a start makes in this one cost several times more for a while.
+    """
+    t0 = time.perf_counter()
+    await asyncio.to_thread(os.sync)
+    res.details.setdefault("settle_s", {})[name] = time.perf_counter() - t0
     before = procs.HostCpu.now()
     try:
         await work
