@@ -62,7 +62,11 @@ class FlydSettings(ServiceSettings):
     advertise: str | None = Field(
         default=None, description="address others reach this worker at (default: bound address)"
     )
-    labels: dict[str, str] = Field(default_factory=dict, description="placement labels")
+    labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="placement labels (flyd adds nonomad.egress=true when its machines can get "
+        "out; that one is its own)",
+    )
     announce: list[str] = Field(
         default_factory=list,
         description="registry replicas (registry, flaps or proxy addresses) to announce to",
