@@ -135,7 +135,7 @@ async def bench_create_latency(
         "  making a file in flyd's data dir, CPU",
         file_us,
         "us",
-        note="the disk's share of a start (~35 files a spare set): 15-120 us on this VM",
+        note="the disk under a start (a spare set is ~35 files): 15-170 us seen on this VM",
     )
     res.add(
         "  gRPC round trip floor (GetMachine) p50",
