@@ -245,8 +245,7 @@ def remove_cgroups(prefix: str, deadline_s: float = 5.0) -> list[str]:
                 with contextlib.suppress(OSError, ValueError):
                     kill_all([int(p) for p in (cg / "cgroup.procs").read_text().split()])
                 try:
-                    if not (cg / "cgroup.procs").read_text().split():
-                        force_empty(cg)  # else a removed memory cgroup lingers and slows runs
+                    force_empty(cg)  # else a removed memory cgroup lingers and slows runs
                     cg.rmdir()
                     break
                 except FileNotFoundError:

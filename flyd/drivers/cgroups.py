@@ -204,7 +204,7 @@ class Cgroups:
             while True:
                 self.kill(machine_id)
                 try:
-                    if controller == "memory" and not _populated(cg):
+                    if controller == "memory":
                         await asyncio.to_thread(force_empty, cg)  # it reclaims: not on the loop
                     cg.rmdir()
                     break
@@ -222,9 +222,12 @@ def force_empty(memory_cgroup: Path) -> None:
     cache of the files its processes read or wrote first. Without it the removed cgroup lives
     on, offline ("dying"), for as long as any of those pages stays cached; a worker that runs
     many machines gathers hundreds, and every cgroup operation after slows down (here flyd's
-    CPU per OCI create doubled at ~300). Call it once no process is left in the cgroup (it
-    would reclaim theirs too). Raises FileNotFoundError when the cgroup is gone. Blocking.
+    CPU per OCI create doubled at ~300). Nothing while a process is left in it (it would
+    reclaim theirs too): the caller's rmdir fails busy and it tries again. Raises
+    FileNotFoundError when the cgroup is gone. Blocking.
     """
+    if _populated(memory_cgroup):
+        return
     try:
         fd = os.open(memory_cgroup / "memory.force_empty", os.O_WRONLY | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -258,8 +261,7 @@ def remove_tree(cg: Path, attempts: int = 200) -> bool:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(int(pid), signal.SIGKILL)
         try:
-            if not _populated(cg):
-                force_empty(cg)  # (a memory cgroup's: see force_empty)
+            force_empty(cg)  # (a memory cgroup's: see force_empty)
             cg.rmdir()
             return True
         except FileNotFoundError:

@@ -713,11 +713,15 @@ class OciDriver(WrappedDriver):
                 raise
         return slot
 
+    def _free_slot(self) -> int | None:
+        """The lowest slot no machine has; None if every one is taken."""
+        used = set(self._slots.values())
+        return next((i for i in range(self.max_machines) if i not in used), None)
+
     def _next_user_range(self) -> dict[str, int] | None:
         """The uid range of the slot the next new machine will take (netd makes its user
         namespace ahead); None if every slot is taken."""
-        used = set(self._slots.values())
-        slot = next((i for i in range(self.max_machines) if i not in used), None)
+        slot = self._free_slot()
         if slot is None:
             return None
         return {"uid": self._uid_base + slot * UIDS_PER_MACHINE, "uids": UIDS_PER_MACHINE}
@@ -729,8 +733,7 @@ class OciDriver(WrappedDriver):
         slot = self._slots.get(machine_id)
         if slot is not None:
             return slot, False
-        used = set(self._slots.values())
-        slot = next((i for i in range(self.max_machines) if i not in used), None)
+        slot = self._free_slot()
         if slot is None:
             raise ResourceExhausted("addresses", f"all {self.max_machines} machine slots are taken")
         self._slots[machine_id] = slot
