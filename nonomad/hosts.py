@@ -37,6 +37,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -226,14 +227,29 @@ def _cgroups(start: str) -> list[Path]:
     return out
 
 
+def _await_deaths(pids: list[int], deadline: float = 30.0) -> None:
+    """Wait until each of `pids` is gone or a zombie: SIGKILL is delivered, not awaited, and a
+    process that still runs holds its cgroup and its namespaces. A process left alive after
+    `deadline` (stuck in the kernel) is logged and left."""
+    end = time.monotonic() + deadline
+    alive = [pid for pid in pids if _pid_alive(pid)]
+    while alive and time.monotonic() < end:
+        time.sleep(0.01)
+        alive = [pid for pid in alive if _pid_alive(pid)]
+    if alive:
+        print(f"nonomad.hosts: still alive after SIGKILL: {alive}", file=sys.stderr)
+
+
 def remove_run(tag: str) -> None:
     """Everything of run `tag`: its processes, its machines' cgroups, its namespaces (and
     with them every link, bridge and route it made)."""
     from pyroute2 import netns
 
-    for pid in _marked(tag):
+    killed = _marked(tag)
+    for pid in killed:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+    _await_deaths(killed)
     for cg in _cgroups(f"{PREFIX}{tag}-"):
         remove_tree(cg)
     for name in netns.listnetns():
