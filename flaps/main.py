@@ -88,3 +88,7 @@ def main() -> None:
     no_full_collections()
     use_event_loop(settings_or_exit(FlapsSettings, sys.argv[1:], "flaps").event_loop)
     main_entry(build)
+
+
+if __name__ == "__main__":
+    main()

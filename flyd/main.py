@@ -258,3 +258,7 @@ def main() -> None:
     no_full_collections()
     use_event_loop(settings_or_exit(FlydSettings, sys.argv[1:], "flyd").event_loop)
     main_entry(build)
+
+
+if __name__ == "__main__":
+    main()

@@ -156,3 +156,7 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+if __name__ == "__main__":
+    main()

@@ -130,3 +130,7 @@ def main() -> None:
     no_full_collections()
     use_event_loop(settings_or_exit(ProxySettings, sys.argv[1:], "proxy").event_loop)
     main_entry(build)
+
+
+if __name__ == "__main__":
+    main()

@@ -27,3 +27,7 @@ def main() -> None:
     no_full_collections()
     use_event_loop(settings_or_exit(RegistrySettings, sys.argv[1:], "registry").event_loop)
     main_entry(build)
+
+
+if __name__ == "__main__":
+    main()

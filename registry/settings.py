@@ -6,7 +6,9 @@ standalone registry have in common; `RegistrySettings` is the standalone registr
 
 from __future__ import annotations
 
-from pydantic import Field, ValidationInfo, field_validator
+from typing import Self
+
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from registry.replica import Replica
@@ -56,22 +58,29 @@ class ReplicaSettings(ServiceSettings):
             parse_host_port(value)
         return value
 
-    # Fields validate in declaration order, so suspect_after is in `info.data` when valid.
-    @field_validator("dead_after")
-    @classmethod
-    def _dead_after(cls, value: float, info: ValidationInfo) -> float:
-        suspect = info.data.get("suspect_after")
-        if suspect is not None and value <= suspect:
-            raise ValueError(f"must be greater than suspect_after ({suspect:g}s)")
-        return value
+    @model_validator(mode="after")
+    def _timeouts_in_order(self) -> Self:
+        """suspect_after < dead_after < forget_after. When one of a pair was left at its
+        default, the message blames the one the user set and says how to fix it."""
+        given = self.model_fields_set
+        for low, high in (("suspect_after", "dead_after"), ("dead_after", "forget_after")):
+            lo, hi = getattr(self, low), getattr(self, high)
+            if lo < hi:
+                continue
 
-    @field_validator("forget_after")
-    @classmethod
-    def _forget_after(cls, value: float, info: ValidationInfo) -> float:
-        dead = info.data.get("dead_after")
-        if dead is not None and value <= dead:
-            raise ValueError(f"must be greater than dead_after ({dead:g}s)")
-        return value
+            def said(name: str, value: float) -> str:
+                flag = "--" + name.replace("_", "-")
+                return f"{flag} {value:g}" if name in given else f"{name} {value:g}s (its default)"
+
+            if high in given and low not in given:
+                fix = f"pass a {high} above {lo:g}, or lower {low} with --{low.replace('_', '-')}"
+            else:
+                fix = f"pass a {low} below {hi:g}, or raise {high} with --{high.replace('_', '-')}"
+            raise ValueError(
+                f"{low} must be less than {high}: {said(low, lo)} is not below "
+                f"{said(high, hi)}; {fix}"
+            )
+        return self
 
     def replica(self) -> Replica:
         """A Replica with these settings; `registry.service.serve_replica` adds the workers.

@@ -292,9 +292,10 @@ def _config_path(cls: type[ServiceSettings], argv: Sequence[str]) -> Path | None
 def _describe(error: pydantic.ValidationError, prog: str) -> str:
     lines = []
     for item in error.errors(include_url=False):
-        name = ".".join(str(part) for part in item["loc"]) or "(settings)"
+        name = ".".join(str(part) for part in item["loc"])
         message = item["msg"].removeprefix("Value error, ")
-        lines.append(f"{prog}: invalid setting {name}: {message}")
+        # A check across settings (a model validator) has no one field: its message names them.
+        lines.append(f"{prog}: invalid setting {name}: {message}" if name else f"{prog}: {message}")
     return "\n".join(lines)
 
 

@@ -142,3 +142,7 @@ def main() -> None:
         raise SystemExit(2) from None
     configure_logging("console", settings.log_level)
     raise SystemExit(asyncio.run(run(settings)))
+
+
+if __name__ == "__main__":
+    main()

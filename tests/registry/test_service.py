@@ -63,10 +63,40 @@ def test_settings_defaults_and_flags() -> None:
         (["--peers", "a:b"], "peers"),
         (["--upstream", "x"], "upstream"),
         (["--suspect-after", "0"], "suspect_after"),
-        (["--suspect-after", "2", "--dead-after", "1"], "dead_after"),
         (["--retry-max", "0"], "retry_max"),
     ],
 )
 def test_bad_settings_name_the_setting(argv: list[str], named: str) -> None:
     with pytest.raises(SettingsError, match=f"registry: invalid setting {named}"):
         load_settings(RegistrySettings, argv, prog="registry")
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        # Only dead_after given: it is named as passed, forget_after as a default, and the fix.
+        (
+            ["--dead-after", "600"],
+            "dead_after must be less than forget_after: --dead-after 600 is not below "
+            "forget_after 600s (its default); pass a dead_after below 600, or raise forget_after "
+            "with --forget-after",
+        ),
+        # Only the higher one given: it is the one to change.
+        (
+            ["--dead-after", "0.5"],
+            "suspect_after must be less than dead_after: suspect_after 0.6s (its default) is not "
+            "below --dead-after 0.5; pass a dead_after above 0.6, or lower suspect_after with "
+            "--suspect-after",
+        ),
+        (
+            ["--suspect-after", "2", "--dead-after", "1"],
+            "suspect_after must be less than dead_after: --suspect-after 2 is not below "
+            "--dead-after 1",
+        ),
+    ],
+)
+def test_timeouts_out_of_order_name_what_was_passed(argv: list[str], says: str) -> None:
+    """A check across settings names the ones the user passed, not one they never touched."""
+    with pytest.raises(SettingsError) as raised:
+        load_settings(RegistrySettings, argv, prog="registry")
+    assert str(raised.value).startswith(f"registry: {says}")

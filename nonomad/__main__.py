@@ -1,0 +1,5 @@
+"""`python -m nonomad`: the same as the `nonomad` CLI."""
+
+from nonomad.cli import main
+
+main()
