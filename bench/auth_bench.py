@@ -33,8 +33,9 @@ from flaps import auth, placement
 from flaps.auth import Authorizer, TokenVerifier
 from flaps.errors import map_error
 from flaps.service import Exchange, MachinesServicer, Workers
-from flaps.tokens import caveats
-from flaps.v1 import machines_pb2, machines_pb2_grpc
+from flaps.tokens import Keyring, caveats
+from flaps.v1 import machines_pb2, machines_pb2_grpc, tokens_pb2
+from flaps.verify import TokenServicer
 from flyd import fsm
 from flyd.access import WORKER_ACCESS
 from flyd.fakes import FakeDriver, FakeHost
@@ -50,6 +51,7 @@ from flyd.v1 import worker_pb2, worker_pb2_grpc
 from flyd.worker import Identity, Worker
 from nonomad.client import Client, GuestConfig, MachineConfig
 from nonomad.security import ClusterSecurity, provision
+from proxy.pins import Grants, pin_check
 from registry.replica import Replica
 from registry.view import ALIVE
 from runtime import Service, ServiceSettings, access, aio_channel, configure_logging
@@ -233,6 +235,17 @@ async def _measure(root: Path, security: ClusterSecurity, n: int, results: Resul
         keys.verify(each)
     again_us = (time.perf_counter() - t0) / rounds * 1e6
 
+    # A call's role, as a worker checks it: who the certificate is (known by its PEM after
+    # the first time) and its row (gRPC's own auth_context() is not in this).
+    members = ClusterMembers(security.ca)
+    context = _Context(flaps_cert.cert.read_bytes())
+    method = "/flyd.v1.WorkerService/CreateMachine"
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        assert access.refusal(WORKER_ACCESS, method, members.identity_of(context), None) is None
+    role_us = (time.perf_counter() - t0) / rounds * 1e6
+    pin_us = await _pin_check_us(keys, rounds)
+
     added = statistics.median(pairs)
     results.add(
         "added per CreateMachine, p50 (paired)",
@@ -251,6 +264,8 @@ async def _measure(root: Path, security: ClusterSecurity, n: int, results: Resul
             results.add(f"CreateMachine {side} p{pct}", percentile(samples[side], pct), "ms")
     results.add("token verification alone, first sight", round(first_us, 1), "us")
     results.add("token verification alone, seen before", round(again_us, 1), "us")
+    results.add("role check alone (certificate known)", round(role_us, 2), "us")
+    results.add("edge pin check, token known (cached grant)", round(pin_us, 2), "us")
     results.add("first call, plain (connect)", round(first["plain"], 2), "ms")
     results.add("first call, secure (connect + TLS handshakes)", round(first["secure"], 2), "ms")
     results.details = {
@@ -258,6 +273,34 @@ async def _measure(root: Path, security: ClusterSecurity, n: int, results: Resul
         "workers": WORKERS,
         "samples_ms": {side: [round(v, 4) for v in s] for side, s in samples.items()},
     }
+
+
+class _Context:
+    """What a check reads of a call's gRPC context: the client certificate."""
+
+    def __init__(self, pem: bytes) -> None:
+        self._auth = {"x509_pem_cert": [pem]}
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return self._auth
+
+
+async def _pin_check_us(keys: Keyring, rounds: int) -> float:
+    """A pinned request's check at the edge once flaps has answered about its token (the
+    grant kept: proxy.pins), per request."""
+    servicer = TokenServicer(TokenVerifier(lambda: keys))
+
+    async def verify(token: str) -> tokens_pb2.VerifyTokenResponse:
+        request = tokens_pb2.VerifyTokenRequest(token=token)
+        return await servicer.VerifyToken(request, None)
+
+    check = pin_check(Grants(verify))
+    token = keys.mint(caveats(apps=["bench"], ops=["read"])).encode()
+    assert await check("bench", "m-1", token) is None  # flaps asked, once
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        await check("bench", "m-1", token)
+    return (time.perf_counter() - t0) / rounds * 1e6
 
 
 def run(*, quick: bool = False, out: Path | None = None, strict: bool = False) -> int:
