@@ -1,13 +1,7 @@
 """registry.v1.RegistryService over gRPC, and the one place registry errors become status codes.
 
-Any service that embeds a replica serves it::
-
-    service.add(
-        RegistryServicer(replica, draining=service.draining),
-        registry_pb2_grpc.add_RegistryServiceServicer_to_server,
-        registry_pb2.DESCRIPTOR.services_by_name["RegistryService"],
-        map_error,
-    )
+Any service that embeds a replica serves it with `serve_replica(service, replica, workers)`:
+over TLS, each call checked against the replica's role table (registry.access).
 """
 
 from __future__ import annotations
