@@ -4,9 +4,10 @@ One process holds two exchanges over the same workers, which differ only in that
 (the client, flaps and the workers talk plaintext; flaps checks no token) and *secure* (the
 client calls flaps over TLS with a deploy token that flaps verifies; flaps and the replica
 call the workers over mutual TLS with the cluster's certificates; the workers serve only
-those). The SDK's client creates machines through each in turn, so both sides see the same
-noise, and the cost added is read as the median of the paired differences (and, as a check,
-the difference of the medians). The workers are flyd's own Worker on fakes (a fake driver,
+those, each call checked against their table of roles, flyd.access). The SDK's client
+creates machines through each in turn, so both sides see the same noise, and the cost added
+is read as the median of the paired differences (and, as a check, the difference of the
+medians). The workers are flyd's own Worker on fakes (a fake driver,
 the in-memory log): their time is the same on both sides and stays out of the difference.
 
 Also, on their own: the verification of a token the first time flaps sees it (its signature)
@@ -29,12 +30,14 @@ from bench import report
 from bench.procs import progress
 from bench.report import Results, percentile
 from flaps import auth, placement
-from flaps.auth import Authorizer
+from flaps.auth import Authorizer, TokenVerifier
 from flaps.errors import map_error
 from flaps.service import Exchange, MachinesServicer, Workers
-from flaps.tokens import caveats
-from flaps.v1 import machines_pb2, machines_pb2_grpc
+from flaps.tokens import Keyring, caveats
+from flaps.v1 import machines_pb2, machines_pb2_grpc, tokens_pb2
+from flaps.verify import TokenServicer
 from flyd import fsm
+from flyd.access import WORKER_ACCESS
 from flyd.fakes import FakeDriver, FakeHost
 from flyd.images.build import build_image
 from flyd.images.cache import ImageCache
@@ -48,13 +51,15 @@ from flyd.v1 import worker_pb2, worker_pb2_grpc
 from flyd.worker import Identity, Worker
 from nonomad.client import Client, GuestConfig, MachineConfig
 from nonomad.security import ClusterSecurity, provision
+from proxy.pins import Grants, pin_check
 from registry.replica import Replica
 from registry.view import ALIVE
-from runtime import Service, ServiceSettings, aio_channel, configure_logging
+from runtime import Service, ServiceSettings, access, aio_channel, configure_logging
 from runtime.clock import SystemClock
 from runtime.pki import ClusterMembers
 
 WORKERS = 4
+FLYD_PART = "flyd-bench"  # one certificate the bench's workers all serve with
 TARGET_MS = 0.3
 RUN_DEADLINE = 300.0
 
@@ -106,7 +111,9 @@ async def _serving(service: Service) -> AsyncIterator[str]:
 
 def _worker_service(worker: Worker, settings: ServiceSettings) -> Service:
     service = Service(worker.identity.worker_id, settings)
-    service.add(
+    access.add(  # over TLS, the role of each call checked (flyd.access)
+        service,
+        WORKER_ACCESS,
         WorkerServicer(worker, heartbeat_interval=0.2, draining=service.draining),
         worker_pb2_grpc.add_WorkerServiceServicer_to_server,
         worker_pb2.DESCRIPTOR.services_by_name["WorkerService"],
@@ -141,7 +148,7 @@ async def _measure(root: Path, security: ClusterSecurity, n: int, results: Resul
     build_image(root / "src", root / "images", name="app", tag="v1", entrypoint=["app"])
     source = ImageSource(root / "images")
     workers = [_worker(root, f"w{i}", source) for i in range(WORKERS)]
-    flyd_cert, flaps_cert = security.cert("flyd"), security.cert("flaps")
+    flyd_cert, flaps_cert = security.cert(FLYD_PART), security.cert("flaps")
     member = security.member_tls("flaps")
     keys = security.keyring()
     token = keys.mint(caveats(apps=["bench"], ops=["deploy"]))
@@ -173,7 +180,7 @@ async def _measure(root: Path, security: ClusterSecurity, n: int, results: Resul
         stack.push_async_callback(plain_workers.close)
         stack.push_async_callback(secure_workers.close)
         authorizer = Authorizer(
-            lambda: keys,
+            TokenVerifier(lambda: keys),
             Exchange(secure, secure_workers, placement.Pipeline()).app_of,
             ClusterMembers(security.ca),
         )
@@ -228,6 +235,17 @@ async def _measure(root: Path, security: ClusterSecurity, n: int, results: Resul
         keys.verify(each)
     again_us = (time.perf_counter() - t0) / rounds * 1e6
 
+    # A call's role, as a worker checks it: who the certificate is (known by its PEM after
+    # the first time) and its row (gRPC's own auth_context() is not in this).
+    members = ClusterMembers(security.ca)
+    context = _Context(flaps_cert.cert.read_bytes())
+    method = "/flyd.v1.WorkerService/CreateMachine"
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        assert access.refusal(WORKER_ACCESS, method, members.identity_of(context), None) is None
+    role_us = (time.perf_counter() - t0) / rounds * 1e6
+    pin_us = await _pin_check_us(keys, rounds)
+
     added = statistics.median(pairs)
     results.add(
         "added per CreateMachine, p50 (paired)",
@@ -246,6 +264,8 @@ async def _measure(root: Path, security: ClusterSecurity, n: int, results: Resul
             results.add(f"CreateMachine {side} p{pct}", percentile(samples[side], pct), "ms")
     results.add("token verification alone, first sight", round(first_us, 1), "us")
     results.add("token verification alone, seen before", round(again_us, 1), "us")
+    results.add("role check alone (certificate known)", round(role_us, 2), "us")
+    results.add("edge pin check, token known (cached grant)", round(pin_us, 2), "us")
     results.add("first call, plain (connect)", round(first["plain"], 2), "ms")
     results.add("first call, secure (connect + TLS handshakes)", round(first["secure"], 2), "ms")
     results.details = {
@@ -253,6 +273,34 @@ async def _measure(root: Path, security: ClusterSecurity, n: int, results: Resul
         "workers": WORKERS,
         "samples_ms": {side: [round(v, 4) for v in s] for side, s in samples.items()},
     }
+
+
+class _Context:
+    """What a check reads of a call's gRPC context: the client certificate."""
+
+    def __init__(self, pem: bytes) -> None:
+        self._auth = {"x509_pem_cert": [pem]}
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return self._auth
+
+
+async def _pin_check_us(keys: Keyring, rounds: int) -> float:
+    """A pinned request's check at the edge once flaps has answered about its token (the
+    grant kept: proxy.pins), per request."""
+    servicer = TokenServicer(TokenVerifier(lambda: keys))
+
+    async def verify(token: str) -> tokens_pb2.VerifyTokenResponse:
+        request = tokens_pb2.VerifyTokenRequest(token=token)
+        return await servicer.VerifyToken(request, None)
+
+    check = pin_check(Grants(verify))
+    token = keys.mint(caveats(apps=["bench"], ops=["read"])).encode()
+    assert await check("bench", "m-1", token) is None  # flaps asked, once
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        await check("bench", "m-1", token)
+    return (time.perf_counter() - t0) / rounds * 1e6
 
 
 def run(*, quick: bool = False, out: Path | None = None, strict: bool = False) -> int:
@@ -267,7 +315,7 @@ def run(*, quick: bool = False, out: Path | None = None, strict: bool = False) -
         root = Path(tmp)
         (root / "src").mkdir()
         (root / "src" / "app").write_text("#!/bin/sh\n")
-        security = provision(root / "security", ["flaps", "flyd"])
+        security = provision(root / "security", ["flaps", FLYD_PART])
 
         async def bounded() -> None:
             async with asyncio.timeout(RUN_DEADLINE):

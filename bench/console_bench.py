@@ -117,7 +117,7 @@ class Cluster:
                 "--capacity.cpu-millicores", "16000",
                 "--capacity.memory-mib", "16384",
                 "--announce", cluster,
-                *s.worker_args(f"flyd-{ids}"),
+                *s.worker_args(ids),
             ]  # fmt: skip
             worker = Service("flyd", args, self.root / "logs" / f"{ids}.log", self.fleet.env)
             self.fleet.services.append(worker)

@@ -1,20 +1,21 @@
 """Who may call flaps, and for what: every call is checked before any work is done.
 
 A call comes either from a part of the cluster, with a certificate the cluster CA signed
-(on flaps' `cluster_listen` port: the proxy, workers announcing themselves), which may do
-what its part needs (`PEER_OPS`, by the certificate's name: the proxy starts and stops
-machines, the console and the CLI read, replicas follow and announce); or from a client
-(the CLI, the SDK, grpcurl) with `authorization: Bearer <token>`, a macaroon (flaps.tokens)
-that flaps verifies in constant time against its root keys. A missing, malformed, tampered,
-expired or unknown-key token gets UNAUTHENTICATED; a valid one whose caveats do not allow the
-call gets PERMISSION_DENIED naming the caveat, and so does a certificate whose part may not
-make the call. The registry service that flaps embeds is for the cluster's parts only.
+(on flaps' `cluster_listen` port: the proxy, workers announcing themselves), which may make
+the calls its role may (`PEER_ACCESS`, runtime.access: the proxy starts, promotes and stops
+machines, nothing else; the registry flaps embeds has its own table, registry.access); or from
+a client (the CLI, the SDK, grpcurl) with `authorization: Bearer <token>`, a macaroon
+(flaps.tokens) that flaps verifies in constant time against its root keys, its expiry and the
+revocation list (`TokenVerifier`). A missing, malformed, tampered, expired, revoked or
+unknown-key token gets UNAUTHENTICATED; a valid one whose caveats do not allow the call gets
+PERMISSION_DENIED naming the caveat, and a certificate whose role may not make the call gets
+PERMISSION_DENIED naming the certificate and its role.
 
-`RULES` says what each RPC needs (operations, and the app or machine they touch); a machine's
-app comes from the registry view, or from its worker when the view has not seen it yet. A
-handler reads the caller's grant with `current_grant()` (None: a cluster part) to return
-from a list only what the token may read. Log lines of the call carry the token's id, never
-the token.
+`RULES` says what each RPC needs (operations, and the app or machine they touch, or the
+fleet: an operator token); a machine's app comes from the registry view, or from its worker
+when the view has not seen it yet. A handler reads the caller's grant with `current_grant()`
+(None: a cluster part) to return from a list only what the token may read. Log lines of the
+call carry the token's id, never the token.
 """
 
 from __future__ import annotations
@@ -35,25 +36,27 @@ from google.protobuf.descriptor import ServiceDescriptor
 from google.rpc import error_details_pb2
 from opentelemetry import trace
 
-from flaps.tokens import Denied, Grant, InvalidToken, Keyring, KeysError
-from runtime import abort_with_details
-from runtime.pki import ClusterMembers
+from flaps.tokens import Denied, Grant, InvalidToken, Keyring, KeysError, parse_revoked
+from flaps.v1 import machines_pb2, platform_pb2
+from runtime import abort_with_details, access
+from runtime.access import NOBODY, allow
+from runtime.pki import OPERATOR, ClusterMembers
 
 __all__ = [
-    "PEER_OPS",
-    "REGISTRY_OPS",
+    "PEER_ACCESS",
     "RULES",
     "Authorizer",
     "KeySource",
     "Need",
+    "RevocationList",
+    "TokenVerifier",
     "current_grant",
     "guard",
-    "peer_ops",
 ]
 
 log = structlog.get_logger("flaps.auth")
 REASON_DOMAIN = "flaps.nonomad"
-# How often the root keys file is looked at for a rotation.
+# How often the root keys and the revocation list are looked at for a change.
 KEYS_POLL = 1.0
 
 _grant: ContextVar[Grant | None] = ContextVar("nonomad_flaps_grant", default=None)
@@ -68,11 +71,12 @@ def current_grant() -> Grant | None:
 @dataclass(frozen=True)
 class Need:
     """What a call needs: every one of `ops`, on `app` or on `machine` (whose app is looked
-    up) when it is about one."""
+    up) when it is about one, or on the `fleet` (an operator token, flaps.tokens)."""
 
     ops: tuple[str, ...]
     app: str | None = None
     machine: str | None = None
+    fleet: bool = False
 
 
 Rule = Callable[[Any], Sequence[Need]]
@@ -87,7 +91,7 @@ def _app(*ops: str) -> Rule:
 
 
 def _fleet(*ops: str) -> Rule:
-    return lambda request: [Need(ops)]
+    return lambda request: [Need(ops, fleet=True)]
 
 
 def _create(request: Any) -> Sequence[Need]:
@@ -119,67 +123,65 @@ RULES: dict[str, Rule] = {
     # Telling a machine it was outranked can stop it: what stopping it needs.
     "/flaps.v1.MachinesService/SupersedeMachine": _machine("stop"),
     "/flaps.v1.MachinesService/GetPlacement": _machine("read"),
+    # The fleet, not an app's: an operator token (flaps.tokens).
     "/flaps.v1.PlatformService/ListRegions": _fleet("regions"),
     "/flaps.v1.PlatformService/ListWorkers": _fleet("workers"),
     "/flaps.v1.PlatformService/SimulatePlacement": _app("create"),
-    # Every app's decisions, as they are made: read on every app ("*"), and the fleet's view.
-    "/flaps.v1.PlatformService/WatchPlacements": lambda request: [
-        Need(("read", "regions"), app="*")
-    ],
+    # Every app's decisions, as they are made: reading them, on the fleet.
+    "/flaps.v1.PlatformService/WatchPlacements": _fleet("read", "regions"),
     "/flaps.v1.PlatformService/CordonWorker": _fleet("cordon"),
 }
-"""What each client-facing RPC needs. A method of a guarded service missing here is served
-to the cluster's parts only (the registry)."""
+"""What each client-facing RPC needs (from a token)."""
 
-REGISTRY_OPS: dict[str, str] = {
-    "/registry.v1.RegistryService/Announce": "announce",
-    "/registry.v1.RegistryService/ListMembers": "follow",
-    "/registry.v1.RegistryService/Follow": "follow",
-    "/registry.v1.RegistryService/ListSlot": "follow",
+_PROXY = allow("proxy")
+_READS = allow(OPERATOR)  # the CLI with the operator's certificate reads (--tls-cert)
+PEER_ACCESS: access.Table = {
+    **access.table(
+        machines_pb2.DESCRIPTOR.services_by_name["MachinesService"],
+        {
+            "CreateMachine": NOBODY,
+            "GetMachine": _READS,
+            "ListMachines": _READS,
+            "UpdateMachine": NOBODY,
+            # A stopped machine started for a request (scale from zero), and a standby
+            # promoted in its slot (a start with a generation) when its primary's worker died.
+            "StartMachine": _PROXY,
+            "StopMachine": _PROXY,  # an idle machine stopped (autostop)
+            "RestartMachine": NOBODY,
+            "SignalMachine": NOBODY,
+            "DestroyMachine": NOBODY,
+            "WaitMachine": _READS,
+            "AcquireLease": NOBODY,
+            "ReleaseLease": NOBODY,
+            "ListMachineEvents": _READS,
+            "GetMachineLogs": _READS,
+            "SupersedeMachine": _PROXY,  # a copy that came back outranked, told so
+            "GetPlacement": _READS,
+        },
+    ),
+    **access.table(
+        platform_pb2.DESCRIPTOR.services_by_name["PlatformService"],
+        {
+            "ListRegions": _READS,
+            "ListWorkers": _READS,
+            "SimulatePlacement": NOBODY,
+            "WatchPlacements": _READS,
+            "CordonWorker": NOBODY,
+        },
+    ),
 }
-"""The operation each cluster-only RPC (the registry flaps embeds) is: `announce` tells
-flaps of a worker, `follow` reads its replica (members, rows, a slot's claims)."""
-
-_REPLICA = frozenset({"follow", "announce"})
-PEER_OPS: dict[str, frozenset[str]] = {
-    # Parts that run a replica: they follow flaps' and pass on the workers announced to them.
-    "flaps": _REPLICA,
-    "registry": _REPLICA,
-    "flyd": _REPLICA,  # also `flyd-<worker id>`: announces itself, asks a slot's claims
-    # Starts a standby (a promotion) or a stopped machine for a request, stops an idle one,
-    # tells an outranked copy it was: start and stop. Its replica follows flaps'.
-    "proxy": _REPLICA | {"start", "stop"},
-    # Reads, as its token does: it changes nothing.
-    "console": frozenset({"follow", "read", "workers", "regions"}),
-    # The operator's CLI (`nonomad status`): reads; changes take a token.
-    "cli": frozenset({"follow", "read", "workers", "regions"}),
-}
-"""What the certificate of each part of the cluster may do on flaps' cluster port, by its
-common name; a name not here may do nothing. Nothing there needs a certificate to write
-machines, cordon workers or read secrets: those take a token on the public port."""
+"""What a cluster certificate may call of the Machines and Platform APIs on flaps' cluster
+port, by its role: what the proxy calls (proxy.control.FlapsClient), and the reads of the
+operator's CLI (`nonomad --flaps <cluster port> --tls-cert ...`). Every change but the
+proxy's takes a token, on the public port; the console reads with its read-only token there,
+its certificate reads nothing of these."""
 
 
-def peer_ops(name: str) -> frozenset[str]:
-    """The operations the cluster certificate named `name` is allowed (PEER_OPS)."""
-    role = "flyd" if name.startswith("flyd-") else name
-    return PEER_OPS.get(role, frozenset())
-
-
-def peer_needs(method: str, request: Any) -> set[str]:
-    """The operations a call needs from a cluster certificate (on every app): those of its
-    rule, or its registry operation; a method with neither needs one no part has."""
-    rule = RULES.get(method)
-    if rule is not None:
-        return {op for need in rule(request) for op in need.ops}
-    return {REGISTRY_OPS.get(method, f"unknown method {method}")}
-
-
-class KeySource:
-    """The root keys in a file, read again when the file changes (a key rotation)."""
+class _WatchedFile:
+    """A file read again when it changes (its inode, mtime or size), every KEYS_POLL."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.keyring = Keyring.load(path)  # a bad file stops flaps at start
         self._seen = self._stamp()
 
     def _stamp(self) -> tuple[int, int, int] | None:
@@ -190,19 +192,16 @@ class KeySource:
         return (st.st_ino, st.st_mtime_ns, st.st_size)
 
     def reload(self) -> bool:
-        """Read the file again if it changed; True when the keys were replaced. A file that is
-        now unusable is logged and the keys held are kept."""
+        """Read the file again if it changed; True when what it holds was replaced. A file
+        that is now unusable is logged and what was held is kept."""
         stamp = self._stamp()
         if stamp == self._seen:
             return False
         self._seen = stamp
-        try:
-            self.keyring = Keyring.load(self.path)
-        except KeysError as err:
-            log.error("token_keys_unusable", error=str(err), keeping=self.keyring.ids)
-            return False
-        log.info("token_keys_reloaded", keys=self.keyring.ids, current=self.keyring.current)
-        return True
+        return self._read()
+
+    def _read(self) -> bool:
+        raise NotImplementedError
 
     async def watch(self, shutdown: asyncio.Event) -> None:
         """Look at the file every KEYS_POLL seconds until shutdown."""
@@ -212,42 +211,102 @@ class KeySource:
                 await asyncio.wait_for(shutdown.wait(), KEYS_POLL)
 
 
+class KeySource(_WatchedFile):
+    """The root keys in a file, read again when the file changes (a key rotation)."""
+
+    def __init__(self, path: Path) -> None:
+        self.keyring = Keyring.load(path)  # a bad file stops flaps at start
+        super().__init__(path)
+
+    def _read(self) -> bool:
+        try:
+            self.keyring = Keyring.load(self.path)
+        except KeysError as err:
+            log.error("token_keys_unusable", error=str(err), keeping=self.keyring.ids)
+            return False
+        log.info("token_keys_reloaded", keys=self.keyring.ids, current=self.keyring.current)
+        return True
+
+
+class RevocationList(_WatchedFile):
+    """The ids of revoked tokens, one a line of a file (`nonomad tokens revoke`), read again
+    when it changes. A missing file revokes nothing; a bad one stops flaps at start."""
+
+    def __init__(self, path: Path) -> None:
+        self.revoked = self._load(path)
+        super().__init__(path)
+
+    @staticmethod
+    def _load(path: Path) -> frozenset[str]:
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            return frozenset()
+        except OSError as err:
+            raise ValueError(f"{path}: {err.strerror or err}") from None
+        return parse_revoked(text, str(path))
+
+    def _read(self) -> bool:
+        try:
+            revoked = self._load(self.path)
+        except ValueError as err:
+            log.error("revoked_tokens_unusable", error=str(err), keeping=len(self.revoked))
+            return False
+        added = len(revoked - self.revoked)
+        self.revoked = revoked
+        log.info("revoked_tokens_reloaded", revoked=len(revoked), added=added)
+        return True
+
+
+class TokenVerifier:
+    """Verifies a token as every call to flaps does: `keys()` (the root keys: signature and
+    expiry, at `now()`, Unix seconds) and `revoked()` (the ids no longer honoured)."""
+
+    def __init__(
+        self,
+        keys: Callable[[], Keyring],
+        revoked: Callable[[], frozenset[str]] = frozenset,
+        now: Callable[[], float] | None = None,
+    ) -> None:
+        self.keys = keys
+        self.revoked = revoked
+        self.now = now
+
+    def verify(self, token: str) -> Grant:
+        """The token's grant; InvalidToken (saying why) when it is not valid."""
+        grant = self.keys().verify(token, now=None if self.now is None else self.now())
+        if grant.token_id in self.revoked():
+            raise InvalidToken(f"token {grant.token_id} was revoked")
+        return grant
+
+
 class Authorizer:
     """Checks a call: who it is from, and whether their token allows what the RPC needs.
 
-    `keys()` returns the keyring to verify with; `app_of(machine_id)` the machine's app
+    `tokens` verifies a token (TokenVerifier); `app_of(machine_id)` gives the machine's app
     (raising the service's NotFound when there is no such machine); `members` recognises the
     certificates of the cluster's parts (None: no caller is one).
     """
 
     def __init__(
         self,
-        keys: Callable[[], Keyring],
+        tokens: TokenVerifier,
         app_of: Callable[[str], Awaitable[str]],
         members: ClusterMembers | None = None,
     ) -> None:
-        self.keys = keys
+        self.tokens = tokens
         self.app_of = app_of
         self.members = members
 
     async def check(self, method: str, request: Any, context: Any) -> Grant | None:
         """The caller's grant (None for a cluster part its role allows); aborts the call
         otherwise."""
-        peer = self.members.name_of(context) if self.members is not None else None
+        peer = self.members.identity_of(context) if self.members is not None else None
         if peer is not None:
-            missing = peer_needs(method, request) - peer_ops(peer)
-            if missing:
-                log.info("peer_denied", method=method, peer=peer, missing=sorted(missing))
-                await abort_with_details(
-                    context,
-                    grpc.StatusCode.PERMISSION_DENIED,
-                    f"the cluster certificate {peer!r} may not call {method} "
-                    f"(it needs {', '.join(sorted(missing))}); use a token on flaps' public port",
-                    error_details_pb2.ErrorInfo(
-                        reason="CERTIFICATE_ROLE",
-                        domain=REASON_DOMAIN,
-                        metadata={"certificate": peer, "missing": ",".join(sorted(missing))},
-                    ),
+            why = access.refusal(PEER_ACCESS, method, peer, request)
+            if why is not None:
+                await access.deny(
+                    context, method, peer, f"{why}; use a token on flaps' public port"
                 )
             return None
         rule = RULES.get(method)
@@ -259,7 +318,7 @@ class Authorizer:
             )
             raise AssertionError("abort returns only by raising")
         try:
-            grant = self.keys().verify(_bearer(context))
+            grant = self.tokens.verify(_bearer(context))
         except InvalidToken as err:
             log.info("unauthenticated", method=method, reason=str(err))
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"authorization: {err}")
@@ -274,7 +333,7 @@ class Authorizer:
                 app = need.app
                 if app is None and need.machine and grant.limits_apps:
                     app = await self.app_of(need.machine)
-                grant.check(need.ops, app, need.machine or None)
+                grant.check(need.ops, app, need.machine or None, fleet=need.fleet)
         except Denied as err:
             log.info("permission_denied", method=method, token_id=grant.token_id, reason=str(err))
             await abort_with_details(

@@ -11,13 +11,28 @@ import structlog
 from google.protobuf.descriptor import ServiceDescriptor
 
 from flaps import auth, placement
-from flaps.auth import Authorizer, KeySource
+from flaps.auth import Authorizer, KeySource, RevocationList, TokenVerifier
 from flaps.errors import map_error
 from flaps.service import LIMITS, Exchange, MachinesServicer, PlatformServicer, Workers
 from flaps.settings import FlapsSettings
-from flaps.v1 import machines_pb2, machines_pb2_grpc, platform_pb2, platform_pb2_grpc
+from flaps.v1 import (
+    machines_pb2,
+    machines_pb2_grpc,
+    platform_pb2,
+    platform_pb2_grpc,
+    tokens_pb2,
+    tokens_pb2_grpc,
+)
+from flaps.verify import TOKEN_ACCESS, TokenServicer
 from registry.service import serve_replica
-from runtime import Service, configure_logging, main_entry, settings_or_exit, setup_tracing
+from runtime import (
+    Service,
+    access,
+    configure_logging,
+    main_entry,
+    settings_or_exit,
+    setup_tracing,
+)
 from runtime.heap import no_full_collections
 from runtime.pki import ClusterMembers
 from runtime.server import use_event_loop
@@ -39,12 +54,17 @@ async def build(argv: list[str]) -> Service:
     exchange = Exchange(replica, workers, pipeline)
     service = Service("flaps", settings)
     guard: Callable[[object, ServiceDescriptor], None] | None = None
+    tokens: TokenVerifier | None = None
     if settings.token_keys is not None:
         keys = KeySource(settings.token_keys)
+        assert settings.revocation_list is not None
+        revoked = RevocationList(settings.revocation_list)
+        tokens = TokenVerifier(lambda: keys.keyring, lambda: revoked.revoked)
         members = ClusterMembers(settings.cluster_ca) if settings.cluster_ca else None
-        authorizer = Authorizer(lambda: keys.keyring, exchange.app_of, members)
+        authorizer = Authorizer(tokens, exchange.app_of, members)
         guard = functools.partial(auth.guard, authorizer=authorizer)
         service.spawn("token-keys", keys.watch)
+        service.spawn("revoked-tokens", revoked.watch)
     else:
         log.warning("no_token_keys", consequence="every caller may do anything")
     machines = MachinesServicer(exchange)
@@ -68,9 +88,19 @@ async def build(argv: list[str]) -> Service:
         map_error,
         LIMITS,
     )
+    if tokens is not None:
+        # The edge's tokens, verified here: it holds no root keys (flaps.verify).
+        access.add(
+            service,
+            TOKEN_ACCESS,
+            TokenServicer(tokens),
+            tokens_pb2_grpc.add_TokenServiceServicer_to_server,
+            tokens_pb2.DESCRIPTOR.services_by_name["TokenService"],
+            map_error,
+        )
     # Workers can announce themselves to any flaps, and replicas share members with it (on
     # its cluster port, when it checks tokens on the other).
-    serve_replica(service, replica, settings.workers, guard)
+    serve_replica(service, replica, settings.workers)
     service.on_shutdown(workers.close)
 
     async def end_watches(shutdown: asyncio.Event) -> None:

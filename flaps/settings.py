@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from flaps.placement import DEFAULT_CURVE, Curve
-from flaps.tokens import Keyring
+from flaps.tokens import REVOKED_FILE, Keyring, parse_revoked
 from registry.settings import ReplicaSettings
 
 
@@ -38,12 +38,32 @@ class FlapsSettings(ReplicaSettings):
         "Machines and Platform APIs needs a token one of them signed; re-read when it changes",
     )
 
+    revoked_tokens: Path | None = Field(
+        default=None,
+        description="file of revoked token ids, one a line (`nonomad tokens revoke`); default: "
+        "revoked-tokens beside token_keys; re-read when it changes, a missing file revokes none",
+    )
+
     @field_validator("token_keys")
     @classmethod
     def _token_keys(cls, value: Path | None) -> Path | None:
         if value is not None:
             Keyring.load(value)  # a KeysError is a ValueError naming what is wrong
         return value
+
+    @model_validator(mode="after")
+    def _revoked_tokens(self) -> FlapsSettings:
+        path = self.revocation_list
+        if path is not None and path.exists():
+            parse_revoked(path.read_text(), str(path))  # a ValueError naming the line
+        return self
+
+    @property
+    def revocation_list(self) -> Path | None:
+        """Where the revoked token ids are (None: flaps checks no tokens)."""
+        if self.token_keys is None:
+            return None
+        return self.revoked_tokens or self.token_keys.with_name(REVOKED_FILE)
 
     @field_validator("curve")
     @classmethod

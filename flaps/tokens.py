@@ -18,6 +18,20 @@ breaking the signature. The operations, and the groups that name several:
     admin   = workers cordon regions                 the fleet, not an app
     *                        everything
 
+Fleet operations are no app's: ListRegions, ListWorkers, CordonWorker (the workers, their
+capacity, taking one out of placement) and WatchPlacements (every app's decisions as they are
+made). They need an **operator token**: one that no caveat narrows to some apps or machines
+(no `apps` caveat, or only `apps = *`; no `machines` caveat), whatever its `ops` say. So a
+token for app `evil`, even with `ops = *`, never lists or cordons workers (`Grant.check` with
+`fleet=True`); its ops still say which fleet operations an operator token may do (the
+console's: read, workers, regions). An app asks whether its machines fit with
+SimulatePlacement, which is the app's.
+
+Every token expires: `mint` adds `expires` (DEFAULT_TTL from now) unless the caveats set
+one, and `verify` refuses a token with none (one minted before expiries were required). A
+token is revoked by its id (`nonomad tokens revoke ID`, a line of the revocation list beside
+the root keys: `parse_revoked`), which flaps reads again when it changes.
+
 The identifier names the root key (`nonomad1 <key id> <token id>`), so several keys are
 accepted at once while they rotate (`Keyring`), and a token has an id to log in its place.
 """
@@ -40,7 +54,9 @@ from pymacaroons.exceptions import MacaroonException
 
 __all__ = [
     "ALL_OPS",
+    "DEFAULT_TTL",
     "GROUPS",
+    "REVOKED_FILE",
     "Caveat",
     "Denied",
     "Grant",
@@ -53,6 +69,7 @@ __all__ = [
     "expand_ops",
     "inspect",
     "new_key_line",
+    "parse_revoked",
     "read_token",
 ]
 
@@ -68,7 +85,13 @@ GROUPS: Mapping[str, tuple[str, ...]] = {
     "*": ALL_OPS,
 }
 VERIFIED_KEEP = 10_000  # tokens a keyring remembers having verified
+REVOKED_FILE = "revoked-tokens"
+"""The revocation list's name, beside the root keys file."""
+DEFAULT_TTL = 30 * 86400
+"""How long a minted token lasts when its caveats do not say (`nonomad tokens create
+--expires`)."""
 _KEY_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,31}")
+_TOKEN_ID = re.compile(r"[0-9a-f]{16}")
 _MIN_KEY_BYTES = 32
 
 
@@ -173,16 +196,33 @@ class Grant:
     def limits_apps(self) -> bool:
         return any(c.key == "apps" and "*" not in c.values for c in self.caveats)
 
-    def check(self, ops: Iterable[str], app: str | None = None, machine: str | None = None) -> None:
+    @property
+    def expires(self) -> int:
+        """The Unix time it expires at (the earliest `expires` caveat); 0: it names none."""
+        return min((c.expires for c in self.caveats if c.key == "expires"), default=0)
+
+    def check(
+        self,
+        ops: Iterable[str],
+        app: str | None = None,
+        machine: str | None = None,
+        *,
+        fleet: bool = False,
+    ) -> None:
         """Raise Denied, naming the first caveat that does not hold, unless the token allows
         each of `ops` on `app` (when the call is about one) and `machine` (when it names one).
-        An operation that creates a machine (`create`) is refused by any `machines` caveat."""
+        An operation that creates a machine (`create`) is refused by any `machines` caveat;
+        a fleet operation (`fleet`) by any caveat that narrows the token to some apps or
+        machines: it takes an operator token."""
         for op in ops:
             for c in self.caveats:
                 if c.key == "ops" and op not in c.values:
                     raise Denied(c, f"operation {op}")
                 if c.key == "machines" and op == "create":
                     raise Denied(c, "creating machines")
+        for c in self.caveats:
+            if fleet and (c.key == "machines" or (c.key == "apps" and "*" not in c.values)):
+                raise Denied(c, "fleet operations: they take an operator token (no apps caveat)")
         for c in self.caveats:
             if c.key == "apps" and app is not None and "*" not in c.values and app not in c.values:
                 raise Denied(c, f"app {app}")
@@ -271,23 +311,35 @@ class Keyring:
             raise KeysError(f"{path} is readable by others (mode {mode & 0o777:o}); chmod 600 it")
         return cls.parse(text, str(path))
 
-    def mint(self, caveat_texts: Iterable[str], *, key_id: str | None = None) -> str:
-        """A new token signed with the current key (or `key_id`), with these caveats."""
+    def mint(
+        self,
+        caveat_texts: Iterable[str],
+        *,
+        key_id: str | None = None,
+        ttl: float = DEFAULT_TTL,
+        now: float | None = None,
+    ) -> str:
+        """A new token signed with the current key (or `key_id`), with these caveats, and one
+        that it expires `ttl` seconds from `now` when none of them says when."""
         kid = key_id or self.current
         if kid not in self._keys:
             raise KeysError(f"no key {kid!r}")
+        texts = list(caveat_texts)
+        parsed = [Caveat.parse(text) for text in texts]
+        if not any(c.key == "expires" for c in parsed):
+            texts.append(f"expires = {int((time.time() if now is None else now) + ttl)}")
         token_id = secrets.token_hex(8)
         macaroon = Macaroon(
             location=LOCATION, identifier=f"{_ID_PREFIX} {kid} {token_id}", key=self._keys[kid]
         )
-        for text in caveat_texts:
-            Caveat.parse(text)
+        for text in texts:
             macaroon.add_first_party_caveat(text)
         return str(macaroon.serialize())
 
     def verify(self, token: str, now: float | None = None) -> Grant:
         """The token's grant; InvalidToken when it is malformed, signed by no key held here
-        (or tampered with: any change breaks the signature), or expired.
+        (or tampered with: any change breaks the signature), expired, or never expires (a
+        token minted before every token had to).
 
         The signature is checked, and compared in constant time (pymacaroons uses
         hmac.compare_digest), the first time these keys see the token; then it is known by its
@@ -301,10 +353,14 @@ class Keyring:
             if len(self._verified) >= VERIFIED_KEEP:
                 self._verified.clear()
             self._verified[digest] = grant
-        at = time.time() if now is None else now
-        for c in grant.caveats:
-            if c.key == "expires" and at >= c.expires:
-                raise InvalidToken(f"token {grant.token_id} expired at {_utc(c.expires)}")
+        expires = grant.expires
+        if not expires:
+            raise InvalidToken(
+                f"token {grant.token_id} never expires: every token must; mint a new one "
+                "(`nonomad tokens create`)"
+            )
+        if (time.time() if now is None else now) >= expires:
+            raise InvalidToken(f"token {grant.token_id} expired at {_utc(expires)}")
         return grant
 
     def _verify(self, token: str) -> Grant:
@@ -370,6 +426,20 @@ def inspect(token: str) -> TokenInfo:
     """The token's id, key id and caveats (not verified: anyone can read them)."""
     macaroon, key_id, token_id = _open(token)
     return TokenInfo(token_id, key_id, tuple(c.caveat_id for c in macaroon.caveats))
+
+
+def parse_revoked(text: str, where: str = "revoked tokens") -> frozenset[str]:
+    """The token ids of a revocation list: one a line, then anything after a `#` (when it was
+    revoked, and why); blank lines are skipped. ValueError naming the line of a bad id."""
+    ids = set()
+    for n, raw in enumerate(text.splitlines(), 1):
+        line = raw.partition("#")[0].strip()
+        if not line:
+            continue
+        if not _TOKEN_ID.fullmatch(line):
+            raise ValueError(f"{where} line {n}: {line[:40]!r} is not a token id (16 hex digits)")
+        ids.add(line)
+    return frozenset(ids)
 
 
 def read_token(path: Path) -> str:

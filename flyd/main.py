@@ -16,6 +16,7 @@ import structlog
 from opentelemetry import trace
 
 from flyd import fsm
+from flyd.access import WORKER_ACCESS
 from flyd.drivers.base import Driver, ExitStatus, Handle
 from flyd.drivers.oci import OciDriver
 from flyd.drivers.oci import probe as oci_probe
@@ -37,6 +38,7 @@ from flyd.worker import Identity, Worker
 from registry.v1 import registry_pb2, registry_pb2_grpc
 from runtime import (
     Service,
+    access,
     aio_channel,
     configure_logging,
     main_entry,
@@ -180,7 +182,10 @@ async def build(argv: list[str]) -> Service:
     servicer = WorkerServicer(
         worker, heartbeat_interval=settings.heartbeat_interval, draining=service.draining
     )
-    service.add(
+    # Over TLS, each RPC only for the parts whose role may call it (flyd.access).
+    access.add(
+        service,
+        WORKER_ACCESS,
         servicer,
         worker_pb2_grpc.add_WorkerServiceServicer_to_server,
         worker_pb2.DESCRIPTOR.services_by_name["WorkerService"],

@@ -26,7 +26,7 @@ from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
 from flyd.validate import CONFIG_LIMITS, PLACEMENT_LIMITS
 from flyd.worker import Worker
-from runtime import Mapped, cluster_peer
+from runtime import Mapped
 from runtime.limits import DEFAULT_LIMITS, Limits
 from runtime.validate import check_name, duration_seconds, parse_signal
 
@@ -44,8 +44,6 @@ _CODES: list[tuple[type[FlydError], grpc.StatusCode]] = [
 
 _OTHER = grpc.StatusCode.FAILED_PRECONDITION
 
-SECRETS_READER = "flaps"
-"""The common name of the one cluster certificate RevealSecrets answers."""
 MAX_WAIT = 60.0
 DEFAULT_WAIT = 30.0
 MAX_TAIL = 10_000
@@ -191,18 +189,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def RevealSecrets(
         self, request: w.RevealSecretsRequest, context: grpc.aio.ServicerContext
     ) -> w.RevealSecretsResponse:
-        # Every part of the cluster holds a certificate that reaches this port (the console,
-        # the CLI, the proxy, other workers); only flaps, copying an app's secrets to a new
-        # machine of it, reads them. A flyd serving plaintext knows no caller: it has no
-        # secrets to keep from anyone who can reach it, as with every other call.
-        secure = context.auth_context().get("transport_security_type") != [b"insecure"]
-        peer = cluster_peer(context)
-        if secure and peer != SECRETS_READER:
-            who = f"the {peer!r} certificate" if peer else "a caller without a certificate"
-            await context.abort(
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"only the {SECRETS_READER!r} certificate may read secrets, not {who}",
-            )
+        # Only flaps' certificate gets here (flyd.access), copying an app's secrets to a new
+        # machine of it. A flyd serving plaintext knows no caller: it has no secrets to keep
+        # from anyone who can reach it, as with every other call.
         return w.RevealSecretsResponse(secrets=self.worker.reveal_secrets(request.machine_id))
 
     async def ListMachines(

@@ -376,7 +376,9 @@ def duration(value: str) -> float:
     return seconds
 
 
-def _limits(parser: argparse.ArgumentParser, *, apps_help: str) -> None:
+def _limits(
+    parser: argparse.ArgumentParser, *, apps_help: str, expires_help: str = "e.g. 24h, 7d"
+) -> None:
     parser.add_argument("--app", action="append", default=[], metavar="APP", help=apps_help)
     parser.add_argument(
         "--ops",
@@ -384,7 +386,7 @@ def _limits(parser: argparse.ArgumentParser, *, apps_help: str) -> None:
         help="comma-separated operations: read, write (create update start stop signal "
         "destroy lease), deploy (read + write), admin (workers cordon regions), or *",
     )
-    parser.add_argument("--expires", type=duration, metavar="DURATION", help="e.g. 24h, 7d")
+    parser.add_argument("--expires", type=duration, metavar="DURATION", help=expires_help)
     parser.add_argument(
         "--machine", action="append", default=[], metavar="ID", help="only this machine"
     )
@@ -395,16 +397,23 @@ Tokens for flaps are macaroons: `create` mints one from the root keys with limit
 anyone holding a token can `attenuate` it, adding limits without the root keys. flaps accepts
 a token signed by any key in its keys file, so keys rotate without downtime: `keygen` puts a
 new key first (it mints from then on), `retire` drops an old one (its tokens stop working).
+Every token expires (30 days after it was minted unless --expires says otherwise); `revoke`
+ends one before then, by its id, in the revocation list beside the keys, which flaps reads
+again within a second (the proxy, which asks flaps about tokens, within its token cache's
+few seconds). Fleet operations (workers, regions, cordon, placement watches) take an
+operator token: --all-apps, no --app or --machine.
 The local cluster's keys are STATE_DIR/token-keys; its admin token is STATE_DIR/admin.token.
 
-  nonomad tokens create --app web --ops deploy --expires 30d > web.token
+  nonomad tokens create --app web --ops deploy --expires 7d > web.token
   nonomad tokens attenuate --token-file web.token --ops read --expires 1h
   nonomad tokens show --token-file web.token
+  nonomad tokens revoke 3f2a9c0e1b7d4a65
 """
 
 
 def add_tokens(sub: argparse._SubParsersAction[Parser], out: Parser) -> None:
-    """Add `tokens create|attenuate|show|keygen|retire` (the commands: nonomad.cli_tokens)."""
+    """Add `tokens create|attenuate|show|keygen|retire|revoke` (the commands:
+    nonomad.cli_tokens)."""
     tokens = sub.add_parser(
         "tokens",
         help="mint, narrow and read tokens for flaps; rotate their root keys",
@@ -424,7 +433,11 @@ def add_tokens(sub: argparse._SubParsersAction[Parser], out: Parser) -> None:
         help="the token (default: $NONOMAD_TOKEN, else the local cluster's admin token)",
     )
     create = tsub.add_parser("create", parents=[keys, out], help="mint a token")
-    _limits(create, apps_help="an app it may touch (repeatable); --all-apps for any")
+    _limits(
+        create,
+        apps_help="an app it may touch (repeatable); --all-apps for any",
+        expires_help="how long it lasts, e.g. 24h, 7d (default 30d)",
+    )
     create.add_argument("--all-apps", action="store_true", help="any app")
     create.add_argument("--key-id", metavar="ID", help="mint with this key, not the first")
     create.set_defaults(func="nonomad.cli_tokens:cmd_create")
@@ -441,6 +454,18 @@ def add_tokens(sub: argparse._SubParsersAction[Parser], out: Parser) -> None:
     retire = tsub.add_parser("retire", parents=[keys], help="drop a root key")
     retire.add_argument("key_id", metavar="KEY_ID")
     retire.set_defaults(func="nonomad.cli_tokens:cmd_retire")
+    revoke = tsub.add_parser(
+        "revoke", parents=[keys], help="stop honouring a token, by its id (`tokens show`)"
+    )
+    revoke.add_argument("token_id", metavar="TOKEN_ID")
+    revoke.add_argument(
+        "--revoked",
+        type=Path,
+        metavar="FILE",
+        help="the revocation list (default: revoked-tokens beside the keys)",
+    )
+    revoke.add_argument("--note", default="", help="why, kept beside the id")
+    revoke.set_defaults(func="nonomad.cli_tokens:cmd_revoke")
 
 
 SECRETS_DESCRIPTION = """\

@@ -330,7 +330,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                     proxy_address,
                     "--announce-interval",
                     "2",
-                    *security.worker_args(f"flyd-{worker_id}"),
+                    *security.worker_args(worker_id),
                 ]
                 proc = _start(state, worker_id, "flyd", *worker_args[worker_id])
                 address = _read_ready(proc, worker_id)

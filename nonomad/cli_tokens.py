@@ -1,19 +1,23 @@
-"""`nonomad tokens`: mint, narrow and read tokens for flaps, and rotate their root keys.
+"""`nonomad tokens`: mint, narrow, read and revoke tokens for flaps; rotate their root keys.
 
 A token goes to stdout alone on a line (`> file` keeps it), or in `--json` with its id and
 caveats. Keys files are written mode 0600, the new key first: flaps re-reads the file, so a
-rotation is `keygen`, hand out new tokens, then `retire` the old key.
+rotation is `keygen`, hand out new tokens, then `retire` the old key. A minted token expires
+(flaps.tokens.DEFAULT_TTL unless --expires); `revoke` adds a token's id to the revocation
+list beside the keys, which flaps re-reads too.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import time
 from pathlib import Path
 
 from flaps.tokens import (
     GROUPS,
+    REVOKED_FILE,
     InvalidToken,
     Keyring,
     KeysError,
@@ -21,6 +25,7 @@ from flaps.tokens import (
     caveats,
     inspect,
     new_key_line,
+    parse_revoked,
     read_token,
 )
 from nonomad.cli_common import TOKEN_ENV, CliError, UsageError, emit, key_values, state_dir
@@ -134,6 +139,25 @@ def cmd_keygen(args: argparse.Namespace) -> int:
     print(
         f"{key_id} now mints new tokens; every key in {path} verifies ({', '.join([key_id, *ids])})"
     )
+    return 0
+
+
+def cmd_revoke(args: argparse.Namespace) -> int:
+    path = args.revoked or _keys_path(args).with_name(REVOKED_FILE)
+    text = path.read_text() if path.exists() else ""
+    try:
+        known = parse_revoked(text, str(path))
+        parse_revoked(args.token_id, "TOKEN_ID")
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if args.token_id in known:
+        print(f"token {args.token_id} is already revoked in {path}")
+        return 0
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    note = " ".join(args.note.split())  # one line, whatever was passed
+    line = f"{args.token_id}  # revoked {when}{f': {note}' if note else ''}\n"
+    write_private(path, (text + ("\n" if text and not text.endswith("\n") else "") + line).encode())
+    print(f"token {args.token_id} revoked: flaps refuses it once it re-reads {path}")
     return 0
 
 

@@ -494,7 +494,6 @@ class Hosts:
             values.update(TOKEN_KEYS=str(sec.token_keys), FLAPS_OPTS=opts)
         elif host.role == "proxy":
             values.update(
-                TOKEN_KEYS=str(sec.token_keys),
                 FLAPS_CLUSTER=flaps,
                 HTTP_PORT=str(HTTP_PORT),
                 REGION=self.region,

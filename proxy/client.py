@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Final, Protocol, cast
 
 import httptools
@@ -27,7 +27,6 @@ from proxy.deadline import Timed
 from proxy.errors import (
     BadRequest,
     BodyTooLarge,
-    Forbidden,
     HeadersTooLarge,
     ProxyError,
     UnknownApp,
@@ -68,7 +67,7 @@ class Edge(Owner, Protocol):
     domain: str
     _conns: set[ClientConnection]
     _pin_header: bytes
-    _pin_check: Callable[[str, str, bytes | None], str | None] | None
+    _pin_check: Callable[[str, str, bytes | None], Awaitable[str | None]] | None
     _req_special: frozenset[bytes]
     _tracer: Tracer | None
 
@@ -448,11 +447,10 @@ class ClientConnection(Timed):
                 )
             elif self.pin is not None:
                 req.pinned = self.pin.decode("latin-1").strip() or None
-                check = proxy._pin_check
-                if req.pinned is not None and check is not None:
-                    refused = check(req.app, req.pinned, self.pin_token)
-                    if refused is not None:
-                        req.error = Forbidden(refused)
+                if req.pinned is not None and proxy._pin_check is not None:
+                    # Checked before it is routed (proxy.forward: the check may ask flaps).
+                    req.pin_token = self.pin_token
+                    req.pin_due = True
             req.retryable = method in _IDEMPOTENT and not req.has_body and req.pinned is None
         if req.error is not None:
             # A bad request closes the connection after the answer; so does one whose body

@@ -31,7 +31,7 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.trace import SpanKind, Tracer
 
-from flaps.v1 import machines_pb2, machines_pb2_grpc
+from flaps.v1 import machines_pb2, machines_pb2_grpc, tokens_pb2, tokens_pb2_grpc
 from flyd import checks, slots
 from flyd.checks import DEFAULT_CHECK_TIMEOUT, CheckSpec, checks_of
 from flyd.v1 import machine_pb2 as pb
@@ -117,6 +117,7 @@ class FlapsClient:
         self.timeout = timeout
         self._channel = channel(address) if channel else _flaps_channel(address, tls)
         self._stub = machines_pb2_grpc.MachinesServiceStub(self._channel)
+        self._tokens = tokens_pb2_grpc.TokenServiceStub(self._channel)
 
     async def start(self, machine_id: str, generation: int = 0) -> pb.Machine:
         try:
@@ -148,6 +149,17 @@ class FlapsClient:
         except grpc.aio.AioRpcError as err:
             raise _failed("stop", machine_id, err) from None
         return resp.machine
+
+    async def verify_token(self, token: str) -> tokens_pb2.VerifyTokenResponse:
+        """What flaps says of a token (its grant, or why it is not valid): the proxy holds
+        no root keys (proxy.pins). Raises FlapsFailed when flaps does not answer."""
+        try:
+            return await self._tokens.VerifyToken(
+                tokens_pb2.VerifyTokenRequest(token=token), timeout=self.timeout
+            )
+        except grpc.aio.AioRpcError as err:
+            code = err.code()
+            raise FlapsFailed(f"flaps: {code.name}: {err.details() or ''}", code=code) from None
 
     async def close(self) -> None:
         await self._channel.close()

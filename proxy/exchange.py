@@ -65,6 +65,8 @@ class Request:
         "keep_alive",
         "method",
         "moved",
+        "pin_due",
+        "pin_token",
         "pinned",
         "replay",
         "retryable",
@@ -80,6 +82,9 @@ class Request:
         self.head = b""
         self.app: str | None = None
         self.pinned: str | None = None
+        # A pin the edge has yet to check (proxy.pins), with the token sent for it.
+        self.pin_due = False
+        self.pin_token: bytes | None = None
         self.keep_alive = False
         self.http10 = False
         self.is_head = False

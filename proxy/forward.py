@@ -27,7 +27,7 @@ import structlog
 from opentelemetry import context as otel_context
 
 from proxy.client import C_IDLE, ClientConnection, Edge
-from proxy.errors import ProxyError
+from proxy.errors import Forbidden, ProxyError
 from proxy.exchange import (
     O_BAD_RESPONSE,
     O_CLIENT_ERROR,
@@ -86,7 +86,7 @@ class Client(ClientConnection):
         """The fast path: when the router can name a machine at once and a pooled connection
         to it is idle, send `req` from this callback, without waking the task (a task switch
         is an event-loop turn: at moderate load, a good part of a request's cost)."""
-        if req.error is not None or req.upgrade or req.app is None or self.closed:
+        if req.error is not None or req.upgrade or req.app is None or self.closed or req.pin_due:
             return False
         try_acquire = self.proxy._try_acquire
         assert try_acquire is not None
@@ -177,6 +177,12 @@ class Client(ClientConnection):
         app = req.app
         assert app is not None
         proxy = self.proxy
+        if req.pin_due and req.pinned is not None and proxy._pin_check is not None:
+            req.pin_due = False
+            refused = await proxy._pin_check(app, req.pinned, req.pin_token)
+            if refused is not None:
+                self._after(self._reply_error(req, Forbidden.status, refused))
+                return
         router = proxy.router
         exclude: frozenset[str] = frozenset()
         attempts = 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import structlog
 from opentelemetry.trace import Tracer
@@ -33,8 +33,8 @@ class HttpProxy:
 
     `router` chooses machines (see proxy.routing); `stats` counts what happens. Responses name
     the machine that served them in `machine_header`; a request may ask for one machine with
-    `pin_header`, if `pin_check(app, machine id, its nonomad-token header)` says None (else
-    403 with what it said; without a pin_check, any request may). Request headers of the
+    `pin_header`, if `await pin_check(app, machine id, its nonomad-token header)` says None
+    (else 403 with what it said; without a pin_check, any request may). Request headers of the
     proxy's namespace (`nonomad-*`) never reach a machine. If the router also has
     `try_acquire(app, *, pinned, exclude) -> Backend | None` (what `acquire` would return
     without waiting, or None if it would wait), requests start without a task switch. Create
@@ -51,7 +51,7 @@ class HttpProxy:
         limits: Limits = Limits(),
         machine_header: str = "nonomad-machine-id",
         pin_header: str = "nonomad-force-instance-id",
-        pin_check: Callable[[str, str, bytes | None], str | None] | None = None,
+        pin_check: Callable[[str, str, bytes | None], Awaitable[str | None]] | None = None,
         tracer: Tracer | None = None,
     ) -> None:
         self.router = router

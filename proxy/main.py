@@ -13,11 +13,11 @@ import sys
 import structlog
 from opentelemetry import trace
 
-from flaps.auth import KeySource
+from proxy.access import PROXY_ACCESS
 from proxy.control import FlapsClient, NetProbes
 from proxy.http import HttpProxy
 from proxy.metrics import ProxyCollector
-from proxy.pins import pin_check
+from proxy.pins import Grants, pin_check
 from proxy.router import Router
 from proxy.service import ProxyServicer, map_error
 from proxy.settings import ProxySettings
@@ -26,6 +26,7 @@ from proxy.v1 import proxy_pb2, proxy_pb2_grpc
 from registry.service import serve_replica
 from runtime import (
     Service,
+    access,
     configure_logging,
     main_entry,
     settings_or_exit,
@@ -70,7 +71,10 @@ async def build(argv: list[str]) -> Service:
         probes=NetProbes(settings.cluster_tls),
     )
     service = Service("proxy", settings)
-    service.add(
+    # Over TLS, for the cluster's parts whose role may call each RPC (proxy.access).
+    access.add(
+        service,
+        PROXY_ACCESS,
         ProxyServicer(router, stats),
         proxy_pb2_grpc.add_ProxyServiceServicer_to_server,
         proxy_pb2.DESCRIPTOR.services_by_name["ProxyService"],
@@ -79,16 +83,15 @@ async def build(argv: list[str]) -> Service:
     # Workers can announce themselves to the proxy, and replicas share members with it.
     serve_replica(service, replica, settings.workers)
 
-    keys = KeySource(settings.token_keys) if settings.token_keys is not None else None
-    if keys is not None:
-        service.spawn("token-keys", keys.watch)
+    # Pins are checked with tokens flaps verifies: the edge holds no root keys (proxy.pins).
+    grants = Grants(flaps.verify_token, ttl=settings.token_cache_ttl) if flaps else None
     http = HttpProxy(
         router,
         stats,
         domain=settings.domain,
         region=settings.region,
         limits=settings.limits(),
-        pin_check=pin_check((lambda: keys.keyring) if keys is not None else None),
+        pin_check=pin_check(grants),
         tracer=tracer,
     )
     router.on_machines_lost(http.machines_lost)

@@ -8,13 +8,12 @@ with the defaults, against flyd's heartbeat every 0.2 s.
 from __future__ import annotations
 
 from dataclasses import fields
-from pathlib import Path
 
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from flaps.tokens import Keyring
 from proxy.limits import Limits
+from proxy.pins import GRANT_TTL
 from proxy.routes import RouterConfig
 from registry.settings import ReplicaSettings
 from runtime import parse_host_port
@@ -105,24 +104,18 @@ class ProxySettings(ReplicaSettings):
     buffer_bytes: int = Field(
         default=64 * 1024, ge=1024, description="request body buffered before a machine is ready"
     )
-    token_keys: Path | None = Field(
-        default=None,
-        description="flaps' token root keys (mode 0600): a request may pin a machine "
-        "(nonomad-force-instance-id) only with a nonomad-token that may read it; without "
-        "them, no request may",
+    token_cache_ttl: float = Field(
+        default=GRANT_TTL,
+        gt=0,
+        le=60,
+        description="s an answer of flaps about a token (a pin's nonomad-token, verified by "
+        "flaps: the edge holds no root keys) is kept: how late a revocation may be honoured",
     )
 
     @field_validator("http_listen")
     @classmethod
     def _listen(cls, value: str) -> str:
         parse_host_port(value)
-        return value
-
-    @field_validator("token_keys")
-    @classmethod
-    def _token_keys(cls, value: Path | None) -> Path | None:
-        if value is not None:
-            Keyring.load(value)  # a KeysError is a ValueError naming what is wrong
         return value
 
     @field_validator("flaps")

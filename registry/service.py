@@ -1,26 +1,20 @@
 """registry.v1.RegistryService over gRPC, and the one place registry errors become status codes.
 
-Any service that embeds a replica serves it::
-
-    service.add(
-        RegistryServicer(replica, draining=service.draining),
-        registry_pb2_grpc.add_RegistryServiceServicer_to_server,
-        registry_pb2.DESCRIPTOR.services_by_name["RegistryService"],
-        map_error,
-    )
+Any service that embeds a replica serves it with `serve_replica(service, replica, workers)`:
+over TLS, each call checked against the replica's role table (registry.access).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
+from collections.abc import AsyncGenerator, Iterable, Iterator
 
 import grpc
-from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from flyd.pages import PAGE_BYTES
+from registry.access import REGISTRY_ACCESS
 from registry.errors import InvalidArgument, RegistryError, Unavailable
 from registry.replica import (
     APPLY_SLICE,
@@ -32,7 +26,7 @@ from registry.replica import (
 )
 from registry.v1 import registry_pb2 as r
 from registry.v1 import registry_pb2_grpc
-from runtime import Service
+from runtime import Service, access
 from runtime.validate import check_name
 
 # Checked in order: the first matching class decides (subclasses before their bases).
@@ -174,24 +168,17 @@ def _timestamp(seconds: float) -> Timestamp:
     return ts
 
 
-def serve_replica(
-    service: Service,
-    replica: Replica,
-    workers: Iterable[str],
-    guard: Callable[[object, ServiceDescriptor], None] | None = None,
-) -> None:
+def serve_replica(service: Service, replica: Replica, workers: Iterable[str]) -> None:
     """Serve `replica` as `registry.v1.RegistryService` from `service` (workers announce
     themselves to it, replicas share members with it), follow the seed `workers`, and run it
-    while the service runs. `guard(servicer, descriptor)`, when given, wraps its handlers
-    first (flaps: for the cluster's parts only)."""
-    servicer = RegistryServicer(replica, draining=service.draining)
-    descriptor = r.DESCRIPTOR.services_by_name["RegistryService"]
-    if guard is not None:
-        guard(servicer, descriptor)
-    service.add(
-        servicer,
+    while the service runs. Over TLS, for the cluster's parts only, as far as their roles go
+    (registry.access), on every port the service has."""
+    access.add(
+        service,
+        REGISTRY_ACCESS,
+        RegistryServicer(replica, draining=service.draining),
         registry_pb2_grpc.add_RegistryServiceServicer_to_server,
-        descriptor,
+        r.DESCRIPTOR.services_by_name["RegistryService"],
         map_error,
     )
     for address in workers:

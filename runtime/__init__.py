@@ -5,8 +5,9 @@ Its modules: server bootstrap and lifecycle, where each service's errors become 
 through its own `map_error` (`server`), settings (`settings`), JSON logs (`logs`), tracing and
 client channels (`tracing`), who calls and the metrics endpoint (`endpoints`), the injected
 clock (`clock`), request bounds and field validation (`limits`, `validate`, `errors`), the
-cluster's certificates (`pki`), the collector kept off the event loop (`heap`) and how late
-the loop runs (`looplag`).
+cluster's certificates and their roles (`pki`), which role may call which RPC of a service
+(`access`), the collector kept off the event loop (`heap`) and how late the loop runs
+(`looplag`).
 
 A service's entry point loads its `ServiceSettings` subclass with `settings_or_exit`, calls
 `configure_logging` and `setup_tracing`, builds a `Service`, and hands it to `main_entry`.

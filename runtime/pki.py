@@ -8,6 +8,13 @@ dialled (`ChannelTLS(server_name=CLUSTER_NAME)`), so workers on any host, reache
 address, verify without a certificate per address. It also names `localhost`, `127.0.0.1` and
 `::1` (and any `hosts` given), so grpcurl and the CLI verify a local flaps with only `-cacert`.
 
+Every certificate also names its part's role (`ROLES`), as its subject's organizational unit,
+and its common name says which one it is: `flyd-<worker id>` for a worker, so that a worker's
+certificate names the one worker it may speak for. A service reads a caller's `Identity`
+(`ClusterMembers.identity_of`) and looks the role up in its table of who may call what
+(`runtime.access`). A certificate without a role (made before roles were) is no part of the
+cluster's: every table refuses it, and `nonomad up` issues its part a new one.
+
 Private keys, and every file written here, are mode 0600.
 """
 
@@ -28,9 +35,69 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from runtime.tracing import CLUSTER_NAME
 
-__all__ = ["CLUSTER_NAME", "CertPaths", "ClusterCA", "ClusterMembers", "write_private"]
+__all__ = [
+    "CLUSTER_NAME",
+    "OPERATOR",
+    "ROLES",
+    "WORKER_PREFIX",
+    "CertPaths",
+    "ClusterCA",
+    "ClusterMembers",
+    "Identity",
+    "part_role",
+    "write_private",
+]
 
 _LOOPBACK = ("localhost", "127.0.0.1", "::1")
+
+OPERATOR = "operator"
+"""The role of the operator's CLI certificate (`nonomad status` asks workers directly)."""
+ROLES = ("flaps", "proxy", "registry", "flyd", "console", OPERATOR)
+"""What a cluster certificate may be: a part of the cluster, or the operator."""
+WORKER_PREFIX = "flyd-"
+"""A worker's certificate is named `flyd-<worker id>`: the worker it speaks for."""
+_CLI_PART = "cli"  # the operator's certificate, by the name `nonomad up` has always given it
+
+
+def part_role(part: str) -> str:
+    """The role of the certificate of `part`, by the names the cluster gives its parts:
+    `flyd-<worker id>` a worker, `cli` the operator, `<role>` or `<role>-<more>` (`proxy-ams`)
+    one of ROLES. ValueError naming the part for anything else."""
+    if part == _CLI_PART:
+        return OPERATOR
+    role = part.split("-", 1)[0]
+    if role == "flyd" and not (part.startswith(WORKER_PREFIX) and part[len(WORKER_PREFIX) :]):
+        raise ValueError(f"part {part!r}: a worker's certificate is {WORKER_PREFIX}<worker id>")
+    if role not in ROLES:
+        raise ValueError(f"part {part!r} has no role: name it {', '.join(ROLES)} (or cli)")
+    return role
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a cluster certificate says its holder is: `name` (its common name) and `role` (one
+    of ROLES; None when it names none: it is refused everywhere)."""
+
+    name: str
+    role: str | None
+
+    @property
+    def worker_id(self) -> str | None:
+        """The worker a flyd certificate speaks for (from `flyd-<worker id>`); else None."""
+        if self.role != "flyd" or not self.name.startswith(WORKER_PREFIX):
+            return None
+        return self.name.removeprefix(WORKER_PREFIX) or None
+
+    def __str__(self) -> str:
+        return f"{self.name!r} (role {self.role or 'none'})"
+
+    @classmethod
+    def of(cls, cert: x509.Certificate) -> Identity:
+        names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+        units = cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)
+        role = str(units[0].value) if len(units) == 1 else None
+        name = str(names[0].value) if names else "(no common name)"
+        return cls(name, role if role in ROLES else None)
 
 
 def write_private(path: Path, data: bytes) -> None:
@@ -76,9 +143,9 @@ def _san(host: str) -> x509.GeneralName:
 class ClusterCA:
     """The CA of one cluster, kept in a directory as `ca.pem` and `ca.key`.
 
-    `ClusterCA.ensure(directory)` opens it, creating it on first use; `issue(name)` writes
-    `<name>.pem` and `<name>.key` beside it (reusing them when they exist and this CA signed
-    them), for use as a server and as a client.
+    `ClusterCA.ensure(directory)` opens it, creating it on first use; `issue(name, role)`
+    writes `<name>.pem` and `<name>.key` beside it (reusing them when they exist, this CA
+    signed them and they name that role), for use as a server and as a client.
     """
 
     def __init__(self, directory: Path, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey):
@@ -133,21 +200,35 @@ class ClusterCA:
         write_private(cert_path, cert.public_bytes(serialization.Encoding.PEM))
         return cls(directory, cert, key)
 
-    def issue(self, name: str, *, hosts: tuple[str, ...] = (), days: int = 365) -> CertPaths:
-        """The certificate of part `name` (`flaps`, `flyd-ams-1`, `cli`), made if missing.
+    def issue(
+        self, name: str, role: str, *, hosts: tuple[str, ...] = (), days: int = 365
+    ) -> CertPaths:
+        """The certificate of part `name` (`flaps`, `flyd-ams-1`, `cli`) in `role` (ROLES),
+        made if missing, or if the one there names no role or another (made before roles).
 
         It names CLUSTER_NAME, the loopback names and `hosts`, and serves both as a server and
-        as a client certificate.
+        as a client certificate. A flyd certificate must be named `flyd-<worker id>`.
         """
+        if role not in ROLES:
+            raise ValueError(f"role {role!r}: not one of {', '.join(ROLES)}")
+        wanted = Identity(name, role)
+        if role == "flyd" and wanted.worker_id is None:
+            raise ValueError(f"{name!r}: a worker's certificate is {WORKER_PREFIX}<worker id>")
         paths = CertPaths(self.directory / f"{name}.pem", self.directory / f"{name}.key")
-        if paths.cert.exists() and paths.key.exists() and self._signed(paths.cert):
+        if paths.cert.exists() and paths.key.exists() and self._signed(paths.cert) == wanted:
             return paths
         key = _new_key()
         now = datetime.datetime.now(datetime.UTC)
         names = dict.fromkeys((CLUSTER_NAME, *_LOOPBACK, *hosts))
+        subject = x509.Name(
+            [
+                x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role),
+                x509.NameAttribute(NameOID.COMMON_NAME, name),
+            ]
+        )
         cert = (
             x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .subject_name(subject)
             .issuer_name(self.cert.subject)
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
@@ -167,32 +248,36 @@ class ClusterCA:
         write_private(paths.cert, cert.public_bytes(serialization.Encoding.PEM))
         return paths
 
-    def _signed(self, path: Path) -> bool:
-        """Whether the certificate at `path` was issued by this CA and is still valid."""
+    def _signed(self, path: Path) -> Identity | None:
+        """Who the certificate at `path` names, if this CA issued it and it is still valid."""
         try:
             cert = x509.load_pem_x509_certificate(path.read_bytes())
             cert.verify_directly_issued_by(self.cert)
         except (ValueError, TypeError, InvalidSignature):
-            return False
-        return cert.not_valid_after_utc > datetime.datetime.now(datetime.UTC)
+            return None
+        if cert.not_valid_after_utc <= datetime.datetime.now(datetime.UTC):
+            return None
+        return Identity.of(cert)
 
 
 class ClusterMembers:
-    """Tells whether a call's client certificate is one the cluster CA signed.
+    """Tells who a call's client certificate says it is, if the cluster CA signed it.
 
     A listener with mutual TLS has already checked the certificate against its own client CA;
     this checks it against the cluster's, for a service whose listeners trust other CAs too
     (flaps: its public port may ask for other certificates, its cluster port for the
-    cluster's). A verdict is kept per certificate, so each is checked once.
+    cluster's). A verdict is kept per certificate (at most `keep` of them), so each is read
+    and checked once.
     """
 
     def __init__(self, ca: Path, *, keep: int = 1024) -> None:
         self._ca = x509.load_pem_x509_certificate(ca.read_bytes())
-        self._seen: dict[bytes, str | None] = {}
+        self._seen: dict[bytes, Identity | None] = {}
         self._keep = keep
 
-    def name_of(self, context: Any) -> str | None:
-        """The common name of the caller's certificate if the cluster CA signed it, else None."""
+    def identity_of(self, context: Any) -> Identity | None:
+        """Who the caller's certificate names if the cluster CA signed it; None without a
+        certificate, or for another CA's."""
         pem = context.auth_context().get("x509_pem_cert")
         if not pem:
             return None
@@ -201,17 +286,16 @@ class ClusterMembers:
             return self._seen[key]
         except KeyError:
             pass
-        name = self._verify(key)
+        identity = self._verify(key)
         if len(self._seen) >= self._keep:
             self._seen.clear()
-        self._seen[key] = name
-        return name
+        self._seen[key] = identity
+        return identity
 
-    def _verify(self, pem: bytes) -> str | None:
+    def _verify(self, pem: bytes) -> Identity | None:
         try:
             cert = x509.load_pem_x509_certificate(pem)
             cert.verify_directly_issued_by(self._ca)
         except (ValueError, TypeError, InvalidSignature):
             return None
-        names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
-        return str(names[0].value) if names else "(no common name)"
+        return Identity.of(cert)

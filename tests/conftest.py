@@ -53,9 +53,10 @@ http.server.ThreadingHTTPServer(("0.0.0.0", int(os.environ["PORT"])), Handler).s
 
 @pytest.fixture(scope="session")
 def security(tmp_path_factory: pytest.TempPathFactory) -> ClusterSecurity:
-    """One cluster CA, certificates (every worker shares `flyd`'s), token root keys and an
-    admin token for the whole session, made once: what `nonomad up` makes for a cluster."""
-    return provision(tmp_path_factory.mktemp("security"), ["flaps", "proxy", "registry", "flyd"])
+    """One cluster CA, certificates (each in its role; a worker's, `flyd-<worker id>`, made
+    when it starts: `worker_args`), token root keys and an admin token for the whole session,
+    made once: what `nonomad up` makes for a cluster."""
+    return provision(tmp_path_factory.mktemp("security"), ["flaps", "proxy", "registry", "console"])
 
 
 # Each flyd in a test session gets its own host port range.

@@ -10,7 +10,7 @@ import grpc
 import pytest
 from google.protobuf.descriptor import FileDescriptor, ServiceDescriptor
 
-from flaps.v1 import machines_pb2, platform_pb2
+from flaps.v1 import machines_pb2, platform_pb2, tokens_pb2
 from flyd.v1 import worker_pb2
 from proxy.v1 import proxy_pb2
 from registry.v1 import registry_pb2
@@ -19,6 +19,7 @@ PROTO_FILES: list[FileDescriptor] = [
     worker_pb2.DESCRIPTOR,
     machines_pb2.DESCRIPTOR,
     platform_pb2.DESCRIPTOR,
+    tokens_pb2.DESCRIPTOR,
     proxy_pb2.DESCRIPTOR,
     registry_pb2.DESCRIPTOR,
 ]
@@ -28,6 +29,7 @@ SERVICERS = {
     "flyd.v1.WorkerService": "flyd.service:WorkerServicer",
     "flaps.v1.MachinesService": "flaps.service:MachinesServicer",
     "flaps.v1.PlatformService": "flaps.service:PlatformServicer",
+    "flaps.v1.TokenService": "flaps.verify:TokenServicer",
     "registry.v1.RegistryService": "registry.service:RegistryServicer",
     "proxy.v1.ProxyService": "proxy.service:ProxyServicer",
 }

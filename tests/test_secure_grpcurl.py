@@ -5,6 +5,7 @@ flyd only for a client with a cluster certificate."""
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,9 +13,10 @@ import pytest
 
 from flaps.tokens import read_token
 from nonomad.security import ClusterSecurity
-from runtime.pki import ClusterCA
+from runtime.pki import OPERATOR, CertPaths, ClusterCA
 from tests.conftest import _kill_machines
 from tests.harness import ServiceProcess, clean_env, flyd_args, grpcurl
+from tests.roles import legacy_certificate
 
 LIST_REGIONS = "flaps.v1.PlatformService/ListRegions"
 # A refused handshake is retried until the connect timeout: it need not be grpcurl's 10 s.
@@ -28,7 +30,7 @@ def flyd(
     tmp = tmp_path_factory.mktemp("secure-flyd")
     args = flyd_args(tmp / "data", image_source, "w1", "ams", "--ports", "23150-23199")
     proc = ServiceProcess(
-        "flyd", [*args, *security.worker_args("flyd")], tmp / "flyd.log", env=clean_env()
+        "flyd", [*args, *security.worker_args("w1")], tmp / "flyd.log", env=clean_env()
     ).start()
     try:
         yield proc.address
@@ -86,7 +88,7 @@ def test_flyd_serves_only_clients_with_a_cluster_certificate(
                      "flyd.v1.WorkerService/GetCapacity")  # fmt: skip
     assert member.returncode == 0, member.stderr
     assert "capacity" in json.loads(member.stdout)
-    stranger = ClusterCA.ensure(tmp_path / "other").issue("cli")
+    stranger = ClusterCA.ensure(tmp_path / "other").issue("cli", OPERATOR)
     for refused in (
         ["-plaintext"],  # no TLS at all
         ca,  # TLS, no client certificate
@@ -98,3 +100,30 @@ def test_flyd_serves_only_clients_with_a_cluster_certificate(
         assert "capacity" not in got.stdout
     # Not even health or reflection: the certificate is checked before any call.
     assert grpcurl(*ca, *QUICK, flyd, "list").returncode != 0
+
+
+def test_flyd_serves_each_certificate_what_its_role_may_call(
+    flyd: str, security: ClusterSecurity
+) -> None:
+    """The operator reads capacity, nothing more; the console creates nothing; a certificate
+    the cluster's CA signed before roles is refused, naming why."""
+    ca = ["-cacert", str(security.ca)]
+
+    def as_part(paths: CertPaths, rpc: str, body: str = "{}") -> subprocess.CompletedProcess[str]:
+        return grpcurl(*ca, "-cert", str(paths.cert), "-key", str(paths.key), "-d", body, flyd,
+                       f"flyd.v1.WorkerService/{rpc}")  # fmt: skip
+
+    cli = security.cert("cli")
+    for rpc in ("CreateMachine", "ListMachines", "RevealSecrets"):
+        refused = as_part(cli, rpc)
+        assert "PermissionDenied" in refused.stderr, (rpc, refused.stderr)
+        assert "'cli' (role operator) may not call" in refused.stderr, refused.stderr
+        assert "CERTIFICATE_ROLE" in refused.stderr  # the ErrorInfo's reason
+    console = security.cert("console")
+    created = as_part(console, "CreateMachine", '{"app": "evil", "config": {"image": "x"}}')
+    assert "'console' (role console) may not call" in created.stderr, created.stderr
+    old = legacy_certificate(security.ca.parent, "flaps")  # the cluster's CA, no role
+    for rpc in ("GetCapacity", "CreateMachine"):
+        refused = as_part(old, rpc)
+        assert "PermissionDenied" in refused.stderr, refused.stderr
+        assert "names no role" in refused.stderr, refused.stderr

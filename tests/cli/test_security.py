@@ -8,17 +8,18 @@ import hashlib
 import json
 import re
 import secrets
+import time
 from pathlib import Path
 
 import grpc
 import pytest
 
-from flaps.tokens import new_key_line
+from flaps.tokens import DEFAULT_TTL, new_key_line
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
 from nonomad.security import CONSOLE_PART
-from runtime.pki import ClusterCA, write_private
+from runtime.pki import part_role, write_private
 from tests.cli.conftest import CliFleet, Result, nonomad
 from tests.cli.test_machines import one_line_error
 from tests.flaps.conftest import eventually
@@ -35,7 +36,10 @@ async def test_tokens_are_minted_narrowed_read_and_enforced(
     reader = (
         await nonomad("tokens", "create", *keys, "--app", "web", "--ops", "read", "--json")
     ).json()
-    assert reader["caveats"] == ["apps = web", "ops = read"]
+    assert reader["caveats"][:2] == ["apps = web", "ops = read"]
+    # Every token expires: 30 days from now unless --expires says.
+    expires = int(reader["caveats"][2].removeprefix("expires = "))
+    assert abs(expires - (time.time() + DEFAULT_TTL)) < 120, reader["caveats"]
     token = tmp_path / "web.token"
     token.write_text(reader["token"] + "\n")
     as_reader = ["--token-file", str(token), *cli_fleet.tls]
@@ -69,9 +73,26 @@ async def test_tokens_are_minted_narrowed_read_and_enforced(
         await nonomad("tokens", "show", "--token-file", str(tmp_path / "narrow.token"), "--json")
     ).json()
     assert shown["token_id"] == reader["token_id"]  # the same token, narrowed
-    assert shown["caveats"][:2] == ["apps = web", "ops = read"]
-    assert shown["caveats"][2].startswith("expires = ")
-    assert shown["caveats"][3] == "machines = m-1"
+    assert shown["caveats"][:3] == reader["caveats"]
+    assert shown["caveats"][3].startswith("expires = ")  # sooner: an hour
+    assert shown["caveats"][4] == "machines = m-1"
+
+    # Revoked by its id: flaps refuses it once it has read the list again (within a second).
+    revoked = await nonomad("tokens", "revoke", *keys, reader["token_id"], "--note", "lost")
+    assert revoked.code == 0, revoked.err
+    assert revoked.out.startswith(f"token {reader['token_id']} revoked"), revoked.out
+    listed_by = cli_fleet.security.revoked_tokens.read_text()
+    assert f"{reader['token_id']}  # revoked " in listed_by
+    assert listed_by.rstrip().endswith(": lost")
+
+    async def refused() -> bool:
+        got = await nonomad("machines", "list", "web", *as_reader, env=cli_fleet.env)
+        return got.code == 1 and f"token {reader['token_id']} was revoked" in got.err
+
+    await eventually(refused, 10, "flaps refusing the revoked token")
+    again = await nonomad("tokens", "revoke", *keys, reader["token_id"])
+    assert again.out.startswith(f"token {reader['token_id']} is already revoked"), again.out
+    one_line_error(await nonomad("tokens", "revoke", *keys, "nope"), 2, "not a token id")
 
 
 async def test_a_key_rotates_without_downtime(cli_fleet: CliFleet, tmp_path: Path) -> None:
@@ -181,15 +202,17 @@ async def test_only_flaps_certificate_reads_a_workers_secrets(cli_fleet: CliFlee
     async with cli_fleet.client() as flaps:
         made = await flaps.create_machine("vault", cfg, region="ams", skip_launch=True)
     security = cli_fleet.security
-    ClusterCA.ensure(security.ca.parent).issue(CONSOLE_PART)  # the fleet here runs none
     address = cli_fleet.fleet.workers[made.worker_id].address
     request = w.RevealSecretsRequest(machine_id=made.id)
-    for part in ("cli", CONSOLE_PART, "proxy", "flyd"):
+    other_worker = next(i for i in cli_fleet.fleet.workers if i != made.worker_id)
+    for part in ("cli", CONSOLE_PART, "proxy", f"flyd-{other_worker}", f"flyd-{made.worker_id}"):
         stub = worker_pb2_grpc.WorkerServiceStub(channel(address, security.member_tls(part)))
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             await stub.RevealSecrets(request, timeout=10)
         assert raised.value.code() == grpc.StatusCode.PERMISSION_DENIED, part
-        assert f"not the {part!r} certificate" in (raised.value.details() or ""), part
+        details = raised.value.details() or ""
+        assert f"certificate {part!r} (role {part_role(part)}) may not call" in details, part
+        assert "flaps may" in details, details
         assert value not in str(raised.value)
     flaps_cert = worker_pb2_grpc.WorkerServiceStub(channel(address, security.member_tls("flaps")))
     revealed = await flaps_cert.RevealSecrets(request, timeout=10)
@@ -227,6 +250,16 @@ async def test_workers_cordon_and_uncordon_through_flaps(
         env=cli_fleet.env,
     )  # fmt: skip
     one_line_error(refused, 1, "PERMISSION_DENIED", 'token caveat "ops = deploy"')
+    # Nor may an app's token, whatever its ops: the fleet takes an operator token.
+    app_admin = await nonomad("tokens", "create", *keys, "--app", "web", "--ops", "*")
+    (tmp_path / "app.token").write_text(app_admin.out)
+    as_app = ["--token-file", str(tmp_path / "app.token"), *cli_fleet.tls]
+    for command in (["workers", "uncordon", "ams-1"], ["workers"], ["regions"]):
+        refused = await nonomad(*command, *as_app, env=cli_fleet.env)
+        one_line_error(
+            refused, 1, "PERMISSION_DENIED", 'token caveat "apps = web"', "operator token"
+        )
+    assert cordoned(await cli_fleet("workers", "--json"))["ams-1"] is True  # unchanged
     unknown = await cli_fleet("workers", "cordon", "ams-9")
     one_line_error(unknown, 1, "NOT_FOUND", "worker ams-9 not found")
 

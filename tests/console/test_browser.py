@@ -65,7 +65,7 @@ def cluster(
     tmp_path_factory: pytest.TempPathFactory, image_source: Path
 ) -> Iterator[tuple[ProxyFleet, Console]]:
     tmp = tmp_path_factory.mktemp("console")
-    security = provision(tmp / "security", ["flaps", "proxy", "flyd", "console"])
+    security = provision(tmp / "security", ["flaps", "proxy", "console"])
     prefix = f"nonomad-test-{uuid.uuid4().hex[:8]}"
     fleet = ProxyFleet(tmp, image_source, prefix=prefix, security=security)
     console = None

@@ -159,7 +159,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, image_source: Path) -> Ite
     import uuid
 
     tmp = tmp_path_factory.mktemp("fencing")
-    security = provision(tmp / "security", ["flaps", "proxy", "registry", "flyd"])
+    security = provision(tmp / "security", ["flaps", "proxy", "registry"])
     prefix = f"nonomad-test-{uuid.uuid4().hex[:8]}"
     fleet = ProxyFleet(tmp, image_source, prefix=prefix, security=security)
     try:
@@ -347,6 +347,10 @@ token = security.admin_token.read_text().strip()
 flaps_tls = grpc.composite_channel_credentials(
     grpc.ssl_channel_credentials(ca), grpc.access_token_call_credentials(token))
 member_tls = grpc.ssl_channel_credentials(ca, cli.key.read_bytes(), cli.cert.read_bytes())
+# A worker's events are for flaps' certificate only (flyd.access).
+as_flaps = security.cert("flaps")
+flaps_tls_member = grpc.ssl_channel_credentials(
+    ca, as_flaps.key.read_bytes(), as_flaps.cert.read_bytes())
 
 def config(side, code=""):
     c = pb.MachineConfig(
@@ -372,12 +376,12 @@ def get(i):
     except OSError as err:
         return [i, sent, time.monotonic(), 0, repr(err)]
 
-def member(address):
+def member(address, credentials=member_tls):
     return grpc.secure_channel(
-        address, member_tls, options=[("grpc.ssl_target_name_override", CLUSTER_NAME)])
+        address, credentials, options=[("grpc.ssl_target_name_override", CLUSTER_NAME)])
 
 out = {"history": []}
-with grpc.secure_channel(flaps, flaps_tls) as ch, member(worker_b) as wch:
+with grpc.secure_channel(flaps, flaps_tls) as ch, member(worker_b, flaps_tls_member) as wch:
     machines = machines_pb2_grpc.MachinesServiceStub(ch)
     admins = [proxy_pb2_grpc.ProxyServiceStub(member(a)) for a in proxies_grpc]
     primary = machines.CreateMachine(m.CreateMachineRequest(

@@ -113,7 +113,7 @@ async def machine(c: Cluster, machine_id: str) -> pb.Machine:
 async def events(c: Cluster, m: pb.Machine) -> list[pb.MachineEvent]:
     sec = c.hosts.security
     assert sec is not None
-    async with aio_channel(c.workers[m.worker_id], tls=sec.member_tls()) as ch:
+    async with aio_channel(c.workers[m.worker_id], tls=sec.member_tls("flaps")) as ch:
         stub = worker_pb2_grpc.WorkerServiceStub(ch)
         resp = await stub.ListMachineEvents(w.ListMachineEventsRequest(machine_id=m.id), timeout=10)
     return list(resp.events)

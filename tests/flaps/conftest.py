@@ -64,7 +64,7 @@ class Fleet:
             self.prefix,
             "--heartbeat-interval",
             "0.1",
-            *(self.security.worker_args("flyd") if self.security else ()),
+            *(self.security.worker_args(worker_id) if self.security else ()),
             *extra,
         )
         proc = ServiceProcess(
@@ -114,7 +114,8 @@ class Fleet:
         return platform_pb2_grpc.PlatformServiceStub(self._flaps_channel(i))
 
     def worker(self, worker_id: str) -> worker_pb2_grpc.WorkerServiceStub:
-        tls = self.security.member_tls() if self.security else None
+        """A worker, called as flaps calls it: only flaps' certificate may (flyd.access)."""
+        tls = self.security.member_tls("flaps") if self.security else None
         return worker_pb2_grpc.WorkerServiceStub(
             self._channel(self.workers[worker_id].address, tls)
         )

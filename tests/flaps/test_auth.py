@@ -1,10 +1,12 @@
-"""Who may call flaps for what: every Machines and Platform RPC against every kind of token.
+"""Who may call flaps for what: every Machines and Platform RPC against every kind of token,
+and every RPC of its cluster port against every role of certificate.
 
 flaps runs in-process as flaps.main wires it (servicers guarded by flaps.auth, then wrapped
-by map_error), over TLS with a cluster port, in front of the fake fleet of
-tests/flaps/support.py. App `a` has machine A and app `b` machine B. Each request in `CALLS`
-is harmless when allowed (an unknown signal, a bad config, destroying a started machine
-without force...): what is checked is whether the call got past the token, not what it did.
+by map_error; the registry and the token service by their role tables), over TLS with a
+cluster port, in front of the fake fleet of tests/flaps/support.py. App `a` has machine A and
+app `b` machine B. Each request in `CALLS` is harmless when allowed (an unknown signal, a bad
+config, destroying a started machine without force...): what is checked is whether the call
+got past the token, not what it did.
 """
 
 from __future__ import annotations
@@ -22,23 +24,25 @@ import structlog
 from pymacaroons import Macaroon
 
 from flaps import auth, placement
-from flaps.auth import Authorizer, KeySource
+from flaps.auth import Authorizer, KeySource, RevocationList, TokenVerifier
 from flaps.errors import map_error
 from flaps.service import Exchange, MachinesServicer, PlatformServicer, Workers
-from flaps.tokens import InvalidToken, Keyring, attenuate, caveats, new_key_line
+from flaps.tokens import DEFAULT_TTL, InvalidToken, Keyring, attenuate, caveats, new_key_line
 from flaps.tokens import inspect as inspect_token
 from flaps.v1 import machines_pb2 as m
-from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
+from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc, tokens_pb2, tokens_pb2_grpc
+from flaps.verify import TOKEN_ACCESS, TokenServicer
 from flyd.v1 import machine_pb2 as pb
 from nonomad.security import ClusterSecurity
 from registry.replica import Replica
 from registry.service import serve_replica
 from registry.v1 import registry_pb2, registry_pb2_grpc
-from runtime import Service, ServiceSettings
-from runtime.pki import ClusterCA, ClusterMembers, write_private
+from runtime import CLUSTER_NAME, ChannelTLS, Service, ServiceSettings, access
+from runtime.pki import ClusterCA, ClusterMembers, Identity, part_role, write_private
 from tests.flaps.support import FakeFleet, fake_fleet
 from tests.flyd.support import config
 from tests.harness import channel, error_info
+from tests.roles import legacy_certificate
 from tests.servicers import T, seconds, serving
 
 DENIED = grpc.StatusCode.PERMISSION_DENIED
@@ -57,6 +61,8 @@ class Flaps:
     fleet: FakeFleet
     security: ClusterSecurity
     keyring: list[Keyring]  # [the keys flaps verifies with]: a test may rotate them
+    revoked: list[frozenset[str]]  # [the ids flaps refuses]: a test may revoke tokens
+    replica: Replica  # flaps' own replica (the one its registry service serves)
     a: str = ""
     b: str = ""
 
@@ -73,7 +79,9 @@ async def flaps(tmp_path: Path, security: ClusterSecurity) -> AsyncIterator[Flap
         workers = Workers(fleet.replica)
         exchange = Exchange(fleet.replica, workers, placement.Pipeline())
         keyring = [Keyring.parse(KEY)]
-        authorizer = Authorizer(lambda: keyring[0], exchange.app_of, ClusterMembers(security.ca))
+        revoked: list[frozenset[str]] = [frozenset()]
+        tokens = TokenVerifier(lambda: keyring[0], lambda: revoked[0])
+        authorizer = Authorizer(tokens, exchange.app_of, ClusterMembers(security.ca))
         cert = security.cert("flaps")
         service = Service(
             "flaps",
@@ -102,15 +110,18 @@ async def flaps(tmp_path: Path, security: ClusterSecurity) -> AsyncIterator[Flap
         # Its own replica, knowing a worker: a Follow call has a snapshot to answer with.
         replica = Replica()
         replica.add_worker(fleet.workers["w1"].worker.info())
-        serve_replica(
+        serve_replica(service, replica, [])
+        access.add(
             service,
-            replica,
-            [],
-            lambda servicer, descriptor: auth.guard(servicer, descriptor, authorizer),
+            TOKEN_ACCESS,
+            TokenServicer(tokens),
+            tokens_pb2_grpc.add_TokenServiceServicer_to_server,
+            tokens_pb2.DESCRIPTOR.services_by_name["TokenService"],
+            map_error,
         )
         async with serving(service) as address:
             assert service.cluster_address is not None
-            f = Flaps(address, service.cluster_address, fleet, security, keyring)
+            f = Flaps(address, service.cluster_address, fleet, security, keyring, revoked, replica)
             admin = f.stub(machines_pb2_grpc.MachinesServiceStub, f.mint())
             for app in ("a", "b"):
                 request = m.CreateMachineRequest(app=app, region="ams", config=config())
@@ -124,7 +135,7 @@ async def flaps(tmp_path: Path, security: ClusterSecurity) -> AsyncIterator[Flap
 # -- the table: every RPC, a harmless request on app a's or app b's machine ----------------------
 
 Call = tuple[str, str, Callable[[str, str], Any]]  # (service, rpc, request(machine id, app))
-MACHINES, PLATFORM, REGISTRY = "machines", "platform", "registry"
+MACHINES, PLATFORM, REGISTRY, TOKENS = "machines", "platform", "registry", "tokens"
 BAD_SIGNAL = "SIGNOPE"
 
 CALLS: list[Call] = [
@@ -169,6 +180,10 @@ REGISTRY_CALLS: list[Call] = [
     (REGISTRY, "Follow", lambda mid, app: registry_pb2.FollowRequest()),
     (REGISTRY, "ListSlot", lambda mid, app: registry_pb2.ListSlotRequest(app=app, slot="s")),
 ]  # fmt: skip
+# The token service: for the edge's certificate only.
+TOKEN_CALLS: list[Call] = [
+    (TOKENS, "VerifyToken", lambda mid, app: tokens_pb2.VerifyTokenRequest(token="not-a-token")),
+]
 READS = {
     "GetMachine",
     "ListMachines",
@@ -179,26 +194,32 @@ READS = {
 }
 FLEET = {"ListRegions": "regions", "ListWorkers": "workers", "CordonWorker": "cordon"}
 WATCH = "WatchPlacements"
-"""Every app's decisions: read and regions on every app."""
+"""Every app's decisions: read and regions, with an operator token."""
 
 
-def test_the_table_covers_every_rpc_and_every_rpc_has_a_rule() -> None:
-    served = {
-        f"/{d.full_name}/{method.name}"
-        for d in (
-            m.DESCRIPTOR.services_by_name["MachinesService"],
-            platform_pb2.DESCRIPTOR.services_by_name["PlatformService"],
-        )
-        for method in d.methods
-    }
-    assert {rpc for _, rpc, _ in CALLS} == {name.rsplit("/", 1)[1] for name in served}
-    assert set(auth.RULES) == served
+def test_the_tables_cover_every_rpc_and_every_rpc_has_a_rule() -> None:
+    def served(*services: Any) -> set[str]:
+        return {f"/{d.full_name}/{method.name}" for d in services for method in d.methods}
+
+    api = served(
+        m.DESCRIPTOR.services_by_name["MachinesService"],
+        platform_pb2.DESCRIPTOR.services_by_name["PlatformService"],
+    )
+    cluster_only = served(
+        registry_pb2.DESCRIPTOR.services_by_name["RegistryService"],
+        tokens_pb2.DESCRIPTOR.services_by_name["TokenService"],
+    )
+    assert {rpc for _, rpc, _ in CALLS} == {name.rsplit("/", 1)[1] for name in api}
+    calls = [*REGISTRY_CALLS, *TOKEN_CALLS]
+    assert {rpc for _, rpc, _ in calls} == {name.rsplit("/", 1)[1] for name in cluster_only}
+    assert set(auth.RULES) == set(auth.PEER_ACCESS) == api
 
 
 STUBS: dict[str, Any] = {
     MACHINES: machines_pb2_grpc.MachinesServiceStub,
     PLATFORM: platform_pb2_grpc.PlatformServiceStub,
     REGISTRY: registry_pb2_grpc.RegistryServiceStub,
+    TOKENS: tokens_pb2_grpc.TokenServiceStub,
 }
 
 
@@ -206,8 +227,8 @@ async def outcome(
     f: Flaps, call: Call, token: str | None, app: str, peer: str | None = None
 ) -> grpc.aio.AioRpcError | None:
     """Make the call on app `app` (its machine) with `token`, or on flaps' cluster port with
-    the cluster certificate `peer`: None if it got past the check, else the error that stopped
-    it there (UNAUTHENTICATED or PERMISSION_DENIED)."""
+    the cluster certificate of part `peer`: None if it got past the check, else the error that
+    stopped it there (UNAUTHENTICATED or PERMISSION_DENIED)."""
     service, rpc, request = call
     if peer is None:
         stub = f.stub(STUBS[service], token)
@@ -296,7 +317,17 @@ BAD_TOKENS: list[tuple[str, Callable[[Flaps], str | None], str]] = [
     ("unknown key", lambda f: f.mint(keys=ROTATED), "a key this flaps does not hold"),
     # A caveat flaps does not understand fails closed, whoever added it.
     ("unknown caveat", lambda f: with_caveat(f.mint(), "region = ams"), "unknown key 'region'"),
+    # Minted before every token had to expire: refused, not honoured for ever.
+    ("never expires", lambda f: unexpiring(KEY), "never expires"),
 ]
+
+
+def unexpiring(keys: str) -> str:
+    """A token as `mint` made them before expiries were required: no `expires` caveat."""
+    key_id, _, secret = keys.partition(" ")
+    key = base64.urlsafe_b64decode(secret + "=" * (-len(secret) % 4))
+    return str(Macaroon(location="nonomad", identifier=f"nonomad1 {key_id} 0123456789abcdef",
+                        key=key).serialize())  # fmt: skip
 
 
 def with_caveat(token: str, text: str) -> str:
@@ -343,11 +374,12 @@ async def test_attenuation_only_narrows_on_every_rpc(flaps: Flaps) -> None:
             assert await denial(flaps, call, narrowed, app) == expected, (rpc, app)
             assert await denial(flaps, call, widened, app) == expected, (rpc, app)
         # A machines caveat allows calls on those machines and calls that name none (a list
-        # is filtered), and refuses every create.
-        creates = rpc in ("CreateMachine", "SimulatePlacement")
-        names_one = rpc not in ("ListMachines", WATCH, *FLEET) and not creates
-        assert await denial(flaps, call, one_machine, "a") == (only_a if creates else None), rpc
-        on_b = only_a if creates or names_one else None
+        # is filtered), and refuses every create and every fleet operation (those take an
+        # operator token).
+        refused = rpc in ("CreateMachine", "SimulatePlacement", WATCH, *FLEET)
+        names_one = rpc != "ListMachines" and not refused
+        assert await denial(flaps, call, one_machine, "a") == (only_a if refused else None), rpc
+        on_b = only_a if refused or names_one else None
         assert await denial(flaps, call, one_machine, "b") == on_b, rpc
 
 
@@ -398,50 +430,93 @@ def test_the_keys_file_is_read_again_when_it_changes(tmp_path: Path) -> None:
         KeySource(path)
 
 
-REPLICA = {"Announce", "ListMembers", "Follow", "ListSlot"}
-LOOKS = READS | {"ListRegions", "ListWorkers", "WatchPlacements"} | (REPLICA - {"Announce"})
+FOLLOW = {"ListMembers", "Follow"}
+OPERATOR_READS = READS | {"ListRegions", "ListWorkers", "WatchPlacements"}
 PEERS: list[tuple[str, set[str]]] = [
-    # Promotes a standby, starts a stopped machine for a request, stops an idle one, tells an
-    # outranked copy (and so may restart one: a stop, then a start); its replica follows
-    # flaps' and passes announces on.
-    ("proxy", REPLICA | {"StartMachine", "StopMachine", "RestartMachine", "SupersedeMachine"}),
-    ("console", LOOKS),
-    ("cli", LOOKS),
-    ("flyd-w1", REPLICA),  # announces itself, asks a slot's claims
-    ("flyd", REPLICA),
-    ("registry", REPLICA),
-    ("flaps", REPLICA),
-    ("intruder", set()),  # signed by the cluster CA, but no part of it
+    # Starts a stopped machine for a request or promotes a standby, stops an idle one, tells
+    # an outranked copy; its replica follows flaps'; it asks flaps about the tokens of pins.
+    ("proxy", FOLLOW | {"StartMachine", "StopMachine", "SupersedeMachine", "VerifyToken"}),
+    ("console", FOLLOW),  # its replica; it reads the rest with its token, on the public port
+    ("cli", OPERATOR_READS),  # the operator reads; every change takes a token
+    ("flyd-w1", {"ListSlot"}),  # its Announce of "Not A Worker" is refused: not itself
+    ("registry", FOLLOW | {"Announce"}),  # a relay: passes on what workers told it
+    ("flaps", FOLLOW | {"Announce"}),
 ]
-"""What each cluster certificate may call on flaps' cluster port; everything else is
-PERMISSION_DENIED naming the certificate."""
+"""What the certificate of each part may call on flaps' cluster port; everything else is
+PERMISSION_DENIED naming the certificate and its role."""
+
+
+def role_denied(err: grpc.aio.AioRpcError | None, part: str, role: str | None) -> bool:
+    """Whether the call was refused for its certificate's role, naming both."""
+    if err is None or err.code() != DENIED:
+        return False
+    info = error_info(err)
+    assert info is not None
+    assert (info[0], info[2]["certificate"], info[2]["role"]) == (
+        "CERTIFICATE_ROLE",
+        part,
+        role or "",
+    ), info
+    assert f"cluster certificate {part!r}" in (err.details() or "")
+    return True
 
 
 @pytest.mark.parametrize(("peer", "allowed"), PEERS, ids=[p[0] for p in PEERS])
-async def test_each_cluster_certificate_may_call_what_its_part_needs(
+async def test_each_cluster_certificate_may_call_what_its_role_needs(
     flaps: Flaps, peer: str, allowed: set[str]
 ) -> None:
-    ClusterCA.ensure(flaps.security.ca.parent).issue(peer)  # made once, then reused
-    assert auth.peer_ops(peer) or not allowed
-    for call in [*CALLS, *REGISTRY_CALLS]:
+    role = part_role(peer)
+    ClusterCA.ensure(flaps.security.ca.parent).issue(peer, role)  # made once, then reused
+    for call in [*CALLS, *REGISTRY_CALLS, *TOKEN_CALLS]:
         rpc = call[1]
         err = await outcome(flaps, call, None, "b", peer=peer)
         if rpc in allowed:
             assert err is None, (peer, rpc, err and err.details())
-            continue
-        assert err is not None, (peer, rpc)
-        assert err.code() == DENIED, (peer, rpc)
-        info = error_info(err)
-        assert info is not None
-        assert (info[0], info[2]["certificate"]) == ("CERTIFICATE_ROLE", peer), (peer, rpc)
-        assert f"cluster certificate {peer!r}" in (err.details() or "")
+        else:
+            assert role_denied(err, peer, role), (peer, rpc, err and err.details())
+            assert f"role {role}" in (err.details() or ""), (peer, rpc)
 
 
-def test_every_registry_rpc_is_one_a_cluster_certificate_may_be_given() -> None:
-    registry = registry_pb2.DESCRIPTOR.services_by_name["RegistryService"]
-    names = {f"/{registry.full_name}/{method.name}" for method in registry.methods}
-    assert set(auth.REGISTRY_OPS) == names
-    assert {call[1] for call in REGISTRY_CALLS} == {n.rsplit("/", 1)[1] for n in names}
+async def test_a_certificate_without_a_role_is_refused_everything(flaps: Flaps) -> None:
+    """One made before roles (its subject a common name only), signed by the cluster's CA:
+    no part of today's cluster."""
+    old = legacy_certificate(flaps.security.ca.parent, "proxy")
+    tls = ChannelTLS(ca=flaps.security.ca, cert=old.cert, key=old.key, server_name=CLUSTER_NAME)
+    for service, rpc, request in [*CALLS, *REGISTRY_CALLS, *TOKEN_CALLS]:
+        stub = STUBS[service](channel(flaps.cluster_address, tls))
+        answer = getattr(stub, rpc)(request(flaps.b, "b"), timeout=T)
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await (answer.read() if isinstance(answer, grpc.aio.UnaryStreamCall) else answer)
+        assert raised.value.code() == DENIED, rpc
+        assert "names no role" in (raised.value.details() or ""), rpc
+
+
+async def test_a_worker_announces_itself_and_no_other(flaps: Flaps) -> None:
+    """Attack 3 on flaps' cluster port: a worker's certificate (or any other part's) setting
+    another worker's address. Refused, and the address flaps knows is unchanged."""
+    w1 = flaps.fleet.workers["w1"].worker.info()
+    ClusterCA.ensure(flaps.security.ca.parent).issue("flyd-w2", "flyd")
+    spoofed = pb.WorkerInfo()
+    spoofed.CopyFrom(w1)
+    spoofed.address = "127.0.0.1:9"
+    for part in ("flyd-w2", "proxy", "console", "cli"):
+        stub = registry_pb2_grpc.RegistryServiceStub(
+            channel(flaps.cluster_address, flaps.security.member_tls(part))
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await stub.Announce(registry_pb2.AnnounceRequest(worker=spoofed), timeout=T)
+        assert role_denied(raised.value, part, part_role(part)), part
+        why = "announces only itself" if part == "flyd-w2" else "flaps, flyd, registry may"
+        assert why in (raised.value.details() or ""), (part, raised.value.details())
+        view = flaps.replica.worker("w1")
+        assert view is not None
+        assert view.info.address == w1.address, part
+    itself = registry_pb2_grpc.RegistryServiceStub(
+        channel(flaps.cluster_address, flaps.security.member_tls("flyd-w2"))
+    )
+    w2 = flaps.fleet.workers["w2"].worker.info()
+    await itself.Announce(registry_pb2.AnnounceRequest(worker=w2), timeout=T)
+    assert flaps.replica.worker("w2") is not None
 
 
 async def test_the_registry_is_for_the_clusters_parts_only(flaps: Flaps) -> None:
@@ -452,13 +527,13 @@ async def test_the_registry_is_for_the_clusters_parts_only(flaps: Flaps) -> None
     with pytest.raises(grpc.aio.AioRpcError) as raised:
         await public.ListMembers(request, timeout=T)
     assert raised.value.code() == DENIED
-    assert "cluster" in (raised.value.details() or "")
+    assert "cluster certificate" in (raised.value.details() or "")
     member = registry_pb2_grpc.RegistryServiceStub(
-        channel(flaps.cluster_address, flaps.security.member_tls())
+        channel(flaps.cluster_address, flaps.security.member_tls("console"))
     )
     await member.ListMembers(request, timeout=T)
     # A part of the cluster may use the Machines API too, with no token, as far as its role
-    # goes (the CLI's certificate reads).
+    # goes (the operator's certificate reads).
     machines = machines_pb2_grpc.MachinesServiceStub(
         channel(flaps.cluster_address, flaps.security.member_tls())
     )
@@ -495,11 +570,13 @@ def test_only_the_cluster_cas_certificates_make_a_part_of_the_cluster(
 ) -> None:
     members = ClusterMembers(security.ca)
     proxy = security.cert("proxy").cert.read_bytes()
-    stranger = ClusterCA.ensure(tmp_path / "other").issue("proxy").cert.read_bytes()
-    assert members.name_of(_Context(proxy)) == "proxy"
-    assert members.name_of(_Context(proxy)) == "proxy"  # remembered
-    assert members.name_of(_Context(stranger)) is None  # another CA, the same name
-    assert members.name_of(_Context(None)) is None
+    stranger = ClusterCA.ensure(tmp_path / "other").issue("proxy", "proxy").cert.read_bytes()
+    old = legacy_certificate(security.ca.parent, "old-proxy").cert.read_bytes()
+    assert members.identity_of(_Context(proxy)) == Identity("proxy", "proxy")
+    assert members.identity_of(_Context(proxy)) == Identity("proxy", "proxy")  # remembered
+    assert members.identity_of(_Context(stranger)) is None  # another CA, the same name
+    assert members.identity_of(_Context(None)) is None
+    assert members.identity_of(_Context(old)) == Identity("old-proxy", None)  # no role
 
 
 def test_a_token_known_by_its_digest_still_expires() -> None:
@@ -603,3 +680,112 @@ async def test_every_line_a_call_logs_names_its_token(flaps: Flaps) -> None:
     }
     assert all(e.get("token_id") == token_id for e in mine), mine
     assert token not in repr(logs)
+
+
+# -- fleet operations, expiry, revocation --------------------------------------------------------
+
+FLEET_CALLS = [call for call in CALLS if call[1] in FLEET or call[1] == WATCH]
+
+
+@pytest.mark.parametrize("ops", ["*", "admin", "read,regions,workers,cordon"])
+async def test_an_app_token_never_reaches_fleet_operations(flaps: Flaps, ops: str) -> None:
+    """Attack 4: a token for app `evil` with every operation (or the admin ones) lists, watches
+    and cordons nothing; an operator token does. Nothing changed: w1 is not cordoned."""
+    evil = flaps.mint("apps = evil", f"ops = {ops}")
+    for call in FLEET_CALLS:
+        got = await outcome(flaps, call, evil, "a")
+        if call[1] == WATCH and ops == "admin":  # it reads too: its ops refuse it first
+            assert denied_by(got, "ops = admin"), call[1]
+            continue
+        assert denied_by(got, "apps = evil"), call[1]
+        assert got is not None
+        assert "operator token" in (got.details() or ""), call[1]
+    cordon = platform_pb2.CordonWorkerRequest(worker_id="w1", cordoned=True)
+    platform = flaps.stub(platform_pb2_grpc.PlatformServiceStub, evil)
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await platform.CordonWorker(cordon, timeout=T)
+    assert raised.value.code() == DENIED
+    assert not flaps.fleet.workers["w1"].worker.cordoned
+    operator = flaps.mint("ops = admin,read")
+    for call in FLEET_CALLS:
+        assert await outcome(flaps, call, operator, "a") is None, call[1]
+    assert await outcome(flaps, FLEET_CALLS[0], flaps.mint("apps = *", "ops = *"), "a") is None
+
+
+def test_every_minted_token_expires_by_default() -> None:
+    keys = Keyring.parse(KEY)
+    now = 1_800_000_000.0
+    token = keys.mint(caveats(apps=["a"], ops=["read"]), now=now)
+    grant = keys.verify(token, now=now)
+    assert grant.expires == int(now + DEFAULT_TTL)
+    assert keys.verify(token, now=now + DEFAULT_TTL - 1).token_id == grant.token_id
+    with pytest.raises(InvalidToken, match="expired at"):
+        keys.verify(token, now=now + DEFAULT_TTL)
+    # An expiry the caveats set is the one it has; none is added.
+    short = keys.mint([f"expires = {int(now) + 60}"], now=now)
+    assert inspect_token(short).caveats == (f"expires = {int(now) + 60}",)
+    with pytest.raises(InvalidToken, match="never expires"):
+        keys.verify(unexpiring(KEY), now=now)
+
+
+async def test_a_revoked_token_is_refused_on_every_rpc(flaps: Flaps) -> None:
+    token, other = flaps.mint(), flaps.mint()
+    revoked = inspect_token(token).token_id
+    flaps.revoked[0] = frozenset({revoked})
+    for call in CALLS:
+        err = await outcome(flaps, call, token, "a")
+        assert err is not None
+        assert err.code() == UNAUTHENTICATED, call[1]
+        assert f"token {revoked} was revoked" in (err.details() or ""), call[1]
+        assert await outcome(flaps, call, other, "a") is None, call[1]
+
+
+def test_the_revocation_list_is_read_again_when_it_changes(tmp_path: Path) -> None:
+    path = tmp_path / "revoked-tokens"
+    source = RevocationList(path)  # none yet: nothing revoked
+    assert source.revoked == frozenset()
+    write_private(path, b"0123456789abcdef  # revoked 2025-01-01T00:00:00Z: lost laptop\n")
+    assert source.reload()
+    assert source.revoked == {"0123456789abcdef"}
+    assert not source.reload()  # unchanged
+    # A broken file does not un-revoke anything.
+    write_private(path, b"0123456789abcdef\nnot-an-id\n")
+    assert not source.reload()
+    assert source.revoked == {"0123456789abcdef"}
+    with pytest.raises(ValueError, match="line 2: 'not-an-id' is not a token id"):
+        RevocationList(path)
+
+
+async def test_only_the_proxy_has_tokens_verified_and_it_gets_their_grant(flaps: Flaps) -> None:
+    """The edge holds no root keys: flaps verifies a token for it (flaps.verify), on its
+    cluster port, for the proxy's certificate only."""
+    token = flaps.mint("apps = a", "ops = read")
+    info = inspect_token(token)
+    proxy = tokens_pb2_grpc.TokenServiceStub(
+        channel(flaps.cluster_address, flaps.security.member_tls("proxy"))
+    )
+    got = await proxy.VerifyToken(tokens_pb2.VerifyTokenRequest(token=token), timeout=T)
+    assert (got.refused, got.token_id) == ("", info.token_id)
+    assert list(got.caveats) == list(info.caveats)
+    assert got.expires.seconds == int(info.caveats[-1].rpartition(" ")[2])
+    for bad, why in [
+        (tampered(token), "bad signature"),
+        (flaps.mint(f"expires = {int(time.time()) - 1}"), "expired at"),
+        ("garbage", "not a nonomad token"),
+    ]:
+        refused = await proxy.VerifyToken(tokens_pb2.VerifyTokenRequest(token=bad), timeout=T)
+        assert why in refused.refused
+        assert not refused.token_id, why
+    flaps.revoked[0] = frozenset({info.token_id})
+    refused = await proxy.VerifyToken(tokens_pb2.VerifyTokenRequest(token=token), timeout=T)
+    assert refused.refused == f"token {info.token_id} was revoked"
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await proxy.VerifyToken(tokens_pb2.VerifyTokenRequest(token=" "), timeout=T)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "token: is required" in (raised.value.details() or "")
+    public = tokens_pb2_grpc.TokenServiceStub(
+        channel(flaps.address, flaps.security.client_tls(), flaps.mint())
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await public.VerifyToken(tokens_pb2.VerifyTokenRequest(token=token), timeout=T)
+    assert raised.value.code() == DENIED

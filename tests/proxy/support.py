@@ -17,7 +17,7 @@ import os
 import secrets
 import socket
 import subprocess
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,9 +26,11 @@ import grpc
 from google.protobuf.duration_pb2 import Duration
 from opentelemetry.trace import Tracer
 
-from flaps.tokens import read_token
+from flaps.auth import TokenVerifier
+from flaps.tokens import Keyring, read_token
 from flaps.v1 import machines_pb2 as m
-from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
+from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc, tokens_pb2
+from flaps.verify import TokenServicer
 from flyd import slots
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
@@ -401,7 +403,7 @@ class ProxyFleet:
             self.prefix,
             "--heartbeat-interval",
             "0.1",
-            *(self.security.worker_args("flyd") if self.security else ()),
+            *(self.security.worker_args(worker_id) if self.security else ()),
             *extra,
         )
         return ServiceProcess(
@@ -489,15 +491,16 @@ class ProxyFleet:
         self.proxies.append(proc)
         return proc
 
-    def _channel(self, address: str, *, flaps: bool = False) -> grpc.aio.Channel:
-        """A channel to flaps (TLS, the admin token) or to another part (mutual TLS)."""
+    def _channel(self, address: str, *, flaps: bool = False, part: str = "cli") -> grpc.aio.Channel:
+        """A channel to flaps (TLS, the admin token) or to another part (mutual TLS, with the
+        certificate of `part`: the operator's by default)."""
         security = self.security
         if security is None:
             made = channel(address)
         elif flaps:
             made = channel(address, security.client_tls(), read_token(security.admin_token))
         else:
-            made = channel(address, security.member_tls())
+            made = channel(address, security.member_tls(part))
         self.channels.append(made)
         return made
 
@@ -524,7 +527,9 @@ class ProxyFleet:
         return machines_pb2_grpc.MachinesServiceStub(self._channel(self.flaps.address, flaps=True))
 
     def worker(self, worker_id: str) -> worker_pb2_grpc.WorkerServiceStub:
-        return worker_pb2_grpc.WorkerServiceStub(self._channel(self.workers[worker_id].address))
+        """A worker, called as flaps calls it: only flaps' certificate may (flyd.access)."""
+        address = self.workers[worker_id].address
+        return worker_pb2_grpc.WorkerServiceStub(self._channel(address, part="flaps"))
 
     def admin(self, i: int = 0) -> proxy_pb2_grpc.ProxyServiceStub:
         return proxy_pb2_grpc.ProxyServiceStub(self._channel(self.proxies[i].address))
@@ -647,7 +652,7 @@ async def proxy_fleet(
     """A ProxyFleet under `tmp`; `secure`: with a CA, certificates and keys of its own."""
     import uuid
 
-    parts = ["flaps", "proxy", "registry", "flyd"]
+    parts = ["flaps", "proxy", "registry", "console"]  # each worker's: when it starts
     security = provision(tmp / "security", parts) if secure else None
     fleet = ProxyFleet(
         tmp,
@@ -800,3 +805,16 @@ class Netns:
     def remove(self) -> None:
         for name in (self.a, self.b):
             _ip("netns", "del", name)
+
+
+def flaps_verifies(
+    keys: Keyring, revoked: Callable[[], frozenset[str]] = frozenset
+) -> Callable[[str], Awaitable[tokens_pb2.VerifyTokenResponse]]:
+    """What the proxy's FlapsClient.verify_token gets from a flaps holding `keys`: flaps' own
+    TokenServicer, called in process (tests/flaps/test_auth.py calls it over gRPC)."""
+    servicer = TokenServicer(TokenVerifier(lambda: keys, revoked))
+
+    async def verify(token: str) -> tokens_pb2.VerifyTokenResponse:
+        return await servicer.VerifyToken(tokens_pb2.VerifyTokenRequest(token=token), None)  # type: ignore[arg-type]
+
+    return verify

@@ -2,7 +2,8 @@
 (`nonomad-*`) to itself, and lets a request pin a machine only with a token that may read it.
 
 HttpProxy against real backends on 127.0.0.1 and the fake router, with the pin check the
-proxy builds from flaps' root keys; the router's own refusal of another app's machine is
+proxy builds on flaps' answers about tokens (here flaps' own TokenServicer, called in
+process: tests/proxy/test_pins.py); the router's own refusal of another app's machine is
 checked on the real Router over fakes.
 """
 
@@ -13,10 +14,10 @@ import pytest
 from flaps.tokens import Keyring, new_key_line
 from proxy.errors import NoBackend
 from proxy.http import HttpProxy
-from proxy.pins import pin_check
+from proxy.pins import Grants, pin_check
 from proxy.stats import Stats
 from tests.proxy.http_support import DOMAIN, FakeRouter, TestBackend, echo, edge
-from tests.proxy.support import fleet, machine, world
+from tests.proxy.support import flaps_verifies, fleet, machine, world
 
 KEYS = Keyring.parse(new_key_line("k1"))
 PIN = "nonomad-force-instance-id"
@@ -64,7 +65,7 @@ async def test_a_pin_is_honoured_only_with_a_token_that_may_read_the_app(
     headers = [(PIN, "m-2")] + ([("nonomad-token", token)] if token else [])
     try:
         router = FakeRouter({"web": [one.backend(), two.backend()]})
-        async with edge(router, pin_check=pin_check(lambda: KEYS)) as e:
+        async with edge(router, pin_check=pin_check(Grants(flaps_verifies(KEYS)))) as e:
             resp = await e.get("web", headers=headers)
     finally:
         await one.stop()
@@ -77,7 +78,7 @@ async def test_a_pin_is_honoured_only_with_a_token_that_may_read_the_app(
         assert (one.requests, two.requests) == ([], [])
 
 
-async def test_a_proxy_without_token_keys_pins_nothing() -> None:
+async def test_a_proxy_without_flaps_pins_nothing() -> None:
     one = await TestBackend("m-1", echo).start()
     try:
         async with edge(FakeRouter({"web": [one.backend()]}), pin_check=pin_check(None)) as e:
@@ -86,7 +87,7 @@ async def test_a_proxy_without_token_keys_pins_nothing() -> None:
     finally:
         await one.stop()
     assert pinned.status == 403
-    assert "no token keys" in pinned.text
+    assert "no flaps to verify tokens with" in pinned.text
     assert plain.status == 200
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import structlog
 
-from runtime.pki import ClusterCA
+from runtime.pki import OPERATOR, ClusterCA
 
 
 @pytest.fixture(autouse=True)
@@ -53,8 +53,8 @@ class Certs:
 @pytest.fixture(scope="session")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
     ca = ClusterCA.ensure(tmp_path_factory.mktemp("certs"))
-    server, client = ca.issue("server"), ca.issue("test-client")
-    stranger = ClusterCA.ensure(tmp_path_factory.mktemp("stranger")).issue("test-client")
+    server, client = ca.issue("server", "flaps"), ca.issue("test-client", OPERATOR)
+    stranger = ClusterCA.ensure(tmp_path_factory.mktemp("stranger")).issue("test-client", OPERATOR)
     return Certs(
         ca=ca.path,
         server_cert=server.cert,

@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 import grpc.aio
 import pytest
+from cryptography import x509
 from prometheus_client import Counter
 
 from runtime import (
@@ -21,7 +22,8 @@ from runtime import (
     aio_channel,
     load_settings,
 )
-from runtime.pki import ClusterCA
+from runtime.pki import OPERATOR, ClusterCA, Identity, part_role
+from tests.roles import legacy_certificate
 from tests.runtime import _echo
 from tests.runtime._support import running
 from tests.runtime.conftest import Certs
@@ -114,9 +116,9 @@ async def test_metrics_endpoint_serves_the_registry(capsys: pytest.CaptureFixtur
 
 def test_cluster_ca_reuses_what_it_signed_and_keeps_keys_private(tmp_path: Path) -> None:
     ca = ClusterCA.ensure(tmp_path / "tls")
-    first = ca.issue("flaps")
+    first = ca.issue("flaps", "flaps")
     pem = first.cert.read_bytes()
-    assert ClusterCA.ensure(tmp_path / "tls").issue("flaps") == first
+    assert ClusterCA.ensure(tmp_path / "tls").issue("flaps", "flaps") == first
     assert first.cert.read_bytes() == pem
     for path in (ca.path, tmp_path / "tls" / "ca.key", first.cert, first.key):
         assert path.stat().st_mode & 0o777 == 0o600, path
@@ -124,5 +126,48 @@ def test_cluster_ca_reuses_what_it_signed_and_keeps_keys_private(tmp_path: Path)
     other = ClusterCA.ensure(tmp_path / "other")
     (tmp_path / "other" / "flaps.pem").write_bytes(first.cert.read_bytes())
     (tmp_path / "other" / "flaps.key").write_bytes(first.key.read_bytes())
-    reissued = other.issue("flaps")
+    reissued = other.issue("flaps", "flaps")
     assert reissued.cert.read_bytes() != first.cert.read_bytes()
+
+
+def _identity(path: Path) -> Identity:
+    return Identity.of(x509.load_pem_x509_certificate(path.read_bytes()))
+
+
+def test_every_certificate_names_its_role_and_one_without_is_issued_again(
+    tmp_path: Path,
+) -> None:
+    ca = ClusterCA.ensure(tmp_path / "tls")
+    worker = ca.issue("flyd-ams-1", "flyd")
+    assert _identity(worker.cert) == Identity("flyd-ams-1", "flyd")
+    assert _identity(worker.cert).worker_id == "ams-1"
+    assert _identity(ca.issue("cli", OPERATOR).cert).worker_id is None
+    # Made before roles (a common name only): issued again, in its role, by the same call.
+    old = legacy_certificate(tmp_path / "tls", "proxy")
+    old.cert.rename(tmp_path / "tls" / "proxy.pem")
+    old.key.rename(tmp_path / "tls" / "proxy.key")
+    assert _identity(tmp_path / "tls" / "proxy.pem") == Identity("proxy", None)
+    assert _identity(ca.issue("proxy", "proxy").cert) == Identity("proxy", "proxy")
+    # Another role asked for the same part: issued again too.
+    assert _identity(ca.issue("proxy", "console").cert) == Identity("proxy", "console")
+    for name, role, words in [
+        ("flyd", "flyd", "flyd-<worker id>"),
+        ("proxy", "admin", "not one of"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            ca.issue(name, role)
+
+
+@pytest.mark.parametrize(
+    ("part", "role"),
+    [("flaps", "flaps"), ("proxy-ams", "proxy"), ("flyd-ams-1", "flyd"), ("cli", OPERATOR),
+     ("console", "console"), ("registry", "registry")],
+)  # fmt: skip
+def test_each_part_of_the_cluster_has_a_role_by_its_name(part: str, role: str) -> None:
+    assert part_role(part) == role
+
+
+@pytest.mark.parametrize("part", ["flyd", "flyd-", "intruder", "admin"])
+def test_a_part_with_no_role_is_named_in_the_error(part: str) -> None:
+    with pytest.raises(ValueError, match=f"part {part!r}"):
+        part_role(part)
