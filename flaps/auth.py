@@ -311,40 +311,53 @@ def guard(servicer: object, service: ServiceDescriptor, authorizer: Authorizer) 
     wraps these). A handler runs with the grant in `current_grant()`, and every log line of
     the call, the error mapping's too, carries the token's id.
     """
+
+    async def check(method: str, request: Any, context: Any) -> None:
+        # Set for the rest of the call, never reset: the call's task is its own (and the
+        # token's id was bound by `check`). A stream's too: a context manager would reset in
+        # whatever context runs the generator's last step.
+        _grant.set(await authorizer.check(method, request, context))
+
+    _before_every_handler(servicer, service, check)
+
+
+Before = Callable[[str, Any, Any], Awaitable[None]]
+"""A check awaited before a handler: (full method name, request, context)."""
+
+
+def _before_every_handler(servicer: object, service: ServiceDescriptor, before: Before) -> None:
+    """Replace each handler of `service` on the instance `servicer` by one that awaits
+    `before` first (in the call's own context), then runs the handler."""
     for method in service.methods:
         handler = getattr(servicer, method.name, None)
         if handler is None:
             continue
         full_method = f"/{service.full_name}/{method.name}"
         if inspect.isasyncgenfunction(handler):
-            setattr(servicer, method.name, _guard_stream(handler, full_method, authorizer))
+            setattr(servicer, method.name, _checked_stream(handler, full_method, before))
         elif inspect.iscoroutinefunction(handler):
-            setattr(servicer, method.name, _guard_unary(handler, full_method, authorizer))
+            setattr(servicer, method.name, _checked_unary(handler, full_method, before))
 
 
-def _guard_unary(
-    handler: Callable[[Any, Any], Awaitable[Any]], method: str, authorizer: Authorizer
+def _checked_unary(
+    handler: Callable[[Any, Any], Awaitable[Any]], method: str, before: Before
 ) -> Callable[[Any, Any], Awaitable[Any]]:
     @functools.wraps(handler)
-    async def guarded(request: Any, context: Any) -> Any:
-        # Set for the rest of the call, never reset: the call's task is its own (and the
-        # token's id was bound by `check`).
-        _grant.set(await authorizer.check(method, request, context))
+    async def checked(request: Any, context: Any) -> Any:
+        await before(method, request, context)
         return await handler(request, context)
 
-    return guarded
+    return checked
 
 
-def _guard_stream(
-    handler: Callable[[Any, Any], AsyncGenerator[Any, None]], method: str, authorizer: Authorizer
+def _checked_stream(
+    handler: Callable[[Any, Any], AsyncGenerator[Any, None]], method: str, before: Before
 ) -> Callable[[Any, Any], AsyncIterator[Any]]:
     @functools.wraps(handler)
-    async def guarded(request: Any, context: Any) -> AsyncIterator[Any]:
-        # Set, never reset (as for a unary call): a context manager here would reset in
-        # whatever context runs the generator's last step.
-        _grant.set(await authorizer.check(method, request, context))
+    async def checked(request: Any, context: Any) -> AsyncIterator[Any]:
+        await before(method, request, context)
         async with contextlib.aclosing(handler(request, context)) as responses:
             async for response in responses:
                 yield response
 
-    return guarded
+    return checked
