@@ -184,9 +184,9 @@ class Exchange:
     async def app_of(self, machine_id: str) -> str:
         """The app a machine belongs to: from the registry view, else (a machine just made,
         which the view has not seen yet) from its worker. NotFound when there is none."""
-        machine = self.replica.machine(machine_id)
-        if machine is not None:
-            return machine.app
+        row = self.replica.row(machine_id)  # (its app, without parsing the machine)
+        if row is not None:
+            return row.app
         stub = self.workers.stub(self.workers.owner(machine_id))
         try:
             got = await stub.GetMachine(
