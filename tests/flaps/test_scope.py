@@ -261,3 +261,15 @@ async def test_a_standby_of_the_apps_own_machine_is_made(flaps: Flaps) -> None:
     )
     simulated = await platform.SimulatePlacement(bid, timeout=T)
     assert simulated.candidates
+
+
+async def test_an_idempotency_key_names_a_machine_of_the_callers_app_only(flaps: Flaps) -> None:
+    """A key is held per (app, key): app b's create under app a's key makes b's own machine,
+    it never returns a's."""
+    admin = flaps.stub(machines_pb2_grpc.MachinesServiceStub, flaps.mint())
+    keyed = m.CreateMachineRequest(app="a", region="ams", config=config(), idempotency_key="k")
+    mine = (await admin.CreateMachine(keyed, timeout=T)).machine
+    await flaps.fleet.seen(mine.id)
+    keyed.app = "b"
+    other = (await admin.CreateMachine(keyed, timeout=T)).machine
+    assert (other.app, other.id != mine.id) == ("b", True)
