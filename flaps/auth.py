@@ -16,6 +16,12 @@ fleet: an operator token); a machine's app comes from the registry view, or from
 when the view has not seen it yet. A handler reads the caller's grant with `current_grant()`
 (None: a cluster part) to return from a list only what the token may read. Log lines of the
 call carry the token's id, never the token.
+
+A rule also names every other object the request names (a `Need` with a `ref`: the machines
+a create stands by for, its secrets' source, a supersede's primary): the token must allow
+touching each, and, whoever calls, each must be of the app the call is about (flyd.scope).
+`scoped` puts that second check in front of every handler, guarded or not, so it holds on a
+flaps that checks no tokens too.
 """
 
 from __future__ import annotations
@@ -36,11 +42,15 @@ from google.protobuf.descriptor import ServiceDescriptor
 from google.rpc import error_details_pb2
 from opentelemetry import trace
 
+from flaps.errors import NotFound, Upstream
 from flaps.tokens import Denied, Grant, InvalidToken, Keyring, KeysError, parse_revoked
 from flaps.v1 import machines_pb2, platform_pb2
+from flyd import scope
+from flyd.scope import Ref
 from runtime import abort_with_details, access
 from runtime.access import NOBODY, allow
 from runtime.pki import OPERATOR, ClusterMembers
+from runtime.validate import check_name
 
 __all__ = [
     "PEER_ACCESS",
@@ -50,8 +60,10 @@ __all__ = [
     "Need",
     "RevocationList",
     "TokenVerifier",
+    "check_scope",
     "current_grant",
     "guard",
+    "scoped",
 ]
 
 log = structlog.get_logger("flaps.auth")
@@ -71,12 +83,16 @@ def current_grant() -> Grant | None:
 @dataclass(frozen=True)
 class Need:
     """What a call needs: every one of `ops`, on `app` or on `machine` (whose app is looked
-    up) when it is about one, or on the `fleet` (an operator token, flaps.tokens)."""
+    up) when it is about one, or on the `fleet` (an operator token, flaps.tokens). With `ref`,
+    the machine is another object the request names (in the field `ref.field`) than the one
+    the call is about, its subject (the rule's first need): it must be of the subject's app
+    too."""
 
     ops: tuple[str, ...]
     app: str | None = None
     machine: str | None = None
     fleet: bool = False
+    ref: Ref | None = None
 
 
 Rule = Callable[[Any], Sequence[Need]]
@@ -94,22 +110,47 @@ def _fleet(*ops: str) -> Rule:
     return lambda request: [Need(ops, fleet=True)]
 
 
+def _named(ops: tuple[str, ...], refs: Sequence[Ref]) -> list[Need]:
+    return [Need(ops, machine=ref.id, ref=ref) for ref in refs]
+
+
+def _standbys(request: Any) -> list[Need]:
+    """A standby reads the machines it stands by for (flaps' `standby_for`, its config's
+    `standbys`): the token must be allowed to read them."""
+    named = [Ref(f"standby_for[{i}]", mid) for i, mid in enumerate(request.standby_for)]
+    return _named(("read",), named + scope.config_refs(request.config))
+
+
 def _create(request: Any) -> Sequence[Need]:
-    # A standby reads its primaries: the token must be allowed to read them too. Secrets
-    # copied from a machine need what could read them there: changing its command.
-    needs = [Need(("create",), app=request.app)] + [
-        Need(("read",), machine=primary) for primary in request.standby_for
-    ]
+    # Secrets copied from a machine need what could read them there: changing its command.
+    needs = [Need(("create",), app=request.app), *_standbys(request)]
     if request.secrets_from:
-        needs.append(Need(("update",), machine=request.secrets_from))
+        needs += _named(("update",), [Ref("secrets_from", request.secrets_from)])
     return needs
+
+
+def _update(request: Any) -> Sequence[Need]:
+    return [
+        Need(("update",), machine=request.machine_id),
+        *_named(("read",), scope.config_refs(request.config)),
+    ]
+
+
+def _supersede(request: Any) -> Sequence[Need]:
+    # Telling a machine it was outranked can stop it: what stopping it needs. Nothing is done
+    # to the primary named, but the token must reach it (its apps and machines caveats), and
+    # it must be of the machine's app.
+    return [
+        Need(("stop",), machine=request.machine_id),
+        *_named((), [Ref("primary", request.primary)]),
+    ]
 
 
 RULES: dict[str, Rule] = {
     "/flaps.v1.MachinesService/CreateMachine": _create,
     "/flaps.v1.MachinesService/GetMachine": _machine("read"),
     "/flaps.v1.MachinesService/ListMachines": _app("read"),
-    "/flaps.v1.MachinesService/UpdateMachine": _machine("update"),
+    "/flaps.v1.MachinesService/UpdateMachine": _update,
     "/flaps.v1.MachinesService/StartMachine": _machine("start"),
     "/flaps.v1.MachinesService/StopMachine": _machine("stop"),
     "/flaps.v1.MachinesService/RestartMachine": _machine("stop", "start"),
@@ -120,18 +161,72 @@ RULES: dict[str, Rule] = {
     "/flaps.v1.MachinesService/ReleaseLease": _machine("lease"),
     "/flaps.v1.MachinesService/ListMachineEvents": _machine("read"),
     "/flaps.v1.MachinesService/GetMachineLogs": _machine("read"),
-    # Telling a machine it was outranked can stop it: what stopping it needs.
-    "/flaps.v1.MachinesService/SupersedeMachine": _machine("stop"),
+    "/flaps.v1.MachinesService/SupersedeMachine": _supersede,
     "/flaps.v1.MachinesService/GetPlacement": _machine("read"),
     # The fleet, not an app's: an operator token (flaps.tokens).
     "/flaps.v1.PlatformService/ListRegions": _fleet("regions"),
     "/flaps.v1.PlatformService/ListWorkers": _fleet("workers"),
-    "/flaps.v1.PlatformService/SimulatePlacement": _app("create"),
+    # Placing away from the machines it would stand by for says where they are: read them.
+    "/flaps.v1.PlatformService/SimulatePlacement": lambda request: [
+        Need(("create",), app=request.app or None),
+        *_standbys(request),
+    ],
     # Every app's decisions, as they are made: reading them, on the fleet.
     "/flaps.v1.PlatformService/WatchPlacements": _fleet("read", "regions"),
     "/flaps.v1.PlatformService/CordonWorker": _fleet("cordon"),
 }
 """What each client-facing RPC needs (from a token)."""
+
+
+async def owner_app(ref: Ref, app_of: Callable[[str], Awaitable[str]]) -> str:
+    """The app of the object `ref` names; INVALID_ARGUMENT naming its field when there is no
+    such object. The one place each kind of object is found (a new kind adds its lookup)."""
+    check_name(ref.field, ref.id)
+    if ref.kind != scope.MACHINE:
+        raise AssertionError(f"flaps cannot look up a {ref.kind} yet")
+    try:
+        return await app_of(ref.id)
+    except NotFound:
+        raise scope.missing(ref) from None
+    except Upstream as err:
+        if err.code == grpc.StatusCode.NOT_FOUND:
+            raise scope.missing(ref) from None
+        raise
+
+
+async def check_scope(method: str, request: Any, app_of: Callable[[str], Awaitable[str]]) -> None:
+    """Every other object the request names (its rule's needs with a `ref`) is of the app the
+    call is about (flyd.scope), whoever calls; INVALID_ARGUMENT naming the field otherwise.
+    `app_of`: a machine's app (NotFound when there is none)."""
+    rule = RULES.get(method)
+    if rule is None:
+        return
+    needs = rule(request)
+    refs = [need.ref for need in needs if need.ref is not None]
+    if not refs:
+        return  # (most calls: nothing is looked up)
+    subject = next(need for need in needs if need.ref is None)
+    if subject.machine is not None:
+        app = await app_of(subject.machine)
+    else:
+        app = subject.app or ""
+        check_name("app", app)
+    for ref in refs:
+        scope.check(ref, app, await owner_app(ref, app_of))
+
+
+def scoped(
+    servicer: object, service: ServiceDescriptor, app_of: Callable[[str], Awaitable[str]]
+) -> None:
+    """Run `check_scope` before every handler of `service` on `servicer` (replacing them on
+    the instance, as `guard` does; a guard put on later runs before it, so a token's caller is
+    told what its token may not touch before anything about the objects named)."""
+
+    async def check(method: str, request: Any, context: Any) -> None:
+        await check_scope(method, request, app_of)
+
+    _before_every_handler(servicer, service, check)
+
 
 _PROXY = allow("proxy")
 _READS = allow(OPERATOR)  # the CLI with the operator's certificate reads (--tls-cert)
@@ -332,7 +427,9 @@ class Authorizer:
             for need in rule(request):
                 app = need.app
                 if app is None and need.machine and grant.limits_apps:
-                    app = await self.app_of(need.machine)
+                    app = await (
+                        owner_app(need.ref, self.app_of) if need.ref else self.app_of(need.machine)
+                    )
                 grant.check(need.ops, app, need.machine or None, fleet=need.fleet)
         except Denied as err:
             log.info("permission_denied", method=method, token_id=grant.token_id, reason=str(err))
@@ -370,40 +467,53 @@ def guard(servicer: object, service: ServiceDescriptor, authorizer: Authorizer) 
     wraps these). A handler runs with the grant in `current_grant()`, and every log line of
     the call, the error mapping's too, carries the token's id.
     """
+
+    async def check(method: str, request: Any, context: Any) -> None:
+        # Set for the rest of the call, never reset: the call's task is its own (and the
+        # token's id was bound by `check`). A stream's too: a context manager would reset in
+        # whatever context runs the generator's last step.
+        _grant.set(await authorizer.check(method, request, context))
+
+    _before_every_handler(servicer, service, check)
+
+
+Before = Callable[[str, Any, Any], Awaitable[None]]
+"""A check awaited before a handler: (full method name, request, context)."""
+
+
+def _before_every_handler(servicer: object, service: ServiceDescriptor, before: Before) -> None:
+    """Replace each handler of `service` on the instance `servicer` by one that awaits
+    `before` first (in the call's own context), then runs the handler."""
     for method in service.methods:
         handler = getattr(servicer, method.name, None)
         if handler is None:
             continue
         full_method = f"/{service.full_name}/{method.name}"
         if inspect.isasyncgenfunction(handler):
-            setattr(servicer, method.name, _guard_stream(handler, full_method, authorizer))
+            setattr(servicer, method.name, _checked_stream(handler, full_method, before))
         elif inspect.iscoroutinefunction(handler):
-            setattr(servicer, method.name, _guard_unary(handler, full_method, authorizer))
+            setattr(servicer, method.name, _checked_unary(handler, full_method, before))
 
 
-def _guard_unary(
-    handler: Callable[[Any, Any], Awaitable[Any]], method: str, authorizer: Authorizer
+def _checked_unary(
+    handler: Callable[[Any, Any], Awaitable[Any]], method: str, before: Before
 ) -> Callable[[Any, Any], Awaitable[Any]]:
     @functools.wraps(handler)
-    async def guarded(request: Any, context: Any) -> Any:
-        # Set for the rest of the call, never reset: the call's task is its own (and the
-        # token's id was bound by `check`).
-        _grant.set(await authorizer.check(method, request, context))
+    async def checked(request: Any, context: Any) -> Any:
+        await before(method, request, context)
         return await handler(request, context)
 
-    return guarded
+    return checked
 
 
-def _guard_stream(
-    handler: Callable[[Any, Any], AsyncGenerator[Any, None]], method: str, authorizer: Authorizer
+def _checked_stream(
+    handler: Callable[[Any, Any], AsyncGenerator[Any, None]], method: str, before: Before
 ) -> Callable[[Any, Any], AsyncIterator[Any]]:
     @functools.wraps(handler)
-    async def guarded(request: Any, context: Any) -> AsyncIterator[Any]:
-        # Set, never reset (as for a unary call): a context manager here would reset in
-        # whatever context runs the generator's last step.
-        _grant.set(await authorizer.check(method, request, context))
+    async def checked(request: Any, context: Any) -> AsyncIterator[Any]:
+        await before(method, request, context)
         async with contextlib.aclosing(handler(request, context)) as responses:
             async for response in responses:
                 yield response
 
-    return guarded
+    return checked

@@ -25,7 +25,7 @@ from google.protobuf.duration_pb2 import Duration
 from google.rpc import error_details_pb2
 from opentelemetry import trace
 
-from flaps import explain, metrics, placement
+from flaps import auth, explain, metrics, placement
 from flaps.auth import current_grant
 from flaps.errors import (
     DeadlineExceeded,
@@ -184,9 +184,9 @@ class Exchange:
     async def app_of(self, machine_id: str) -> str:
         """The app a machine belongs to: from the registry view, else (a machine just made,
         which the view has not seen yet) from its worker. NotFound when there is none."""
-        machine = self.replica.machine(machine_id)
-        if machine is not None:
-            return machine.app
+        row = self.replica.row(machine_id)  # (its app, without parsing the machine)
+        if row is not None:
+            return row.app
         stub = self.workers.stub(self.workers.owner(machine_id))
         try:
             got = await stub.GetMachine(
@@ -251,6 +251,8 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
     def __init__(self, exchange: Exchange) -> None:
         self.x = exchange
         self._rollbacks: set[asyncio.Task[None]] = set()
+        # Every object a call names is of its app (flyd.scope), on every path to a handler.
+        auth.scoped(self, m.DESCRIPTOR.services_by_name["MachinesService"], exchange.app_of)
 
     async def _call(
         self, machine_id: str, rpc: str, request: object, timeout: float = RPC_TIMEOUT
@@ -286,22 +288,8 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
         config = pb.MachineConfig()
         config.CopyFrom(request.config)
         skip_launch = request.skip_launch
-        for i, primary in enumerate(request.standby_for):
-            check_name(f"standby_for[{i}]", primary)
-            try:
-                got = await self._call(
-                    primary, "GetMachine", w.GetMachineRequest(machine_id=primary)
-                )
-            except (NotFound, Upstream) as err:
-                if isinstance(err, Upstream) and err.code != grpc.StatusCode.NOT_FOUND:
-                    raise
-                raise InvalidArgument(f"standby_for[{i}]", f"machine {primary} not found") from None
-            assert isinstance(got, w.GetMachineResponse)
-            if got.machine.app != request.app:
-                # A slot is one app's: the edge finds a primary's standbys among its app's.
-                raise InvalidArgument(
-                    f"standby_for[{i}]", f"machine {primary} is of app {got.machine.app!r}"
-                )
+        # Each primary is a machine of the app (flaps.auth.check_scope ran before this).
+        for primary in request.standby_for:
             if primary not in config.standbys:
                 config.standbys.append(primary)
             skip_launch = True  # a standby waits, stopped, for its primary's worker to die
@@ -396,17 +384,11 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
         )
 
     async def _inherit_secrets(self, app: str, source: str, config: pb.MachineConfig) -> None:
-        """Give `config` the secrets of machine `source` (of `app`) that it does not set, or
-        sets to REDACTED: the values come from the source's worker, over mTLS, to go straight
-        to the new machine's worker, which seals them with its own key."""
-        check_name("secrets_from", source)
+        """Give `config` the secrets of machine `source` (of `app`: flaps.auth.check_scope)
+        that it does not set, or sets to REDACTED: the values come from the source's worker,
+        over mTLS, to go straight to the new machine's worker, which seals them with its own
+        key."""
         try:
-            got = await self._call(source, "GetMachine", w.GetMachineRequest(machine_id=source))
-            assert isinstance(got, w.GetMachineResponse)
-            if got.machine.app != app:
-                raise InvalidArgument(
-                    "secrets_from", f"machine {source} is of app {got.machine.app!r}"
-                )
             opened = await self._call(
                 source, "RevealSecrets", w.RevealSecretsRequest(machine_id=source)
             )
@@ -600,7 +582,17 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
     async def SupersedeMachine(
         self, request: m.SupersedeMachineRequest, context: grpc.aio.ServicerContext
     ) -> m.SupersedeMachineResponse:
-        return await self._forward("SupersedeMachine", request)
+        # The worker holds only its own rows: it is told the primary's app, and refuses one of
+        # another app than the machine's (flaps.auth.check_scope refused it here already).
+        told = w.SupersedeMachineRequest(
+            machine_id=request.machine_id,
+            generation=request.generation,
+            primary=request.primary,
+            primary_app=await self.x.app_of(request.primary),
+        )
+        answer = await self._call(request.machine_id, "SupersedeMachine", told)
+        assert isinstance(answer, w.SupersedeMachineResponse)
+        return m.SupersedeMachineResponse(machine=answer.machine)
 
     async def StopMachine(
         self, request: m.StopMachineRequest, context: grpc.aio.ServicerContext
@@ -692,6 +684,9 @@ class PlatformServicer(platform_pb2_grpc.PlatformServiceServicer):
 
     def __init__(self, exchange: Exchange) -> None:
         self.x = exchange
+        auth.scoped(
+            self, platform_pb2.DESCRIPTOR.services_by_name["PlatformService"], exchange.app_of
+        )
 
     async def ListRegions(
         self, request: platform_pb2.ListRegionsRequest, context: grpc.aio.ServicerContext

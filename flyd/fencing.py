@@ -283,11 +283,12 @@ class Fencing:
         if row is None or not row.machine.slot.fenced or self.peers is None:
             return True
         machine = row.machine
-        slot = machine.slot
+        slot, key = machine.slot, slots.key(machine)
+        # Members of its app's slot only: another app's row naming the same slot id is not one.
         claims = [
             other.machine
             for other in self.rows.values()
-            if other.machine.id != machine_id and slots.slot_of(other.machine).id == slot.id
+            if other.machine.id != machine_id and slots.key(other.machine) == key
         ]
         try:
             peers = await self.peers.members(machine.app, slot.id)
@@ -296,7 +297,7 @@ class Fencing:
         except PeerUnreachable as err:
             log.info("fence_kept", machine_id=machine_id, slot=slot.id, reason=str(err))
             return False
-        claims += [m for m in got if m is not None and slots.slot_of(m).id == slot.id]
+        claims += [m for m in got if m is not None and slots.key(m) == key]
         best = slots.top([machine, *claims])
         assert best is not None
         row = self.rows.get(machine_id)

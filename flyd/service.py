@@ -122,7 +122,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self, request: w.SupersedeMachineRequest, context: grpc.aio.ServicerContext
     ) -> w.SupersedeMachineResponse:
         machine = await self.worker.supersede(
-            request.machine_id, request.generation, request.primary
+            request.machine_id, request.generation, request.primary, request.primary_app
         )
         return w.SupersedeMachineResponse(machine=machine)
 

@@ -6,8 +6,11 @@ member's claim is (generation, primary); a claim outranks another when its gener
 or equal with a lower primary id. The member that serves is the one whose own row holds the
 claim no other row outranks. Each generation belongs to one member (`promotion_generation`),
 so two promoters never record two promotions at one generation, however their views differ.
-Pure functions, no I/O: flyd writes each member's row from them, and flaps and the proxy read
-them (docs/fencing.md).
+A slot is one app's: its members are the machines of one app whose rows name one slot id
+(`key`). A machine of another app that names the same id (its config says it stands by for a
+machine it may not touch) is in a slot of its own app's, and no claim of it counts in the
+other's. Pure functions, no I/O: flyd writes each member's row from them, and flaps and the
+proxy read them (docs/fencing.md).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from flyd.v1 import machine_pb2 as pb
 
 Claim = tuple[int, str]
 """(generation, primary): who serves the slot at which generation, as one row knows it."""
+SlotKey = tuple[str, str]
+"""(app, slot id): which slot a machine is a member of."""
 
 
 def new_slot(machine_id: str, config: pb.MachineConfig) -> pb.SlotState:
@@ -33,6 +38,13 @@ def slot_of(machine: pb.Machine) -> pb.SlotState:
     if machine.slot.id:
         return machine.slot
     return new_slot(machine.id, machine.config)
+
+
+def key(machine: pb.Machine) -> SlotKey:
+    """The slot the machine is a member of: its app's slot of the id its row names. Whoever
+    groups rows into slots (the proxy's index, a returning worker's fence, promotions) groups
+    by this, so another app's row naming the same id is never counted a member."""
+    return machine.app, slot_of(machine).id
 
 
 def claim(machine: pb.Machine) -> Claim:
@@ -85,8 +97,8 @@ def promotion_generation(member: pb.Machine, members: Iterable[pb.Machine]) -> i
     that is its own. Generation g belongs to the member at place g mod n of `order` (n
     members), so two promotions naming one generation promote one member, whatever the
     promoters believed about workers or which standby they tried first (docs/fencing.md)."""
-    slot = slot_of(member).id
-    rows = [m for m in members if slot_of(m).id == slot and m.id != member.id]
+    slot, mine = slot_of(member).id, key(member)
+    rows = [m for m in members if key(m) == mine and m.id != member.id]
     ids = order(slot, [member.id, *(m.id for m in rows)])
     place, n = ids.index(member.id), len(ids)
     best = top([member, *rows])

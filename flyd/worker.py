@@ -20,7 +20,7 @@ from pathlib import Path
 
 import structlog
 
-from flyd import fsm
+from flyd import fsm, scope
 from flyd.drivers.base import Driver, ExitStatus, Handle
 from flyd.errors import (
     DESTROYED,
@@ -195,6 +195,11 @@ class Worker:
             raise NotFound(f"machine {machine_id} not found on worker {self.identity.worker_id}")
         return row
 
+    def _held(self, machine_id: str) -> pb.Machine | None:
+        """The row of a machine a call names, when this worker holds it (flyd.scope)."""
+        row = self.rows.get(machine_id)
+        return None if row is None else row.machine
+
     def reveal_secrets(self, machine_id: str) -> dict[str, str]:
         """The machine's secrets, opened (flaps copies them to a new machine of its app)."""
         row = self.get(machine_id)
@@ -311,6 +316,7 @@ class Worker:
             raise InvalidArgument("name", "must be at most 63 characters")
         check_config(config)
         check_network(config, self.driver.egress_refusal)
+        scope.check_held(app, scope.config_refs(config), self._held)
         if (existing := self._existing(machine_id, app, config)) is not None:
             return existing
         if machine_id in self.reservations.pending:
@@ -473,13 +479,18 @@ class Worker:
             return await self._operate("promote", machine_id, event, None)
         return await self._operate("start", machine_id, fsm.StartRequested(), lease_nonce)
 
-    async def supersede(self, machine_id: str, generation: int, primary: str) -> pb.Machine:
-        """`primary` serves the machine's slot at `generation`: if that outranks the machine's
-        claim, it stops and stands by (flyd.slots). Not held up by a lease."""
+    async def supersede(
+        self, machine_id: str, generation: int, primary: str, primary_app: str
+    ) -> pb.Machine:
+        """`primary` (of `primary_app`) serves the machine's slot at `generation`: if that
+        outranks the machine's claim, it stops and stands by (flyd.slots). Not held up by a
+        lease. Only a member of the machine's own app's slot may (flyd.scope)."""
         if generation < 1:
             raise InvalidArgument("generation", "must be at least 1")
         check_name("primary", primary)
-        sig, timeout = self._stop_params(self.get(machine_id), None, None)
+        row = self.get(machine_id)
+        scope.check_member(row.machine, primary, primary_app, self._held(primary))
+        sig, timeout = self._stop_params(row, None, None)
         event = fsm.Supersede(generation, primary, sig, timeout)
         machine = await self._operate("supersede", machine_id, event, None)
         self.fencing.poke()
@@ -516,10 +527,12 @@ class Worker:
         """Replace the machine's config in place: same id, new instance_id."""
         check_config(config)
         check_network(config, self.driver.egress_refusal)
+        app = self.get(machine_id).machine.app
+        scope.check_held(app, scope.config_refs(config), self._held)
         return await self._traced(
             "update",
             machine_id,
-            self.get(machine_id).machine.app,
+            app,
             lambda op_span: self._update(machine_id, config, skip_launch, lease_nonce, op_span),
         )
 

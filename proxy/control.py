@@ -375,11 +375,11 @@ def standby_candidates(
     proxy that skips a standby (its worker looks dead from here) promotes the next at that
     one's own generation, never at the generation of the one it skipped.
     """
-    slot = slots.slot_of(primary).id
+    slot = slots.key(primary)
     running = None
     stopped = []
     for m in machines:
-        if m.id == primary.id or slots.slot_of(m).id != slot or m.worker_id == primary.worker_id:
+        if m.id == primary.id or slots.key(m) != slot or m.worker_id == primary.worker_id:
             continue
         if not usable(m.worker_id):
             continue

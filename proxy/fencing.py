@@ -1,12 +1,14 @@
 """The edge's side of fencing (docs/fencing.md): which member of each slot gets requests.
 
-A slot's members are the routes whose rows name the same slot (flyd.slots). Only the member
-whose own row holds the slot's top claim, the serving one, is routed to; the others are
-standbys or outranked copies. `SlotIndex` keeps each slot's members and re-judges a slot when
-one of its rows changes: it marks every member serving or not, and says which routes just
-stopped serving (their requests in flight end: a GET is sent again, to the new primary once it
-is up) and which outranked copies still run unfenced (their workers are told, through flaps,
-to stop them: `proxy.router.Router` does both).
+A slot's members are the routes of one app whose rows name the same slot (`flyd.slots.key`:
+another app's machine naming the slot's id is in a slot of its own app's, and its claims never
+count here, however high). Only the member whose own row holds the slot's top claim, the
+serving one, is routed to; the others are standbys or outranked copies. `SlotIndex` keeps
+each slot's members and re-judges a slot when one of its rows changes: it marks every member
+serving or not, and says which routes just stopped serving (their requests in flight end: a
+GET is sent again, to the new primary once it is up) and which outranked copies still run
+unfenced (their workers are told, through flaps, to stop them: `proxy.router.Router` does
+both).
 """
 
 from __future__ import annotations
@@ -39,12 +41,12 @@ class SlotIndex:
     """Each slot's members among the routes, and which of them serves."""
 
     def __init__(self) -> None:
-        self._members: dict[str, dict[str, Route]] = {}
+        self._members: dict[slots.SlotKey, dict[str, Route]] = {}
 
-    def place(self, r: Route) -> str | None:
+    def place(self, r: Route) -> slots.SlotKey | None:
         """Index `r` under the slot its row names now; the slot it left, if it moved (only a
         row from before slots and then one with them can: flyd never moves a machine)."""
-        slot = slots.slot_of(r.machine).id
+        slot = slots.key(r.machine)
         left = None
         if r.slot and r.slot != slot:
             left = r.slot
@@ -54,23 +56,27 @@ class SlotIndex:
         return left
 
     def remove(self, r: Route) -> None:
+        if r.slot is None:
+            return
         members = self._members.get(r.slot)
         if members is not None:
             members.pop(r.id, None)
             if not members:
                 del self._members[r.slot]
 
-    def members(self, slot: str) -> list[Route]:
+    def members(self, slot: slots.SlotKey | None) -> list[Route]:
+        if slot is None:
+            return []
         return list(self._members.get(slot, {}).values())
 
     def promotion_generation(self, r: Route) -> int:
         """The generation `r` is promoted to, its own (flyd.slots.promotion_generation)."""
         return slots.promotion_generation(r.machine, [o.machine for o in self.members(r.slot)])
 
-    def slots_of(self, routes: list[Route]) -> set[str]:
-        return {r.slot for r in routes if r.slot in self._members}
+    def slots_of(self, routes: list[Route]) -> set[slots.SlotKey]:
+        return {r.slot for r in routes if r.slot is not None and r.slot in self._members}
 
-    def judge(self, slot: str) -> Judged:
+    def judge(self, slot: slots.SlotKey) -> Judged:
         """Mark the members of `slot` serving or not; see `Judged`."""
         members = self.members(slot)
         if not members:

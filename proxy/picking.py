@@ -60,10 +60,10 @@ class Picker:
         clock: Clock,
         rng: random.Random,
         spawn: Spawn,
-        members: Callable[[str], list[Route]] = lambda slot: [],
+        members: Callable[[slots.SlotKey | None], list[Route]] = lambda slot: [],
     ) -> None:
         """`workers`: the router's view of workers, read only. `spawn` runs the starts.
-        `members(slot)`: the routes of a slot (proxy.fencing.SlotIndex)."""
+        `members(slot)`: the routes of a slot, (app, slot id) (proxy.fencing.SlotIndex)."""
         self.workers = workers
         self.registry = registry
         self.flaps = flaps

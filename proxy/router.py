@@ -30,6 +30,7 @@ from typing import Any
 import structlog
 from opentelemetry.trace import Tracer
 
+from flyd.slots import SlotKey
 from flyd.v1 import machine_pb2 as pb
 from proxy.control import (
     Counters,
@@ -502,6 +503,7 @@ class Router:
         left = self.slots.place(r)
         if left is not None:
             self._judge(left)
+        assert r.slot is not None  # (placed)
         self._judge(r.slot)
         if machine.state == STARTED:
             r.start_requested = None
@@ -525,20 +527,21 @@ class Router:
         host = view.info.address.rpartition(":")[0]
         return host.strip("[]") or "127.0.0.1"
 
-    def _judge(self, slot: str) -> None:
-        """Re-judge who serves `slot`: end the requests of a member that stopped serving, and
-        tell the workers of outranked copies that still run."""
+    def _judge(self, slot: SlotKey) -> None:
+        """Re-judge who serves `slot` (app, slot id): end the requests of a member that stopped
+        serving, and tell the workers of outranked copies that still run."""
         judged = self.slots.judge(slot)
         for r in judged.demoted:
             top = judged.top
             log.warning(
                 "machine_outranked",
                 machine_id=r.id,
-                slot=slot,
+                slot=slot[1],
                 generation=top[0] if top else 0,
                 primary=top[1] if top else "",
             )
-            self._lose(frozenset({r.id}), f"slot {slot} moved on to {top[1] if top else '?'}")
+            why = f"slot {slot[1]} moved on to {top[1] if top else '?'}"
+            self._lose(frozenset({r.id}), why)
             state = self._apps.get(r.app)
             if state is not None:
                 state.pulse()
@@ -570,7 +573,8 @@ class Router:
             return
         r.supersede_after = now + self.config.supersede_retry
         generation = self.slots.promotion_generation(r)
-        log.warning("promoting_fenced", machine_id=r.id, slot=r.slot, generation=generation)
+        slot = r.slot[1] if r.slot else ""
+        log.warning("promoting_fenced", machine_id=r.id, slot=slot, generation=generation)
         self._spawn(self._start_fenced(r.id, generation), f"promote {r.id}")
 
     async def _start_fenced(self, machine_id: str, generation: int) -> None:

@@ -123,8 +123,8 @@ class Route:
     start_error: tuple[float, str] | None = None
     """(until when it is not tried again, why its last start failed)."""
     watcher: asyncio.Task[None] | None = None
-    slot: str = ""
-    """The slot its row names (proxy.fencing.SlotIndex keeps it)."""
+    slot: slots.SlotKey | None = None
+    """(app, slot id): the slot it is a member of (proxy.fencing.SlotIndex keeps it)."""
     serving: bool = True
     """Its row holds its slot's top claim: the only member of the slot that gets requests."""
     peers: int = 0

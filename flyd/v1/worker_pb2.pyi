@@ -978,21 +978,28 @@ class SupersedeMachineRequest(_message.Message):
     MACHINE_ID_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
     PRIMARY_FIELD_NUMBER: _builtins.int
+    PRIMARY_APP_FIELD_NUMBER: _builtins.int
     machine_id: _builtins.str
     generation: _builtins.int
     """The generation the slot reached; at least 1."""
     primary: _builtins.str
     """The member that serves at that generation."""
+    primary_app: _builtins.str
+    """The app of `primary`, as the caller found it. Required: a slot is one app's, so it must be
+    the machine's own (INVALID_ARGUMENT otherwise), and a primary whose row this worker holds
+    must be of the machine's app and slot too.
+    """
     def __init__(
         self,
         *,
         machine_id: _builtins.str = ...,
         generation: _builtins.int = ...,
         primary: _builtins.str = ...,
+        primary_app: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "machine_id", b"machine_id", "primary", b"primary"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "machine_id", b"machine_id", "primary", b"primary", "primary_app", b"primary_app"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -164,7 +164,8 @@ class WorkerServiceServicer:
         RESOURCE_EXHAUSTED (names cpu, memory, disk, machines or ports) when the
         worker has no room, UNAVAILABLE when cordoned or shutting down,
         ALREADY_EXISTS when the id exists with another config, NOT_FOUND when the
-        image is unknown, INVALID_ARGUMENT for a bad field.
+        image is unknown, INVALID_ARGUMENT for a bad field, and for config.standbys naming a
+        machine of another app that this worker holds (a slot is one app's).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -283,7 +284,8 @@ class WorkerServiceServicer:
         """Replaces a machine's config in place, keeping its id: a running machine
         is stopped, given the new config and a new instance_id, and started
         again unless skip_launch. RESOURCE_EXHAUSTED when the worker cannot fit
-        the new size, INVALID_ARGUMENT for a bad config, FAILED_PRECONDITION when
+        the new size, INVALID_ARGUMENT for a bad config (config.standbys as for CreateMachine),
+        FAILED_PRECONDITION when
         destroyed or when a lease is held and lease_nonce does not match.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -329,7 +331,8 @@ class WorkerServiceServicer:
         """Tells the machine's worker that its slot moved on: `primary` serves at `generation`. When
         that outranks the machine's own claim, the machine is stopped and becomes a standby of
         `primary` (a claim that does not outrank it changes nothing). INVALID_ARGUMENT for a
-        generation of 0 or a malformed primary id.
+        generation of 0, a malformed primary id, or a primary of another app (primary_app) or
+        another slot than the machine's.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

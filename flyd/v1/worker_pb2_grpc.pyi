@@ -50,7 +50,8 @@ class WorkerServiceStub:
     RESOURCE_EXHAUSTED (names cpu, memory, disk, machines or ports) when the
     worker has no room, UNAVAILABLE when cordoned or shutting down,
     ALREADY_EXISTS when the id exists with another config, NOT_FOUND when the
-    image is unknown, INVALID_ARGUMENT for a bad field.
+    image is unknown, INVALID_ARGUMENT for a bad field, and for config.standbys naming a
+    machine of another app that this worker holds (a slot is one app's).
     """
     StartMachine: _grpc.UnaryUnaryMultiCallable[_worker_pb2.StartMachineRequest, _worker_pb2.StartMachineResponse]
     """Starts a created, stopped or failed machine and returns once its process
@@ -116,7 +117,8 @@ class WorkerServiceStub:
     """Replaces a machine's config in place, keeping its id: a running machine
     is stopped, given the new config and a new instance_id, and started
     again unless skip_launch. RESOURCE_EXHAUSTED when the worker cannot fit
-    the new size, INVALID_ARGUMENT for a bad config, FAILED_PRECONDITION when
+    the new size, INVALID_ARGUMENT for a bad config (config.standbys as for CreateMachine),
+    FAILED_PRECONDITION when
     destroyed or when a lease is held and lease_nonce does not match.
     """
     AcquireLease: _grpc.UnaryUnaryMultiCallable[_worker_pb2.AcquireLeaseRequest, _worker_pb2.AcquireLeaseResponse]
@@ -142,7 +144,8 @@ class WorkerServiceStub:
     """Tells the machine's worker that its slot moved on: `primary` serves at `generation`. When
     that outranks the machine's own claim, the machine is stopped and becomes a standby of
     `primary` (a claim that does not outrank it changes nothing). INVALID_ARGUMENT for a
-    generation of 0 or a malformed primary id.
+    generation of 0, a malformed primary id, or a primary of another app (primary_app) or
+    another slot than the machine's.
     """
     RevealSecrets: _grpc.UnaryUnaryMultiCallable[_worker_pb2.RevealSecretsRequest, _worker_pb2.RevealSecretsResponse]
     """The values of the machine's secrets, opened: what flaps copies to a new machine of the
@@ -174,7 +177,8 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     RESOURCE_EXHAUSTED (names cpu, memory, disk, machines or ports) when the
     worker has no room, UNAVAILABLE when cordoned or shutting down,
     ALREADY_EXISTS when the id exists with another config, NOT_FOUND when the
-    image is unknown, INVALID_ARGUMENT for a bad field.
+    image is unknown, INVALID_ARGUMENT for a bad field, and for config.standbys naming a
+    machine of another app that this worker holds (a slot is one app's).
     """
     StartMachine: _aio.UnaryUnaryMultiCallable[_worker_pb2.StartMachineRequest, _worker_pb2.StartMachineResponse]  # type: ignore[assignment]
     """Starts a created, stopped or failed machine and returns once its process
@@ -240,7 +244,8 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     """Replaces a machine's config in place, keeping its id: a running machine
     is stopped, given the new config and a new instance_id, and started
     again unless skip_launch. RESOURCE_EXHAUSTED when the worker cannot fit
-    the new size, INVALID_ARGUMENT for a bad config, FAILED_PRECONDITION when
+    the new size, INVALID_ARGUMENT for a bad config (config.standbys as for CreateMachine),
+    FAILED_PRECONDITION when
     destroyed or when a lease is held and lease_nonce does not match.
     """
     AcquireLease: _aio.UnaryUnaryMultiCallable[_worker_pb2.AcquireLeaseRequest, _worker_pb2.AcquireLeaseResponse]  # type: ignore[assignment]
@@ -266,7 +271,8 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     """Tells the machine's worker that its slot moved on: `primary` serves at `generation`. When
     that outranks the machine's own claim, the machine is stopped and becomes a standby of
     `primary` (a claim that does not outrank it changes nothing). INVALID_ARGUMENT for a
-    generation of 0 or a malformed primary id.
+    generation of 0, a malformed primary id, or a primary of another app (primary_app) or
+    another slot than the machine's.
     """
     RevealSecrets: _aio.UnaryUnaryMultiCallable[_worker_pb2.RevealSecretsRequest, _worker_pb2.RevealSecretsResponse]  # type: ignore[assignment]
     """The values of the machine's secrets, opened: what flaps copies to a new machine of the
@@ -301,7 +307,8 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         RESOURCE_EXHAUSTED (names cpu, memory, disk, machines or ports) when the
         worker has no room, UNAVAILABLE when cordoned or shutting down,
         ALREADY_EXISTS when the id exists with another config, NOT_FOUND when the
-        image is unknown, INVALID_ARGUMENT for a bad field.
+        image is unknown, INVALID_ARGUMENT for a bad field, and for config.standbys naming a
+        machine of another app that this worker holds (a slot is one app's).
         """
 
     @_abc_1.abstractmethod
@@ -445,7 +452,8 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         """Replaces a machine's config in place, keeping its id: a running machine
         is stopped, given the new config and a new instance_id, and started
         again unless skip_launch. RESOURCE_EXHAUSTED when the worker cannot fit
-        the new size, INVALID_ARGUMENT for a bad config, FAILED_PRECONDITION when
+        the new size, INVALID_ARGUMENT for a bad config (config.standbys as for CreateMachine),
+        FAILED_PRECONDITION when
         destroyed or when a lease is held and lease_nonce does not match.
         """
 
@@ -501,7 +509,8 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         """Tells the machine's worker that its slot moved on: `primary` serves at `generation`. When
         that outranks the machine's own claim, the machine is stopped and becomes a standby of
         `primary` (a claim that does not outrank it changes nothing). INVALID_ARGUMENT for a
-        generation of 0 or a malformed primary id.
+        generation of 0, a malformed primary id, or a primary of another app (primary_app) or
+        another slot than the machine's.
         """
 
     @_abc_1.abstractmethod

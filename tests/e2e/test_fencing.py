@@ -293,11 +293,16 @@ async def test_a_worker_told_it_is_outranked_stops_its_copy(cluster: ProxyFleet)
     fleet = cluster
     primary = await fleet.create("told", labels={"side": "a"})
     stub = fleet.worker(primary.worker_id)
-    for generation, who, field_name in [(0, "x", "generation"), (1, "Not An Id", "primary")]:
+    for generation, who, app, field_name in [
+        (0, "x", "told", "generation"),
+        (1, "Not An Id", "told", "primary"),
+        (1, "zzz", "", "primary_app"),
+        (1, "zzz", "another", "primary_app"),  # a slot is one app's
+    ]:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.SupersedeMachine(
                 w.SupersedeMachineRequest(
-                    machine_id=primary.id, generation=generation, primary=who
+                    machine_id=primary.id, generation=generation, primary=who, primary_app=app
                 ),
                 timeout=T,
             )
@@ -305,7 +310,10 @@ async def test_a_worker_told_it_is_outranked_stops_its_copy(cluster: ProxyFleet)
         assert field_name in (err.value.details() or "")
     # Generation 1 outranks generation 0, whoever claims it: the copy stops and stands by.
     told = await stub.SupersedeMachine(
-        w.SupersedeMachineRequest(machine_id=primary.id, generation=1, primary="zzz"), timeout=T
+        w.SupersedeMachineRequest(
+            machine_id=primary.id, generation=1, primary="zzz", primary_app="told"
+        ),
+        timeout=T,
     )
     assert (told.machine.slot.generation, told.machine.slot.primary) == (1, "zzz")
 
@@ -315,7 +323,10 @@ async def test_a_worker_told_it_is_outranked_stops_its_copy(cluster: ProxyFleet)
     await eventually(stopped, "the outranked copy stopped")
     # A claim that does not outrank the row's changes nothing.
     again = await stub.SupersedeMachine(
-        w.SupersedeMachineRequest(machine_id=primary.id, generation=1, primary="zzzz"), timeout=T
+        w.SupersedeMachineRequest(
+            machine_id=primary.id, generation=1, primary="zzzz", primary_app="told"
+        ),
+        timeout=T,
     )
     assert (again.machine.slot.primary, again.machine.state) == ("zzz", STOPPED)
     await fleet.machines().DestroyMachine(

@@ -161,8 +161,9 @@ CALLS: list[Call] = [
         machine_id=mid, nonce="not-the-nonce")),
     (MACHINES, "ListMachineEvents", lambda mid, app: m.ListMachineEventsRequest(machine_id=mid)),
     (MACHINES, "GetMachineLogs", lambda mid, app: m.GetMachineLogsRequest(machine_id=mid)),
+    # The primary named is another object the call names: here the machine itself.
     (MACHINES, "SupersedeMachine", lambda mid, app: m.SupersedeMachineRequest(
-        machine_id=mid, generation=0, primary="x")),
+        machine_id=mid, generation=0, primary=mid)),
     (MACHINES, "GetPlacement", lambda mid, app: m.GetPlacementRequest(machine_id=mid)),
     (PLATFORM, "ListRegions", lambda mid, app: platform_pb2.ListRegionsRequest()),
     (PLATFORM, "ListWorkers", lambda mid, app: platform_pb2.ListWorkersRequest()),

@@ -179,6 +179,34 @@ async def test_a_fence_is_lifted_when_no_member_outranks_it(world: Host) -> None
     assert flyd.worker.fencing.pending() == []
 
 
+async def test_another_apps_claim_on_the_slots_id_does_not_supersede_it(world: Host) -> None:
+    """Issue 27, attack 1, on a returning worker: evil's machine, made before the demo's
+    primary (so nothing could refuse its standbys), names the primary's id as its slot and is
+    promoted far above; another of evil's, elsewhere, even higher. Neither is a member of the
+    demo's slot: the fence is lifted, the demo's primary serves on."""
+    flyd = world.boot()
+    evil = config()
+    evil.standbys.append("w1-p")
+    await flyd.worker.create(machine_id="w1-e", name="", app="evil", config=evil, skip_launch=True)
+    await flyd.worker.start("w1-e", generation=1_000_000)
+    primary = await started_primary(flyd)
+    foreign = standby_row(primary, 2_000_000, "w2-sb")
+    foreign.app = "evil"  # another app's row of that slot id, elsewhere
+    world.peers.rows["w2-sb"] = foreign
+    world.peers.rows["w2-own"] = standby_row(primary, 0, primary.id)
+    world.peers.rows["w2-own"].id = "w2-own"
+    flyd = await world.restart(flyd)
+    assert flyd.worker.fencing.pending() == ["w1-e", "w1-p"]
+    await confirm_all(flyd)
+    row = flyd.worker.get("w1-p").machine
+    assert row.slot == pb.SlotState(id="w1-p", generation=0, primary="w1-p")
+    assert row.state == STARTED
+    # Evil's own slot of that id is judged among evil's rows: its copy here is outranked by
+    # its other one, and stands by for it.
+    assert flyd.worker.get("w1-e").machine.slot.primary == "w2-sb"
+    assert flyd.worker.fencing.superseded_total == 1
+
+
 async def test_a_fence_stays_on_until_the_members_can_be_asked(world: Host) -> None:
     flyd = world.boot()
     primary = await started_primary(flyd)
@@ -278,6 +306,6 @@ async def test_a_standby_promoted_and_told_it_was_outranked(world: Host) -> None
     again = await w.start("w2-sb", generation=1)
     assert again.slot.generation == 1
     assert [e.type for e in w.events("w2-sb")].count("promote") == 1
-    told = await w.supersede("w2-sb", 2, "w3-other")
+    told = await w.supersede("w2-sb", 2, "w3-other", "db")
     assert told.slot.primary == "w3-other"
     await w.wait("w2-sb", STOPPED, DEADLINE)

@@ -387,7 +387,9 @@ async def test_supersede_stops_an_outranked_primary_which_then_stands_by(
     servicer_stub: Stub, flyd: Flyd
 ) -> None:
     await create(servicer_stub)  # the primary of its own slot, at generation 0
-    request = w.SupersedeMachineRequest(machine_id="m1", generation=1, primary="m2")
+    request = w.SupersedeMachineRequest(
+        machine_id="m1", generation=1, primary="m2", primary_app="web"
+    )
     told = (await servicer_stub.SupersedeMachine(request, timeout=T)).machine
     assert (told.slot.id, told.slot.generation, told.slot.primary) == ("m1", 1, "m2")
     assert (await wait(servicer_stub, STOPPED)).slot.primary == "m2"
@@ -421,7 +423,9 @@ async def test_supersede_with_a_claim_that_does_not_outrank_changes_nothing(
         await machine_in(servicer_stub, state)
     before, seq = flyd.worker.rows["m1"].machine, flyd.store.last_seq()
     signals = list(flyd.driver.signals)
-    request = w.SupersedeMachineRequest(machine_id="m1", generation=generation, primary=primary)
+    request = w.SupersedeMachineRequest(
+        machine_id="m1", generation=generation, primary=primary, primary_app="web"
+    )
     resp = await servicer_stub.SupersedeMachine(request, timeout=T)
     assert resp.machine == before
     assert (flyd.worker.rows["m1"].machine, flyd.store.last_seq()) == (before, seq)
@@ -514,6 +518,11 @@ async def test_reveal_secrets_opens_them_while_the_machine_lives(
             w.SupersedeMachineRequest(machine_id="m1", generation=1, primary="Not An Id"),
             "primary",
         ),
+        (
+            "SupersedeMachine",
+            w.SupersedeMachineRequest(machine_id="m1", generation=1, primary="m2"),
+            "primary_app",
+        ),
         ("RevealSecrets", w.RevealSecretsRequest(), "machine_id"),
         ("GetPlacement", w.GetPlacementRequest(), "machine_id"),
     ],
@@ -546,7 +555,9 @@ async def test_bad_input_is_refused_naming_the_field_and_changes_nothing(
         ("GetPlacement", w.GetPlacementRequest(machine_id="ghost")),
         (
             "SupersedeMachine",
-            w.SupersedeMachineRequest(machine_id="ghost", generation=1, primary="m2"),
+            w.SupersedeMachineRequest(
+                machine_id="ghost", generation=1, primary="m2", primary_app="web"
+            ),
         ),
         ("RevealSecrets", w.RevealSecretsRequest(machine_id="ghost")),
     ],

@@ -81,6 +81,18 @@ def test_who_serves_a_slot() -> None:
     assert slots.serving([b, a]) is a
 
 
+def test_a_slot_is_one_apps_whatever_id_another_apps_row_names() -> None:
+    """Issue 27, attack 1: evil's row names the demo's slot id at a generation far above. It
+    is a member of (evil, p), not of the demo's slot: it moves none of the demo's promotions."""
+    p, s = machine("p"), machine("s")
+    p.app = s.app = "demo"
+    evil = machine("e", 1_000_000, "e")
+    evil.app = "evil"
+    assert slots.key(p) == ("demo", "p") != slots.key(evil) == ("evil", "p")
+    assert slots.promotion_generation(s, [p, s, evil]) == 1  # s's own, as without evil
+    assert slots.promotion_generation(evil, [p, s, evil]) == 1_000_001  # alone in its slot
+
+
 def test_a_row_without_a_slot_gets_the_one_its_create_would_give() -> None:
     standby = pb.Machine(id="s", config=pb.MachineConfig(standbys=["p"]))
     assert slots.slot_of(standby) == pb.SlotState(id="p", generation=0, primary="p")

@@ -54,6 +54,31 @@ async def test_only_the_member_holding_the_top_claim_gets_requests() -> None:
         assert slots.slot_of(w.registry.machine("p")).primary == "s"  # type: ignore[arg-type]
 
 
+async def test_another_apps_machine_naming_the_slot_is_no_member_of_it() -> None:
+    """Issue 27, attack 1, at the edge: evil's machine names p's slot and claims it far above.
+    Slots are indexed by (app, slot): it is alone in evil's, p serves web on, nobody is told
+    to supersede it, and a failover of p promotes s at its own generation among web's."""
+    registry = fleet(*pair())
+    async with world(registry) as w:
+        evil = machine("e", app="evil", worker="w2", standbys=["p"])
+        registry.put(claimed(evil, 1_000_000, "e"))
+        await settle()
+        assert (await w.router.acquire("web")).machine_id == "p"
+        assert (await w.router.acquire("evil")).machine_id == "e"
+        assert w.flaps.supersedes == []
+        [(_, routes)] = w.router.routes("web")
+        assert [(r.machine_id, r.healthy, r.superseded, r.generation) for r in routes] == [
+            ("p", True, False, 0),
+            ("s", False, False, 0),
+        ]
+        registry.set_status("w1", SUSPECT)
+        w.probes.dead_workers.add("w1.test:7000")
+        await settle()
+        assert (w.flaps.starts, w.flaps.generations) == (["s"], [1])
+        assert (await w.router.acquire("web")).machine_id == "s"
+        assert w.flaps.supersedes == []
+
+
 async def test_an_outranked_copy_on_a_silent_worker_is_left_to_fence_itself() -> None:
     registry = fleet(*pair())
     async with world(registry) as w:
