@@ -90,6 +90,7 @@ async def build(argv: list[str]) -> Service:
         limits=settings.limits(),
         pin_check=pin_check((lambda: keys.keyring) if keys is not None else None),
         tracer=tracer,
+        trusted_proxies=settings.trusted_networks(),
     )
     router.on_machines_lost(http.machines_lost)
     if settings.metrics_listen is not None:

@@ -11,8 +11,9 @@ import asyncio
 import contextlib
 import json
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from ipaddress import ip_network
 from typing import Any
 
 from proxy.errors import NoBackend, UnknownApp
@@ -216,6 +217,17 @@ async def echo(ex: Exchange) -> None:
         "body": body.decode("latin-1")[:200],
     }
     ex.respond(200, json.dumps(doc).encode(), [("Content-Type", "application/json")])
+
+
+def gated(gate: asyncio.Event, body: bytes) -> Handler:
+    """A handler that answers 200 with `body` once `gate` is set (bounded by WAIT)."""
+
+    async def handler(ex: Exchange) -> None:
+        async with asyncio.timeout(WAIT):
+            await gate.wait()
+        ex.respond(200, body)
+
+    return handler
 
 
 class TestBackend:
@@ -467,11 +479,20 @@ class Edge:
 
 @contextlib.asynccontextmanager
 async def edge(
-    router: FakeRouter, limits: Limits | None = None, pin_check: PinCheck | None = None
+    router: FakeRouter,
+    limits: Limits | None = None,
+    pin_check: PinCheck | None = None,
+    trusted_proxies: Sequence[str] = (),
 ) -> AsyncIterator[Edge]:
     stats = Stats()
     proxy = HttpProxy(
-        router, stats, domain=DOMAIN, region="ams", limits=limits or Limits(), pin_check=pin_check
+        router,
+        stats,
+        domain=DOMAIN,
+        region="ams",
+        limits=limits or Limits(),
+        pin_check=pin_check,
+        trusted_proxies=[ip_network(n) for n in trusted_proxies],
     )
     _, port = await proxy.serve("127.0.0.1", 0)
     e = Edge(proxy, router, stats, port)
