@@ -80,7 +80,11 @@ class HttpProxy:
         self._apps: dict[bytes, str | None] = {}
         self._loop = asyncio.get_running_loop()
         self._forwarding = Forwarding(trusted_proxies)
-        self._pool = Pool(limits.pool_size_per_backend, limits.upstream_idle_timeout)
+        self._pool = Pool(
+            limits.pool_size_per_backend,
+            limits.upstream_idle_timeout,
+            limits.max_connections_per_machine,
+        )
         self._conns: set[ClientConnection] = set()
         self._by_peer: dict[bytes, set[ClientConnection]] = {}
         self._server: asyncio.Server | None = None
@@ -153,6 +157,10 @@ class HttpProxy:
     @property
     def idle_upstream_connections(self) -> int:
         return self._pool.idle_count()
+
+    def upstream_connections(self, machine_id: str) -> int:
+        """Connections open (or opening) to a machine now, busy and idle."""
+        return self._pool.open_count(machine_id)
 
     # for the connections
 

@@ -101,6 +101,13 @@ class ProxySettings(ReplicaSettings):
     pool_size_per_backend: int = Field(
         default=64, ge=0, description="idle connections kept per machine"
     )
+    max_connections_per_machine: int = Field(
+        default=256,
+        ge=1,
+        description="connections the edge opens to one machine at most, busy and idle (a "
+        "request that finds its machine at the cap waits upstream_connect_timeout for one, "
+        "then gets 503)",
+    )
     max_retries: int = Field(
         default=2, ge=0, description="other machines tried for a GET/HEAD that was refused"
     )

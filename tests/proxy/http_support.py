@@ -239,6 +239,8 @@ class TestBackend:
         self.machine_id = machine_id
         self.handler = handler
         self.connections = 0
+        self.open = 0  # connections open now
+        self.most_open = 0  # the most open at once
         self.requests: list[SeenRequest] = []
         self.port = 0
         self._server: asyncio.Server | None = None
@@ -271,6 +273,8 @@ class TestBackend:
         self._tasks.add(task)
         self._writers.add(writer)
         self.connections += 1
+        self.open += 1
+        self.most_open = max(self.most_open, self.open)
         try:
             while True:
                 try:
@@ -291,6 +295,7 @@ class TestBackend:
         except asyncio.CancelledError:
             return  # stopped: asyncio's server callback must not see a cancelled task
         finally:
+            self.open -= 1
             self._writers.discard(writer)
             self._tasks.discard(task)
             with contextlib.suppress(Exception):

@@ -13,12 +13,18 @@ from proxy.limits import Limits
 from proxy.wire import FORWARDED
 from tests.proxy.http_support import (
     DOMAIN,
+    WAIT,
+    Exchange,
     FakeRouter,
+    Handler,
     SeenRequest,
     Start,
+    backend_for,
     build_request,
+    dead_port,
     edge,
     eventually,
+    gated,
 )
 
 # -- the request target ------------------------------------------------------------------------
@@ -528,3 +534,186 @@ def test_which_addresses_are_trusted(trusted: list[str], address: str, yes: bool
 
 def test_an_ipv6_client_is_a_quoted_node_in_forwarded() -> None:
     assert b'Forwarded: for="[2001:db8::1]";proto=http;host="' in Forwarding.lines(b"2001:db8::1")
+
+
+# -- hostile machines ---------------------------------------------------------------------------
+
+
+def _raw(response: bytes) -> Handler:
+    """A machine that answers every request with these bytes."""
+
+    async def handler(ex: Exchange) -> bool | None:
+        await ex.read_body()
+        if ex.seen.target == "/next":
+            ex.respond(200, b"the real answer")
+        else:
+            ex.writer.write(response)
+        return None
+
+    return handler
+
+
+@pytest.mark.parametrize(
+    "response",
+    [
+        b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 3\r\n\r\n0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nContent-Length: 5\r\n\r\nabcde",
+        b"HTTP/1.1 200 OK\r\nContent-Length: -3\r\n\r\nabc",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\nabc",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nX-A: a\r\n b\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/1.1 200 OK\nContent-Length: 0\n\n",
+        b"HTTP/1.1 099 Odd\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nConnection: a b\r\nContent-Length: 0\r\n\r\n",
+    ],
+    ids=[
+        "cl-then-te",
+        "te-then-cl",
+        "cl-twice",
+        "cl-negative",
+        "te-gzip",
+        "te-gzip-chunked",
+        "obs-fold",
+        "bare-lf",
+        "two-digit-status",
+        "connection-not-a-token",
+    ],
+)
+@pytest.mark.usefixtures("router_path")
+async def test_a_response_with_broken_framing_is_a_502_and_its_connection_ends(
+    start: Start, response: bytes
+) -> None:
+    web = await start("m-web", _raw(response))
+    async with edge(FakeRouter({"web": [web.backend()]})) as e:
+        client = await e.client()
+        resp = await client.request(f"web.{DOMAIN}")
+        again = await client.request(f"web.{DOMAIN}", "/next")  # the client's connection is fine
+    assert resp.status == 502
+    assert "invalid response" in resp.text
+    assert (again.status, again.body) == (200, b"the real answer")
+    assert web.connections == 2  # the broken connection was not used again
+
+
+@pytest.mark.usefixtures("router_path")
+async def test_bytes_beyond_a_response_are_never_anyone_elses_answer(start: Start) -> None:
+    """A machine answers with more than the length it gave (here the head of a second
+    response, whose body would be the first bytes of its next answer): the client gets exactly
+    the length, and the next request, the machine's real answer on a new connection."""
+    extra = b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\n"
+    web = await start("m-web", _raw(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nabc" + extra))
+    async with edge(FakeRouter({"web": [web.backend()]})) as e:
+        client = await e.client()
+        first = await client.request(f"web.{DOMAIN}")
+        other = await e.client()
+        second = await other.request(f"web.{DOMAIN}", "/next", "POST", body=b"once")
+    assert (first.status, first.body, first.header("content-length")) == (200, b"abc", "3")
+    assert (second.status, second.body) == (200, b"the real answer")
+    assert web.connections == 2
+
+
+@pytest.mark.usefixtures("router_path")
+async def test_the_edge_writes_the_framing_the_client_reads(start: Start) -> None:
+    """A response's Content-Length is the edge's (leading zeros gone, and kept when the
+    machine's Connection names it); the headers Connection names are dropped."""
+    web = await start(
+        "m-web",
+        _raw(
+            b"HTTP/1.1 200 OK\r\nConnection: content-length, x-hop\r\nX-Hop: 1\r\n"
+            b"X-App: 2\r\nContent-Length: 003\r\n\r\nabc"
+        ),
+    )
+    async with edge(FakeRouter({"web": [web.backend()]})) as e:
+        client = await e.client()
+        resp = await client.request(f"web.{DOMAIN}")
+        again = await client.request(f"web.{DOMAIN}")
+    assert (resp.body, again.body) == (b"abc", b"abc")
+    assert resp.header("content-length") == "3"
+    assert (resp.header("x-hop"), resp.header("x-app"), resp.header("connection")) == (
+        None,
+        "2",
+        None,
+    )
+    assert web.connections == 1
+
+
+@pytest.mark.usefixtures("router_path")
+async def test_a_machine_that_answers_before_the_body_is_sent_is_not_reused(start: Start) -> None:
+    """The machine answers a POST before its body is all sent: the rest of the body never
+    reaches it, so its connection is closed, not pooled (it would read the next request as
+    that body)."""
+
+    async def early(ex: Exchange) -> bool:
+        if ex.seen.target == "/":
+            ex.respond(200, b"early")  # and then reads the rest of the body, to go on
+        else:
+            ex.respond(200, b"fine")
+        return True
+
+    web = await start("m-web", early)
+    async with edge(FakeRouter({"web": [web.backend()]})) as e:
+        client = await e.client()
+        await client.send(
+            build_request(f"web.{DOMAIN}", "/", "POST", headers=[("Content-Length", "10")])
+            + b"12345"
+        )
+        resp = await client.response()
+        assert await client.closed()  # the rest of its body had nowhere to go
+        after = await e.get("web", "/next", method="POST", body=b"once")
+    assert (resp.body, after.body) == (b"early", b"fine")
+    assert [r.target for r in web.requests] == ["/", "/next"]
+    assert web.connections == 2
+
+
+# -- connections to one machine ---------------------------------------------------------------
+
+
+async def test_a_flood_opens_no_more_connections_to_a_machine_than_its_cap(start: Start) -> None:
+    gate = asyncio.Event()
+
+    web = await start("m-web", gated(gate, b"ok"))
+    limits = Limits(max_connections_per_machine=3, upstream_connect_timeout=WAIT)
+    async with edge(FakeRouter({"web": [web.backend()]}), limits) as e:
+        clients = [await e.client() for _ in range(12)]
+        for client in clients:
+            await client.send(build_request(f"web.{DOMAIN}"))
+        await eventually(lambda: len(web.requests) == 3, "three requests at the machine")
+        assert e.proxy.upstream_connections("m-web") == 3
+        gate.set()
+        answers = [await client.response() for client in clients]
+        assert e.proxy.upstream_connections("m-web") <= 3
+    assert [a.status for a in answers] == [200] * 12
+    assert web.most_open == 3
+    assert len(web.requests) == 12
+    assert e.router.balanced
+
+
+async def test_at_the_cap_a_request_waits_then_is_refused(start: Start) -> None:
+    gate = asyncio.Event()
+
+    web = await start("m-web", gated(gate, b"ok"))
+    limits = Limits(max_connections_per_machine=1, upstream_connect_timeout=0.2)
+    async with edge(FakeRouter({"web": [web.backend()]}), limits) as e:
+        busy = await e.client()
+        await busy.send(build_request(f"web.{DOMAIN}"))
+        await eventually(lambda: len(web.requests) == 1, "the one connection busy")
+        refused = await e.get("web")
+        leaving = await e.client()  # waits for the connection, then goes away
+        await leaving.send(build_request(f"web.{DOMAIN}"))
+        await asyncio.sleep(0)
+        leaving.writer.transport.abort()
+        gate.set()
+        assert (await busy.response()).status == 200
+        assert (await e.get("web")).status == 200  # the pooled connection again
+        await eventually(lambda: e.router.balanced, "every acquire released")
+    assert refused.status == 503
+    assert "has 1 connections open, the most the edge opens to one machine" in refused.text
+    assert web.connections == web.most_open == 1
+
+
+async def test_connections_that_fail_leave_the_count(start: Start) -> None:
+    router = FakeRouter({"web": [backend_for("m-dead", dead_port())]})
+    async with edge(router, Limits(max_connections_per_machine=1, max_retries=0)) as e:
+        for _ in range(3):
+            assert (await e.get("web", method="POST", body=b"x")).status == 502
+        assert e.proxy.upstream_connections("m-dead") == 0

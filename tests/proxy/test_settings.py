@@ -23,6 +23,7 @@ def test_limits_come_from_flags_and_the_environment(monkeypatch: pytest.MonkeyPa
         prog="proxy",
     )
     limits = settings.limits()
+    assert limits.max_connections_per_machine == Limits().max_connections_per_machine
     assert limits.max_body_bytes == 1000
     assert limits.pool_size_per_backend == 0
     assert limits.upstream_response_timeout == 5.0
@@ -40,6 +41,7 @@ def test_limits_come_from_flags_and_the_environment(monkeypatch: pytest.MonkeyPa
         ("--max-connections", "0", "max_connections"),
         ("--max-retries", "-1", "max_retries"),
         ("--buffer-bytes", "many", "buffer_bytes"),
+        ("--max-connections-per-machine", "0", "max_connections_per_machine"),
         ("--trusted-proxies", "10.0.0.1/8", "trusted_proxies"),  # host bits set
         ("--trusted-proxies", "10.0.0.0/8,proxy.example", "trusted_proxies"),
         ("--event-loop", "trio", "event_loop"),
