@@ -2,12 +2,23 @@
 
 Its parser (httptools, i.e. llhttp: the fastest of the candidates measured in
 bench/proxy_bench.py) turns the bytes into `Request`s: it bounds heads and bodies (proxy.limits),
-finds the app the Host names, builds the head sent to the machine (hop-by-hop headers and the
-proxy's own `nonomad-*` ones dropped, X-Forwarded-* added and, with tracing on, the trace context
-replaced by the request's span) and passes the body on to the machine connection, buffering a
-bounded amount until there is one. It also handles the connection: admission, flow control,
-deadlines, shutdown and close. What becomes of each parsed request is the subclass's
-(proxy.forward.Client: `_queue`, `_serve`).
+finds the app the Host names, builds the head sent to the machine and passes the body on to the
+machine connection, buffering a bounded amount until there is one.
+
+The head a machine gets is the edge's own reading of the request: its framing (Content-Length or
+chunked) written by the edge from what it parsed, never the client's lines, and the body exactly
+the one parsed (llhttp refuses duplicate or conflicting lengths, Content-Length beside
+Transfer-Encoding, a last coding other than chunked, obs-fold, bare CR or LF, bad chunk sizes,
+whitespace before a colon; the edge refuses what llhttp lets through: a Connection header naming a
+framing or routing header, another coding before chunked, Transfer-Encoding in HTTP/1.0, a body on
+an upgrade, versions other than 1.1 and 1.0). Hop-by-hop headers (the standard ones and those
+Connection names) and the proxy's own `nonomad-*` ones are dropped, the forwarding headers are the
+edge's (proxy.forwarded) and, with tracing on, the trace context is the request's span. Requests
+are handed on once the data they came in is parsed, so that no byte of one reaches a machine when
+that data breaks the framing; nothing pipelined after a request that ends the connection is read.
+
+It also handles the connection: admission, flow control, deadlines, shutdown and close. What
+becomes of each parsed request is the subclass's (proxy.forward.Client: `_queue`, `_serve`).
 """
 
 from __future__ import annotations
@@ -30,6 +41,8 @@ from proxy.errors import (
     HeadersTooLarge,
     ProxyError,
     UnknownApp,
+    UnsupportedCoding,
+    UnsupportedVersion,
 )
 from proxy.exchange import (
     O_CLIENT_ERROR,
@@ -39,9 +52,19 @@ from proxy.exchange import (
     Request,
     Traced,
 )
+from proxy.forwarded import CHAINED, WRITTEN, Forwarding
 from proxy.routing import Backend, Router
 from proxy.upstream import Owner, Upstream
-from proxy.wire import CHUNK_END, CRLF, OVERLOADED, error_response
+from proxy.wire import (
+    CHUNK_END,
+    CRLF,
+    FORWARDED,
+    FRAMING,
+    OVERLOADED,
+    connection_options,
+    drop_headers,
+    error_response,
+)
 
 log = structlog.get_logger("proxy.http")  # the data plane logs under one name
 
@@ -70,6 +93,7 @@ class Edge(Owner, Protocol):
     _pin_check: Callable[[str, str, bytes | None], Awaitable[str | None]] | None
     _req_special: frozenset[bytes]
     _tracer: Tracer | None
+    _forwarding: Forwarding
 
     def _conn_closed(self, conn: ClientConnection) -> None: ...
 
@@ -86,6 +110,11 @@ class _RequestError(Exception):
         self.error = error
 
 
+class _Stopped(Exception):
+    """Raised from a parser callback when a request begins after one that ends the
+    connection: nothing after it is read."""
+
+
 class ClientConnection(Timed):
     """A client connection: parses its requests and hands them to `_queue`."""
 
@@ -95,21 +124,24 @@ class ClientConnection(Timed):
         "cur",
         "dead",
         "fed_other",
+        "fwd_lines",
         "h_chunked",
         "h_cl",
+        "h_coding",
         "h_conn_extra",
+        "h_hop",
         "h_hosts",
         "h_ka",
         "h_parts",
         "h_traceparent",
         "h_tracestate",
         "h_upgrade",
-        "h_xff",
         "head_exact",
         "head_raw",
         "host",
         "in_head",
         "limits",
+        "parsed",
         "parser",
         "paused",
         "peer",
@@ -123,6 +155,7 @@ class ClientConnection(Timed):
         "shutting_down",
         "task",
         "transport",
+        "trusted",
         "tunnel",
         "tunnel_buf",
         "up",
@@ -130,7 +163,6 @@ class ClientConnection(Timed):
         "url",
         "waiter",
         "write_stalled",
-        "xff_line",
     )
 
     def __init__(self, proxy: Edge) -> None:
@@ -141,8 +173,13 @@ class ClientConnection(Timed):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.peer = b"unknown"
-        self.xff_line = _forwarded_line(self.peer)
+        self.trusted = False  # the peer is a hop the operator trusts (proxy.forwarded)
+        self.fwd_lines = Forwarding.lines(self.peer)
         self.reqs: deque[Request] = deque()
+        # Requests whose heads the parser completed in the data being fed: handed on
+        # (`_queue`) once it is all parsed, so that a framing error anywhere in it stops
+        # them before any byte of theirs reaches a machine.
+        self.parsed: list[Request] = []
         self.cur: Request | None = None  # being parsed: head done, body in progress
         self.task: asyncio.Task[None] | None = None
         self.waiter: asyncio.Future[None] | None = None
@@ -177,8 +214,9 @@ class ClientConnection(Timed):
         self.h_ka = False
         self.h_cl = -1
         self.h_chunked = False
+        self.h_coding: bytes | None = None  # a transfer coding other than chunked
         self.h_hosts = 0
-        self.h_xff: bytes | None = None
+        self.h_hop: dict[bytes, bytes] | None = None  # a trusted hop's forwarding headers
         self.h_upgrade = b""
         self.h_conn_extra: list[bytes] | None = None
 
@@ -196,7 +234,8 @@ class ClientConnection(Timed):
             transport.close()
             return
         if self.peer != b"unknown":
-            self.xff_line = _forwarded_line(self.peer)
+            self.fwd_lines = Forwarding.lines(self.peer)
+            self.trusted = self.proxy._forwarding.trusts(self.peer.decode())
         self._set_deadline(self.limits.header_timeout)
         self.task = self._loop.create_task(self._serve())
 
@@ -219,11 +258,14 @@ class ClientConnection(Timed):
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade as exc:
             self._on_upgrade(data[exc.args[0] :])
+            self._hand_on()
             return
         except httptools.HttpParserCallbackError as exc:
             context = exc.__context__
             if isinstance(context, _RequestError):
                 self._fail(context.error)
+            elif isinstance(context, _Stopped):
+                self._hand_on()
             else:
                 log.warning("proxy_parser_callback_failed", exc_info=exc)
                 self._fail(BadRequest("malformed request"))
@@ -231,6 +273,8 @@ class ClientConnection(Timed):
         except httptools.HttpParserError as exc:
             self._fail(BadRequest(f"malformed request: {_parser_reason(exc)}"))
             return
+        if self.parsed:
+            self._hand_on()
         if self.in_head:
             # A head still incomplete: llhttp holds a partial header line for us, so bound
             # the raw bytes too (of a chunk where a head began, what was not an earlier
@@ -329,6 +373,8 @@ class ClientConnection(Timed):
     # httptools callbacks
 
     def on_message_begin(self) -> None:
+        if self.dead:
+            raise _Stopped  # pipelined behind a request that ends the connection
         self.in_head = True
         self.head_raw = 0
         self.head_exact = 0
@@ -355,24 +401,30 @@ class ClientConnection(Timed):
             if lname == b"host":
                 self.host = value
                 self.h_hosts += 1
-            elif lname == b"content-length":
-                self.h_cl = int(value)  # llhttp has checked it is digits
-            elif lname == b"transfer-encoding":
-                self.h_chunked = True  # llhttp rejects a request whose last coding is not chunked
-                return
-            elif lname == b"x-forwarded-for":
-                xff = self.h_xff
-                self.h_xff = value if xff is None else xff + b", " + value
-                return
             elif lname == b"connection":
-                for token in value.split(b","):
-                    token = token.strip().lower()
-                    if token == b"keep-alive":
-                        self.h_ka = True
-                    elif token and token not in _CONNECTION_TOKENS:
-                        if self.h_conn_extra is None:
-                            self.h_conn_extra = []
-                        self.h_conn_extra.append(token)
+                if value.lower() == b"keep-alive":
+                    self.h_ka = True
+                else:
+                    self._read_connection(value)
+                return
+            elif lname == b"content-length":
+                # llhttp has checked it: digits, one header, no Transfer-Encoding beside it.
+                # The edge writes its own, from this.
+                self.h_cl = int(value)
+                return
+            elif lname == b"transfer-encoding":
+                if value.lower() == b"chunked":
+                    self.h_chunked = True
+                else:
+                    # A coding other than chunked is refused: last (llhttp's 400 too, once the
+                    # head is complete), the body cannot be delimited; before chunked (501), it
+                    # would be lost when the edge frames the body anew.
+                    codings = [c.strip(b" \t").lower() for c in value.split(b",")]
+                    codings = [c for c in codings if c]
+                    self.h_chunked = bool(codings) and codings[-1] == b"chunked"
+                    other = [c for c in codings if c != b"chunked"]
+                    if other and self.h_coding is None:
+                        self.h_coding = other[0][:40]
                 return
             elif lname == b"upgrade":
                 self.h_upgrade = value
@@ -383,8 +435,22 @@ class ClientConnection(Timed):
             elif lname == b"tracestate":
                 self.h_tracestate = value
                 return
+            elif lname in FORWARDED:
+                if not self.trusted:
+                    return  # a client's word on who it is: the edge writes its own
+                if lname in WRITTEN:  # a trusted hop's: chained or kept in the edge's own
+                    hop = self.h_hop
+                    if hop is None:
+                        hop = self.h_hop = {}
+                    was = hop.get(lname)
+                    if was is None:
+                        hop[lname] = value
+                    elif lname in CHAINED:
+                        hop[lname] = was + b", " + value
+                    return
+                # the others from a trusted hop pass on
             else:
-                return  # other hop-by-hop headers, and X-Forwarded-Proto/Host: ours replace them
+                return  # other hop-by-hop headers: not passed on
         elif lname.startswith(NAMESPACE):
             # The proxy's own headers: read here, never passed on to a machine.
             if lname == self.pin_name:
@@ -404,9 +470,13 @@ class ClientConnection(Timed):
         req.method = method
         req.is_head = method == b"HEAD"
         keep_alive = parser.should_keep_alive()
-        # An HTTP/1.0 request keeps the connection only if it says keep-alive: otherwise
-        # the (slower) version check is not needed.
-        req.http10 = (self.h_ka or not keep_alive) and parser.get_http_version() == "1.0"
+        version = "1.1"
+        if self.h_ka or not keep_alive:
+            # Only HTTP/1.1 keeps its connection without saying keep-alive (the versions
+            # llhttp takes are 0.9, 1.0, 1.1 and 2.0), so the (slower) version check is needed
+            # only here.
+            version = parser.get_http_version()
+            req.http10 = version == "1.0"
         req.keep_alive = keep_alive and not self.shutting_down
         req.upgrade = parser.should_upgrade()
         req.chunked = self.h_chunked
@@ -424,10 +494,27 @@ class ClientConnection(Timed):
             if self.h_hosts and host.strip().lower() != authority.lower():
                 req.error = BadRequest("Host does not match the request target's authority")
             elif not self.h_hosts:
-                self.h_parts += (b"Host: ", authority, CRLF)
+                self.h_parts += (b"Host", b": ", authority, CRLF)
             host = authority
         if req.error is not None:
             pass
+        elif version != "1.1" and version != "1.0":
+            req.error = UnsupportedVersion(f"HTTP/{version} is not supported: 1.1 or 1.0 only")
+        elif self.h_coding is not None:
+            if req.chunked:
+                req.error = UnsupportedCoding(
+                    f"transfer coding {self.h_coding.decode('latin-1')!r} is not supported: "
+                    "only chunked"
+                )
+            else:
+                req.error = BadRequest("Transfer-Encoding whose last coding is not chunked")
+        elif req.chunked and req.http10:
+            # RFC 9112 6.1: an HTTP/1.0 message with Transfer-Encoding has faulty framing.
+            req.error = BadRequest("Transfer-Encoding in an HTTP/1.0 request")
+        elif req.upgrade and req.has_body:
+            # Its body would go to a machine that may refuse the upgrade and read it as
+            # the next request.
+            req.error = BadRequest("an upgrade request cannot have a body")
         elif self.h_hosts > 1:
             req.error = BadRequest("more than one Host header")
         elif method == b"CONNECT":
@@ -457,27 +544,33 @@ class ClientConnection(Timed):
             # is not going to be read.
             req.fatal = isinstance(req.error, BadRequest) or req.has_body or req.upgrade
             req.keep_alive = req.keep_alive and not req.fatal
+        # The framing is the edge's own: the body it forwards is the one it parsed.
         if req.upgrade and req.error is None:
             framing = b"connection: upgrade\r\nupgrade: " + self.h_upgrade + CRLF
         elif req.chunked:
             framing = b"transfer-encoding: chunked\r\n"
+        elif cl >= 0:
+            framing = b"content-length: %d\r\n" % cl
         else:
             framing = b""
         parts = self.h_parts
         parts[0] = method
         parts[2] = url
+        hop = self.h_hop
         if self.h_conn_extra is not None:
-            parts = [_drop_headers(b"".join(parts), self.h_conn_extra)]
-        xff = self.h_xff
-        if xff is None:
-            parts.append(self.xff_line)
+            parts = drop_headers(parts, self.h_conn_extra, 4)
+            if hop is not None:
+                for name in self.h_conn_extra:
+                    hop.pop(name, None)
+        if hop is None:
+            parts += (self.fwd_lines, host, Forwarding.host_line(host))
         else:
-            parts += (b"X-Forwarded-For: ", xff, b", ", self.xff_line[17:])
+            parts.append(proxy._forwarding.chained(self.peer, hop, host))
         tracer = proxy._tracer
         if tracer is None:
-            parts += (host, CRLF, framing, CRLF)
+            parts += (framing, CRLF)
         else:
-            parts += (host, CRLF, framing, self._trace(req, tracer), CRLF)
+            parts += (framing, self._trace(req, tracer), CRLF)
         req.head = b"".join(parts)
         self._reset_head()
         if req.has_body and req.error is None:
@@ -492,7 +585,38 @@ class ClientConnection(Timed):
             if req.fatal:
                 self.dead = True
                 self._pause(PAUSE_DEAD)
-        self._queue(req)
+        self.parsed.append(req)
+
+    def _read_connection(self, value: bytes) -> None:
+        """Read a Connection header: keep-alive, and the options that name headers to drop.
+        One naming a header the edge frames or routes by is refused (proxy.wire.FRAMING)."""
+        try:
+            options = connection_options(value)
+        except ValueError as exc:
+            raise _RequestError(
+                BadRequest(f"malformed Connection header: {exc.args[0][:40].decode('latin-1')!r}")
+            ) from None
+        for option in options:
+            if option == b"keep-alive":
+                self.h_ka = True
+            elif option in FRAMING:
+                raise _RequestError(
+                    BadRequest(
+                        f"Connection names {option.decode()}: the edge frames and routes the "
+                        "request by it, so it cannot be dropped as hop-by-hop"
+                    )
+                )
+            elif option not in _CONNECTION_TOKENS:
+                if self.h_conn_extra is None:
+                    self.h_conn_extra = []
+                self.h_conn_extra.append(option)
+
+    def _hand_on(self) -> None:
+        """Queue the requests whose heads were parsed from the data just fed."""
+        parsed = self.parsed
+        self.parsed = []
+        for req in parsed:
+            self._queue(req)
 
     def _trace(self, req: Request, tracer: Tracer) -> bytes:
         """Start `req`'s SERVER span (a child of the client's `traceparent`, if any); the
@@ -560,6 +684,7 @@ class ClientConnection(Timed):
 
     def _fail(self, error: ProxyError) -> None:
         """The request stream is broken: answer `error` after what is queued, then close."""
+        in_head = self.in_head
         self.dead = True
         self.in_head = False
         self._pause(PAUSE_DEAD)
@@ -573,7 +698,20 @@ class ClientConnection(Timed):
             if sink is not None:
                 sink._finish(O_CLIENT_ERROR)
                 sink.abort()
+            self._hand_on()  # (if its head came in this data, it goes no further than here)
             return
+        parsed = self.parsed
+        if parsed and not in_head:
+            # Broken after the head of the last request parsed (llhttp checks some of its
+            # framing once the head is complete): that request is the broken one.
+            last = parsed[-1]
+            if last.error is None:
+                last.error = error
+            last.fatal = True
+            last.keep_alive = False
+            self._hand_on()
+            return
+        self._hand_on()
         req = Request(self._loop.time())
         req.error = error
         req.fatal = True
@@ -631,22 +769,6 @@ class ClientConnection(Timed):
     async def _serve(self) -> None:
         """The connection's task (started once the connection is accepted)."""
         raise NotImplementedError
-
-
-def _drop_headers(buf: bytes, names: list[bytes]) -> bytes:
-    """`buf` without the header lines whose (lowercased) names are in `names`."""
-    drop = set(names)
-    out = bytearray()
-    for line in buf.split(CRLF):
-        if line and line.split(b":", 1)[0].strip().lower() not in drop:
-            out += line
-            out += CRLF
-    return bytes(out)
-
-
-def _forwarded_line(peer: bytes) -> bytes:
-    """The X-Forwarded-* lines for a client at `peer`, up to the value of X-Forwarded-Host."""
-    return b"X-Forwarded-For: " + peer + b"\r\nX-Forwarded-Proto: http\r\nX-Forwarded-Host: "
 
 
 def _parser_reason(exc: Exception) -> str:

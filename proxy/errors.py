@@ -23,7 +23,21 @@ class NoBackend(ProxyError):
 
 
 class BadRequest(ProxyError):
+    """A request the edge will not pass on as it is (its connection ends after the answer)."""
+
     status = 400
+
+
+class UnsupportedCoding(BadRequest):
+    """A transfer coding other than chunked: the edge would drop it when it frames the body."""
+
+    status = 501
+
+
+class UnsupportedVersion(BadRequest):
+    """Not HTTP/1.1 or 1.0."""
+
+    status = 505
 
 
 class Forbidden(ProxyError):

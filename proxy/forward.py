@@ -48,6 +48,7 @@ from proxy.wire import error_response
 log = structlog.get_logger("proxy.http")  # the data plane logs under one name
 
 _QUEUE_MAX: Final = 16  # pipelined requests parsed ahead before reading pauses
+_AT_CAP: Final = object()  # (Client._machine_connection) the machine's connections stayed all busy
 
 
 class Proxy(Edge, Protocol):
@@ -206,15 +207,14 @@ class Client(ClientConnection):
             else:
                 req.backend = None  # a replay after a stale pooled connection: acquired already
             up: Upstream | None = None
-            handed = connect_failed = False
+            handed = connect_failed = at_cap = False
             try:
                 if req.error is None and not self.closed:
-                    if not req.replay:
-                        up = proxy._pool.take(backend)
-                    if up is None:
-                        up = await self._connect(backend)
-                        connect_failed = up is None
-                    if up is not None and not self.closed:
+                    got = await self._machine_connection(backend, pooled=not req.replay)
+                    at_cap = got is _AT_CAP
+                    up = got if isinstance(got, Upstream) else None
+                    connect_failed = got is None
+                    if up is not None and not self.closed and req.error is None:
                         self.backend = backend
                         up.begin(self, req)
                         handed = True
@@ -226,6 +226,19 @@ class Client(ClientConnection):
                     router.release(backend, ok=False, connect_failed=connect_failed)
             if req.error is not None:  # the body went over the limit while we waited
                 self._after(self._reply_error(req, req.error.status, str(req.error)))
+                return
+            if at_cap and not self.closed:
+                cap = self.limits.max_connections_per_machine
+                log.info("proxy_machine_at_connection_cap", machine_id=backend.machine_id, cap=cap)
+                self._after(
+                    self._reply_error(
+                        req,
+                        503,
+                        f"machine {backend.machine_id} has {cap} connections open, the most the "
+                        "edge opens to one machine, and none came free in time",
+                        machine_id=backend.machine_id,
+                    )
+                )
                 return
             if not connect_failed:
                 return  # the client is gone
@@ -334,16 +347,55 @@ class Client(ClientConnection):
             )
         self._after(keep, now)
 
-    async def _connect(self, backend: Backend) -> Upstream | None:
+    async def _machine_connection(
+        self, backend: Backend, *, pooled: bool
+    ) -> Upstream | object | None:
+        """A connection to `backend`: an idle pooled one (when `pooled`), or a new one if the
+        machine is under the pool's cap; at the cap, the first of those to come free within
+        upstream_connect_timeout. None when the machine refused or did not answer, _AT_CAP
+        when nothing came free in time."""
+        pool = self.proxy._pool
+        machine_id = backend.machine_id
+        deadline = self._loop.time() + self.limits.upstream_connect_timeout
+        while True:
+            if pooled:
+                up = pool.take(backend)
+                if up is not None:
+                    return up
+            if pool.opening(machine_id):
+                return await self._connect(backend, deadline)
+            left = deadline - self._loop.time()
+            if left <= 0 or not await pool.wait(machine_id, left) or self.closed:
+                return _AT_CAP
+            pooled = True  # a fresh connection is only needed for a replay: any free one will do
+
+    async def _connect(self, backend: Backend, deadline: float) -> Upstream | None:
+        """Open a connection the pool has counted (`Pool.opening`) by `deadline`."""
         proxy = self.proxy
+        made: list[Upstream] = []
+
+        def upstream() -> Upstream:
+            up = Upstream(proxy, backend)
+            made.append(up)
+            return up
+
+        connected = False
         try:
-            async with asyncio.timeout(self.limits.upstream_connect_timeout):
+            async with asyncio.timeout_at(deadline):
                 _, protocol = await self._loop.create_connection(
-                    lambda: Upstream(proxy, backend), backend.host, backend.port
+                    upstream, backend.host, backend.port
                 )
+            connected = True
         except (OSError, TimeoutError) as exc:
             log.debug("proxy_connect_failed", machine_id=backend.machine_id, error=str(exc))
             return None
+        finally:
+            if not connected:  # (also when cancelled: the client went away)
+                if made:
+                    made[0].abort()
+                    made[0].uncount()
+                else:
+                    proxy._pool.closed(backend.machine_id)
         assert isinstance(protocol, Upstream)
         return protocol
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 import structlog
 from opentelemetry.trace import Tracer
 
 from proxy.client import NAMESPACE, ClientConnection
 from proxy.forward import Client
+from proxy.forwarded import Forwarding, Network
 from proxy.limits import Limits
 from proxy.routing import Backend, Router
 from proxy.stats import Stats
@@ -33,9 +34,11 @@ class HttpProxy:
 
     `router` chooses machines (see proxy.routing); `stats` counts what happens. Responses name
     the machine that served them in `machine_header`; a request may ask for one machine with
-    `pin_header`, if `await pin_check(app, machine id, its nonomad-token header)` says None
-    (else 403 with what it said; without a pin_check, any request may). Request headers of the
-    proxy's namespace (`nonomad-*`) never reach a machine. If the router also has
+    `pin_header`, if `await pin_check(app, machine id, its nonomad-token header)` says None (else
+    403 with what it said; without a pin_check, any request may). Request headers of the
+    proxy's namespace (`nonomad-*`) never reach a machine, nor do a client's forwarding headers
+    (X-Forwarded-For and its kin): the edge writes its own, and chains a hop's only for
+    connections from the `trusted_proxies` networks (proxy.forwarded). If the router also has
     `try_acquire(app, *, pinned, exclude) -> Backend | None` (what `acquire` would return
     without waiting, or None if it would wait), requests start without a task switch. Create
     it inside the running event loop.
@@ -53,6 +56,7 @@ class HttpProxy:
         pin_header: str = "nonomad-force-instance-id",
         pin_check: Callable[[str, str, bytes | None], Awaitable[str | None]] | None = None,
         tracer: Tracer | None = None,
+        trusted_proxies: Iterable[Network] = (),
     ) -> None:
         self.router = router
         # Optional fast path: `try_acquire(app, *, pinned, exclude) -> Backend | None`, the
@@ -75,7 +79,12 @@ class HttpProxy:
         self._machine_lines: dict[str, bytes] = {}
         self._apps: dict[bytes, str | None] = {}
         self._loop = asyncio.get_running_loop()
-        self._pool = Pool(limits.pool_size_per_backend, limits.upstream_idle_timeout)
+        self._forwarding = Forwarding(trusted_proxies)
+        self._pool = Pool(
+            limits.pool_size_per_backend,
+            limits.upstream_idle_timeout,
+            limits.max_connections_per_machine,
+        )
         self._conns: set[ClientConnection] = set()
         self._by_peer: dict[bytes, set[ClientConnection]] = {}
         self._server: asyncio.Server | None = None
@@ -148,6 +157,10 @@ class HttpProxy:
     @property
     def idle_upstream_connections(self) -> int:
         return self._pool.idle_count()
+
+    def upstream_connections(self, machine_id: str) -> int:
+        """Connections open (or opening) to a machine now, busy and idle."""
+        return self._pool.open_count(machine_id)
 
     # for the connections
 

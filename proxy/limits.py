@@ -31,9 +31,14 @@ class Limits:
     # From one client address. At `max_connections`, an idle connection of the client holding
     # the most is cut off to make room for a newcomer, so one client cannot starve the others.
     max_connections_per_client: int = 512
-    # Idle connections kept per machine (in-flight ones are not capped here: the router
-    # bounds concurrency per machine).
+    # Idle connections kept per machine.
     pool_size_per_backend: int = 64
+    # Connections open (or opening) to one machine, busy and idle: a flood of slow requests to
+    # one app without a hard limit cannot make the edge open more, so neither the machine nor
+    # the descriptors of the edge and of the worker's netd are spent by one app. A request
+    # that finds its machine at the cap waits (up to upstream_connect_timeout) for one of its
+    # connections to come free, then gets a 503.
+    max_connections_per_machine: int = 256
     # Extra attempts, on other machines, for a GET/HEAD whose connection was refused.
     max_retries: int = 2
     # Request body buffered (per request) before a backend is ready, before reading pauses.
@@ -58,6 +63,7 @@ class Limits:
             "max_header_bytes",
             "max_connections",
             "max_connections_per_client",
+            "max_connections_per_machine",
             "buffer_bytes",
         ):
             if getattr(self, name) < 1:

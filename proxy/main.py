@@ -93,6 +93,7 @@ async def build(argv: list[str]) -> Service:
         limits=settings.limits(),
         pin_check=pin_check(grants),
         tracer=tracer,
+        trusted_proxies=settings.trusted_networks(),
     )
     router.on_machines_lost(http.machines_lost)
     if settings.metrics_listen is not None:

@@ -8,10 +8,12 @@ with the defaults, against flyd's heartbeat every 0.2 s.
 from __future__ import annotations
 
 from dataclasses import fields
+from ipaddress import ip_network
 
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
+from proxy.forwarded import Network
 from proxy.limits import Limits
 from proxy.pins import GRANT_TTL
 from proxy.routes import RouterConfig
@@ -98,11 +100,26 @@ class ProxySettings(ReplicaSettings):
     pool_size_per_backend: int = Field(
         default=64, ge=0, description="idle connections kept per machine"
     )
+    max_connections_per_machine: int = Field(
+        default=256,
+        ge=1,
+        description="connections the edge opens to one machine at most, busy and idle (a "
+        "request that finds its machine at the cap waits upstream_connect_timeout for one, "
+        "then gets 503)",
+    )
     max_retries: int = Field(
         default=2, ge=0, description="other machines tried for a GET/HEAD that was refused"
     )
     buffer_bytes: int = Field(
         default=64 * 1024, ge=1024, description="request body buffered before a machine is ready"
+    )
+    trusted_proxies: list[str] = Field(
+        default_factory=list,
+        description="networks (CIDRs or addresses, comma-separated) of the hops in front of "
+        "the edge (a load balancer, a CDN) whose X-Forwarded-For, Forwarded, X-Forwarded-Proto "
+        "and X-Forwarded-Host it keeps, appending to their chain as a proxy does; from any "
+        "other client, forwarding headers are dropped and the edge writes its own from the "
+        "connection. None by default",
     )
     token_cache_ttl: float = Field(
         default=GRANT_TTL,
@@ -116,6 +133,16 @@ class ProxySettings(ReplicaSettings):
     @classmethod
     def _listen(cls, value: str) -> str:
         parse_host_port(value)
+        return value
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _networks(cls, value: list[str]) -> list[str]:
+        for network in value:
+            try:
+                ip_network(network.strip())
+            except ValueError as exc:
+                raise ValueError(f"{network!r} is not a network: {exc}") from None
         return value
 
     @field_validator("flaps")
@@ -140,6 +167,9 @@ class ProxySettings(ReplicaSettings):
         if not is_name(value):
             raise ValueError("must be 1-63 lowercase letters, digits or dashes")
         return value
+
+    def trusted_networks(self) -> tuple[Network, ...]:
+        return tuple(ip_network(network.strip()) for network in self.trusted_proxies)
 
     def limits(self) -> Limits:
         return Limits(**{f.name: getattr(self, f.name) for f in fields(Limits)})

@@ -7,12 +7,25 @@ the client transport as they arrive, so a body is never held whole, and flow con
 transports' own (a full write buffer on one side pauses reading on the other). When the exchange
 ends it tells the client connection how (`Downstream.exchange_done`), still in the callback.
 It knows the client connection and the proxy only as the Protocols `Downstream` and `Owner`.
+
+A machine's response is framed anew as well: the client gets a Content-Length the edge wrote
+from the one llhttp parsed (which refuses duplicate ones and Content-Length beside
+Transfer-Encoding), or a body the edge chunked itself; the headers the machine's Connection names
+are dropped. A connection goes back to the pool only when the exchange ended exactly: the request
+sent whole, the response read to its end and nothing after it (bytes beyond a response, or a
+transfer coding other than chunked, end the connection), so no byte of one exchange is read as
+part of another's.
+
+The pool also caps the connections open to each machine (`Pool.opening`): a request that finds
+its machine at the cap waits for one of them to come free (`Pool.wait`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
+from collections import deque
 from typing import Final, Protocol, cast
 
 import httptools
@@ -32,7 +45,14 @@ from proxy.exchange import (
 )
 from proxy.limits import Limits
 from proxy.routing import Backend
-from proxy.wire import CHUNK_END, CRLF, RESP_SPECIAL, STATUS_LINES
+from proxy.wire import (
+    CHUNK_END,
+    CRLF,
+    RESP_SPECIAL,
+    STATUS_LINES,
+    connection_options,
+    drop_headers,
+)
 
 # Upstream connection phases.
 _U_POOLED: Final = 0
@@ -70,13 +90,19 @@ class Downstream(Protocol):
     def start_tunnel(self, up: Upstream) -> None: ...
 
 
+class _BadResponse(Exception):
+    """Raised from a parser callback: the machine's response cannot be passed on safely."""
+
+
 class Upstream(Timed):
-    """A connection to one machine: idle in the pool, or carrying one exchange at a time."""
+    """A connection to one machine: idle in the pool, or carrying one exchange at a time. It
+    is counted in its pool's cap from its opening (`Pool.opening`) until it is lost."""
 
     __slots__ = (
         "backend",
         "client",
         "closed",
+        "counted",
         "eof_body",
         "got_head",
         "hparts",
@@ -96,6 +122,7 @@ class Upstream(Timed):
         "req",
         "resp_cl",
         "resp_close",
+        "resp_drop",
         "resp_te",
         "resp_upgrade",
         "reused",
@@ -118,6 +145,7 @@ class Upstream(Timed):
         self.phase = _U_POOLED
         self.read_paused = False
         self.reused = False
+        self.counted = True
         self._reset_response()
 
     def _reset_response(self) -> None:
@@ -126,9 +154,10 @@ class Upstream(Timed):
         self.in_head = False
         self.interim = False
         self.hparts: list[bytes] = [b""]  # the status line goes first, when it is known
-        self.resp_cl = False
+        self.resp_cl = -1
         self.resp_te = False
         self.resp_close = False
+        self.resp_drop: list[bytes] | None = None  # headers its Connection names
         self.resp_upgrade = b""
         self.keep_client = False
         self.no_body = False
@@ -177,6 +206,7 @@ class Upstream(Timed):
         self.closed = True
         self._stop_timer()
         self.pool.discard(self)
+        self.uncount()
         client = self.client
         if self.phase == _U_TUNNEL:
             if client is not None and client.transport is not None:
@@ -260,6 +290,13 @@ class Upstream(Timed):
         if self.transport is not None:
             self.transport.close()
 
+    def uncount(self) -> None:
+        """Leave the pool's count of connections to the machine (once: when lost, or when
+        its opening failed)."""
+        if self.counted:
+            self.counted = False
+            self.pool.closed(self.backend.machine_id)
+
     def abort(self) -> None:
         """Close this connection now (its exchange, if any, failed)."""
         self.closed = True
@@ -324,6 +361,10 @@ class Upstream(Timed):
     # httptools callbacks
 
     def on_message_begin(self) -> None:
+        if self.req is None:
+            # A response begins after the exchange ended: the machine sent more than the
+            # length it gave. Read on, it would answer the next request on this connection.
+            raise _BadResponse("bytes after the end of a response")
         self.in_head = True  # (begin, or an interim response's end, reset the rest)
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -332,15 +373,36 @@ class Upstream(Timed):
         lname = name.lower()
         if lname in RESP_SPECIAL:
             if lname == b"content-length":
-                self.resp_cl = True
+                # llhttp has checked it: digits, one header, no Transfer-Encoding beside it.
+                # The edge writes its own, from this.
+                self.resp_cl = int(value)
+                return
             elif lname == b"transfer-encoding":
+                if value.lower() != b"chunked":
+                    codings = [c.strip(b" \t").lower() for c in value.split(b",")]
+                    if any(c and c != b"chunked" for c in codings):
+                        # The body would reach the client without its coding, framed anew.
+                        raise _BadResponse("a transfer coding other than chunked")
                 self.resp_te = True
                 return
             elif lname == b"connection":
-                for token in value.lower().split(b","):
-                    token = token.strip()
-                    if token == b"close":
+                lvalue = value.lower()
+                if lvalue == b"keep-alive":
+                    return
+                if lvalue == b"close":
+                    self.resp_close = True
+                    return
+                try:
+                    options = connection_options(value)
+                except ValueError:
+                    raise _BadResponse("a malformed Connection header") from None
+                for option in options:
+                    if option == b"close":
                         self.resp_close = True
+                    elif option != b"keep-alive" and option != b"upgrade":
+                        if self.resp_drop is None:
+                            self.resp_drop = []
+                        self.resp_drop.append(option)
                 return
             elif lname == b"upgrade":
                 self.resp_upgrade = value
@@ -356,7 +418,12 @@ class Upstream(Timed):
         if req is None or client is None:
             return
         status = self.parser.get_status_code()
+        if status < 100:
+            raise _BadResponse(f"status {status}")
         self.status = status
+        if self.resp_drop is not None:
+            self.hparts = drop_headers(self.hparts, self.resp_drop, 1)
+            self.resp_drop = None
         if 100 <= status < 200 and status != 101:
             self.interim = True
             parts = self.hparts
@@ -365,7 +432,8 @@ class Upstream(Timed):
                 parts.append(CRLF)
                 self._send_to_client(b"".join(parts))
             self.hparts = [b""]
-            self.resp_cl = self.resp_te = self.resp_close = False
+            self.resp_cl = -1
+            self.resp_te = self.resp_close = False
             self.resp_upgrade = b""
             return
         self.interim = False
@@ -379,20 +447,26 @@ class Upstream(Timed):
             and not client.dead
             and not proxy._closing
         )
+        # The framing is the edge's own: the body it forwards is the one it parsed.
         framing = b""
+        cl = self.resp_cl
         if status == 101:
             if not req.upgrade:
                 keep = False
             framing = b"connection: upgrade\r\nupgrade: " + self.resp_upgrade + CRLF
         elif req.is_head or status == 204 or status == 304:
             self.no_body = True
-        elif self.resp_te or not self.resp_cl:
+            if cl >= 0 and status != 204:  # (the length of the body a GET would have)
+                framing = b"content-length: %d\r\n" % cl
+        elif self.resp_te or cl < 0:
             self.eof_body = not self.resp_te
             if req.http10:
                 keep = False  # no chunked for HTTP/1.0: the body ends when we close
             else:
                 self.rechunk = True
                 framing = b"transfer-encoding: chunked\r\n"
+        else:
+            framing = b"content-length: %d\r\n" % cl
         self.keep_client = keep
         if status == 101:
             pass  # the connection becomes the tunnel: its Connection header says so
@@ -406,8 +480,10 @@ class Upstream(Timed):
         self.pending = b"".join(parts)
         if self.no_body:
             self._flush_pending()
-            reusable = not self.resp_close and self.parser.get_http_version() == "1.1"
-            if not self.resp_cl and not self.resp_te and status != 204 and status != 304:
+            reusable = (
+                not self.resp_close and req.complete and self.parser.get_http_version() == "1.1"
+            )
+            if cl < 0 and not self.resp_te and status != 204 and status != 304:
                 reusable = False  # llhttp would read a body up to EOF: give up on it
             self._finish(O_DONE if reusable else O_DONE_CLOSE)
 
@@ -425,25 +501,89 @@ class Upstream(Timed):
         if self.interim:
             self.interim = False
             return
-        if self.req is None or self.status == 101:
+        req = self.req
+        if req is None or self.status == 101:
             return  # after a 101, llhttp raises HttpParserUpgrade: the tunnel starts there
         if self.rechunk:
             self._send_to_client(CHUNK_END)
         elif self.pending is not None:
             self._flush_pending()
-        reusable = not self.eof_body and self.parser.should_keep_alive()
+        # Not reused when the machine answered before the request's body was all sent: it
+        # would read the rest of the body from the next request.
+        reusable = not self.eof_body and req.complete and self.parser.should_keep_alive()
         self._finish(O_DONE if reusable else O_DONE_CLOSE)
 
 
 class Pool:
-    """Idle connections per machine, newest first (they are the least likely to be stale)."""
+    """Idle connections per machine, newest first (they are the least likely to be stale),
+    and the count of all those open to each, held under a cap."""
 
-    __slots__ = ("_idle", "_size", "_timeout")
+    __slots__ = ("_cap", "_idle", "_open", "_size", "_timeout", "_waiters")
 
-    def __init__(self, size: int, timeout: float) -> None:
+    def __init__(self, size: int, timeout: float, cap: int) -> None:
         self._idle: dict[str, list[Upstream]] = {}
         self._size = size
         self._timeout = timeout
+        self._cap = cap
+        self._open: dict[str, int] = {}
+        # Requests waiting for a connection to a machine at its cap, oldest first (at most
+        # one per client connection, so bounded by the proxy's max_connections).
+        self._waiters: dict[str, deque[asyncio.Future[None]]] = {}
+
+    def opening(self, machine_id: str) -> bool:
+        """Count a connection about to be opened to the machine: False (and nothing counted)
+        when it has `cap` open already. The Upstream made leaves the count when it is lost
+        (`Upstream.uncount`); if none is made, call `closed`."""
+        n = self._open.get(machine_id, 0)
+        if n >= self._cap:
+            return False
+        self._open[machine_id] = n + 1
+        return True
+
+    def closed(self, machine_id: str) -> None:
+        """A connection to the machine is gone (or its opening failed): one may open now."""
+        n = self._open.get(machine_id, 0) - 1
+        if n > 0:
+            self._open[machine_id] = n
+        else:
+            self._open.pop(machine_id, None)
+        self._wake(machine_id)
+
+    def open_count(self, machine_id: str) -> int:
+        """Connections open or opening to the machine."""
+        return self._open.get(machine_id, 0)
+
+    async def wait(self, machine_id: str, timeout: float) -> bool:
+        """Wait until a connection to the machine is pooled or closed (either lets one
+        waiting request go on), at most `timeout` seconds; whether that happened."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiters = self._waiters.setdefault(machine_id, deque())
+        waiters.append(fut)
+        woken = False
+        try:
+            async with asyncio.timeout(timeout):
+                await fut
+            woken = True
+        except TimeoutError:
+            woken = fut.done() and not fut.cancelled()  # woken as the time ran out
+        finally:
+            if not fut.done():
+                fut.cancel()
+            elif not woken and not fut.cancelled():
+                self._wake(machine_id)  # woken, then cancelled: the next one goes instead
+            with contextlib.suppress(ValueError):
+                waiters.remove(fut)
+            if not waiters and self._waiters.get(machine_id) is waiters:
+                del self._waiters[machine_id]
+        return woken
+
+    def _wake(self, machine_id: str) -> None:
+        waiters = self._waiters.get(machine_id)
+        while waiters:
+            fut = waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
 
     def take(self, backend: Backend) -> Upstream | None:
         idle = self._idle.get(backend.machine_id)
@@ -474,6 +614,8 @@ class Pool:
         up.phase = _U_POOLED
         up._set_deadline_at(now + self._timeout, slack=self._timeout)
         idle.append(up)
+        if self._waiters:
+            self._wake(up.backend.machine_id)
 
     def discard(self, up: Upstream) -> None:
         idle = self._idle.get(up.backend.machine_id)

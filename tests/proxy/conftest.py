@@ -6,7 +6,16 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from tests.proxy.http_support import Handler, Start, TestBackend, echo
+from tests.proxy.http_support import FakeRouter, Handler, Start, TestBackend, echo
+
+
+@pytest.fixture(params=["task", "fast"])
+def router_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A test that uses it runs twice: with a router that answers only through `acquire` (each
+    request goes through the connection's task) and with one that also offers `try_acquire`
+    (requests start from the parser callback when a pooled connection is idle)."""
+    monkeypatch.setattr(FakeRouter, "fast_default", request.param == "fast")
+    return str(request.param)
 
 
 @pytest.fixture

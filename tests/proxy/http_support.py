@@ -11,8 +11,9 @@ import asyncio
 import contextlib
 import json
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from ipaddress import ip_network
 from typing import Any
 
 from proxy.errors import NoBackend, UnknownApp
@@ -218,6 +219,17 @@ async def echo(ex: Exchange) -> None:
     ex.respond(200, json.dumps(doc).encode(), [("Content-Type", "application/json")])
 
 
+def gated(gate: asyncio.Event, body: bytes) -> Handler:
+    """A handler that answers 200 with `body` once `gate` is set (bounded by WAIT)."""
+
+    async def handler(ex: Exchange) -> None:
+        async with asyncio.timeout(WAIT):
+            await gate.wait()
+        ex.respond(200, body)
+
+    return handler
+
+
 class TestBackend:
     """A real HTTP/1.1 server on 127.0.0.1 that counts connections and records requests."""
 
@@ -227,6 +239,8 @@ class TestBackend:
         self.machine_id = machine_id
         self.handler = handler
         self.connections = 0
+        self.open = 0  # connections open now
+        self.most_open = 0  # the most open at once
         self.requests: list[SeenRequest] = []
         self.port = 0
         self._server: asyncio.Server | None = None
@@ -259,6 +273,8 @@ class TestBackend:
         self._tasks.add(task)
         self._writers.add(writer)
         self.connections += 1
+        self.open += 1
+        self.most_open = max(self.most_open, self.open)
         try:
             while True:
                 try:
@@ -279,6 +295,7 @@ class TestBackend:
         except asyncio.CancelledError:
             return  # stopped: asyncio's server callback must not see a cancelled task
         finally:
+            self.open -= 1
             self._writers.discard(writer)
             self._tasks.discard(task)
             with contextlib.suppress(Exception):
@@ -467,11 +484,20 @@ class Edge:
 
 @contextlib.asynccontextmanager
 async def edge(
-    router: FakeRouter, limits: Limits | None = None, pin_check: PinCheck | None = None
+    router: FakeRouter,
+    limits: Limits | None = None,
+    pin_check: PinCheck | None = None,
+    trusted_proxies: Sequence[str] = (),
 ) -> AsyncIterator[Edge]:
     stats = Stats()
     proxy = HttpProxy(
-        router, stats, domain=DOMAIN, region="ams", limits=limits or Limits(), pin_check=pin_check
+        router,
+        stats,
+        domain=DOMAIN,
+        region="ams",
+        limits=limits or Limits(),
+        pin_check=pin_check,
+        trusted_proxies=[ip_network(n) for n in trusted_proxies],
     )
     _, port = await proxy.serve("127.0.0.1", 0)
     e = Edge(proxy, router, stats, port)
