@@ -5,21 +5,26 @@ them (`Console`), and a live stream read event by event as the browser would (`s
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, cast
 
 import grpc
 import httpx
 
+from flaps.tokens import Denied, InvalidToken, Keyring, caveats
 from flaps.v1 import platform_pb2
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
-from nonomad.client import NotFound
+from nonomad.client import NotFound, PermissionDenied, Unauthenticated, Unavailable
+from nonomad.console.access import TokenCheck
 from nonomad.console.app import build
+from nonomad.console.guard import Door, Served
 from nonomad.console.live import Live
 from nonomad.console.pages import Pages
+from nonomad.console.sessions import LoginCodes, Sessions
 from registry.replica import FOLLOW_RESYNC, Subscription, WorkerView
 from registry.v1 import registry_pb2
 from registry.view import ALIVE
@@ -128,16 +133,68 @@ class FakeReplica:
 
 
 class FakeFlaps:
-    """flaps' calls the console makes for a machine's page, over the replica's rows."""
+    """flaps' calls the console makes, over the replica's rows. As flaps does, each call with a
+    token (`with_token`: a session's) verifies it against `keyring` (at `now`, and not among
+    `revoked` token ids), then checks its caveats for what the call reads; the console's own
+    calls (no token) read everything."""
 
-    def __init__(self, replica: FakeReplica) -> None:
+    def __init__(self, replica: FakeReplica, keyring: Keyring, now: Callable[[], float]) -> None:
         self.replica = replica
+        self.keyring = keyring
+        self.now = now
+        self.token: str | None = None
         self.lines: asyncio.Queue[str] = asyncio.Queue(maxsize=16)
-        self.following_logs = 0
-        """Log calls with follow open now."""
+        self.shared = {"following_logs": 0, "token_calls": 0}
+        self.revoked: set[str] = set()
+        self.down = False
+        """When set, every call with a token is UNAVAILABLE."""
+
+    @property
+    def following_logs(self) -> int:
+        """Log calls with follow open now (of every token)."""
+        return self.shared["following_logs"]
+
+    @property
+    def token_calls(self) -> int:
+        """Calls made with a token so far."""
+        return self.shared["token_calls"]
+
+    def with_token(self, token: str) -> FakeFlaps:
+        other = copy.copy(self)
+        other.token = token
+        return other
+
+    def _check(self, ops: tuple[str, ...], app: str | None, machine_id: str | None) -> None:
+        if self.token is None:
+            return
+        self.shared["token_calls"] += 1
+        if self.down:
+            raise Unavailable(grpc.StatusCode.UNAVAILABLE, "flaps is down")
+        try:
+            grant = self.keyring.verify(self.token, now=self.now())
+        except InvalidToken as err:
+            raise Unauthenticated(
+                grpc.StatusCode.UNAUTHENTICATED, f"authorization: {err}"
+            ) from None
+        if grant.token_id in self.revoked:
+            raise Unauthenticated(
+                grpc.StatusCode.UNAUTHENTICATED, f"token {grant.token_id} is revoked"
+            )
+        try:
+            grant.check(ops, app, machine_id)
+        except Denied as err:
+            raise PermissionDenied(grpc.StatusCode.PERMISSION_DENIED, str(err)) from None
+
+    async def list_machines(
+        self, app: str, *, limit: int | None = None, **_: Any
+    ) -> list[pb.Machine]:
+        self._check(("read",), app or None, None)
+        rows = [m for m in self.replica.rows.values() if not app or m.app == app]
+        return rows[:limit]
 
     def _row(self, machine_id: str) -> pb.Machine:
         row = self.replica.machine(machine_id)
+        self._check(("read",), row.app if row is not None else None, machine_id)
         if row is None:
             raise NotFound(grpc.StatusCode.NOT_FOUND, f"machine {machine_id} not found")
         return row
@@ -168,13 +225,13 @@ class FakeFlaps:
         self, machine_id: str, *, tail_lines: int = 100, follow: bool = False, **_: Any
     ) -> AsyncIterator[str]:
         self._row(machine_id)
-        self.following_logs += follow
+        self.shared["following_logs"] += follow
         try:
             yield "booted"
             while follow:
                 yield await self.lines.get()
         finally:
-            self.following_logs -= follow
+            self.shared["following_logs"] -= follow
 
 
 class Placements:
@@ -191,26 +248,60 @@ class Placements:
             yield platform_pb2.WatchPlacementsResponse(event=await self.queue.get())
 
 
-class Console:
-    """The console's app over the fakes, with its `Live` running."""
+HOST = "console.test"
+ORIGIN = f"http://{HOST}"
 
-    def __init__(self) -> None:
+
+def new_keyring() -> Keyring:
+    return Keyring([("k1", b"k" * 32)])
+
+
+class Console:
+    """The console's app over the fakes, with its `Live` running, serving on `HOST`: tokens
+    minted with `keyring`, sessions and login codes on `clock`. `http` is a browser-like
+    client (it keeps cookies); `login()` logs it in."""
+
+    def __init__(self, keyring: Keyring | None = None) -> None:
         self.replica = FakeReplica()
         self.replica.add_worker("w1", free_cpu=3800)
         self.replica.add_worker("w2")
         for i, worker in enumerate(("w1", "w1", "w2")):
             m = machine(f"w{i}-web", "web", worker)
             self.replica.rows[m.id] = m
-        self.flaps = FakeFlaps(self.replica)
+        self.clock = ManualClock()
+        self.keyring = keyring or new_keyring()
+        self.admin = self.keyring.mint(caveats(apps=["*"], ops=["*"]))
+        self.flaps = FakeFlaps(self.replica, self.keyring, self.clock.now)
         self.placements = Placements()
         replica, flaps = cast(Any, self.replica), cast(Any, self.flaps)
         self.live = Live(replica, self.placements)
         self.pages = Pages(replica, flaps, None, self.live, clock=self.replica.clock.now)
         self.closing = asyncio.Event()
-        self.app = build(self.pages, self.live, self.closing)
-        self.http = httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=self.app), base_url="http://console.test"
+        self.sessions = Sessions(self.clock.now)
+        self.codes = LoginCodes(self.clock.now)
+        served = Served.of("127.0.0.1", 80, names=[HOST])
+        check = TokenCheck(flaps, self.clock.now)
+        self.door = Door(served, self.sessions, self.codes, check, flaps)
+        self.app = build(self.pages, self.live, self.closing, self.door)
+        self.http = self.client()
+
+    def client(self) -> httpx.AsyncClient:
+        """A new client of the console, with no cookies."""
+        return httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url=ORIGIN)
+
+    async def login(self, token: str | None = None, http: httpx.AsyncClient | None = None) -> Any:
+        """Log `http` (the console's own client by default) in with `token` (the admin's), as
+        a program does (`Authorization: Bearer`); the scope the console answers."""
+        reply = await (http or self.http).post(
+            "/login",
+            headers={
+                "Authorization": f"Bearer {token or self.admin}",
+                "Accept": "application/json",
+            },
+            timeout=T,
         )
+        assert reply.status_code == 200, reply.text
+        return reply.json()
 
     async def get(self, path: str, *, as_json: bool = False) -> httpx.Response:
         accept = "application/json" if as_json else "text/html,application/xhtml+xml"
@@ -256,7 +347,11 @@ class Stream:
 
 
 @asynccontextmanager
-async def stream(c: Console, path: str) -> AsyncIterator[Stream]:
+async def stream(
+    c: Console, path: str, http: httpx.AsyncClient | None = None
+) -> AsyncIterator[Stream]:
+    """The stream at `path`, opened with the cookies of `http` (the console's client)."""
+    http = http or c.http
     s = Stream()
     target, _, query = path.partition("?")
     scope = {
@@ -268,7 +363,11 @@ async def stream(c: Console, path: str) -> AsyncIterator[Stream]:
         "path": target,
         "raw_path": target.encode(),
         "query_string": query.encode(),
-        "headers": [(b"accept", b"text/event-stream")],
+        "headers": [
+            (b"host", HOST.encode()),
+            (b"accept", b"text/event-stream"),
+            (b"cookie", "; ".join(f"{k}={v}" for k, v in http.cookies.items()).encode()),
+        ],
         "server": ("console.test", 80),
         "client": ("127.0.0.1", 1),
         "root_path": "",

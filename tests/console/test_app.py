@@ -14,6 +14,7 @@ import pytest
 from flaps.v1 import platform_pb2
 from flyd.v1 import machine_pb2 as pb
 from nonomad.console import model, streams
+from nonomad.console.access import EVERYTHING
 from nonomad.console.live import Notice
 from nonomad.console.pages import Pages
 from registry.view import DEAD
@@ -241,7 +242,7 @@ async def test_an_app_view_renders_only_the_rows_of_its_page() -> None:
     for i in range(150):
         m = machine(f"w1-big-{i:03d}", "big")
         replica.rows[m.id] = m
-    pages = Pages(cast(Any, replica), cast(Any, None), None, cast(Any, None))
+    pages = Pages(cast(Any, replica), cast(Any, None), None, cast(Any, None), scope=EVERYTHING)
     view = streams.AppView(pages, "big", page=1)
     await view.full()
     on_page2 = pb.Machine()
