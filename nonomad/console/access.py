@@ -111,16 +111,20 @@ class Scope:
             return self.machine(app, machine_id)
         return self.app(app)
 
+    @property
+    def apps(self) -> list[str]:
+        """The apps every `apps` caveat allows, sorted; ["*"]: any."""
+        if self.grant is None:
+            return []
+        apps: list[str] = ["*"]
+        for c in self.grant.caveats:
+            if c.key == "apps" and "*" not in c.values:
+                apps = sorted(c.values if apps == ["*"] else set(apps) & c.values)
+        return apps
+
     def describe(self) -> dict[str, object]:
         """For the pages: whose session, over which apps, and whether it sees the fleet."""
-        apps: list[str] = ["*"]
-        if self.grant is None:
-            apps = []
-        else:
-            for c in self.grant.caveats:
-                if c.key == "apps" and "*" not in c.values:
-                    apps = sorted(c.values if apps == ["*"] else set(apps) & c.values)
-        return {"token_id": self.token_id, "apps": apps, "fleet": self.fleet}
+        return {"token_id": self.token_id, "apps": self.apps, "fleet": self.fleet}
 
 
 NOTHING = Scope(None)
@@ -148,12 +152,13 @@ async def verify_token(flaps: Client, token: str, now: float) -> Scope:
     scope = Scope(grant)
     if scope.expires and now >= scope.expires:
         raise LoginRefused(401, f"token {grant.token_id} has expired")
-    # An app-limited token asks about one of its apps (flaps checks read on it); any other,
-    # about every app (flaps checks read, and lists only what it may read).
-    app = ""
-    for c in grant.caveats:
-        if c.key == "apps" and "*" not in c.values:
-            app = min(c.values)
+    # An app-limited token asks about one of its apps (one every `apps` caveat allows: flaps
+    # checks read on it); any other, about every app (flaps checks read, and lists only what
+    # it may read).
+    apps = scope.apps
+    if not apps:
+        raise LoginRefused(403, f"token {grant.token_id}: its apps caveats allow no app at all")
+    app = "" if apps == ["*"] else apps[0]
     try:
         await flaps.with_token(token).list_machines(app, limit=1, timeout=VERIFY_TIMEOUT)
     except Unauthenticated as err:

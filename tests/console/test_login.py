@@ -22,7 +22,7 @@ import pytest
 from pymacaroons import Macaroon
 from structlog.testing import capture_logs
 
-from flaps.tokens import Grant, Keyring, caveats
+from flaps.tokens import Grant, Keyring, attenuate, caveats
 from nonomad.console.access import Scope
 from nonomad.console.app import build
 from nonomad.console.guard import CSP, Door, Served
@@ -630,6 +630,24 @@ async def test_an_app_scoped_fleet_stream_sends_no_worker(console: Console) -> N
                     assert "db" not in data["apps-list"]
                     assert '<span class="muted">4</span>' in data["apps-list"]
                     break
+
+
+async def test_a_token_of_several_apps_caveats_sees_where_they_meet(console: Console) -> None:
+    """Every caveat must hold: `apps = db,web` then `apps = web,cache` is web's alone (and
+    the token is checked at flaps on web, the app both allow)."""
+    narrowed = attenuate(
+        console.keyring.mint(caveats(apps=["db", "web"], ops=["read"])), ["apps = web,cache"]
+    )
+    scope = await console.login(narrowed, http := console.client())
+    assert scope["apps"] == ["web"]
+    fleet = (await http.get("/", headers={"Accept": "application/json"})).json()
+    assert [a["name"] for a in fleet["apps"]] == ["web"]
+    nothing = attenuate(console.keyring.mint(caveats(apps=["db"])), ["apps = web"])
+    reply = await console.client().post(
+        "/login", headers={"Authorization": f"Bearer {nothing}", "Accept": "application/json"}
+    )
+    assert reply.status_code == 403
+    assert reply.json()["reason"].endswith("its apps caveats allow no app at all")
 
 
 async def test_a_machine_scoped_token_sees_those_machines_only(console: Console) -> None:
