@@ -8,7 +8,10 @@ apps have the other 500. A few of big's primaries run the demo app (their log ta
 routes are real); the others are created without being launched: rows like any other, which the
 pages read the same way, without 1,000 processes on the benchmark's machine.
 
-Measured, once the console's replica holds every machine, with a live stream of each kind
+The benchmark logs in as the operator does (the admin token over HTTP, a session cookie on
+every request after; the browser with the one-time login URL `nonomad up` prints), so each
+load pays what the console's front door checks (Host, session, headers). Measured, once the
+console's replica holds every machine, with a live stream of each kind
 held open meanwhile as open tabs hold them (the fleet's, both apps' first pages, the running
 machine's and its log's, the events'; each read as it comes; they render on every heartbeat
 and change, on the loop the pages are served from):
@@ -50,11 +53,13 @@ from bench import browser, procs, report
 from bench.procs import progress
 from bench.proxy_control_bench import Fleet, Service
 from bench.report import Results, percentile
+from flaps.tokens import read_token
 from flaps.v1.platform_pb2 import WORKER_STATUS_ALIVE
 from flyd.images.build import build_image
 from flyd.v1 import machine_pb2 as pb
 from nonomad.cli_local import DEMO_SOURCE
 from nonomad.client import Client
+from nonomad.console.login import login_url
 from nonomad.security import ClusterSecurity, provision
 from runtime import CLUSTER_PREFIX
 
@@ -183,17 +188,36 @@ async def _fill(client: Client) -> list[str]:
     return list(primaries[:RUNNING])
 
 
-class Http:
-    """One kept-alive connection to the console."""
+def _login(address: str, token: str) -> str:
+    """A session of the console for `token` (logged in as a program does): its Cookie header."""
+    host, _, port = address.rpartition(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=WAIT)
+    try:
+        bearer = {"Authorization": f"Bearer {token}", "Accept": "application/json"}
+        conn.request("POST", "/login", headers=bearer)
+        reply = conn.getresponse()
+        reply.read()
+        if reply.status != 200:
+            raise RuntimeError(f"POST /login: {reply.status}")
+        cookies = reply.headers.get_all("Set-Cookie") or []
+    finally:
+        conn.close()
+    (session,) = [c for c in cookies if c.startswith("nonomad-console-")]
+    return session.partition(";")[0]
 
-    def __init__(self, address: str) -> None:
+
+class Http:
+    """One kept-alive connection to the console, with a session's cookie."""
+
+    def __init__(self, address: str, cookie: str) -> None:
         host, _, port = address.rpartition(":")
         self.conn = http.client.HTTPConnection(host, int(port), timeout=WAIT)
+        self.cookie = cookie
 
     def get(self, path: str, accept: str = "text/html") -> tuple[int, bytes, float]:
         """(status, body, milliseconds from sending the request to the body's last byte)."""
         t0 = time.perf_counter()
-        self.conn.request("GET", path, headers={"Accept": accept})
+        self.conn.request("GET", path, headers={"Accept": accept, "Cookie": self.cookie})
         reply = self.conn.getresponse()
         body = reply.read()
         return reply.status, body, (time.perf_counter() - t0) * 1000
@@ -209,11 +233,11 @@ class OpenStream:
     """A page's live stream held open, read as it comes (in a thread, so it never backs up)
     until `close`."""
 
-    def __init__(self, address: str, path: str) -> None:
+    def __init__(self, address: str, path: str, cookie: str) -> None:
         host, _, port = address.rpartition(":")
         self.path = path
         self.conn = http.client.HTTPConnection(host, int(port), timeout=WAIT)
-        self.conn.request("GET", path, headers={"Accept": "text/event-stream"})
+        self.conn.request("GET", path, headers={"Accept": "text/event-stream", "Cookie": cookie})
         self.reply = self.conn.getresponse()
         kind = self.reply.headers.get("Content-Type", "")
         if self.reply.status != 200 or not kind.startswith("text/event-stream"):
@@ -245,12 +269,12 @@ class OpenStream:
         self.conn.close()
 
 
-def _open_streams(address: str, paths: list[str]) -> list[OpenStream]:
+def _open_streams(address: str, paths: list[str], cookie: str) -> list[OpenStream]:
     """Every stream open, each past its first event."""
     opened: list[OpenStream] = []
     try:
         for path in paths:
-            opened.append(OpenStream(address, path))
+            opened.append(OpenStream(address, path, cookie))
         for stream in opened:
             if not stream.started.wait(WAIT):
                 raise TimeoutError(f"{stream.path}: no first event")
@@ -295,13 +319,16 @@ def _measure_http(res: Results, web: Http, pages: dict[str, str], loads: int) ->
 
 
 def _measure_browser(
-    res: Results, root: Path, address: str, pages: dict[str, str], loads: int
+    res: Results, root: Path, address: str, pages: dict[str, str], loads: int, token: str
 ) -> None:
     if browser.MISSING:
         res.details["browser"] = f"not measured: {browser.MISSING}"
         return
     driver = browser.chromium(root / "profile", root / "logs" / "chromedriver.log", WAIT)
     try:
+        driver.get(login_url(f"http://{address}", token))  # lands on the fleet, logged in
+        if driver.execute_script("return location.pathname") != "/":
+            raise RuntimeError("the browser did not log in with the one-time login URL")
         for name, path in pages.items():
             times = []
             for i in range(loads + 1):
@@ -347,7 +374,9 @@ def _run(res: Results, root: Path, quick: bool) -> None:
         cluster.start()
         progress("cluster up")
         running = _run_async(_prepare(cluster))
-        web = Http(cluster.console)
+        token = read_token(cluster.security.admin_token)
+        cookie = _login(cluster.console, token)
+        web = Http(cluster.console, cookie)
 
         def all_seen() -> bool:
             apps = web.json("/apps")["apps"]
@@ -373,12 +402,12 @@ def _run(res: Results, root: Path, quick: bool) -> None:
             f"/live/machines/{machine}/logs",
             "/live/events",
         ]
-        held = _open_streams(cluster.console, paths)
+        held = _open_streams(cluster.console, paths, cookie)
         try:
             load_before = os.getloadavg()[0]
             _measure_http(res, web, pages, loads)
             progress("measured over HTTP")
-            _measure_browser(res, root, cluster.console, pages, loads // 2)
+            _measure_browser(res, root, cluster.console, pages, loads // 2, token)
             ended = [s.path for s in held if not s.open]
             if ended:
                 raise RuntimeError(f"streams ended during the timing: {ended}")

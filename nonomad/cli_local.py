@@ -26,6 +26,7 @@ from pathlib import Path
 import grpc
 import structlog
 
+from flaps.tokens import read_token
 from flaps.v1 import platform_pb2
 from flyd.drivers.cgroups import CONTROLLERS, remove_tree
 from flyd.drivers.rundir import kill_all
@@ -45,6 +46,8 @@ from nonomad.cli_common import (
 )
 from nonomad.cli_workers import WORKERS_FILE, process_state, request_done, restart_requests
 from nonomad.client import ApiError, Client, state_name
+from nonomad.console.login import login_url
+from nonomad.console.sessions import CODE_TTL
 from nonomad.security import ClusterSecurity, provision
 from runtime import CLUSTER_PREFIX, READY_PREFIX, ChannelTLS, aio_channel, read_announcements
 from runtime.logs import configure_logging
@@ -232,6 +235,16 @@ class StopSignals:
             time.sleep(0.2)
 
 
+def _console_login(console_url: str, security: ClusterSecurity) -> str:
+    """The line that logs the operator in to the console: a one-time URL (the console keeps
+    the admin token behind its code; the token is in no URL), or how to log in without."""
+    try:
+        url = login_url(console_url, read_token(security.admin_token))
+    except ValueError as err:
+        return f"  log in with the token in {_shown(security.admin_token)} ({err})"
+    return f"  log in (the link works once, for {CODE_TTL / 60:.0f} minutes): {url}"
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     state: Path = args.state_dir.absolute()
     pid_file = free_pid_file(state)
@@ -413,6 +426,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                 print(f"  {g} {auth} -d '{body}' {f} {rpc}")
             print(f"\ntokens for one app: nonomad{here} tokens create --app demo --ops read")
         print(f"\nthe web console: {console_url}")
+        print(_console_login(console_url, security))
         watch = _Watch(state, procs, worker_args)
         stop.run(watch.step, "Try a failover: nonomad workers kill|pause|resume|restart WORKER")
     finally:

@@ -18,6 +18,7 @@ Messages are the generated protobuf classes of `flyd.v1` and `flaps.v1`, re-expo
 
 from __future__ import annotations
 
+import copy
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -75,6 +76,7 @@ PlacementEvent = platform_pb2.PlacementEvent
 
 DEFAULT_TIMEOUT = 30.0
 MAX_WAIT = 60.0  # flaps' WaitMachine limit
+LIST_PAGE = 1000  # the most machines flaps puts on one page
 _WAIT_MARGIN = 5.0  # the RPC deadline beyond the server-side wait, for the round trip
 
 
@@ -221,8 +223,19 @@ class Client:
             (("authorization", f"Bearer {token}"),) if token else ()
         )
         self._channel = aio_channel(address, tls=tls)
+        self._owns_channel = True
         self._machines = machines_pb2_grpc.MachinesServiceStub(self._channel)
         self._platform = platform_pb2_grpc.PlatformServiceStub(self._channel)
+
+    def with_token(self, token: str) -> Client:
+        """A client of the same flaps over the same channel that sends `token` instead: one
+        process calling for several callers (the console, for each operator logged in) opens
+        one connection, and flaps checks each call against its own caller's token. Closing it
+        leaves the channel open; closing this client closes it for both."""
+        other = copy.copy(self)
+        other._metadata = (("authorization", f"Bearer {token}"),)
+        other._owns_channel = False
+        return other
 
     async def __aenter__(self) -> Client:
         return self
@@ -236,8 +249,10 @@ class Client:
         await self.close()
 
     async def close(self) -> None:
-        """Close the channel; calls in flight are cancelled."""
-        await self._channel.close()
+        """Close the channel (unless it is another client's, `with_token`); calls in flight
+        are cancelled."""
+        if self._owns_channel:
+            await self._channel.close()
 
     async def _unary(self, method: Any, name: str, request: Any, timeout: float | None) -> Any:
         try:
@@ -364,15 +379,19 @@ class Client:
         region: str = "",
         state: str | int | None = None,
         include_destroyed: bool = False,
+        limit: int | None = None,
         timeout: float | None = None,
     ) -> list[pb.Machine]:
-        """An app's machines across the fleet, as the registry replica sees them (every page;
-        `timeout` is each page's)."""
+        """An app's machines across the fleet, as the registry replica sees them (every page,
+        or the first `limit` machines; `timeout` is each page's)."""
+        if limit is not None and limit < 1:
+            raise ValueError(f"list_machines: limit must be 1 or more, got {limit}")
         request = m.ListMachinesRequest(
             app=app,
             region=region,
             state=parse_state(state) if state is not None else pb.MACHINE_STATE_UNSPECIFIED,
             include_destroyed=include_destroyed,
+            page_size=min(limit, LIST_PAGE) if limit is not None else 0,
         )
         machines: list[pb.Machine] = []
         while True:
@@ -380,6 +399,8 @@ class Client:
                 self._machines.ListMachines, "ListMachines", request, timeout
             )
             machines.extend(response.machines)
+            if limit is not None and len(machines) >= limit:
+                return machines[:limit]
             if not response.next_page_token:
                 return machines
             request.page_token = response.next_page_token

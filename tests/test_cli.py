@@ -13,6 +13,9 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from nonomad.cli_local import cgroup_prefix
 from tests.harness import REPO_ROOT, VENV_BIN, clean_env
@@ -81,6 +84,27 @@ def eventually_true(check: Callable[[], bool], deadline: float = 30.0) -> bool:
     return True
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def console_login(url: str) -> str:
+    """Open a one-time login URL as a browser does from the terminal (`Sec-Fetch-Site:
+    none`); the session cookie it sets, as a Cookie header."""
+    opener = urllib.request.build_opener(_NoRedirect)
+    ask = urllib.request.Request(url, headers={"Sec-Fetch-Site": "none"})
+    with pytest.raises(urllib.error.HTTPError) as redirected:
+        opener.open(ask, timeout=10)
+    with redirected.value as reply:
+        assert reply.code == 303
+        cookies = reply.headers.get_all("Set-Cookie")
+    (session,) = [c for c in cookies if c.startswith("nonomad-console-")]
+    assert "HttpOnly" in session
+    assert "SameSite=strict" in session
+    return session.partition(";")[0]
+
+
 def test_up_serves_the_demo_app_and_down_leaves_nothing_behind(tmp_path: Path) -> None:
     state = tmp_path / "cluster"
     up = subprocess.Popen(
@@ -127,15 +151,30 @@ def test_up_serves_the_demo_app_and_down_leaves_nothing_behind(tmp_path: Path) -
         assert edge, text
         assert "hello from machine" in through_proxy(edge.group(2), edge.group(1))
 
-        # The web console `up` started (on a free port) shows this cluster's workers and the
-        # demo's two machines, as its JSON twin and as the page.
+        # The web console `up` started (on a free port) needs a login: `up` printed a one-time
+        # URL for it (a code, not the token). Opened as from the terminal, it logs in; then
+        # the console shows this cluster's workers and the demo's two machines, as its JSON
+        # twin and as the page.
         console = re.search(r"^the web console: (http://127\.0\.0\.1:\d+/)$", text, re.M)
         assert console, text
         console_url = console.group(1)
+        login = re.search(
+            r"^  log in \(the link works once, for 5 minutes\): (http://\S+/login\?code=\S+)$",
+            text,
+            re.M,
+        )
+        assert login, text
+        admin_token = (state / "admin.token").read_text().strip()
+        assert admin_token not in text
+        with urllib.request.urlopen(console_url, timeout=10) as resp:
+            assert resp.url.startswith(f"{console_url}login?next=")  # no session: the login
+        cookie = console_login(login.group(1))
         seen: list[object] = []
 
         def console_shows_the_cluster() -> bool:
-            ask = urllib.request.Request(console_url, headers={"Accept": "application/json"})
+            ask = urllib.request.Request(
+                console_url, headers={"Accept": "application/json", "Cookie": cookie}
+            )
             with urllib.request.urlopen(ask, timeout=10) as resp:
                 assert resp.headers["Content-Type"] == "application/json"
                 fleet = json.load(resp)
@@ -146,7 +185,8 @@ def test_up_serves_the_demo_app_and_down_leaves_nothing_behind(tmp_path: Path) -
             return (workers, machines, apps) == ({"ams-1": "alive", "ams-2": "alive"}, 2, ["demo"])
 
         assert eventually_true(console_shows_the_cluster), seen[-1:]
-        with urllib.request.urlopen(console_url, timeout=10) as resp:
+        ask = urllib.request.Request(console_url, headers={"Cookie": cookie})
+        with urllib.request.urlopen(ask, timeout=10) as resp:
             assert resp.headers["Content-Type"].startswith("text/html")
             page = resp.read().decode()
         assert 'id="worker-ams-1" data-status="alive"' in page

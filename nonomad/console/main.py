@@ -1,9 +1,11 @@
 """`nonomad-console`: the web console as a process.
 
-Builds the replica (following flaps'), the SDK client (the read-only token), the proxy's admin
-stub, the live hub and the ASGI app, serves it with uvicorn on a socket it binds itself, and
-prints `NONOMAD_READY console host:port` once it answers. SIGTERM or SIGINT: the live streams
-end first (so no open page holds the shutdown up), then the server stops, then the replica.
+Binds its socket, then builds the replica (following flaps'), the SDK client (the read-only
+token; each session calls with its own), the proxy's admin stub, the live hub, the sessions
+and the ASGI app behind its front door (which knows the port it serves on), serves it with
+uvicorn (HTTPS with `https_cert`), and prints `NONOMAD_READY console host:port` once it
+answers. SIGTERM or SIGINT: the sessions and live streams end first (so no open page holds the
+shutdown up), then the server stops, then the replica.
 """
 
 from __future__ import annotations
@@ -13,15 +15,19 @@ import contextlib
 import signal
 import socket
 import sys
+import time
 from collections.abc import Iterator
 
 import structlog
 import uvicorn
 
 from nonomad.client import Client
+from nonomad.console.access import TokenCheck
 from nonomad.console.app import build
+from nonomad.console.guard import Door, Served
 from nonomad.console.live import Live
 from nonomad.console.pages import Pages
+from nonomad.console.sessions import LoginCodes, Sessions
 from nonomad.console.settings import ConsoleSettings
 from proxy.v1 import proxy_pb2_grpc
 from runtime import READY_PREFIX, aio_channel, configure_logging, parse_host_port
@@ -30,6 +36,7 @@ from runtime.settings import SettingsError, load_settings
 log = structlog.get_logger("console")
 
 RPC_TIMEOUT = 10.0
+SWEEP = 5.0  # seconds between looks for sessions that expired
 
 
 class _Server(uvicorn.Server):
@@ -79,19 +86,27 @@ async def run(settings: ConsoleSettings) -> int:
     proxy = proxy_pb2_grpc.ProxyServiceStub(proxy_channel) if proxy_channel else None
     live = Live(replica, lambda subscribed: flaps.watch_placements(subscribed=subscribed))
     closing = asyncio.Event()
-    app = build(Pages(replica, flaps, proxy, live), live, closing)
     try:
         sock = _bind(settings.listen)
     except OSError as err:
         print(f"nonomad-console: cannot listen on {settings.listen}: {err}", file=sys.stderr)
+        await flaps.close()
         return 1
+    bind_host, _ = parse_host_port(settings.listen)
+    tls = settings.https_cert is not None
+    served = Served.of(bind_host, sock.getsockname()[1], tls=tls, names=settings.hosts)
+    sessions = Sessions(time.time, ttl=settings.session_ttl, max_sessions=settings.max_sessions)
+    door = Door(served, sessions, LoginCodes(time.time), TokenCheck(flaps, time.time), flaps)
+    app = build(Pages(replica, flaps, proxy, live), live, closing, door)
     server = _Server(
         uvicorn.Config(
             app,
             log_config=None,
-            access_log=False,
+            access_log=False,  # (a login URL's code is in its query string)
             lifespan="off",
             timeout_graceful_shutdown=max(1, int(settings.grace_period)),
+            ssl_certfile=settings.https_cert,
+            ssl_keyfile=settings.https_key,
         )
     )
     stop = asyncio.Event()
@@ -102,6 +117,7 @@ async def run(settings: ConsoleSettings) -> int:
     tasks = [
         asyncio.create_task(replica.run(background), name="console/replica"),
         asyncio.create_task(live.run(background), name="console/live"),
+        asyncio.create_task(sessions.sweep_every(SWEEP, background), name="console/sessions"),
     ]
     serving = asyncio.create_task(server.serve(sockets=[sock]), name="console/http")
     try:
@@ -113,7 +129,14 @@ async def run(settings: ConsoleSettings) -> int:
             return 1
         host, port = sock.getsockname()[:2]
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        log.info("console_listening", address=address, flaps=settings.flaps, proxy=settings.proxy)
+        log.info(
+            "console_listening",
+            address=address,
+            scheme=served.scheme,
+            hosts=sorted(served.hosts),
+            flaps=settings.flaps,
+            proxy=settings.proxy,
+        )
         print(f"{READY_PREFIX} console {address}", flush=True)
         waiter = asyncio.create_task(stop.wait())
         await asyncio.wait({waiter, serving}, return_when=asyncio.FIRST_COMPLETED)
@@ -121,6 +144,7 @@ async def run(settings: ConsoleSettings) -> int:
     finally:
         log.info("console_stopping")
         closing.set()  # log streams
+        sessions.close()  # every session's streams
         live.close()  # page streams
         server.should_exit = True
         with contextlib.suppress(Exception):

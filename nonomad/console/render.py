@@ -1,5 +1,6 @@
 """HTML from page data: the Jinja templates under `templates/`, autoescaped, and single
-fragments of them (`parts.html` macros) for live updates; server-sent event framing."""
+fragments of them (`parts.html` macros) for live updates; server-sent event framing; a refusal
+as JSON or as a page, whichever the client prefers."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
 
 TEMPLATES = Path(__file__).parent / "templates"
 STATIC = Path(__file__).parent / "static"
@@ -38,6 +41,7 @@ def page(template: str, **context: Any) -> str:
     context.setdefault("live_url", "")
     context.setdefault("logs_url", "")
     context.setdefault("nav", "")
+    context.setdefault("viewer", None)
     return ENV.get_template(template).render(**context)
 
 
@@ -54,3 +58,30 @@ def sse(event: str, data: Any, event_id: int | None = None) -> str:
 
 
 KEEPALIVE = ": keep-alive\n\n"
+
+
+def wants_json(request: Request) -> bool:
+    """Whether the client prefers JSON to HTML (by the Accept header's order and weights)."""
+    best: dict[str, float] = {}
+    for position, item in enumerate(request.headers.get("accept", "").split(",")):
+        kind, *params = (p.strip() for p in item.split(";"))
+        q = 1.0
+        for param in params:
+            key, _, value = param.partition("=")
+            if key.strip() == "q":
+                try:
+                    q = float(value)
+                except ValueError:
+                    q = 0.0
+        # Earlier types win ties: a browser lists text/html first.
+        best[kind.lower()] = max(best.get(kind.lower(), -1.0), q - position * 1e-6)
+    json_q = best.get("application/json", -1.0)
+    return json_q > 0 and json_q > best.get("text/html", -1.0)
+
+
+def error_response(request: Request, status: int, reason: str) -> Response:
+    """The refusal as JSON (to a client that prefers it, and on a stream) or as a page."""
+    if wants_json(request) or request.url.path.startswith("/live/"):
+        return JSONResponse({"status": status, "reason": reason}, status_code=status)
+    html = page("error.html", status=status, reason=reason)
+    return HTMLResponse(html, status_code=status)

@@ -9,27 +9,42 @@ one update), the fragments that changed: `patch` {element id: HTML}, `feed` (an 
 
 What only the proxy knows (health, load, traffic) is not on any stream: an app's page asks
 the proxy again every `TICK` seconds while it is open.
+
+A stream carries only what its session may see (feed items through `Scope.item`, the views'
+data through their scoped `Pages`), and ends when the session does (`stops`). A log stream
+sends each line cut to `LINE_MAX` characters: the page keeps its last 500.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import TypeVar
 
 from nonomad.client import ApiError, Client
 from nonomad.console import model
+from nonomad.console.access import Scope
 from nonomad.console.live import RESYNC, Live, Notice
 from nonomad.console.pages import LOG_TAIL, RPC_TIMEOUT, Pages
 from nonomad.console.render import KEEPALIVE, part, sse
 from registry.replica import SubscriptionClosed
 
-__all__ = ["AppView", "EventsView", "FleetView", "LiveView", "MachineView", "logs", "serve"]
+__all__ = [
+    "AppView",
+    "EventsView",
+    "FleetView",
+    "LiveView",
+    "MachineView",
+    "logs",
+    "serve",
+    "until",
+]
 
 COALESCE = 0.2
 KEEPALIVE_AFTER = 15.0
 TICK = 5.0
+LINE_MAX = 8192
 
 T = TypeVar("T")
 Patches = dict[str, str]
@@ -262,8 +277,9 @@ class MachineView(LiveView):
         return self._summary() if self.stale else {}
 
 
-async def serve(view: LiveView, live: Live, after: int) -> AsyncIterator[str]:
-    """The page's stream (see the module docstring); ends when `live` closes."""
+async def serve(view: LiveView, live: Live, after: int, scope: Scope) -> AsyncIterator[str]:
+    """The page's stream (see the module docstring), its feed items those `scope` sees; ends
+    when `live` closes."""
     sub = live.subscribe()
     loop = asyncio.get_running_loop()
     last_item = after
@@ -273,7 +289,7 @@ async def serve(view: LiveView, live: Live, after: int) -> AsyncIterator[str]:
         out = []
         for item in items:
             last_item = max(last_item, item["seq"])
-            if view.wants(item):
+            if scope.item(item) and view.wants(item):
                 out.append(sse("feed", part("feed_item", item), item["seq"]))
         return out
 
@@ -325,21 +341,30 @@ async def serve(view: LiveView, live: Live, after: int) -> AsyncIterator[str]:
         sub.close()
 
 
-async def logs(flaps: Client, machine_id: str, closing: asyncio.Event) -> AsyncIterator[str]:
+def _cut(line: str) -> str:
+    if len(line) <= LINE_MAX:
+        return line
+    return f"{line[:LINE_MAX]} [console: {len(line) - LINE_MAX} more characters not shown]"
+
+
+async def logs(
+    flaps: Client, machine_id: str, stops: Sequence[asyncio.Event]
+) -> AsyncIterator[str]:
     """A machine's log: `tail` (its last lines, replacing what the page shows), then each new
-    `line`; ends with the machine's stream, or when the console closes."""
+    `line` (cut to LINE_MAX); ends with the machine's stream, or when one of `stops` is set
+    (the console closes, the session ends)."""
     yield sse("tail", [])
     lines = flaps.machine_logs(machine_id, tail_lines=LOG_TAIL, follow=True)
     try:
-        async for line in _until(closing, lines):
-            yield sse("line", line)
+        async for line in until(stops, lines):
+            yield sse("line", _cut(line))
     except ApiError as err:
         yield sse("line", f"[console: the log stream ended: {err.message}]")
 
 
-async def _until(closing: asyncio.Event, items: AsyncIterator[T]) -> AsyncIterator[T]:
-    """`items` until they end or `closing` is set (then the iterator is closed)."""
-    stop = asyncio.ensure_future(closing.wait())
+async def until(stops: Sequence[asyncio.Event], items: AsyncIterator[T]) -> AsyncIterator[T]:
+    """`items` until they end or one of `stops` is set (then the iterator is closed)."""
+    stop = asyncio.ensure_future(_any(stops))
     end = object()
     step: asyncio.Future[object] | None = None
     try:
@@ -362,3 +387,13 @@ async def _until(closing: asyncio.Event, items: AsyncIterator[T]) -> AsyncIterat
         aclose = getattr(items, "aclose", None)
         if aclose is not None:
             await aclose()
+
+
+async def _any(events: Sequence[asyncio.Event]) -> None:
+    """Return once any of `events` is set."""
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()

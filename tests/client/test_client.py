@@ -129,6 +129,12 @@ async def test_leases_standbys_and_platform_calls(fleet: Fleet) -> None:
         )
         assert standby.worker_id != primary.worker_id
         assert state_name(standby.state) in ("created", "stopped")
+        # The first of the app's machines only (one call, a page of one).
+        assert len(await flaps.list_machines("web")) == 2
+        (first,) = await flaps.list_machines("web", limit=1)
+        assert first.id in (primary.id, standby.id)
+        with pytest.raises(ValueError, match="limit must be 1 or more"):
+            await flaps.list_machines("web", limit=0)
 
 
 async def test_errors_are_typed_and_carry_the_status(fleet: Fleet) -> None:
@@ -177,6 +183,14 @@ async def test_tokens_and_tls(fleet: Fleet) -> None:
             assert denied.value.metadata["caveat"] == "ops = read"
             with pytest.raises(PermissionDenied, match='"apps = web" does not allow app api'):
                 await reader.list_machines("api")
+        # One channel for two callers: each call is checked against its own token, and
+        # closing the second leaves the first's channel open.
+        reader = admin.with_token(web_reader)
+        assert await reader.list_machines("web") == []
+        with pytest.raises(PermissionDenied, match='"apps = web" does not allow app api'):
+            await reader.list_machines("api")
+        await reader.close()
+        assert await admin.list_machines("api") == []
         # TLS is not optional: plaintext to a TLS port does not connect.
         async with Client(address, token=web_reader, timeout=2) as plaintext:
             with pytest.raises(Unavailable):

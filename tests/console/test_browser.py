@@ -1,20 +1,17 @@
 """The console in a real browser against a real local cluster.
 
 Debian's chromium, headless, driven by Selenium through chromedriver (bench.browser: both
-from the system, nothing downloaded at run time). One cluster and one browser serve the
-module: workers w1 (label side=a) and w2 (side=b) announcing to flaps, one
-proxy following both, and `nonomad-console` following flaps' replica with its read-only token,
-secure as `nonomad up` runs it. Every page visited is screenshotted into the test's own
-directory, and a test fails if the browser logged an error on any page (a failed request, a
-script error). The failover test goes last: it kills a worker.
+from the system, nothing downloaded at run time). One cluster (tests.console.cluster) and one
+browser serve the module; the browser logs in as the operator does, with the one-time URL
+`nonomad up` prints. Every page visited is screenshotted into the test's own directory, and a
+test fails if the browser logged an error on any page (a failed request, a script error, a
+violation of the console's content security policy). The failover test goes last: it kills a
+worker.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,70 +25,12 @@ from flaps.v1 import machines_pb2 as m
 from flaps.v1 import platform_pb2 as p
 from flaps.v1 import platform_pb2_grpc
 from flyd.v1 import machine_pb2 as pb
-from nonomad.security import provision
-from tests.harness import ServiceProcess, clean_env
-from tests.proxy.support import ProxyFleet, T, eventually, two_sides
+from tests.console.cluster import ConsoleProcess
+from tests.proxy.support import ProxyFleet, T, eventually
 
 pytestmark = pytest.mark.skipif(bool(MISSING), reason=MISSING)
 # Any one wait on the page; never reached when things work.
 PAGE_DEADLINE = 30.0
-
-
-class Console:
-    """The console process and where it serves."""
-
-    def __init__(self, proc: ServiceProcess) -> None:
-        self.proc = proc
-        self.url = f"http://{proc.address}"
-
-    def json(self, path: str) -> Any:
-        """The page's JSON twin (`Accept: application/json`)."""
-        request = urllib.request.Request(self.url + path, headers={"Accept": "application/json"})
-        with urllib.request.urlopen(request, timeout=T) as reply:
-            assert reply.headers["Content-Type"].startswith("application/json")
-            return json.load(reply)
-
-    def refusal(self, path: str) -> tuple[int, str]:
-        """The status and reason of a request the console must refuse."""
-        request = urllib.request.Request(self.url + path, headers={"Accept": "application/json"})
-        with pytest.raises(urllib.error.HTTPError) as err:
-            urllib.request.urlopen(request, timeout=T).close()
-        with err.value:
-            return err.value.code, json.load(err.value)["reason"]
-
-
-@pytest.fixture(scope="module")
-def cluster(
-    tmp_path_factory: pytest.TempPathFactory, image_source: Path
-) -> Iterator[tuple[ProxyFleet, Console]]:
-    tmp = tmp_path_factory.mktemp("console")
-    security = provision(tmp / "security", ["flaps", "proxy", "console"])
-    prefix = f"nonomad-test-{uuid.uuid4().hex[:8]}"
-    fleet = ProxyFleet(tmp, image_source, prefix=prefix, security=security)
-    console = None
-    try:
-        flaps = two_sides(fleet, proxies=1)
-        console = ServiceProcess(
-            "nonomad.console",
-            [
-                "--listen",
-                "127.0.0.1:0",
-                "--flaps",
-                flaps.address,
-                "--upstream",
-                flaps.cluster_address,
-                "--proxy",
-                fleet.proxies[0].address,
-                *security.console_args(),
-            ],
-            tmp / "console.log",
-            env=clean_env(),
-        ).start()
-        yield fleet, Console(console)
-    finally:
-        if console is not None:
-            console.kill()
-        asyncio.run(fleet.close())
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +50,7 @@ class Page:
     """The browser on the console: visits pages, waits on them, screenshots each, and keeps
     every error the browser logged."""
 
-    def __init__(self, driver: Any, console: Console, out: Path) -> None:
+    def __init__(self, driver: Any, console: ConsoleProcess, out: Path) -> None:
         self.driver = driver
         self.console = console
         self.out = out
@@ -121,6 +60,18 @@ class Page:
     def visit(self, path: str) -> None:
         self.driver.get(self.console.url + path)
         self.until(lambda: self.js("return document.readyState") == "complete", "page loaded")
+
+    def path(self) -> str:
+        return str(self.js("return location.pathname + location.search"))
+
+    def log_in(self) -> None:
+        """As the operator does: open the one-time login URL `nonomad up` prints (from the
+        terminal, so the browser asks nothing), and land on the fleet."""
+        self.visit(self.console.login_url().removeprefix(self.console.url))
+        self.until(lambda: self.path() == "/", "the fleet page after the login")
+
+    def logged_in(self) -> bool:
+        return any(c["name"].startswith("nonomad-console-") for c in self.driver.get_cookies())
 
     def js(self, script: str, *args: Any) -> Any:
         return self.driver.execute_script(script, *args)
@@ -158,11 +109,15 @@ class Page:
 
 
 @pytest.fixture
-def page(browser: Any, cluster: tuple[ProxyFleet, Console], tmp_path: Path) -> Iterator[Page]:
-    """The browser, its screenshots in this test's directory; fails the test on any error the
-    browser logged meanwhile."""
+def page(
+    browser: Any, cluster: tuple[ProxyFleet, ConsoleProcess], tmp_path: Path
+) -> Iterator[Page]:
+    """The browser, logged in, its screenshots in this test's directory; fails the test on any
+    error the browser logged meanwhile."""
     browser.get_log("browser")  # what earlier tests left
     on = Page(browser, cluster[1], tmp_path)
+    if not on.logged_in():
+        on.log_in()
     yield on
     on.collect_errors()
     assert not on.errors, f"the browser logged errors: {on.errors}"
@@ -240,7 +195,7 @@ async def slot(fleet: ProxyFleet, app: str) -> tuple[pb.Machine, pb.Machine]:
 
 
 async def test_the_fleet_page_shows_every_worker_with_the_right_numbers(
-    cluster: tuple[ProxyFleet, Console], page: Page
+    cluster: tuple[ProxyFleet, ConsoleProcess], page: Page
 ) -> None:
     fleet, console = cluster
     primary, standby = await slot(fleet, "web")
@@ -304,7 +259,7 @@ async def test_the_fleet_page_shows_every_worker_with_the_right_numbers(
 
 
 async def test_the_placement_explanation_matches_simulate_placement(
-    cluster: tuple[ProxyFleet, Console], page: Page
+    cluster: tuple[ProxyFleet, ConsoleProcess], page: Page
 ) -> None:
     fleet, console = cluster
     await fleet.until_alive()
@@ -393,7 +348,7 @@ def feed_has(page: Page, kind: str, css: str, text: str) -> bool:
 
 
 async def test_the_events_page_shows_a_placement_and_a_refusal_as_they_happen(
-    cluster: tuple[ProxyFleet, Console], page: Page
+    cluster: tuple[ProxyFleet, ConsoleProcess], page: Page
 ) -> None:
     fleet, console = cluster
     await fleet.until_alive()
@@ -451,8 +406,46 @@ async def test_the_events_page_shows_a_placement_and_a_refusal_as_they_happen(
     assert "toobig" not in [a["name"] for a in twin]  # refused: no machine
 
 
+async def test_the_browser_logs_out_and_in_again_with_the_token(page: Page) -> None:
+    """The page fixture logged in with the one-time URL. The cookie is out of scripts' reach;
+    the logout ends the session; the login form with the admin token opens another, and goes
+    back where the browser was sent from; a used login URL opens nothing."""
+    cookie = next(c for c in page.driver.get_cookies() if c["name"].startswith("nonomad-console"))
+    assert (cookie["httpOnly"], cookie["sameSite"], cookie["path"]) == (True, "Strict", "/")
+    assert page.js("return document.cookie") == ""
+    page.visit("/")
+    page.driver.find_element("css selector", "#logout button").click()
+    page.until(lambda: page.path() == "/login", "the login page after the logout")
+    page.shot("logged-out")
+    assert not page.logged_in()
+    page.visit("/apps")
+    assert page.path() == "/login?next=%2Fapps"
+    page.driver.find_element("css selector", "#token").send_keys(page.console.admin_token)
+    page.driver.find_element("css selector", "#login-submit").click()
+    page.until(lambda: page.path() == "/apps", "the apps page after the login")
+    assert page.logged_in()
+    page.shot("logged-in-with-the-form")
+    # A login URL works once.
+    url = page.console.login_url()
+    page.driver.find_element("css selector", "#logout button").click()
+    page.until(lambda: page.path() == "/login", "logged out again")
+    page.visit(url.removeprefix(page.console.url))
+    page.until(lambda: page.path() == "/", "the fleet page after the login")
+    page.driver.find_element("css selector", "#logout button").click()
+    page.until(lambda: page.path() == "/login", "logged out once more")
+    page.visit(url.removeprefix(page.console.url))
+    assert "login code: unknown, used or expired" in page.js(
+        "return document.getElementById('login-error').textContent"
+    )
+    assert not page.logged_in()
+    page.collect_errors()
+    # (the used code's page answered 401: the browser logs that as an error of its own)
+    page.errors = [e for e in page.errors if "401" not in e["message"]]
+    page.log_in()
+
+
 async def test_a_killed_worker_turns_dead_and_its_standby_starts_without_a_reload(
-    cluster: tuple[ProxyFleet, Console], page: Page
+    cluster: tuple[ProxyFleet, ConsoleProcess], page: Page
 ) -> None:
     fleet, console = cluster
     primary, standby = await slot(fleet, "fail")

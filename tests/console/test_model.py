@@ -13,7 +13,7 @@ from flaps.v1 import platform_pb2
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
 from nonomad.console import model
-from nonomad.console.app import wants_json
+from nonomad.console.render import wants_json
 from nonomad.console.settings import ConsoleSettings
 from proxy.v1 import proxy_pb2
 from registry.replica import WorkerView
@@ -315,3 +315,31 @@ def test_the_console_must_follow_something_and_its_files_must_exist(tmp_path: Pa
         ConsoleSettings, ["--flaps", "127.0.0.1:1", "--upstream", "127.0.0.1:2"], prog="c"
     )
     assert (ok.listen, ok.flaps_tls()) == ("127.0.0.1:8090", None)
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (["--hosts", "evil example"], "is not a host name"),
+        (["--hosts", "http://console.example"], "is not a host name"),
+        (["--https-cert", "CERT"], "https_cert and https_key go together"),
+        (["--session-ttl", "0"], "session_ttl"),
+        (["--max-sessions", "0"], "max_sessions"),
+    ],
+)
+def test_the_consoles_front_door_settings_are_checked(
+    tmp_path: Path, args: list[str], error: str
+) -> None:
+    cert = tmp_path / "cert.pem"
+    cert.write_text("")
+    base = ["--flaps", "127.0.0.1:1", "--upstream", "127.0.0.1:2"]
+    given = [str(cert) if a == "CERT" else a for a in args]
+    with pytest.raises(SettingsError, match=error):
+        load_settings(ConsoleSettings, [*base, *given], prog="nonomad-console")
+    ok = load_settings(
+        ConsoleSettings,
+        [*base, "--hosts", "console.example.com", "--hosts", "edge.example:443"],
+        prog="nonomad-console",
+    )
+    assert ok.hosts == ["console.example.com", "edge.example:443"]
+    assert (ok.session_ttl, ok.max_sessions, ok.https_cert) == (43200.0, 256, None)
