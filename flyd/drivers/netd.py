@@ -5,7 +5,8 @@ running across flyd restarts, like the machines. It lives in a network namespace
 the worker's *hub*, and for each machine it:
 
 - makes the machine's user namespace (container root is a host uid range of its own) and its
-  network namespace: loopback up, ports below 1024 bindable by the machine's root, IPv6 off,
+  network namespace, which that user namespace owns: loopback up, any port bindable by any of
+  the machine's users, IPv6 off,
   and a veth pair whose `eth0` end is the machine's only other link, with the machine's own
   address (a /32 of the worker's prefix) routed to it in the hub. The hub forwards nothing:
   machines cannot reach each other, the host, or anything beyond; the hub's routes are where
@@ -36,7 +37,14 @@ the worker's *hub*, and for each machine it:
   127.0.0.1; the machine sees its client as 127.0.0.1.
 
 crun joins the namespaces netd made through `/proc/<netd pid>/fd/<n>`; netd keeps them until
-flyd says the machine is down. flyd speaks to netd over a SOCK_SEQPACKET unix socket in the
+flyd says the machine is down. The network namespace is the machine's user namespace's, not
+the host's, because that owner decides what the machine sees of the host (tried both ways):
+owned by the host, the kernel refuses crun a fresh sysfs and crun binds the host's /sys instead
+(every host device listed, a read-write mount), and the host's kernel uevents reach any
+NETLINK_KOBJECT_UEVENT socket in it (they go to every network namespace the initial user
+namespace owns). Masking /sys would hide the first and leave the uevents; owned by the
+machine, its sysfs is its own (lo and eth0 alone in /sys/class/net, mounted read-only) and no
+host uevent reaches it. flyd speaks to netd over a SOCK_SEQPACKET unix socket in the
 run root: one JSON request per datagram, listening sockets passed alongside as SCM_RIGHTS, one
 JSON answer each (`{"ok": ...}` or `{"error": "..."}`):
 
@@ -100,8 +108,7 @@ _MAX_FDS = 64
 _MAX_CONNECTIONS = 8192
 _PIPE_HIGH_WATER = 256 << 10
 _CONNECT_TIMEOUT_S = 5.0
-_SPARE_NETNS = 2  # network namespaces made ahead of need
-_SPARE_USERNS = 2  # user namespaces made ahead, for the uid ranges flyd said come next
+_SPARE_USERNS = 2  # user (and their network) namespaces made ahead, for the uid ranges next
 _SPARE_DELAY_S = 0.01  # after an answer: the start it answered is busy making its container
 # The uplink end's address, the hub's gateway: link-local, the same in every hub (a route to
 # each hub's own address tells them apart in a shared uplink).
@@ -233,11 +240,10 @@ class Netd:
         self.uplink: _Uplink | None = None
         self.routes: _Routes | None = None
         self._nft: Nft | None = None  # made with the first uplink, in the hub
-        # Made ahead of need (`_make_spares`), so an `up` mostly only plumbs: network
-        # namespaces (nothing in them is a machine's), and user namespaces by uid range (never
-        # one a machine has used: a user namespace keeps its users' keyrings).
-        self._spare_netns: list[int] = []
-        self._spare_userns: dict[tuple[int, int], int] = {}
+        # Made ahead of need (`_make_spares`), so an `up` mostly only plumbs: user namespaces
+        # by uid range (never one a machine has used: a user namespace keeps its users'
+        # keyrings), each with the network namespace it owns.
+        self._spare_userns: dict[tuple[int, int], tuple[int, int]] = {}  # -> (userns, netns)
         self._wanted_userns: tuple[int, int] | None = None
         self._making: asyncio.TimerHandle | None = None
 
@@ -329,18 +335,15 @@ class Netd:
         m = self.machines.setdefault(machine_id, _Machine(machine_id))
         self._down(m)
         userns = None
-        if uids:
-            userns = self._spare_userns.pop((uid, uids), None)
-            if userns is None:
-                userns = namespaces.new_user_namespace(uid, uids)
         try:
             if adopt is not None:
                 netns = os.open(str(adopt), os.O_RDONLY | os.O_CLOEXEC)
                 with contextlib.suppress(OSError):  # its old eth0 went with the old hub
                     self._in(netns, lambda: Rtnl().close())
-            elif self._spare_netns:
-                netns = self._spare_netns.pop()
-            else:
+            elif uids:
+                spare = self._spare_userns.pop((uid, uids), None)
+                userns, netns = spare if spare is not None else self._new_sandbox(uid, uids)
+            else:  # no user namespace of its own: the network namespace is the host's users'
                 netns = self._new_netns()
             try:
                 self.links += 1  # a name of its own: the last run's may still be going away
@@ -365,18 +368,30 @@ class Netd:
         }
 
     def _new_netns(self) -> int:
+        """A network namespace of the hub's owner (the host's user namespace), set up."""
         namespaces.unshare(namespaces.CLONE_NEWNET)
         try:
             fd = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-            with Rtnl() as rtnl:
-                rtnl.set_up("lo")
-            # The machine's root is not root of this namespace's owner (the host's user
-            # namespace): let it bind any port, as it could on a host of its own.
-            _sysctl("net/ipv4/ip_unprivileged_port_start", "0")
-            _sysctl("net/ipv6/conf/default/disable_ipv6", "1")
         finally:
             namespaces.setns(self.hub_netns, namespaces.CLONE_NEWNET)
+        try:
+            self._in(fd, _set_up_netns)
+        except BaseException:
+            os.close(fd)
+            raise
         return fd
+
+    def _new_sandbox(self, uid: int, uids: int) -> tuple[int, int]:
+        """A machine's user namespace (`uid`.. for its `uids`) and a network namespace it owns,
+        set up: see `namespaces.new_user_and_network_namespaces` for why its own."""
+        userns, netns = namespaces.new_user_and_network_namespaces(uid, uids)
+        try:
+            self._in(netns, _set_up_netns)
+        except BaseException:
+            os.close(userns)
+            os.close(netns)
+            raise
+        return userns, netns
 
     def _schedule_spares(self) -> None:
         if self._making is None:
@@ -384,18 +399,17 @@ class Netd:
             self._making = loop.call_later(_SPARE_DELAY_S, self._make_spares)
 
     def _make_spares(self) -> None:
-        """Make what the next `up` will want: network namespaces, and the user namespace of
-        the uid range flyd named. A failure only means the next `up` makes its own."""
+        """Make what the next `up` will want: the user namespace of the uid range flyd named,
+        and the network namespace it owns. A failure only means the next `up` makes its own."""
         self._making = None
         try:
-            while len(self._spare_netns) < _SPARE_NETNS:
-                self._spare_netns.append(self._new_netns())
             wanted = self._wanted_userns
             if wanted is not None and wanted not in self._spare_userns:
                 if len(self._spare_userns) >= _SPARE_USERNS:
                     oldest = next(iter(self._spare_userns))
-                    os.close(self._spare_userns.pop(oldest))
-                self._spare_userns[wanted] = namespaces.new_user_namespace(*wanted)
+                    for fd in self._spare_userns.pop(oldest):
+                        os.close(fd)
+                self._spare_userns[wanted] = self._new_sandbox(*wanted)
         except OSError as e:
             _log("spares_failed", error=str(e))
 
@@ -719,6 +733,15 @@ class Netd:
         if client.transport is not None:
             client.transport.set_write_buffer_limits(high=_PIPE_HIGH_WATER)
         client.join(upstream)
+
+
+def _set_up_netns() -> None:
+    """Ready the network namespace the calling thread is in for a machine: loopback up, IPv6
+    off, any port bindable by any of its users (as on a host of its own)."""
+    with Rtnl() as rtnl:
+        rtnl.set_up("lo")
+    _sysctl("net/ipv4/ip_unprivileged_port_start", "0")
+    _sysctl("net/ipv6/conf/default/disable_ipv6", "1")
 
 
 def _bind_held(address: tuple[str, int]) -> socket.socket:

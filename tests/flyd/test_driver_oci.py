@@ -15,6 +15,9 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,7 @@ import pytest
 from flyd.drivers.base import ExitStatus, PortMapping
 from flyd.drivers.bundle import CAPABILITIES, Bundle, hold_hook
 from flyd.drivers.crun import hybrid_cgroups
+from flyd.drivers.namespaces import CLONE_NEWNET, unshare
 from flyd.drivers.netclient import kill_netd
 from flyd.drivers.oci import UIDS_PER_MACHINE, OciDriver
 from flyd.drivers.oci import probe as oci_probe
@@ -369,3 +373,125 @@ async def test_a_cgroup_v2_only_host_gets_no_oci_machines_without_limits(
         assert fallback.name == "process"
     finally:
         await fallback.close()
+
+
+# -- what a machine sees of its host (issue 27, attack 10) -------------------------------------
+
+
+async def test_a_machine_s_sysfs_is_its_own_and_read_only(make_driver, image: Path) -> None:
+    """/sys is a sysfs of the machine's own network namespace, mounted read-only, not a bind
+    of the host's (read-write, with every host device in /sys/class/net)."""
+    exits = Exits()
+    driver = make_driver(exits)
+    script = (
+        "while read -r _ _ _ root point options _; do "
+        '[ "$point" = /sys ] && echo "sys: $root $options"; done < /proc/self/mountinfo; '
+        "echo net: $(ls /sys/class/net); "
+        "echo x > /sys/kernel/uevent_helper 2>/dev/null && echo sys written; "
+        "touch /sys/planted 2>/dev/null && echo sys planted; echo done"
+    )
+    await run_machine(driver, spec("m1", sh(script), image))
+    assert await exits.wait("m1") == ExitStatus(0, None)
+    lines = driver.read_logs("m1", 40)
+    (sys_mount,) = [line for line in lines if line.startswith("sys: ")]
+    root, options = sys_mount.removeprefix("sys: ").split()
+    assert root == "/"  # a filesystem of its own, not a bind of part of one
+    assert "ro" in options.split(",")
+    assert "net: eth0 lo" in lines
+    assert "sys written" not in lines
+    assert "sys planted" not in lines
+    assert lines[-1] == "done"
+
+
+UEVENT_LISTENER = """\
+import select, signal, socket, sys
+sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 15)  # NETLINK_KOBJECT_UEVENT
+sock.bind((0, 1))
+got = []
+def report(*_):
+    sock.setblocking(False)
+    while select.select([sock], [], [], 0)[0]:  # what came before the signal, read or not
+        got.append(sock.recv(65536))
+    print("uevents:", [part for g in got for part in g.split(b"\\0") if b"SYNTH_UUID" in part])
+    sys.exit(0)
+signal.signal(signal.SIGTERM, report)
+print("listening", flush=True)
+while True:
+    got.append(sock.recv(65536))
+"""
+
+
+def _uevent_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_KOBJECT_UEVENT)
+    sock.bind((0, 1))
+    sock.setblocking(False)
+    return sock
+
+
+def _in_a_new_network_namespace(make: Callable[[], socket.socket]) -> socket.socket:
+    """`make()` run in a network namespace of the host's users (as machines' were before),
+    by a thread that ends there: the socket keeps the namespace."""
+    made: list[socket.socket] = []
+
+    def run() -> None:
+        unshare(CLONE_NEWNET)
+        made.append(make())
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return made[0]
+
+
+def _uuids(sock: socket.socket) -> set[str]:
+    found = set()
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            for part in sock.recv(65536).split(b"\0"):
+                if part.startswith(b"SYNTH_UUID="):
+                    found.add(part.removeprefix(b"SYNTH_UUID=").decode())
+    return found
+
+
+async def test_no_host_uevent_reaches_a_machine(make_driver, image: Path) -> None:
+    """The host's kernel uevents go to every network namespace the initial user namespace
+    owns (the test's own, and one it makes as machines' were), never to a machine's, whose
+    own user namespace owns it. The uevents are synthetic `change` events of /dev/null,
+    each with a UUID of the test's: nothing on the host is added or removed (a veth made in
+    a namespace of the test's would not do: a network device's uevents stay in its
+    namespace)."""
+    if not Path(NULL_UEVENT).is_file():
+        pytest.skip(f"no {NULL_UEVENT} to trigger a uevent with")
+    host = _uevent_socket()
+    owned_by_host = _in_a_new_network_namespace(_uevent_socket)
+    exits = Exits()
+    driver = make_driver(exits)
+    try:
+        await run_machine(driver, spec("m1", ["python3", "-c", UEVENT_LISTENER], image))
+        await logged(driver, "m1", "listening")
+        sent = set()
+        for _ in range(3):
+            event = str(uuid.uuid4())
+            Path(NULL_UEVENT).write_text(f"change {event} NONOMAD=test")
+            sent.add(event)
+        seen: set[str] = set()
+        elsewhere: set[str] = set()
+
+        def all_arrived() -> bool:
+            seen.update(_uuids(host))
+            elsewhere.update(_uuids(owned_by_host))
+            return sent <= seen and sent <= elsewhere
+
+        # Broadcast at once to every listener it goes to: once these have them, the machine
+        # would have too.
+        await wait_until(all_arrived, "the host's listeners to receive the uevents")
+        await driver.stop("m1", signal.SIGTERM, timeout=DEADLINE)
+        (report,) = [line for line in driver.read_logs("m1", 20) if line.startswith("uevents:")]
+        assert report == "uevents: []"
+    finally:
+        host.close()
+        owned_by_host.close()
+
+
+NULL_UEVENT = "/sys/devices/virtual/mem/null/uevent"
+NETLINK_KOBJECT_UEVENT = 15  # (the socket module has no name for it)
