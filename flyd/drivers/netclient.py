@@ -10,8 +10,10 @@ namespace, or none), so a netd that outlived flyd follows a changed `--egress-vi
 netd starts with the uplink already made; and likewise whether it routes machines' addresses
 to the host (`Netd.routes`, flyd --route-machines).
 
-Requests are one JSON datagram each, answered in order; an asyncio lock keeps one in flight.
-If netd has died the next request raises `NetdGone`, and `connect` starts a new one.
+Requests are one JSON datagram each, answered in order, one in flight at a time; each goes
+and has its answer read whoever still waits for it (`Netd.submit`), so a caller cancelled
+mid-request never leaves netd's answer to be read as the next request's. If netd has died the
+next request raises `NetdGone`, and `connect` starts a new one.
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ class Netd:
         it routes machines to its host (flyd --route-machines), `{"prefix": None}` when not."""
         self.socket_path = run_root / NETD_SOCKET
         self._sock: socket.socket | None = None
-        self._lock = asyncio.Lock()
+        self._last: asyncio.Future[Any] | None = None  # the request queued last
+        self._requests = 0
         self.pid = 0
         self.spawned = False
 
@@ -102,14 +105,47 @@ class Netd:
             self._sock.close()
             self._sock = None
 
+    def submit(self, op: str, fds: list[int] | None = None, **fields: Any) -> asyncio.Future[Any]:
+        """Queue one request; the future of its answer (a dict), or of Unavailable when netd
+        is gone or refuses.
+
+        The request goes, and its answer is read, whether or not anyone still waits for it:
+        a caller cancelled mid-request (its deadline passed) would otherwise leave the answer
+        in the socket for the next request to take as its own. Requests go in the order of
+        the calls, and each carries an id its answer echoes, so an answer never pairs with
+        another request. `fds` are duplicated here: the caller may close its own at once.
+        """
+        self._requests += 1
+        copies = [os.dup(fd) for fd in fds or ()]
+        exchange = asyncio.ensure_future(
+            self._exchange(self._last, self._requests, op, copies, fields)
+        )
+        exchange.add_done_callback(_retrieve)
+        self._last = exchange
+        return exchange
+
     async def request(self, op: str, fds: list[int] | None = None, **fields: Any) -> dict[str, Any]:
-        """One request; its answer. Raises Unavailable when netd is gone or refuses."""
-        async with self._lock:
+        """One request (see `submit`); its answer. Raises Unavailable when netd is gone or
+        refuses. A caller cancelled meanwhile leaves the request to finish on its own."""
+        answer: dict[str, Any] = await asyncio.shield(self.submit(op, fds, **fields))
+        return answer
+
+    async def _exchange(
+        self,
+        previous: asyncio.Future[Any] | None,
+        ident: int,
+        op: str,
+        fds: list[int],
+        fields: dict[str, Any],
+    ) -> dict[str, Any]:
+        try:
+            if previous is not None and not previous.done():
+                await asyncio.wait([previous])  # its outcome is its own caller's
             sock = self._sock
             if sock is None:
                 raise NetdGone("netd is not connected")
             loop = asyncio.get_running_loop()
-            data = json.dumps({"op": op, **fields}).encode()
+            data = json.dumps({"op": op, "id": ident, **fields}).encode()
             try:
                 ancillary = []
                 if fds:
@@ -128,23 +164,37 @@ class Netd:
                     except BlockingIOError:
                         await asyncio.sleep(0.001)
                 async with asyncio.timeout(_REQUEST_TIMEOUT_S):
-                    answer = await loop.sock_recv(sock, MAX_MESSAGE)
+                    while True:
+                        answer = await loop.sock_recv(sock, MAX_MESSAGE)
+                        if not answer:
+                            break
+                        reply = _decode(op, answer)
+                        if reply.get("id", ident) == ident:  # (a netd before ids echoes none)
+                            return _unwrap(op, reply)
+                        log.warning("netd_stale_answer", op=op, id=reply.get("id"), wanted=ident)
             except TimeoutError as e:
-                self.close()
+                self._drop(sock)
                 raise Unavailable(f"netd ({op}): no answer in {_REQUEST_TIMEOUT_S}s") from e
             except OSError as e:
-                self.close()
+                self._drop(sock)
                 raise NetdGone(f"netd ({op}): {e}") from e
-            if not answer:
-                self.close()
-                raise NetdGone(f"netd ({op}): it went away")
-            return _unwrap(op, answer)
+            self._drop(sock)
+            raise NetdGone(f"netd ({op}): it went away")
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _drop(self, sock: socket.socket) -> None:
+        """Close the connection `sock`, unless a new one replaced it meanwhile."""
+        if self._sock is sock:
+            self.close()
 
     def _call_blocking(self, request: dict[str, Any]) -> dict[str, Any]:
         assert self._sock is not None
         self._sock.settimeout(_REQUEST_TIMEOUT_S)
         self._sock.send(json.dumps(request).encode())
-        return _unwrap(str(request["op"]), self._sock.recv(MAX_MESSAGE))
+        op = str(request["op"])
+        return _unwrap(op, _decode(op, self._sock.recv(MAX_MESSAGE)))
 
     def _try_connect(self) -> socket.socket | None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -192,17 +242,27 @@ class Netd:
             os.close(ready_r)
 
 
-def _unwrap(op: str, answer: bytes) -> dict[str, Any]:
+def _decode(op: str, answer: bytes) -> dict[str, Any]:
     try:
         reply = json.loads(answer)
     except ValueError as e:
         raise Unavailable(f"netd ({op}): unreadable answer") from e
     if not isinstance(reply, dict):
         raise Unavailable(f"netd ({op}): unreadable answer")
+    return reply
+
+
+def _unwrap(op: str, reply: dict[str, Any]) -> dict[str, Any]:
     if "error" in reply:
         raise Unavailable(f"netd ({op}): {reply['error']}")
     ok = reply.get("ok")
     return ok if isinstance(ok, dict) else {}
+
+
+def _retrieve(exchange: asyncio.Future[Any]) -> None:
+    """An answer nobody waited for (its caller was cancelled): its failure is only logged."""
+    if not exchange.cancelled() and exchange.exception() is not None:
+        log.debug("netd_request_failed", error=str(exchange.exception()))
 
 
 def kill_netd(run_root: Path, *, wait: float = 2.0) -> bool:

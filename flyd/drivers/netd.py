@@ -46,7 +46,7 @@ namespace owns). Masking /sys would hide the first and leave the uevents; owned 
 machine, its sysfs is its own (lo and eth0 alone in /sys/class/net, mounted read-only) and no
 host uevent reaches it. flyd speaks to netd over a SOCK_SEQPACKET unix socket in the
 run root: one JSON request per datagram, listening sockets passed alongside as SCM_RIGHTS, one
-JSON answer each (`{"ok": ...}` or `{"error": "..."}`):
+JSON answer each (`{"ok": ...}` or `{"error": "..."}`, with the request's `id` if it had one):
 
 - `hello` -> netd's pid and what it holds (after a flyd restart, flyd picks up from there)
 - `publish {machine, ports: [[host_port, internal_port], ...]}` + the listening sockets of the
@@ -804,10 +804,12 @@ async def _serve(control: socket.socket, netd: Netd, stop: asyncio.Event) -> Non
                     fds.extend(
                         int.from_bytes(payload[i : i + 4], "little") for i in range(0, usable, 4)
                     )
+            ident: object = None
             try:
                 request = json.loads(data)
                 if not isinstance(request, dict):
                     raise ValueError("a request is a JSON object")
+                ident = request.get("id")
                 answer: dict[str, Any] = {"ok": await netd.handle(request, fds)}
             except Exception as e:
                 _log("request_failed", request=data[:200].decode("utf-8", "replace"), error=repr(e))
@@ -815,6 +817,8 @@ async def _serve(control: socket.socket, netd: Netd, stop: asyncio.Event) -> Non
             finally:
                 for fd in fds:
                     os.close(fd)
+            if ident is not None:
+                answer["id"] = ident  # which request this answers (see netclient.Netd.submit)
             with contextlib.suppress(OSError):
                 conn.setblocking(True)
                 conn.send(json.dumps(answer).encode())
