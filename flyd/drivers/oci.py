@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import ipaddress
 import json
 import os
@@ -62,8 +63,8 @@ import structlog
 
 from flyd.drivers import bundle as oci_bundle
 from flyd.drivers.base import Driver, ExitStatus, Handle, PortMapping, ProcessSpec, port_env
+from flyd.drivers.cgroups import namespace_at, v1_missing
 from flyd.drivers.cgroups import probe as cgroups_probe
-from flyd.drivers.cgroups import v1_missing
 from flyd.drivers.crun import (
     CRUN_ROOT,
     Tools,
@@ -176,6 +177,7 @@ class OciDriver(WrappedDriver):
         self._slots = self._read_slots()
         self._runs: dict[str, int] = {}  # starts per machine, so a late down never undoes one
         self._downs: dict[str, asyncio.Future[None]] = {}  # netd downs under way
+        self._preparing: dict[str, asyncio.Future[_Disk]] = {}  # starts' disk threads
         self.egress_refusal = (
             None if egress_via is not None else "this worker has no uplink (flyd --egress-via)"
         )
@@ -203,6 +205,11 @@ class OciDriver(WrappedDriver):
         Returns once crun has made the container (namespaces, mounts) and holds it. Returns the
         handle of the run already watched for the machine, if any. Raises `InvalidArgument`
         for a bad spec and `Unavailable` when the container cannot be made.
+
+        A start that fails or is cancelled at any await (its caller's deadline passed) leaves
+        netd, the slots and its descriptors as they were: until the wrapper is spawned, what
+        it took is given back without an await (`_abandon`); after, the held container is
+        discarded and its end brings netd down.
         """
         running = self._begin_start(spec)
         if running is not None:
@@ -212,7 +219,10 @@ class OciDriver(WrappedDriver):
             # Created when the worker had an uplink; it has none now.
             raise Unavailable(f"machine {mid}: config.network.egress: {self.egress_refusal}")
         uid, gid = oci_bundle.resolve_user(spec.rootfs, spec.user)
-        run_dir = self._run_dirs.path(mid)
+        previous = self._preparing.get(mid)
+        if previous is not None:  # an abandoned start's thread, still writing the run dir
+            await asyncio.wait([previous])
+            return await self.start(spec)
         slot, new_slot = self._claim_slot(mid)
         address = str(self._prefix.network_address + 2 + slot)
         root_uid = self._uid_base + slot * UIDS_PER_MACHINE
@@ -221,6 +231,7 @@ class OciDriver(WrappedDriver):
         hold_r, hold_w = os.pipe2(os.O_CLOEXEC)
         ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
         os.set_blocking(ready_r, False)
+        pipes = [hold_r, hold_w, ready_r, ready_w]
         # What the run needs on disk is made in a thread while netd makes the namespaces: both
         # mostly wait on the kernel (a first start's cgroup renames wait for any cgroup move
         # under way on the host, up to an RCU grace period).
@@ -233,6 +244,8 @@ class OciDriver(WrappedDriver):
             root_uid,
             address,
         )
+        self._preparing[mid] = disk
+        disk.add_done_callback(functools.partial(self._prepared, mid))
         self._runs[mid] = self._runs.get(mid, 0) + 1  # a down for an earlier run is moot now
         try:
             namespaces = await self._publish_ports(
@@ -244,102 +257,14 @@ class OciDriver(WrappedDriver):
                 egress=spec.egress,
                 next=self._next_user_range(),
             )
-        except BaseException:
-            _close(hold_r, hold_w, ready_r, ready_w)
-            disk.add_done_callback(_close_log)
-            raise
-        try:
             prepared = await asyncio.shield(disk)
+            popen, lower = self._spawn(spec, uid, gid, namespaces, prepared, hold_r, ready_w)
         except BaseException as e:
-            _close(hold_r, hold_w, ready_r, ready_w)
-            disk.add_done_callback(_close_log)
-            if new_slot:  # the machine never had it on disk
-                self._slots.pop(mid, None)
-            await asyncio.shield(self._down(mid))
+            self._abandon(mid, pipes, disk, new_slot)
             if isinstance(e, OSError):
                 raise Unavailable(f"cannot prepare machine {mid}: {e}") from e
             raise
-        log_fd = prepared.log_fd
-        b = oci_bundle.Bundle(
-            run_dir=run_dir,
-            view=_VIEW if self._bind_view else run_dir,
-            netns=str(namespaces["netns"]),
-            userns=str(namespaces["userns"]),
-            init=Path(self._tools.init),
-            hold_fd=hold_r,
-            ready_fd=ready_w,
-            held_marker=run_dir / "status" / "held",
-            cgroup_procs=tuple(prepared.cgroup_procs),
-        )
-        try:
-            spec_json = oci_bundle.config(
-                b,
-                machine_id=mid,
-                argv=spec.argv,
-                env={**spec.env, **port_env(spec.ports, inside=True)},
-                workdir=spec.workdir,
-                uid=uid,
-                gid=gid,
-                etc_files=prepared.etc_files,
-                host_runtime=spec.host_runtime,
-            )
-            # Root's alone: the machine's environment (its secrets) is in it.
-            fd = os.open(run_dir / "config.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(spec_json))
-        except OSError as e:
-            _close(log_fd, hold_r, hold_w, ready_r, ready_w)
-            await self._down(mid)
-            raise Unavailable(f"cannot prepare machine {mid}: {e}") from e
-        try:
-            userns = os.open(b.userns, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                lower = idmapped_tree(str(spec.rootfs), userns)
-            finally:
-                os.close(userns)
-        except OSError as e:
-            _close(log_fd, hold_r, hold_w, ready_r, ready_w)
-            await self._down(mid)
-            raise Unavailable(f"cannot map the image into machine {mid}: {e}") from e
-        try:
-            mounts = self._mounts(run_dir, prepared.layers, lower)
-        except OSError as e:
-            _close(log_fd, lower, hold_r, hold_w, ready_r, ready_w)
-            await self._down(mid)
-            raise Unavailable(f"cannot prepare machine {mid}: {e}") from e
-        script = oci_wrapper_script(
-            self._run_dirs.status_dir(mid),
-            self._tools.mv,
-            mounts=mounts,
-            crun=self._crun("run", "--bundle", str(run_dir), mid),
-            held_marker=b.held_marker,
-        )
-        try:
-            # Blocking, but only for the fork/exec: we never wait on the child here.
-            popen = subprocess.Popen(  # noqa: ASYNC220
-                [
-                    self._tools.unshare,
-                    "--mount",
-                    "--propagation",
-                    "private",
-                    self._tools.sh,
-                    "-c",
-                    script,
-                    "nonomad-wrapper",
-                ],
-                stdin=subprocess.DEVNULL,
-                pass_fds=(lower, hold_r, ready_w),
-                stdout=log_fd,
-                stderr=log_fd,
-                env={"PATH": _PATH, **_CRUN_ENV},
-                start_new_session=True,
-            )
-        except OSError as e:
-            _close(hold_w, ready_r)
-            await self._down(mid)
-            raise Unavailable(f"cannot start machine {mid}: {e}") from e
-        finally:
-            _close(log_fd, lower, hold_r, ready_w)
+        _close(*prepared.fds, lower, hold_r, ready_w)  # the wrapper has its copies
         proc = read_proc_stat(popen.pid)
         assert proc is not None, "an unreaped child always has a /proc entry"
         handle = Handle(pid=popen.pid, start_time=proc.start_time, boot_id=self._boot_id)
@@ -360,11 +285,116 @@ class OciDriver(WrappedDriver):
             # crun has read it (its own copy is in its state, root's alone, while the container
             # lives): the machine's environment, secrets and all, does not stay on disk.
             with contextlib.suppress(FileNotFoundError):
-                (run_dir / "config.json").unlink()
+                (self._run_dirs.path(mid) / "config.json").unlink()
         finally:
             os.close(ready_r)
         log.debug("machine_container_made", machine_id=mid, pid=popen.pid)
         return handle
+
+    def _spawn(
+        self,
+        spec: ProcessSpec,
+        uid: int,
+        gid: int,
+        namespaces: dict[str, Any],
+        prepared: _Disk,
+        hold_r: int,
+        ready_w: int,
+    ) -> tuple[subprocess.Popen[bytes], int]:
+        """Write the bundle, map the image into the machine's user namespace and spawn the
+        wrapper; the wrapper and the ID-mapped image's descriptor (the caller's to close once
+        the wrapper has its copy). Raises OSError, and nothing is left running."""
+        mid = spec.machine_id
+        run_dir = self._run_dirs.path(mid)
+        b = oci_bundle.Bundle(
+            run_dir=run_dir,
+            view=_VIEW if self._bind_view else run_dir,
+            netns=str(namespaces["netns"]),
+            userns=str(namespaces["userns"]),
+            init=Path(self._tools.init),
+            hold_fd=hold_r,
+            ready_fd=ready_w,
+            held_marker=run_dir / "status" / "held",
+            cgroup_procs=tuple(prepared.cgroup_procs),
+            cgroupns=None if prepared.cgroupns is None else f"/proc/self/fd/{prepared.cgroupns}",
+        )
+        spec_json = oci_bundle.config(
+            b,
+            machine_id=mid,
+            argv=spec.argv,
+            env={**spec.env, **port_env(spec.ports, inside=True)},
+            workdir=spec.workdir,
+            uid=uid,
+            gid=gid,
+            etc_files=prepared.etc_files,
+            host_runtime=spec.host_runtime,
+        )
+        # Root's alone: the machine's environment (its secrets) is in it.
+        fd = os.open(run_dir / "config.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(spec_json))
+        userns = os.open(b.userns, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            lower = idmapped_tree(str(spec.rootfs), userns)
+        except OSError as e:
+            raise OSError(e.errno, f"the image cannot be mapped into it: {e.strerror}") from e
+        finally:
+            os.close(userns)
+        try:
+            mounts = self._mounts(run_dir, prepared.layers, lower)
+            script = oci_wrapper_script(
+                self._run_dirs.status_dir(mid),
+                self._tools.mv,
+                mounts=mounts,
+                crun=self._crun("run", "--bundle", str(run_dir), mid),
+                held_marker=b.held_marker,
+            )
+            # Blocking, but only for the fork/exec: we never wait on the child here. crun
+            # joins the cgroup namespace through its copy of the descriptor (`/proc/self`).
+            popen = subprocess.Popen(
+                [
+                    self._tools.unshare,
+                    "--mount",
+                    "--propagation",
+                    "private",
+                    self._tools.sh,
+                    "-c",
+                    script,
+                    "nonomad-wrapper",
+                ],
+                stdin=subprocess.DEVNULL,
+                pass_fds=(lower, hold_r, ready_w, *prepared.fds[1:]),  # and the namespace
+                stdout=prepared.log_fd,
+                stderr=prepared.log_fd,
+                env={"PATH": _PATH, **_CRUN_ENV},
+                start_new_session=True,
+            )
+        except BaseException:
+            os.close(lower)
+            raise
+        return popen, lower
+
+    def _abandon(
+        self, machine_id: str, pipes: list[int], disk: asyncio.Future[_Disk], new_slot: bool
+    ) -> None:
+        """Give back what a start took before its wrapper was spawned, without an await (the
+        start may be cancelled): the pipes, the disk thread's descriptors once it is done, a
+        new slot (no process ever ran with its uids), and netd's namespaces for the run, by a
+        `down` queued behind the `up` (netd answers in order, whoever waits)."""
+        _close(*pipes)
+        disk.add_done_callback(_close_disk)
+        if new_slot:
+            self._slots.pop(machine_id, None)
+            disk.add_done_callback(
+                lambda _: (self._run_dirs.path(machine_id) / _SLOT_FILE).unlink(missing_ok=True)
+            )
+        if machine_id in self._netd and not self._closed:
+            down = self._net.submit("down", machine=machine_id)
+            down.add_done_callback(functools.partial(self._downed, machine_id))
+
+    def _prepared(self, machine_id: str, disk: asyncio.Future[_Disk]) -> None:
+        if self._preparing.get(machine_id) is disk:
+            del self._preparing[machine_id]
 
     async def _until_ready(self, w: Watched, ready_fd: int) -> None:
         """Wait for the hold hook's "ready"; raise Unavailable if the wrapper ends first."""
@@ -470,9 +500,13 @@ class OciDriver(WrappedDriver):
         return status
 
     async def _forget(self, machine_id: str) -> None:
+        preparing = self._preparing.get(machine_id)
+        if preparing is not None:  # an abandoned start's thread: the run dir is still its own
+            await asyncio.wait([preparing])
         if machine_id in self._netd:
-            await self._call("forget", machine=machine_id)
-            self._netd.pop(machine_id, None)
+            await self._call(
+                "forget", then=lambda _: self._netd.pop(machine_id, None), machine=machine_id
+            )
         delete_container(self._crun_root, machine_id)
         self._slots.pop(machine_id, None)
         self._downs.pop(machine_id, None)
@@ -511,9 +545,13 @@ class OciDriver(WrappedDriver):
     ) -> dict[str, Any]:
         """Publish the machine's ports to netd; with `up` (its fields), in the same request
         as bringing its namespaces up (one round trip on a start). netd's answer.
+
+        What flyd knows of netd's side follows netd's answer, whether or not the caller still
+        waits for it; from the request on, netd may know the machine, so a cleanup has it
+        forget the machine.
         """
         self._published[machine_id] = tuple(ports)
-        held = set(self._netd.get(machine_id, {}).get("ports", ()))
+        held = set(self._netd.setdefault(machine_id, {"up": False}).get("ports", ()))
         socks = []
         try:
             for p in ports:
@@ -527,9 +565,18 @@ class OciDriver(WrappedDriver):
                     continue
                 socks.append((p, sock))
             kept = [p for p in ports if p.host_port in held]
-            answer = await self._call(
+            self._ports.release(machine_id)  # any other port it had is no longer published
+            sent = sorted({p.host_port for p in kept} | {p.host_port for p, _ in socks})
+
+            def answered(_: dict[str, Any]) -> None:
+                state = self._netd.setdefault(machine_id, {"up": False})
+                state["ports"] = sent
+                state["up"] = state["up"] or bool(up)
+
+            return await self._call(
                 "up" if up else "publish",
                 [s.fileno() for _, s in socks],
+                then=answered,
                 machine=machine_id,
                 ports=[[p.host_port, p.internal_port] for p in kept]
                 + [[p.host_port, p.internal_port] for p, _ in socks],
@@ -537,13 +584,7 @@ class OciDriver(WrappedDriver):
             )
         finally:
             for _, sock in socks:
-                sock.close()  # netd has its own copy now
-        state = self._netd.setdefault(machine_id, {"up": False})
-        state["ports"] = sorted({p.host_port for p in kept} | {p.host_port for p, _ in socks})
-        if up:
-            state["up"] = True
-        self._ports.release(machine_id)
-        return answer
+                sock.close()  # netd has its own copy (the request made one at once)
 
     async def _adopt(self, machine_id: str) -> None:
         """Give a running machine (netd restarted under it) its address back."""
@@ -554,6 +595,7 @@ class OciDriver(WrappedDriver):
             status = json.loads((self._crun_root / machine_id / "status").read_bytes())
             await self._call(
                 "up",
+                then=lambda _: self._netd.setdefault(machine_id, {}).update(up=True),
                 machine=machine_id,
                 address=str(self._prefix.network_address + 2 + self._slot(machine_id)),
                 uid=0,
@@ -564,7 +606,6 @@ class OciDriver(WrappedDriver):
             )
         finally:
             os.close(pidfd)
-        self._netd[machine_id]["up"] = True
 
     async def _down(self, machine_id: str, run: int | None = None) -> None:
         """Have netd drop the machine's namespaces (it stopped). With `run`: only if no start
@@ -574,13 +615,31 @@ class OciDriver(WrappedDriver):
         if run is not None and self._runs.get(machine_id) != run:
             return
         if machine_id in self._netd and not self._closed:
-            await self._call("down", machine=machine_id)
+            await self._call(
+                "down", then=functools.partial(self._downed, machine_id), machine=machine_id
+            )
+
+    def _downed(self, machine_id: str, answer: object) -> None:
+        """netd dropped the machine's namespaces (`answer`: its answer, or that future)."""
+        if isinstance(answer, asyncio.Future) and (answer.cancelled() or answer.exception()):
+            return
+        if machine_id in self._netd:
             self._netd[machine_id]["up"] = False
 
-    async def _call(self, op: str, fds: list[int] | None = None, **fields: Any) -> dict[str, Any]:
-        """A netd request; if netd is gone, start a new one and give it back what it held."""
+    async def _call(
+        self,
+        op: str,
+        fds: list[int] | None = None,
+        *,
+        then: Callable[[dict[str, Any]], object] | None = None,
+        **fields: Any,
+    ) -> dict[str, Any]:
+        """A netd request; if netd is gone, start a new one and give it back what it held.
+        `then(answer)` runs once netd has answered, even if the caller is cancelled meanwhile.
+        The request joins netd's queue before the first await.
+        """
         try:
-            return await self._net.request(op, fds, **fields)
+            return await self._answered(self._net.submit(op, fds, **fields), then)
         except NetdGone as e:
             if self._closed:
                 raise  # the driver closed the connection itself
@@ -590,7 +649,18 @@ class OciDriver(WrappedDriver):
         for mid, ports in list(self._published.items()):
             with contextlib.suppress(Unavailable):
                 await self.publish(mid, ports)  # and adopts the running machines
-        return await self._net.request(op, fds, **fields)
+        return await self._answered(self._net.submit(op, fds, **fields), then)
+
+    @staticmethod
+    async def _answered(
+        request: asyncio.Future[Any], then: Callable[[dict[str, Any]], object] | None
+    ) -> dict[str, Any]:
+        if then is not None:
+            request.add_done_callback(
+                lambda done: None if done.cancelled() or done.exception() else then(done.result())
+            )
+        answer: dict[str, Any] = await asyncio.shield(request)
+        return answer
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -760,7 +830,14 @@ class OciDriver(WrappedDriver):
         layers = self._prepare_layers(run_dir, root_uid, spec)
         delete_container(self._crun_root, mid)  # what a killed crun left
         etc = oci_bundle.write_etc(run_dir / "etc", mid, address, host_runtime=spec.host_runtime)
-        return _Disk(cgroup_procs, layers, etc, open_output(run_dir))
+        log_fd = open_output(run_dir)
+        try:
+            # Where the machine's cgroups are `/` (see bundle's docstring).
+            cgroupns = namespace_at([p.parent for p in cgroup_procs]) if cgroup_procs else None
+        except BaseException:
+            os.close(log_fd)
+            raise
+        return _Disk(cgroup_procs, layers, etc, log_fd, cgroupns)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -770,13 +847,19 @@ class _Disk:
     cgroup_procs: list[Path]
     layers: dict[str, Path]
     etc_files: list[str]
-    log_fd: int  # the caller's to close
+    log_fd: int  # the caller's to close, as `cgroupns` is
+    cgroupns: int | None  # rooted at the machine's cgroups (None without cgroups)
+
+    @property
+    def fds(self) -> tuple[int, ...]:
+        """Its descriptors: what the wrapper inherits, and the caller closes."""
+        return (self.log_fd,) if self.cgroupns is None else (self.log_fd, self.cgroupns)
 
 
-def _close_log(done: asyncio.Future[_Disk]) -> None:
-    """Close the log a `_prepare_disk` opened for a start that failed meanwhile."""
+def _close_disk(done: asyncio.Future[_Disk]) -> None:
+    """Close what a `_prepare_disk` opened for a start that failed meanwhile."""
     if not done.cancelled() and done.exception() is None:
-        os.close(done.result().log_fd)
+        _close(*done.result().fds)
 
 
 def _write_slot(run_dir: Path, slot: int) -> None:

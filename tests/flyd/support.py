@@ -219,11 +219,13 @@ def boot(
     peers: SlotPeers | None = None,
     monotonic: Callable[[], float] | None = None,
     secret_box: SecretBox | None = None,
+    make_driver: Callable[[Callable[[str, Handle, ExitStatus], None]], Any] | None = None,
 ) -> Flyd:
-    """A flyd on `host`, before recover(); worker w1 in ams unless `identity` says otherwise."""
+    """A flyd on `host`, before recover(); worker w1 in ams unless `identity` says otherwise.
+    `make_driver(on_exit)`: a real driver instead of the fake on `host`."""
     relay = _ExitRelay()
     host.busy_ports.update(busy_ports)  # taken by programs that are not machines
-    driver = FakeDriver(on_exit=relay, host=host)
+    driver = FakeDriver(on_exit=relay, host=host) if make_driver is None else make_driver(relay)
     worker = Worker(
         identity=identity or Identity("w1", "ams", "127.0.0.1:1", {}, "boot"),
         store=store,

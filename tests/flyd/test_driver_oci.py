@@ -403,6 +403,21 @@ async def test_a_machine_s_sysfs_is_its_own_and_read_only(make_driver, image: Pa
     assert lines[-1] == "done"
 
 
+async def test_a_machine_s_cgroups_are_the_root_of_its_cgroup_namespace(
+    make_driver, image: Path
+) -> None:
+    """/proc/self/cgroup names the machine's own cgroups `/` in every hierarchy, not the host's
+    paths (crun's own cgroup namespace would be rooted where crun runs)."""
+    exits = Exits()
+    driver = make_driver(exits)
+    await run_machine(driver, spec("m1", sh("sed 's/^/cgroup: /' /proc/self/cgroup"), image))
+    assert await exits.wait("m1") == ExitStatus(0, None)
+    lines = [line for line in driver.read_logs("m1", 40) if line.startswith("cgroup: ")]
+    paths = {line.split(":", 3)[2]: line.split(":", 3)[3] for line in lines}
+    assert {"memory", "cpu", "pids"} <= paths.keys(), lines
+    assert set(paths.values()) == {"/"}, paths  # those, and every other hierarchy
+
+
 UEVENT_LISTENER = """\
 import select, signal, socket, sys
 sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 15)  # NETLINK_KOBJECT_UEVENT
