@@ -1,4 +1,5 @@
-"""flyd's side of netd (`flyd.drivers.netd`): finding it, starting it, asking it things.
+"""flyd's side of netd (`flyd.drivers.netd`): finding it, starting it, asking it things
+(`Netd`), and the OCI driver's account of what it holds for each machine (`NetdMachines`).
 
 netd outlives flyd, so a flyd first looks for the netd of its run root (`.netd.sock`); only
 when none answers does it start one, detached (`setsid -f`, so init reaps it), and wait for it
@@ -29,6 +30,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +41,7 @@ from flyd.drivers.netd import MAX_MESSAGE, PROTOCOL, unix_address
 from flyd.drivers.procfs import open_pidfd, read_boot_id
 from flyd.errors import CorruptLog, Unavailable
 
-__all__ = ["NETD_HANDLE", "NETD_SOCKET", "Netd", "NetdGone", "kill_netd"]
+__all__ = ["NETD_HANDLE", "NETD_SOCKET", "Netd", "NetdGone", "NetdMachines", "kill_netd"]
 
 log = structlog.get_logger(__name__)
 
@@ -289,3 +291,114 @@ def kill_netd(run_root: Path, *, wait: float = 2.0) -> bool:
     with contextlib.suppress(FileNotFoundError):
         (run_root / NETD_HANDLE).unlink()
     return True
+
+
+class NetdMachines:
+    """flyd's account of what netd holds for each machine (its host ports, whether its
+    namespaces are up), over a `Netd` connection, and the requests that change it.
+
+    The account follows netd's answers, not its callers: an answer updates it whether or not
+    its caller still waits (a cancelled create must not leave it saying a namespace is down
+    that netd holds up, or the reverse). If netd is gone, a request starts a new one and
+    `republish()` gives it back what the machines had, first.
+    """
+
+    def __init__(self, net: Netd, republish: Callable[[], Awaitable[None]]) -> None:
+        self.net = net
+        self._republish = republish
+        self.machines: dict[str, dict[str, Any]] = dict(net.connect().get("machines", {}))
+        self.closed = False
+
+    def knows(self, machine_id: str) -> bool:
+        """Whether netd may hold something of the machine (a request named it)."""
+        return machine_id in self.machines
+
+    def is_up(self, machine_id: str) -> bool:
+        return bool(self.machines.get(machine_id, {}).get("up"))
+
+    def ports(self, machine_id: str) -> set[int]:
+        """The host ports netd holds for the machine; from now on it may know the machine."""
+        return set(self.machines.setdefault(machine_id, {"up": False}).get("ports", ()))
+
+    async def publish(
+        self, machine_id: str, ports: list[list[int]], fds: list[int], **up: Any
+    ) -> dict[str, Any]:
+        """netd holds exactly `ports` ([host, internal]) for the machine, `fds` the sockets
+        of those it does not hold yet; with `up` (the fields of an `up`), its namespaces
+        come up in the same request. netd's answer."""
+        held = sorted(host for host, _ in ports)
+
+        def answered(_: dict[str, Any]) -> None:
+            state = self.machines.setdefault(machine_id, {"up": False})
+            state["ports"] = held
+            state["up"] = state["up"] or bool(up)
+
+        op = "up" if up else "publish"
+        return await self.call(op, fds, then=answered, machine=machine_id, ports=ports, **up)
+
+    def mark_up(self, machine_id: str) -> None:
+        self.machines.setdefault(machine_id, {}).update(up=True)
+
+    async def down(self, machine_id: str) -> None:
+        """netd drops the machine's namespaces. The request joins netd's queue before the
+        first await (a caller's check before it cannot be reordered with another's)."""
+        if self.knows(machine_id) and not self.closed:
+            await self.call("down", then=lambda _: self._downed(machine_id), machine=machine_id)
+
+    def down_now(self, machine_id: str) -> None:
+        """`down`, queued without an await, for whoever cannot wait (a cancelled start)."""
+        if self.knows(machine_id) and not self.closed:
+            down = self.net.submit("down", machine=machine_id)
+            down.add_done_callback(
+                lambda done: (
+                    None if done.cancelled() or done.exception() else self._downed(machine_id)
+                )
+            )
+
+    def _downed(self, machine_id: str) -> None:
+        if machine_id in self.machines:
+            self.machines[machine_id]["up"] = False
+
+    async def forget(self, machine_id: str) -> None:
+        """netd drops the machine's namespaces and ports."""
+        if self.knows(machine_id):
+            await self.call(
+                "forget", then=lambda _: self.machines.pop(machine_id, None), machine=machine_id
+            )
+
+    async def call(
+        self,
+        op: str,
+        fds: list[int] | None = None,
+        *,
+        then: Callable[[dict[str, Any]], object] | None = None,
+        **fields: Any,
+    ) -> dict[str, Any]:
+        """A netd request; if netd is gone, start a new one and give it back what it held.
+        `then(answer)` runs once netd has answered, even if the caller is cancelled meanwhile.
+        The request joins netd's queue before the first await.
+        """
+        try:
+            return await _answered(self.net.submit(op, fds, **fields), then)
+        except NetdGone as e:
+            if self.closed:
+                raise  # the driver closed the connection itself
+            log.warning("netd_restarting", previous_pid=self.net.pid, error=str(e))
+        self.machines = dict(self.net.connect().get("machines", {}))
+        await self._republish()  # and adopts the running machines
+        return await _answered(self.net.submit(op, fds, **fields), then)
+
+    def close(self) -> None:
+        self.closed = True
+        self.net.close()
+
+
+async def _answered(
+    request: asyncio.Future[Any], then: Callable[[dict[str, Any]], object] | None
+) -> dict[str, Any]:
+    if then is not None:
+        request.add_done_callback(
+            lambda done: None if done.cancelled() or done.exception() else then(done.result())
+        )
+    answer: dict[str, Any] = await asyncio.shield(request)
+    return answer

@@ -76,7 +76,7 @@ from flyd.drivers.crun import (
 from flyd.drivers.crun import probe as crun_probe
 from flyd.drivers.logs import LOG_NAME, open_output
 from flyd.drivers.namespaces import idmapped_tree
-from flyd.drivers.netclient import Netd, NetdGone
+from flyd.drivers.netclient import Netd, NetdMachines
 from flyd.drivers.ports import bind_port
 from flyd.drivers.procfs import read_proc_stat
 from flyd.drivers.wrapped import Watched, WrappedDriver
@@ -192,10 +192,8 @@ class OciDriver(WrappedDriver):
         routes: dict[str, Any] = {"prefix": None}
         if route_machines:  # the hub's address: the machines' gateway, the host's next hop
             routes = {"prefix": str(prefix), "address": str(prefix.network_address + 1)}
-        self._net = Netd(self._run_dirs.root, uplink, routes)
-        hello = self._net.connect()
         # What netd holds, as it said: machine -> its host ports and whether it is up.
-        self._netd: dict[str, dict[str, Any]] = dict(hello.get("machines", {}))
+        self._nets = NetdMachines(Netd(self._run_dirs.root, uplink, routes), self._republish)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -388,9 +386,7 @@ class OciDriver(WrappedDriver):
             disk.add_done_callback(
                 lambda _: (self._run_dirs.path(machine_id) / _SLOT_FILE).unlink(missing_ok=True)
             )
-        if machine_id in self._netd and not self._closed:
-            down = self._net.submit("down", machine=machine_id)
-            down.add_done_callback(functools.partial(self._downed, machine_id))
+        self._nets.down_now(machine_id)
 
     def _prepared(self, machine_id: str, disk: asyncio.Future[_Disk]) -> None:
         if self._preparing.get(machine_id) is disk:
@@ -483,7 +479,7 @@ class OciDriver(WrappedDriver):
 
     def _ended(self, machine_id: str) -> None:
         super()._ended(machine_id)
-        if self._netd.get(machine_id, {}).get("up"):
+        if self._nets.is_up(machine_id):
             task = asyncio.ensure_future(self._down(machine_id, run=self._runs.get(machine_id)))
             task.add_done_callback(_log_failure)
             self._downs[machine_id] = task
@@ -503,10 +499,7 @@ class OciDriver(WrappedDriver):
         preparing = self._preparing.get(machine_id)
         if preparing is not None:  # an abandoned start's thread: the run dir is still its own
             await asyncio.wait([preparing])
-        if machine_id in self._netd:
-            await self._call(
-                "forget", then=lambda _: self._netd.pop(machine_id, None), machine=machine_id
-            )
+        await self._nets.forget(machine_id)
         delete_container(self._crun_root, machine_id)
         self._slots.pop(machine_id, None)
         self._downs.pop(machine_id, None)
@@ -515,7 +508,7 @@ class OciDriver(WrappedDriver):
     async def close(self) -> None:
         """Stop watching; the machines and netd keep running (see `WrappedDriver.close`)."""
         await super().close()
-        self._net.close()
+        self._nets.close()
 
     # -- ports and network -------------------------------------------------------------------
 
@@ -527,17 +520,17 @@ class OciDriver(WrappedDriver):
         """
         self._check_open()
         await self._publish_ports(machine_id, ports)
-        if machine_id in self._watched and not self._netd[machine_id].get("up"):
+        if machine_id in self._watched and not self._nets.is_up(machine_id):
             await self._adopt(machine_id)
 
     async def reconcile(self, machines: Mapping[str, Sequence[PortMapping]]) -> None:
         """After flyd's recovery (see `WrappedDriver.reconcile`); netd also forgets the
         machines flyd has no row for (a create that died before its first commit).
         """
-        for machine_id in [m for m in self._netd if m not in machines]:
+        for machine_id in [m for m in self._nets.machines if m not in machines]:
             with contextlib.suppress(Unavailable):
-                await self._call("forget", machine=machine_id)
-            self._netd.pop(machine_id, None)
+                await self._nets.forget(machine_id)
+            self._nets.machines.pop(machine_id, None)
         await super().reconcile(machines)
 
     async def _publish_ports(
@@ -551,7 +544,7 @@ class OciDriver(WrappedDriver):
         forget the machine.
         """
         self._published[machine_id] = tuple(ports)
-        held = set(self._netd.setdefault(machine_id, {"up": False}).get("ports", ()))
+        held = self._nets.ports(machine_id)
         socks = []
         try:
             for p in ports:
@@ -566,20 +559,11 @@ class OciDriver(WrappedDriver):
                 socks.append((p, sock))
             kept = [p for p in ports if p.host_port in held]
             self._ports.release(machine_id)  # any other port it had is no longer published
-            sent = sorted({p.host_port for p in kept} | {p.host_port for p, _ in socks})
-
-            def answered(_: dict[str, Any]) -> None:
-                state = self._netd.setdefault(machine_id, {"up": False})
-                state["ports"] = sent
-                state["up"] = state["up"] or bool(up)
-
-            return await self._call(
-                "up" if up else "publish",
-                [s.fileno() for _, s in socks],
-                then=answered,
-                machine=machine_id,
-                ports=[[p.host_port, p.internal_port] for p in kept]
+            return await self._nets.publish(
+                machine_id,
+                [[p.host_port, p.internal_port] for p in kept]
                 + [[p.host_port, p.internal_port] for p, _ in socks],
+                [s.fileno() for _, s in socks],
                 **up,
             )
         finally:
@@ -593,9 +577,9 @@ class OciDriver(WrappedDriver):
             return
         try:  # the pidfd pins the pid while netd opens its namespace
             status = json.loads((self._crun_root / machine_id / "status").read_bytes())
-            await self._call(
+            await self._nets.call(
                 "up",
-                then=lambda _: self._netd.setdefault(machine_id, {}).update(up=True),
+                then=lambda _: self._nets.mark_up(machine_id),
                 machine=machine_id,
                 address=str(self._prefix.network_address + 2 + self._slot(machine_id)),
                 uid=0,
@@ -614,53 +598,13 @@ class OciDriver(WrappedDriver):
         """
         if run is not None and self._runs.get(machine_id) != run:
             return
-        if machine_id in self._netd and not self._closed:
-            await self._call(
-                "down", then=functools.partial(self._downed, machine_id), machine=machine_id
-            )
+        await self._nets.down(machine_id)
 
-    def _downed(self, machine_id: str, answer: object) -> None:
-        """netd dropped the machine's namespaces (`answer`: its answer, or that future)."""
-        if isinstance(answer, asyncio.Future) and (answer.cancelled() or answer.exception()):
-            return
-        if machine_id in self._netd:
-            self._netd[machine_id]["up"] = False
-
-    async def _call(
-        self,
-        op: str,
-        fds: list[int] | None = None,
-        *,
-        then: Callable[[dict[str, Any]], object] | None = None,
-        **fields: Any,
-    ) -> dict[str, Any]:
-        """A netd request; if netd is gone, start a new one and give it back what it held.
-        `then(answer)` runs once netd has answered, even if the caller is cancelled meanwhile.
-        The request joins netd's queue before the first await.
-        """
-        try:
-            return await self._answered(self._net.submit(op, fds, **fields), then)
-        except NetdGone as e:
-            if self._closed:
-                raise  # the driver closed the connection itself
-            log.warning("netd_restarting", previous_pid=self._net.pid, error=str(e))
-        self._net.connect()
-        self._netd = {}
+    async def _republish(self) -> None:
+        """Give a new netd (the last one died) what the machines had."""
         for mid, ports in list(self._published.items()):
             with contextlib.suppress(Unavailable):
                 await self.publish(mid, ports)  # and adopts the running machines
-        return await self._answered(self._net.submit(op, fds, **fields), then)
-
-    @staticmethod
-    async def _answered(
-        request: asyncio.Future[Any], then: Callable[[dict[str, Any]], object] | None
-    ) -> dict[str, Any]:
-        if then is not None:
-            request.add_done_callback(
-                lambda done: None if done.cancelled() or done.exception() else then(done.result())
-            )
-        answer: dict[str, Any] = await asyncio.shield(request)
-        return answer
 
     # -- internals ---------------------------------------------------------------------------
 

@@ -98,7 +98,7 @@ def worker_state(flyd: Flyd) -> dict[str, object]:
         "pending": sorted(worker.reservations.pending),
         "reserved": worker.reserved().SerializeToString(),
         "slots": dict(driver._slots),
-        "netd, as flyd knows it": {m: dict(s) for m, s in driver._netd.items()},
+        "netd, as flyd knows it": {m: dict(s) for m, s in driver._nets.machines.items()},
         "published": dict(driver._published),
         "ports held": {m: driver._ports.holds(m) for m in driver._published},
         "watched": sorted(driver._watched),
@@ -192,7 +192,8 @@ async def test_a_restart_cancelled_at_any_await_leaves_netd_and_the_slots_as_the
             not driver.is_running("m1")
             and not driver._preparing
             and driver._slots == slots
-            and {m: {"up": s["up"], "ports": s["ports"]} for m, s in driver._netd.items()} == down
+            and {m: {"up": s["up"], "ports": s["ports"]} for m, s in driver._nets.machines.items()}
+            == down
             and not _netd_hello(driver._run_dirs.root)["machines"]["m1"]["up"]
             and not (driver._crun_root / "m1").exists()
         )
