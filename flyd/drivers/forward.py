@@ -4,19 +4,33 @@ service's port on the loopback of the machine's network namespace (see `flyd.dri
 A socket lives in the namespace its maker's thread was in when it made it, so the socket into
 the machine is made inside its namespace (`enter`, netd's) and connected to 127.0.0.1 there:
 an app listening on 127.0.0.1 or 0.0.0.0 alike is reached, and sees its client as 127.0.0.1.
-Standard library only, like netd.
+
+A forwarded connection holds two of netd's descriptors (the client's, the one into the
+machine) for as long as either side keeps it open, so a machine's clients decide what netd
+spends on it: one machine flooded with connections would take every descriptor netd has, and
+the published ports of every other machine would stop accepting (EMFILE). So each machine
+has a budget: at most `per_machine` forwarded connections at once (a descriptor budget of
+2 * `per_machine` + `MACHINE_DESCRIPTORS` for its namespaces, its sock_diag socket and its
+ports); one more is reset at once, as a host whose backlog overflows would, and counted
+(`refused`, per machine, which netd's `hello` reports). All machines together get what netd's
+descriptor limit leaves once its own are set aside (`OWN_DESCRIPTORS`); netd raises that
+limit to what the host allows when it starts (`raise_nofile`). Standard library only, like
+netd.
 """
 
 from __future__ import annotations
 
 import asyncio
+import resource
 import socket
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Forwarder"]
+__all__ = ["CONNECTIONS_PER_MACHINE", "Forwarder", "raise_nofile"]
 
-MAX_CONNECTIONS = 8192
+CONNECTIONS_PER_MACHINE = 1024  # the default budget: 2048 descriptors of forwarded connections
+MACHINE_DESCRIPTORS = 32  # a machine's own in netd: 2 namespaces, sock_diag, up to 16 ports
+OWN_DESCRIPTORS = 512  # netd's own: its control socket and clients, netlink, nft, spares
 _PIPE_HIGH_WATER = 256 << 10
 _CONNECT_TIMEOUT_S = 5.0
 
@@ -24,13 +38,17 @@ _CONNECT_TIMEOUT_S = 5.0
 class _Splice(asyncio.Protocol):
     """One side of a forwarded connection: what it reads, the other side writes."""
 
-    def __init__(self, forwarder: Forwarder, *, refuse: bool = False) -> None:
+    def __init__(
+        self, forwarder: Forwarder, *, refuse: bool = False, machine: str | None = None
+    ) -> None:
         self.forwarder = forwarder
         self.refuse = refuse  # reset it as soon as it is made: nothing to forward to
+        self.machine = machine  # the client's side counts against this machine's budget
         self.transport: asyncio.Transport | None = None
         self.peer: _Splice | None = None
         self.early: list[bytes] = []  # bytes read before the other side was connected
         self.eof_early = False
+        self.eof = False  # its peer said it sends no more
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -50,12 +68,21 @@ class _Splice(asyncio.Protocol):
         peer.transport.write(data)
 
     def eof_received(self) -> bool:
+        self.eof = True
         peer = self.peer
         if peer is None or peer.transport is None:
             self.eof_early = True
-        elif peer.transport.can_write_eof():
-            peer.transport.write_eof()
+        else:
+            if peer.transport.can_write_eof():
+                peer.transport.write_eof()
+            if peer.eof:  # both directions are done: nothing keeps the pair (and its fds)
+                self._close_both()
         return True  # keep the other direction open (half-close)
+
+    def _close_both(self) -> None:
+        for side in (self, self.peer):
+            if side is not None and side.transport is not None:
+                side.transport.close()  # (after what it still has to write)
 
     def pause_writing(self) -> None:
         if self.peer is not None and self.peer.transport is not None:
@@ -67,6 +94,9 @@ class _Splice(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.forwarder.connections.discard(self)
+        if self.machine is not None:
+            self.forwarder.ended(self.machine)
+            self.machine = None
         peer, self.peer = self.peer, None
         if peer is not None and peer.transport is not None:
             peer.peer = None
@@ -86,30 +116,67 @@ class _Splice(asyncio.Protocol):
 
 
 class Forwarder:
-    """The connections netd forwards. `enter(netns, work)`: `work()` run in the network
-    namespace `netns`; `log(event, **fields)`: netd's log."""
+    """The connections netd forwards, within each machine's budget. `enter(netns, work)`:
+    `work()` run in the network namespace `netns`; `log(event, **fields)`: netd's log;
+    `nofile`: netd's descriptor limit; `per_machine`: connections at once per machine."""
 
     def __init__(
-        self, enter: Callable[[int, Callable[[], Any]], Any], log: Callable[..., None]
+        self,
+        enter: Callable[[int, Callable[[], Any]], Any],
+        log: Callable[..., None],
+        *,
+        nofile: int,
+        per_machine: int = CONNECTIONS_PER_MACHINE,
     ) -> None:
         self._enter = enter
         self._log = log
+        self.nofile = nofile
+        self.per_machine = per_machine
         self.connections: set[_Splice] = set()
+        self.open: dict[str, int] = {}  # forwarded connections per machine, now
+        self.refused: dict[str, int] = {}  # reset over the machine's budget (or netd's)
 
     def accepted(
-        self, netns: Callable[[], int | None], internal_port: int, gone: Callable[[], None]
+        self,
+        machine: str,
+        netns: Callable[[], int | None],
+        internal_port: int,
+        gone: Callable[[], None],
+        *,
+        machines: int,
     ) -> asyncio.Protocol:
-        """The protocol for a connection just accepted on a published port: forwarded to
-        `internal_port` in the namespace `netns()` names (None: the machine is down). `gone()`
-        when nothing listens there any more."""
-        if netns() is None or len(self.connections) >= MAX_CONNECTIONS:
-            # Nothing to forward to (the machine is stopped), or too busy: reset at once.
+        """The protocol for a connection just accepted on one of `machine`'s published
+        ports: forwarded to `internal_port` in the namespace `netns()` names (None: the
+        machine is down), unless that would go over its budget or netd's (`machines`: how
+        many netd holds, each with its own descriptors). `gone()` when nothing listens there
+        any more."""
+        if netns() is None:
+            return _Splice(self, refuse=True)  # nothing to forward to: the machine is stopped
+        spare = self.nofile - OWN_DESCRIPTORS - machines * MACHINE_DESCRIPTORS
+        if self.open.get(machine, 0) >= self.per_machine or 2 * len(self.connections) >= spare:
+            refused = self.refused[machine] = self.refused.get(machine, 0) + 1
+            if refused & (refused - 1) == 0:  # the 1st, 2nd, 4th, ...: a flood logs little
+                self._log("connections_refused", machine=machine, refused=refused)
             return _Splice(self, refuse=True)
-        client = _Splice(self)
+        self.open[machine] = self.open.get(machine, 0) + 1
+        client = _Splice(self, machine=machine)
         self.connections.add(client)
         task = asyncio.ensure_future(self._connect(client, netns, internal_port, gone))
         task.add_done_callback(self._retrieve)
         return client
+
+    def ended(self, machine: str) -> None:
+        """One of the machine's forwarded connections is over (its client's side closed)."""
+        left = self.open.get(machine, 0) - 1
+        if left > 0:
+            self.open[machine] = left
+        else:
+            self.open.pop(machine, None)
+
+    def forget(self, machine: str) -> None:
+        """The machine is gone: its count of refusals goes (its open connections end on
+        their own as their ports close)."""
+        self.refused.pop(machine, None)
 
     async def _connect(
         self,
@@ -150,3 +217,21 @@ class Forwarder:
     def _retrieve(self, task: asyncio.Future[Any]) -> None:
         if not task.cancelled() and task.exception() is not None:
             self._log("forward_failed", error=repr(task.exception()))
+
+
+def raise_nofile() -> int:
+    """Raise this process's descriptor limit to what the host allows (fs.nr_open, for a
+    process that may raise its hard limit; else its hard limit); the limit it has now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        with open("/proc/sys/fs/nr_open") as f:
+            ceiling = int(f.read())
+    except (OSError, ValueError):
+        ceiling = hard
+    for wanted in sorted({max(ceiling, hard), hard}, reverse=True):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, wanted))
+        except (OSError, ValueError):
+            continue
+        return wanted
+    return soft

@@ -9,7 +9,8 @@ how `flyd.drivers.rundir.kill_all` ends it when a whole worker is torn down.
 On every connection flyd first tells netd the worker's uplink (`Netd.uplink`: the egress
 namespace, or none), so a netd that outlived flyd follows a changed `--egress-via` and a new
 netd starts with the uplink already made; and likewise whether it routes machines' addresses
-to the host (`Netd.routes`, flyd --route-machines).
+to the host (`Netd.routes`, flyd --route-machines), and each machine's budget of forwarded
+connections (`Netd.limits`).
 
 Requests are one JSON datagram each, answered in order, one in flight at a time; each goes
 and has its answer read whoever still waits for it (`Netd.submit`), so a caller cancelled
@@ -65,8 +66,12 @@ class Netd:
         run_root: Path,
         uplink: dict[str, Any] | None = None,
         routes: dict[str, Any] | None = None,
+        limits: dict[str, Any] | None = None,
     ) -> None:
         self.run_root = run_root
+        self.limits = limits or {}
+        """The fields of its `limits` request (each machine's budget of connections), sent
+        to a netd that has limits (hello says); {}: netd's own defaults."""
         self.uplink = uplink or {"netns": None}
         self.routes = routes or {"prefix": None}
         """The fields of its `routes` request: the worker's prefix and the hub's address when
@@ -99,6 +104,8 @@ class Netd:
         self.pid = int(hello["pid"])
         self._call_blocking({"op": "uplink", **self.uplink})
         self._call_blocking({"op": "routes", **self.routes})
+        if self.limits and "limits" in hello:
+            self._call_blocking({"op": "limits", **self.limits})
         sock.setblocking(False)
         return hello
 

@@ -31,8 +31,10 @@ the worker's *hub*, and for each machine it:
   (netd asks the machine's namespace through sock_diag, connecting to nothing): otherwise it
   refuses connections, as a host port nobody listens on does, so a TCP check or the proxy
   sees the service as it is;
-- forwards each connection accepted on such a port to the service's port on the loopback of
-  the machine's namespace (an app listening on 127.0.0.1 or 0.0.0.0 alike), through a socket
+- forwards each connection accepted on such a port, within the machine's budget of
+  connections at once (`flyd.drivers.forward`: one machine's flood cannot take the
+  descriptors the others need), to the service's port on the loopback of the machine's
+  namespace (an app listening on 127.0.0.1 or 0.0.0.0 alike), through a socket
   it opens inside that namespace. From the host namespace, traffic only ever goes to
   127.0.0.1; the machine sees its client as 127.0.0.1.
 
@@ -63,6 +65,9 @@ JSON answer each (`{"ok": ...}` or `{"error": "..."}`, with the request's `id` i
   `address` (made anew only if it changed); `{prefix: null}`: not (the link goes). Refused
   with an uplink: both would be the hub's default route
 - `down {machine}`: drop its namespaces (it stopped); `forget {machine}`: and its ports
+- `limits {connections_per_machine}`: each machine's budget of forwarded connections at once
+  (see `flyd.drivers.forward`; `hello` says the limits and, per machine, its connections now
+  and how many went over its budget, reset)
 
 It imports nothing but the standard library and four small siblings (no flyd runtime;
 `flyd.drivers.forward` forwards the connections), so it starts in ~0.1 s.
@@ -86,7 +91,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flyd.drivers import namespaces
-from flyd.drivers.forward import Forwarder
+from flyd.drivers.forward import Forwarder, raise_nofile
 from flyd.drivers.netlink import Rtnl, SockDiag
 from flyd.drivers.nft import (
     ROUTED,
@@ -163,12 +168,12 @@ class _Uplink:
 class Netd:
     """The daemon's state; see the module docstring."""
 
-    def __init__(self, host_netns: int, hub_netns: int, hub_rtnl: Rtnl) -> None:
+    def __init__(self, host_netns: int, hub_netns: int, hub_rtnl: Rtnl, *, nofile: int) -> None:
         self.host_netns = host_netns  # where published ports are: a socket lives in the
         self.hub_netns = hub_netns  # namespace its maker was in when it made it
         self.rtnl = hub_rtnl
         self.machines: dict[str, _Machine] = {}
-        self.forwarder = Forwarder(self._in, _log)
+        self.forwarder = Forwarder(self._in, _log, nofile=nofile)
         self.links = 0  # veths made: each gets a new name
         self.pid = os.getpid()
         self.uplink: _Uplink | None = None
@@ -190,12 +195,28 @@ class Netd:
                 "pid": self.pid,
                 "protocol": PROTOCOL,
                 "machines": {
-                    mid: {"ports": sorted(m.ports), "up": m.netns is not None, "egress": m.egress}
+                    mid: {
+                        "ports": sorted(m.ports),
+                        "up": m.netns is not None,
+                        "egress": m.egress,
+                        "connections": self.forwarder.open.get(mid, 0),
+                        "refused": self.forwarder.refused.get(mid, 0),
+                    }
                     for mid, m in self.machines.items()
                 },
                 "uplink": None if self.uplink is None else self.uplink.netns,
                 "routes": None if self.routes is None else str(self.routes.prefix),
+                "limits": {
+                    "nofile": self.forwarder.nofile,
+                    "connections_per_machine": self.forwarder.per_machine,
+                },
             }
+        if op == "limits":
+            per_machine = request.get("connections_per_machine")
+            if not isinstance(per_machine, int) or isinstance(per_machine, bool) or per_machine < 1:
+                raise ValueError("connections_per_machine: a positive number")
+            self.forwarder.per_machine = per_machine
+            return {}
         if op == "uplink":
             self._set_uplink(request)
             return {}
@@ -225,6 +246,7 @@ class Netd:
             return {}
         if op == "forget":
             m = self.machines.pop(machine_id, None)
+            self.forwarder.forget(machine_id)
             if m is not None:
                 self._down(m)
                 for port in m.ports.values():
@@ -620,7 +642,9 @@ class Netd:
             self._unserve(port)
             self._watch(m)
 
-        return self.forwarder.accepted(lambda: m.netns, port.internal_port, gone)
+        return self.forwarder.accepted(
+            m.machine_id, lambda: m.netns, port.internal_port, gone, machines=len(self.machines)
+        )
 
     def _unserve(self, port: _Port) -> None:
         """Stop listening, keeping the port: connections are refused, as by a host whose
@@ -791,8 +815,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--handle", help="write netd's process handle (JSON) here first")
     args = parser.parse_args(argv)
     os.umask(0o077)
+    nofile = raise_nofile()
     host_netns, hub_netns, rtnl = _hub()
-    netd = Netd(host_netns, hub_netns, rtnl)
+    netd = Netd(host_netns, hub_netns, rtnl, nofile=nofile)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(args.socket)
     control = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -801,7 +826,7 @@ def main(argv: list[str] | None = None) -> int:
     control.listen(16)
     if args.handle:
         _write_handle(args.handle)
-    _log("ready", pid=netd.pid, socket=args.socket)
+    _log("ready", pid=netd.pid, socket=args.socket, nofile=nofile)
     if args.ready_fd is not None:
         os.write(args.ready_fd, b"1")
         os.close(args.ready_fd)

@@ -74,6 +74,7 @@ from flyd.drivers.crun import (
     hybrid_cgroups,
 )
 from flyd.drivers.crun import probe as crun_probe
+from flyd.drivers.forward import CONNECTIONS_PER_MACHINE
 from flyd.drivers.logs import LOG_NAME, open_output
 from flyd.drivers.namespaces import idmapped_tree
 from flyd.drivers.netclient import Netd, NetdMachines
@@ -124,11 +125,14 @@ class OciDriver(WrappedDriver):
         uid_base: int = 1 << 30,
         egress_via: Path | None = None,
         route_machines: bool = False,
+        connections_per_machine: int = CONNECTIONS_PER_MACHINE,
     ) -> None:
         """`egress_via`: the worker's uplink, a network namespace of the operator's that
         reaches what machines may reach; without it no machine has egress. `route_machines`:
         netd routes each machine's own address to the host (and, through it, to the hosts
-        that route the worker's prefix here), for its published services only."""
+        that route the worker's prefix here), for its published services only.
+        `connections_per_machine`: how many connections netd forwards into one machine at
+        once (more are reset: one machine's flood leaves netd's descriptors to the others)."""
         problem = probe(cgroup_root) or cgroups_probe(cgroup_root, cgroup_prefix)
         if problem is not None:
             raise Unavailable(f"this host cannot run OCI machines: {problem}")
@@ -140,6 +144,8 @@ class OciDriver(WrappedDriver):
             raise InvalidArgument("network", str(e)) from None
         if not prefix.is_private or prefix.num_addresses < 4:
             raise InvalidArgument("network", f"{network} is not a private prefix of 4 or more")
+        if connections_per_machine < 1:
+            raise InvalidArgument("connections_per_machine", "must be at least 1")
         if uid_base < UIDS_PER_MACHINE or uid_base % UIDS_PER_MACHINE:
             raise InvalidArgument("uid_base", f"must be a positive multiple of {UIDS_PER_MACHINE}")
         if any(c in str(run_root.absolute()) for c in ",:\n\t "):
@@ -193,7 +199,9 @@ class OciDriver(WrappedDriver):
         if route_machines:  # the hub's address: the machines' gateway, the host's next hop
             routes = {"prefix": str(prefix), "address": str(prefix.network_address + 1)}
         # What netd holds, as it said: machine -> its host ports and whether it is up.
-        self._nets = NetdMachines(Netd(self._run_dirs.root, uplink, routes), self._republish)
+        limits = {"connections_per_machine": connections_per_machine}
+        net = Netd(self._run_dirs.root, uplink, routes, limits)
+        self._nets = NetdMachines(net, self._republish)
 
     # -- lifecycle ---------------------------------------------------------------------------
 

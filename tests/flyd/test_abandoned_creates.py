@@ -33,6 +33,7 @@ from tests.flyd.driver_support import (
     OCI_UNAVAILABLE,
     Exits,
     logged,
+    netd_hello,
     run_machine,
     sh,
     spec,
@@ -109,21 +110,9 @@ def worker_state(flyd: Flyd) -> dict[str, object]:
             for p in (Path("/sys/fs/cgroup/pids") / prefix).iterdir()
             if p.is_dir() and not p.name.startswith(".spare")
         ),
-        "netd machines": sorted(_netd_hello(run_root)["machines"]),
+        "netd machines": sorted(netd_hello(run_root)["machines"]),
         "netd alive": Path(f"/proc/{netd_pid}").exists(),
     }
-
-
-def _netd_hello(run_root: Path) -> dict[str, Any]:
-    """netd's own account, asked on a connection of the test's own."""
-    import socket
-
-    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
-        s.settimeout(DEADLINE)
-        s.connect(str(run_root / ".netd.sock"))
-        s.send(b'{"op": "hello"}')
-        answer: dict[str, Any] = json.loads(s.recv(1 << 16))["ok"]
-    return answer
 
 
 def netd_descriptors(flyd: Flyd) -> int:
@@ -194,7 +183,7 @@ async def test_a_restart_cancelled_at_any_await_leaves_netd_and_the_slots_as_the
             and driver._slots == slots
             and {m: {"up": s["up"], "ports": s["ports"]} for m, s in driver._nets.machines.items()}
             == down
-            and not _netd_hello(driver._run_dirs.root)["machines"]["m1"]["up"]
+            and not netd_hello(driver._run_dirs.root)["machines"]["m1"]["up"]
             and not (driver._crun_root / "m1").exists()
         )
 
@@ -238,7 +227,7 @@ async def test_creates_with_deadlines_of_milliseconds_leave_a_real_flyd_as_it_wa
         listed = await stub.ListMachines(w.ListMachinesRequest(), timeout=DEADLINE)
         rows = {m.id for m in listed.machines}
         run_dirs = {p.name for p in machines.iterdir() if not p.name.startswith(".")}
-        in_netd = set(_netd_hello(machines)["machines"])
+        in_netd = set(netd_hello(machines)["machines"])
         if run_dirs == rows == in_netd:
             break
         assert loop.time() < deadline, f"left behind: {run_dirs - rows}, {in_netd - rows}"

@@ -38,6 +38,7 @@ from tests.flyd.driver_support import (
     DEADLINE,
     OCI_UNAVAILABLE,
     Exits,
+    answers_http,
     cgroup_pids,
     logged,
     run_machine,
@@ -196,6 +197,7 @@ async def test_a_first_start_from_a_spare_gets_its_mount_points_made_ahead_as_it
         await wait_until(lambda: driver._spares.ready > 0, "a spare run dir")
         await run_machine(driver, spec(mid, sh(script), image, host_runtime=True))
         await logged(driver, mid, "wrote")
+    await logged(driver, "m-own", "mine")  # printed after "wrote": it may come later
     plain_lines = driver.read_logs("m-plain", 5)
     assert plain_lines[0] == "0 755"  # the machine's root owns its /etc
     own_lines = driver.read_logs("m-own", 5)
@@ -295,24 +297,15 @@ async def test_a_dead_netd_is_replaced_and_running_machines_get_their_network_ba
     serve = "echo ready; exec python3 -m http.server 8080 --bind 127.0.0.1"
     await run_machine(driver, spec("m1", sh(serve), image, ports=ports))
     await logged(driver, "m1", "ready")
-    await wait_until(lambda: _answers(port), "the machine to serve")
+    await wait_until(lambda: answers_http(port), "the machine to serve")
 
     assert kill_netd(run_root)  # its hub, the machine's veth and the held port go with it
-    await wait_until(lambda: not _answers(port), "netd to be gone")
+    await wait_until(lambda: not answers_http(port), "netd to be gone")
     # The next thing flyd asks of netd starts a new one, which gets the ports back and the
     # running machine its network.
     await driver.publish("m1", ports)
-    await wait_until(lambda: _answers(port), "the machine to serve again")
+    await wait_until(lambda: answers_http(port), "the machine to serve again")
     await driver.stop("m1", signal.SIGTERM, timeout=DEADLINE)
-
-
-def _answers(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=2) as conn:
-            conn.sendall(b"GET / HTTP/1.0\r\n\r\n")
-            return conn.recv(12).startswith(b"HTTP/1.0 200")
-    except OSError:
-        return False
 
 
 @pytest.fixture
