@@ -25,12 +25,12 @@ the worker's *hub*, and for each machine it:
   the prefix to this one: the hub forwards to a machine only TCP to its published services
   (the nftables set `services` of address . port, `flyd.drivers.nft.routes_table`) and the
   replies back, nothing a machine starts; each machine gets a default route to the hub;
-- holds the sockets of the machine's published host ports (flyd binds them on 127.0.0.1 and
-  hands them over), for the machine's whole life, running or not: a published port is never
-  free for someone else to take. A port listens exactly while the machine's service does
-  (netd asks the machine's namespace through sock_diag, connecting to nothing): otherwise it
-  refuses connections, as a host port nobody listens on does, so a TCP check or the proxy
-  sees the service as it is;
+- holds the sockets of the machine's published host ports (flyd binds them on its machine
+  host alone, 127.0.0.1 by default, and hands them over), for the machine's whole life,
+  running or not: a published port is never free for someone else to take. A port listens
+  exactly while the machine's service does (netd asks the machine's namespace through
+  sock_diag, connecting to nothing): otherwise it refuses connections, as a host port nobody
+  listens on does, so a TCP check or the proxy sees the service as it is;
 - forwards each connection accepted on such a port, within the machine's budget of
   connections at once (`flyd.drivers.forward`: one machine's flood cannot take the
   descriptors the others need), to the service's port on the loopback of the machine's

@@ -9,7 +9,8 @@ What a machine is (see `flyd.drivers.bundle` for its runtime spec):
 - its namespaces are pid, mount, ipc, uts, cgroup, user (container root is a range of 65536
   host uids of its own: `uid_base + slot * 65536`, never host root) and network (netd's:
   `flyd.drivers.netd`, with the machine's own address `prefix + 2 + slot`);
-- its published services are host ports on 127.0.0.1 that netd holds and forwards into the
+- its published services are host ports on `machine_host` (127.0.0.1 by default, exactly
+  that address, never every address) that netd holds and forwards into the
   machine's namespace, where the service listens on its internal port (`PORT`);
 - it reaches nothing beyond its namespace, unless its config asks for egress
   (`network.egress`) and the worker has an uplink (`egress_via`, a network namespace the
@@ -78,7 +79,7 @@ from flyd.drivers.forward import CONNECTIONS_PER_MACHINE
 from flyd.drivers.logs import LOG_NAME, open_output
 from flyd.drivers.namespaces import idmapped_tree
 from flyd.drivers.netclient import Netd, NetdMachines
-from flyd.drivers.ports import bind_port
+from flyd.drivers.ports import bind_port, local_address
 from flyd.drivers.procfs import read_proc_stat
 from flyd.drivers.wrapped import Watched, WrappedDriver
 from flyd.drivers.wrapper import oci_wrapper_script
@@ -520,6 +521,17 @@ class OciDriver(WrappedDriver):
 
     # -- ports and network -------------------------------------------------------------------
 
+    def _bind_host(self, machine_host: str) -> str:
+        """`machine_host` itself: netd listens on the published ports, so what flyd binds is
+        what is exposed, and the operator said where (a port bound on 0.0.0.0 would also be
+        reached on every other interface of the host, a public one included)."""
+        address = local_address(machine_host)
+        if address is None:
+            raise InvalidArgument(
+                "machine_host", f"{machine_host} is not an address of this host (nothing binds it)"
+            )
+        return address
+
     async def publish(self, machine_id: str, ports: Sequence[PortMapping]) -> None:
         """The machine's published services are exactly `ports`: netd holds their host ports
         (flyd hands over those it bound, binds any neither holds) and forwards them into the
@@ -559,7 +571,7 @@ class OciDriver(WrappedDriver):
                 if p.host_port in held:
                     continue
                 sock = self._ports.hand_over(machine_id, p.host_port) or bind_port(
-                    self.machine_host, p.host_port
+                    self._port_host, p.host_port
                 )
                 if sock is None:
                     log.error("machine_port_taken", machine_id=machine_id, port=p.host_port)

@@ -175,3 +175,24 @@ def netd_hello(run_root: Path) -> dict[str, Any]:
         s.send(b'{"op": "hello"}')
         answer: dict[str, Any] = json.loads(s.recv(1 << 16))["ok"]
     return answer
+
+
+def host_address() -> str | None:
+    """An IPv4 address of this host that is not a loopback one (read from its interfaces,
+    nothing is sent), or None if it has none."""
+    import subprocess
+
+    try:
+        shown = subprocess.run(
+            ["ip", "-4", "-o", "addr", "show", "scope", "global"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in shown.splitlines():
+        fields = line.split()
+        if "inet" in fields:
+            return fields[fields.index("inet") + 1].split("/")[0]
+    return None

@@ -29,8 +29,9 @@ from flyd.drivers.namespaces import CLONE_NEWNET, unshare
 from flyd.drivers.netclient import kill_netd
 from flyd.drivers.oci import UIDS_PER_MACHINE, OciDriver
 from flyd.drivers.oci import probe as oci_probe
+from flyd.drivers.ports import local_address
 from flyd.drivers.rundir import kill_all
-from flyd.errors import Unavailable
+from flyd.errors import InvalidArgument, Unavailable
 from flyd.main import make_driver as make_flyd_driver
 from flyd.settings import FlydSettings
 from runtime import load_settings
@@ -40,6 +41,7 @@ from tests.flyd.driver_support import (
     Exits,
     answers_http,
     cgroup_pids,
+    host_address,
     logged,
     run_machine,
     sh,
@@ -503,3 +505,48 @@ async def test_no_host_uevent_reaches_a_machine(make_driver, image: Path) -> Non
 
 NULL_UEVENT = "/sys/devices/virtual/mem/null/uevent"
 NETLINK_KOBJECT_UEVENT = 15  # (the socket module has no name for it)
+
+
+# -- where published ports are bound (issue 27) --------------------------------------------------
+
+
+def _listeners(port: int) -> list[str]:
+    """The addresses TCP sockets listen on for `port` in this (the host's) namespace."""
+    found = []
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, _, state = line.split()[1:4]
+        address, hex_port = local.split(":")
+        if state == "0A" and int(hex_port, 16) == port:
+            found.append(socket.inet_ntoa(bytes.fromhex(address)[::-1]))
+    return found
+
+
+async def test_a_published_port_is_bound_on_machine_host_alone(make_driver, image: Path) -> None:
+    """On a worker whose machine_host is not a loopback address, netd listens on that address
+    alone, not on 0.0.0.0 (every other interface of the host, a public one included): the port
+    stays free on loopback for anyone. Nothing is sent to that address: the test reads the
+    host's socket table."""
+    address = host_address()
+    if address is None:
+        pytest.skip("this host has no address but loopback ones")
+    exits = Exits()
+    driver = make_driver(exits, machine_host=address)
+    (port,) = driver.hold_ports("m1", range(24900, 25000), 1)
+    ports = (PortMapping(port, 8080),)
+    await driver.publish("m1", ports)
+    serve = "exec python3 -m http.server 8080 --bind 127.0.0.1"
+    await run_machine(driver, spec("m1", sh(serve), image, ports=ports))
+    await wait_until(lambda: bool(_listeners(port)), "netd to listen for the machine")
+    assert _listeners(port) == [address]
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", port))  # free there: nobody took every address
+    await driver.stop("m1", signal.SIGTERM, timeout=DEADLINE)
+
+
+def test_a_machine_host_that_is_not_of_this_host_is_refused(run_root: Path, prefix: str) -> None:
+    elsewhere = "203.0.113.7"  # TEST-NET-3: documentation only
+    if local_address(elsewhere) is not None:
+        pytest.skip(f"{elsewhere} is an address of this host")
+    with pytest.raises(InvalidArgument, match="machine_host"):
+        OciDriver(run_root, on_exit=Exits(), cgroup_prefix=prefix, machine_host=elsewhere)
+    assert not (run_root / ".netd.sock").exists()  # nothing started
