@@ -110,6 +110,7 @@ class OciDriver(WrappedDriver):
     """Runs machines as crun containers; see the module docstring for the design."""
 
     name = "oci"
+    cgroup_namespaces = True
 
     def __init__(
         self,
@@ -242,15 +243,20 @@ class OciDriver(WrappedDriver):
         # What the run needs on disk is made in a thread while netd makes the namespaces: both
         # mostly wait on the kernel (a first start's cgroup renames wait for any cgroup move
         # under way on the host, up to an RCU grace period).
+        spare = self._spares.claim()
+        ahead = self._spares.namespace(spare) if spare is not None else None
         disk: asyncio.Future[_Disk] = asyncio.get_running_loop().run_in_executor(
             None,
             self._prepare_disk,
             spec,
-            self._spares.claim(),
+            spare,
+            ahead,
             slot if new_slot else None,
             root_uid,
             address,
         )
+        if ahead is not None:
+            disk.add_done_callback(functools.partial(_close_unused, ahead[0]))
         self._preparing[mid] = disk
         disk.add_done_callback(functools.partial(self._prepared, mid))
         self._runs[mid] = self._runs.get(mid, 0) + 1  # a down for an earlier run is moot now
@@ -777,13 +783,15 @@ class OciDriver(WrappedDriver):
         self,
         spec: ProcessSpec,
         spare: str | None,
+        ahead: tuple[int, list[int]] | None,
         new_slot: int | None,
         root_uid: int,
         address: str,
     ) -> _Disk:
         """In a thread: the run dir and cgroups (`spare`, if claimed, on a first start), the
-        machine's new slot if it has one, its layers, its /etc files and its log. Raises
-        OSError.
+        machine's new slot if it has one, its layers, its /etc files, its log and its cgroup
+        namespace (`ahead`: the one made with the spare, which it closes if unused). Raises
+        OSError (the caller closes `ahead` then).
         """
         mid = spec.machine_id
         run_dir = self._run_dirs.path(mid)
@@ -796,12 +804,28 @@ class OciDriver(WrappedDriver):
         etc = oci_bundle.write_etc(run_dir / "etc", mid, address, host_runtime=spec.host_runtime)
         log_fd = open_output(run_dir)
         try:
-            # Where the machine's cgroups are `/` (see bundle's docstring).
-            cgroupns = namespace_at([p.parent for p in cgroup_procs]) if cgroup_procs else None
+            cgroupns = self._cgroup_namespace([p.parent for p in cgroup_procs], ahead)
         except BaseException:
             os.close(log_fd)
             raise
         return _Disk(cgroup_procs, layers, etc, log_fd, cgroupns)
+
+    def _spare_cgroup_namespace(self, cgroups: list[Path]) -> int:
+        return namespace_at(cgroups)
+
+    @staticmethod
+    def _cgroup_namespace(cgroups: list[Path], ahead: tuple[int, list[int]] | None) -> int | None:
+        """A namespace where the machine's cgroups are `/` (see bundle's docstring): the one
+        made `ahead` with its spare cgroups if those are its cgroups now (a rename keeps a
+        cgroup's inode, and the namespace's root), else a new one (a first move of a quiet
+        host's cgroups waits for an RCU grace period: made ahead, it is off a create's way).
+        None without cgroups. On OSError `ahead` is still open."""
+        if ahead is not None and cgroups and [os.stat(cg).st_ino for cg in cgroups] == ahead[1]:
+            return ahead[0]
+        made = namespace_at(cgroups) if cgroups else None
+        if ahead is not None:
+            os.close(ahead[0])
+        return made
 
 
 @dataclasses.dataclass(frozen=True)
@@ -818,6 +842,13 @@ class _Disk:
     def fds(self) -> tuple[int, ...]:
         """Its descriptors: what the wrapper inherits, and the caller closes."""
         return (self.log_fd,) if self.cgroupns is None else (self.log_fd, self.cgroupns)
+
+
+def _close_unused(namespace: int, done: asyncio.Future[_Disk]) -> None:
+    """Close the cgroup namespace made ahead for a `_prepare_disk` that failed before it
+    took it."""
+    if not done.cancelled() and done.exception() is not None:
+        os.close(namespace)
 
 
 def _close_disk(done: asyncio.Future[_Disk]) -> None:

@@ -96,6 +96,7 @@ class WrappedDriver:
     """Why limits are not enforced, or None."""
 
     name = "wrapped"
+    cgroup_namespaces = False  # its machines join a cgroup namespace rooted at their cgroups
     # A host process shares the host's network: it reaches everything whatever it asks, so
     # egress is never refused (the OCI driver, which confines it, says otherwise).
     egress_refusal: str | None = None
@@ -152,6 +153,7 @@ class WrappedDriver:
             self._cgroups.parents if self._cgroups is not None else [],
             user,
             self._spare_layout,
+            self._spare_cgroup_namespace if self.cgroup_namespaces else None,
         )
 
     # -- what a subclass provides ------------------------------------------------------------
@@ -163,6 +165,11 @@ class WrappedDriver:
 
     def _spare_layout(self, run_dir: Path) -> None:
         """Make, in a spare run dir (in a worker thread), what a first start would make."""
+
+    def _spare_cgroup_namespace(self, cgroups: list[Path]) -> int:
+        """A cgroup namespace rooted at a spare set's cgroups, made ahead (in a worker
+        thread) for a driver whose machines join one (`cgroup_namespaces`)."""
+        raise NotImplementedError
 
     async def start(self, spec: ProcessSpec) -> Handle:
         raise NotImplementedError

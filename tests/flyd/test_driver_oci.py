@@ -413,6 +413,31 @@ async def test_a_machine_s_cgroups_are_the_root_of_its_cgroup_namespace(
     assert set(paths.values()) == {"/"}, paths  # those, and every other hierarchy
 
 
+async def test_a_first_start_joins_the_cgroup_namespace_made_with_its_spare_cgroups(
+    make_driver, image: Path, prefix: str
+) -> None:
+    """Made ahead with the spare cgroups (off the start's way), the namespace stays rooted at
+    them once they are renamed into the machine's: a first start from a spare joins it."""
+    exits = Exits()
+    driver = make_driver(exits)
+    await run_machine(driver, spec("warm", sh("exec sleep 600"), image))
+    await wait_until(lambda: driver._spares.ready > 0, "a spare set")
+    made = {os.fstat(fd).st_ino for fd, _ in driver._spares._namespaces.values()}
+    assert made
+    script = "sed 's/^/cgroup: /' /proc/self/cgroup; exec sleep 600"
+    await run_machine(driver, spec("m1", sh(script), image))
+    await wait_until(  # (sed writes it all as it ends)
+        lambda: any(":pids:" in line for line in driver.read_logs("m1", 40)), "m1's cgroups"
+    )
+    (pid, *_) = cgroup_pids(prefix, "m1")
+    joined = int(os.readlink(f"/proc/{pid}/ns/cgroup").removeprefix("cgroup:[").rstrip("]"))
+    assert joined in made
+    lines = [line for line in driver.read_logs("m1", 40) if line.startswith("cgroup: ")]
+    assert {line.split(":", 3)[3] for line in lines} == {"/"}
+    for mid in ("warm", "m1"):
+        await driver.stop(mid, signal.SIGTERM, DEADLINE)
+
+
 UEVENT_LISTENER = """\
 import select, signal, socket, sys
 sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 15)  # NETLINK_KOBJECT_UEVENT
