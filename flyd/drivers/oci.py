@@ -73,6 +73,7 @@ from flyd.drivers.crun import (
     delete_container,
     find_tools,
     hybrid_cgroups,
+    init_pidfd,
 )
 from flyd.drivers.crun import probe as crun_probe
 from flyd.drivers.forward import CONNECTIONS_PER_MACHINE
@@ -448,7 +449,10 @@ class OciDriver(WrappedDriver):
         a signal sent to a pid namespace's init that neither handles nor blocks it, so one
         sent before tini blocked the signals it passes on would be lost.
         """
-        pidfd = await self._container_init(w, sig, _EXEC_WAIT_S)
+        ended = lambda: w.done  # noqa: E731
+        pidfd = await init_pidfd(
+            self._crun_root, w.machine_id, sig, wait=_EXEC_WAIT_S, ended=ended, sleep=self._sleep
+        )
         if pidfd is None:
             # No container (yet, or any more): a stop ends what the wrapper runs instead.
             if stopping:
@@ -459,25 +463,6 @@ class OciDriver(WrappedDriver):
                 signal.pidfd_send_signal(pidfd, sig)
         finally:
             os.close(pidfd)
-
-    async def _container_init(self, w: Watched, sig: int, wait: float) -> int | None:
-        """A pidfd for the container's init once tini is ready (or after `wait` seconds,
-        whatever it does then); None if there is no container.
-        """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait
-        while True:
-            pidfd = container_pidfd(self._crun_root, w.machine_id)
-            late = w.done or loop.time() >= deadline
-            # SIGKILL (and SIGSTOP) always reach it: nothing can block them.
-            uncatchable = sig in (signal.SIGKILL, signal.SIGSTOP)
-            if pidfd is not None and (late or uncatchable or _tini_ready(pidfd)):
-                return pidfd
-            if pidfd is not None:
-                os.close(pidfd)
-            if late:
-                return None
-            await self._sleep(0.002)
 
     def _kill_all(self, w: Watched) -> None:
         """SIGKILL the container's init: every process of its pid namespace dies with it."""
@@ -867,27 +852,6 @@ def probe(cgroup_root: Path = Path("/sys/fs/cgroup")) -> str | None:
     limits machines (a cgroup v2-only host would run them unlimited: it is refused).
     """
     return crun_probe() or v1_missing(cgroup_root)
-
-
-def _tini_ready(pidfd: int) -> bool:
-    """Whether the pidfd's process is a tini that has blocked the signals it passes on.
-
-    tini blocks them first, then ignores SIGTTIN; it waits for them in sigtimedwait, during
-    which /proc shows them unblocked, so the SIGTTIN disposition is what tells.
-    """
-    try:
-        pid = next(
-            int(line.split()[1])
-            for line in Path(f"/proc/self/fdinfo/{pidfd}").read_text().splitlines()
-            if line.startswith("Pid:")
-        )
-        status = Path(f"/proc/{pid}/status").read_text()
-    except (OSError, StopIteration, ValueError):
-        return False
-    for line in status.splitlines():
-        if line.startswith("SigIgn:"):
-            return bool(int(line.split()[1], 16) >> (signal.SIGTTIN - 1) & 1)
-    return False
 
 
 def _searchable(path: Path) -> bool:
