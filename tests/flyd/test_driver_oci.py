@@ -575,3 +575,15 @@ def test_a_machine_host_that_is_not_of_this_host_is_refused(run_root: Path, pref
     with pytest.raises(InvalidArgument, match="machine_host"):
         OciDriver(run_root, on_exit=Exits(), cgroup_prefix=prefix, machine_host=elsewhere)
     assert not (run_root / ".netd.sock").exists()  # nothing started
+
+
+def test_flyd_with_a_machine_host_not_of_this_host_exits_saying_so(
+    tmp_path: Path, prefix: str
+) -> None:
+    elsewhere = "203.0.113.7"  # TEST-NET-3: documentation only
+    if local_address(elsewhere) is not None:
+        pytest.skip(f"{elsewhere} is an address of this host")
+    argv = ["--driver", "oci", "--cgroup-prefix", prefix, "--data-dir", str(tmp_path / "data")]
+    settings = load_settings(FlydSettings, [*argv, "--machine-host", elsewhere], prog="flyd")
+    with pytest.raises(SystemExit, match=r"machine_host: 203\.0\.113\.7 is not an address"):
+        make_flyd_driver(settings, Exits())
