@@ -21,7 +21,7 @@ from flyd.drivers.base import Driver, ExitStatus, Handle
 from flyd.drivers.oci import OciDriver
 from flyd.drivers.oci import probe as oci_probe
 from flyd.drivers.process import ProcessDriver
-from flyd.errors import Unavailable
+from flyd.errors import InvalidArgument, Unavailable
 from flyd.fencing import GrpcPeers
 from flyd.images.cache import ImageCache
 from flyd.images.source import ImageSource
@@ -89,7 +89,7 @@ def make_driver(
                 route_machines=settings.route_machines,
                 **common,
             )
-        except Unavailable as e:
+        except (Unavailable, InvalidArgument) as e:  # (a machine_host not of this host, ...)
             raise SystemExit(f"flyd: {e}") from None
         if settings.capacity.machines > driver.max_machines:
             raise SystemExit(

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-import ipaddress
 import itertools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -33,6 +32,7 @@ import structlog
 
 from flyd import checks, conditions, fsm
 from flyd.checks import CheckSpec
+from flyd.drivers.ports import local_address
 from flyd.runner import Runner
 from flyd.v1 import machine_pb2 as pb
 from runtime.clock import Clock
@@ -72,12 +72,10 @@ class _Track:
 
 
 def probe_host(machine_host: str) -> str:
-    """Where to probe machines whose ports are on `machine_host`: itself when it is a loopback
-    address, else 127.0.0.1 (probes go to loopback only)."""
-    try:
-        return machine_host if ipaddress.ip_address(machine_host).is_loopback else "127.0.0.1"
-    except ValueError:  # a name
-        return "127.0.0.1"
+    """Where to probe machines whose ports are on `machine_host`: itself (resolved) when it is
+    an address of this host, so probes see what the proxy sees (an OCI worker's ports are
+    bound there alone); else 127.0.0.1. Probes never leave the host."""
+    return local_address(machine_host) or "127.0.0.1"
 
 
 class Readiness:
@@ -98,10 +96,10 @@ class Readiness:
         """`rows`: the worker's rows (read only: changes go through `runner`, which tells the
         loop which rows changed); `grace`: seconds after a start before a failing probe is
         reported; `settle`: seconds a machine with nothing to probe must keep running; `host`:
-        where the machines' host ports are (a loopback address); `probe`: runs one check
+        where the machines' host ports are (an address of this host); `probe`: runs one check
         (flyd.checks.run; tests give a fake)."""
-        if not ipaddress.ip_address(host).is_loopback:
-            raise ValueError(f"readiness probes only loopback addresses, not {host}")
+        if local_address(host) != host:
+            raise ValueError(f"readiness probes only addresses of this host, not {host}")
         if grace < 0 or settle < 0 or concurrency < 1:
             raise ValueError("grace and settle must be >= 0 and concurrency >= 1")
         self.rows = rows

@@ -130,11 +130,13 @@ class Runner:
         for machine_id in self.driver.leftovers():
             kept = self.rows.get(machine_id)
             if kept is None or kept.state == S.MACHINE_STATE_DESTROYED:
-                self.spawn_task(self._clean_leftover(machine_id))
+                self.spawn_task(self.clean_leftover(machine_id))
         log.info("recovered", machines=len(self.rows), resumed=resumed, seq=self.store.last_seq())
         return resumed
 
-    async def _clean_leftover(self, machine_id: str) -> None:
+    async def clean_leftover(self, machine_id: str) -> None:
+        """Remove what the driver keeps for a machine that has no row (a create that never
+        committed: flyd died, or its caller left, mid-create), unless one is made meanwhile."""
         async with self.lock(machine_id):
             row = self.rows.get(machine_id)
             if row is not None and row.state != S.MACHINE_STATE_DESTROYED:

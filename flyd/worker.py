@@ -334,6 +334,7 @@ class Worker:
         image = await self.images.pull(config.image)
         self.images.use(image.digest)  # at once, so the pulled image cannot be evicted
         mine = secrets.token_hex(8)  # the instance this call creates
+        reached_driver = False
         try:
             if not argv(config, image):
                 raise InvalidArgument("config.cmd", "the image has no entrypoint or cmd; set one")
@@ -353,6 +354,7 @@ class Worker:
                 # pending) before the first await, and its first commit makes that its row's.
                 self.reservations.check_room(config.guest)
                 ports = self.reservations.allocate_ports(machine_id, len(config.services))
+                reached_driver = True  # it holds ports for the machine, and may start it
                 try:
                     kept, sealed = self.secret_box.take(machine_id, config)
                     machine = pb.Machine(
@@ -399,6 +401,11 @@ class Worker:
                 self.images.release(image.digest)
                 if self.reservations.keys.get((app, key)) == machine_id:
                     del self.reservations.keys[(app, key)]
+                if reached_driver and isinstance(err, Exception | asyncio.CancelledError):
+                    # Nothing committed: what the driver made for it (a run dir, a slot,
+                    # netd's namespaces, a held container) goes, as after a crash. (Not as
+                    # flyd itself dies: a new flyd sees what its commits left.)
+                    self.runner.spawn_task(self.runner.clean_leftover(machine_id))
             elif isinstance(err, asyncio.CancelledError) and row.machine.instance_id == mine:
                 # Committed by this call, but its caller is gone (deadline, cancel): it never
                 # hears of the machine.

@@ -6,10 +6,15 @@ What the machine gets:
   overlay of the image (lower,
   shared, ID-mapped so the machine's root owns it) and the machine's `upper/` (see
   `flyd.drivers.oci`);
-- namespaces: pid, ipc, uts (hostname = machine id), mount, cgroup, and the user and network
-  namespaces netd made (joined by path): container root is a host uid range of its own;
+- namespaces: pid, ipc, uts (hostname = machine id), mount, and, joined by path: the user
+  namespace netd made (container root is a host uid range of its own) and the network
+  namespace it owns (so its sysfs shows the machine's own devices, and no host uevent reaches
+  it: see `flyd.drivers.namespaces.new_user_and_network_namespaces`), and a cgroup namespace
+  rooted at the machine's own cgroups (`flyd.drivers.cgroups.namespace_at`): crun unshares
+  one before the hook has moved the container, which would root it at crun's cgroups and
+  show the host's paths;
 - a minimal /dev (crun's standard nodes, pts, shm, mqueue), /proc with the usual masked and
-  read-only paths, /sys read-only, /tmp on tmpfs; /etc/hosts, /etc/hostname and
+  read-only paths, a sysfs of its own read-only, /tmp on tmpfs; /etc/hosts, /etc/hostname and
   /etc/resolv.conf of its own; for an image that names no base, the host's runtime
   directories read-only (as Nomad's exec driver's chroot_env lends them) and a minimal
   /etc/passwd and /etc/group;
@@ -112,6 +117,7 @@ class Bundle:
     ready_fd: int
     held_marker: Path
     cgroup_procs: tuple[Path, ...] = ()  # the machine's cgroups, which the hook puts it in
+    cgroupns: str | None = None  # a cgroup namespace rooted at them, for crun to join
 
     @property
     def rootfs(self) -> Path:
@@ -338,7 +344,10 @@ def config(
                 {"type": "ipc"},
                 {"type": "uts"},
                 {"type": "mount"},
-                {"type": "cgroup"},
+                {
+                    "type": "cgroup",
+                    **({} if bundle.cgroupns is None else {"path": bundle.cgroupns}),
+                },
                 {"type": "network", "path": bundle.netns},
                 {"type": "user", "path": bundle.userns},
             ],

@@ -14,6 +14,7 @@ import contextlib
 import errno
 import os
 import signal
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import structlog
 
+from flyd.drivers import namespaces
 from flyd.drivers.base import ExitStatus, Limits
 from flyd.errors import Unavailable
 
@@ -29,6 +31,7 @@ __all__ = [
     "Cgroups",
     "OomCounters",
     "cpu_shares",
+    "namespace_at",
     "probe",
     "remove_tree",
     "v1_missing",
@@ -271,6 +274,40 @@ def remove_tree(cg: Path, attempts: int = 200) -> bool:
                 raise
         time.sleep(0.01)  # killed processes take a moment to leave
     return False
+
+
+def namespace_at(cgroups: list[Path]) -> int:
+    """A cgroup namespace rooted at `cgroups` (one directory per v1 hierarchy); returns an
+    O_CLOEXEC descriptor for it. Inside, those cgroups are `/` and nothing above them shows.
+
+    A namespace's root is where its maker stood when it unshared, so a thread of its own
+    makes it: it joins the cgroups (v1 moves a single thread through `tasks`), unshares,
+    opens the namespace and ends there; no other thread of the caller ever moves. Blocking:
+    a move waits for cgroup v1's lock, up to an RCU grace period. Raises OSError.
+    """
+    made: list[int] = []
+    failed: list[OSError] = []
+
+    def make() -> None:
+        try:
+            tid = b"%d\n" % threading.get_native_id()
+            for cg in cgroups:
+                fd = os.open(cg / "tasks", os.O_WRONLY | os.O_CLOEXEC)
+                try:
+                    os.write(fd, tid)
+                finally:
+                    os.close(fd)
+            namespaces.unshare(namespaces.CLONE_NEWCGROUP)
+            made.append(os.open("/proc/thread-self/ns/cgroup", os.O_RDONLY | os.O_CLOEXEC))
+        except OSError as e:
+            failed.append(e)
+
+    maker = threading.Thread(target=make, name="cgroup-namespace", daemon=True)
+    maker.start()
+    maker.join()
+    if failed:
+        raise failed[0]
+    return made[0]
 
 
 def cpu_shares(cpu_millicores: int) -> int:

@@ -8,16 +8,19 @@ hybrid mode not supported": v1 controllers plus a cgroup2 mount at
 wrapper runs in a private mount namespace, where that mount is detached before crun runs.
 
 `container_pidfd` reads crun's own record of a container's init process (pid and start time),
-so a signal reaches that process and never one that reused its pid.
+so a signal reaches that process and never one that reused its pid; `init_pidfd` waits for
+that init (tini) to be ready for the signals it passes on.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
 import shutil
 import signal
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +33,7 @@ __all__ = [
     "delete_container",
     "find_tools",
     "hybrid_cgroups",
+    "init_pidfd",
     "probe",
 ]
 
@@ -152,3 +156,55 @@ def delete_container(crun_root: Path, container_id: str) -> None:
         finally:
             os.close(pidfd)
     shutil.rmtree(state, ignore_errors=True)
+
+
+async def init_pidfd(
+    crun_root: Path,
+    container_id: str,
+    sig: int,
+    *,
+    wait: float,
+    ended: Callable[[], bool],
+    sleep: Callable[[float], Awaitable[None]],
+) -> int | None:
+    """A pidfd for the container's init once tini is ready for `sig` (or after `wait` seconds,
+    or once `ended()`, whatever it does then); None if there is no container.
+
+    Right after a start, the kernel drops a signal sent to a pid namespace's init that neither
+    handles nor blocks it, so one sent before tini blocked the signals it passes on is lost.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait
+    while True:
+        pidfd = container_pidfd(crun_root, container_id)
+        late = ended() or loop.time() >= deadline
+        # SIGKILL (and SIGSTOP) always reach it: nothing can block them.
+        uncatchable = sig in (signal.SIGKILL, signal.SIGSTOP)
+        if pidfd is not None and (late or uncatchable or _tini_ready(pidfd)):
+            return pidfd
+        if pidfd is not None:
+            os.close(pidfd)
+        if late:
+            return None
+        await sleep(0.002)
+
+
+def _tini_ready(pidfd: int) -> bool:
+    """Whether the pidfd's process is a tini that has blocked the signals it passes on.
+
+    tini blocks them first, then ignores SIGTTIN; it waits for them in sigtimedwait, during
+    which /proc shows them unblocked, so the SIGTTIN disposition is what tells.
+    """
+    try:
+        pid = next(
+            int(line.split()[1])
+            for line in Path(f"/proc/self/fdinfo/{pidfd}").read_text().splitlines()
+            if line.startswith("Pid:")
+        )
+        status = Path(f"/proc/{pid}/status").read_text()
+    except (OSError, StopIteration, ValueError):
+        return False
+    for line in status.splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) >> (signal.SIGTTIN - 1) & 1)
+    return False

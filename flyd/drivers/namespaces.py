@@ -20,16 +20,19 @@ import os
 from typing import Any
 
 __all__ = [
+    "CLONE_NEWCGROUP",
     "CLONE_NEWNET",
     "CLONE_NEWUSER",
     "idmapped_tree",
     "network_namespace_problem",
+    "new_user_and_network_namespaces",
     "new_user_namespace",
     "setns",
     "unshare",
 ]
 
 CLONE_NEWNS = 0x00020000
+CLONE_NEWCGROUP = 0x02000000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
 
@@ -106,6 +109,26 @@ def new_user_namespace(host_id: int, count: int) -> int:
     A child enters the namespace, the parent writes its maps, opens it and lets the child go.
     Call only from a process with a single thread (the child is a plain fork).
     """
+    userns, _ = _namespaces_of_a_child(CLONE_NEWUSER, host_id, count)
+    return userns
+
+
+def new_user_and_network_namespaces(host_id: int, count: int) -> tuple[int, int]:
+    """A user namespace as `new_user_namespace` makes, and a network namespace it owns (made
+    in the same unshare); O_CLOEXEC descriptors of both, user first.
+
+    The network namespace's owner is what a sandbox's view of the host turns on: the kernel
+    lets a process mount a fresh sysfs, showing that namespace's devices alone, only with
+    CAP_SYS_ADMIN over the owner of its network namespace (else crun falls back to a bind of
+    the host's /sys, every host device listed and writable but for permissions), and it sends
+    the host's kernel uevents only to network namespaces the initial user namespace owns.
+    """
+    userns, netns = _namespaces_of_a_child(CLONE_NEWUSER | CLONE_NEWNET, host_id, count)
+    assert netns is not None
+    return userns, netns
+
+
+def _namespaces_of_a_child(flags: int, host_id: int, count: int) -> tuple[int, int | None]:
     ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
     done_r, done_w = os.pipe2(os.O_CLOEXEC)
     pid = os.fork()
@@ -114,7 +137,7 @@ def new_user_namespace(host_id: int, count: int) -> int:
         try:
             os.close(ready_r)
             os.close(done_w)  # else its own copy would keep the parent's EOF from reaching it
-            unshare(CLONE_NEWUSER)
+            unshare(flags)
             os.write(ready_w, b"1")
             os.read(done_r, 1)
         except BaseException:
@@ -122,14 +145,22 @@ def new_user_namespace(host_id: int, count: int) -> int:
         os._exit(code)
     os.close(ready_w)
     os.close(done_r)
+    userns = -1
     try:
         if os.read(ready_r, 1) != b"1":
-            raise OSError(0, "the user namespace helper failed")
+            raise OSError(0, "the namespace helper failed")
         mapping = f"0 {host_id} {count}\n"
         for name in ("uid_map", "gid_map"):
             with open(f"/proc/{pid}/{name}", "w") as f:
                 f.write(mapping)
-        return os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+        userns = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+        if not flags & CLONE_NEWNET:
+            return userns, None
+        return userns, os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    except BaseException:
+        if userns >= 0:
+            os.close(userns)
+        raise
     finally:
         os.close(ready_r)
         os.close(done_w)

@@ -5,7 +5,8 @@ running across flyd restarts, like the machines. It lives in a network namespace
 the worker's *hub*, and for each machine it:
 
 - makes the machine's user namespace (container root is a host uid range of its own) and its
-  network namespace: loopback up, ports below 1024 bindable by the machine's root, IPv6 off,
+  network namespace, which that user namespace owns: loopback up, any port bindable by any of
+  the machine's users, IPv6 off,
   and a veth pair whose `eth0` end is the machine's only other link, with the machine's own
   address (a /32 of the worker's prefix) routed to it in the hub. The hub forwards nothing:
   machines cannot reach each other, the host, or anything beyond; the hub's routes are where
@@ -24,21 +25,30 @@ the worker's *hub*, and for each machine it:
   the prefix to this one: the hub forwards to a machine only TCP to its published services
   (the nftables set `services` of address . port, `flyd.drivers.nft.routes_table`) and the
   replies back, nothing a machine starts; each machine gets a default route to the hub;
-- holds the sockets of the machine's published host ports (flyd binds them on 127.0.0.1 and
-  hands them over), for the machine's whole life, running or not: a published port is never
-  free for someone else to take. A port listens exactly while the machine's service does
-  (netd asks the machine's namespace through sock_diag, connecting to nothing): otherwise it
-  refuses connections, as a host port nobody listens on does, so a TCP check or the proxy
-  sees the service as it is;
-- forwards each connection accepted on such a port to the service's port on the loopback of
-  the machine's namespace (an app listening on 127.0.0.1 or 0.0.0.0 alike), through a socket
+- holds the sockets of the machine's published host ports (flyd binds them on its machine
+  host alone, 127.0.0.1 by default, and hands them over), for the machine's whole life,
+  running or not: a published port is never free for someone else to take. A port listens
+  exactly while the machine's service does (netd asks the machine's namespace through
+  sock_diag, connecting to nothing): otherwise it refuses connections, as a host port nobody
+  listens on does, so a TCP check or the proxy sees the service as it is;
+- forwards each connection accepted on such a port, within the machine's budget of
+  connections at once (`flyd.drivers.forward`: one machine's flood cannot take the
+  descriptors the others need), to the service's port on the loopback of the machine's
+  namespace (an app listening on 127.0.0.1 or 0.0.0.0 alike), through a socket
   it opens inside that namespace. From the host namespace, traffic only ever goes to
   127.0.0.1; the machine sees its client as 127.0.0.1.
 
 crun joins the namespaces netd made through `/proc/<netd pid>/fd/<n>`; netd keeps them until
-flyd says the machine is down. flyd speaks to netd over a SOCK_SEQPACKET unix socket in the
+flyd says the machine is down. The network namespace is the machine's user namespace's, not
+the host's, because that owner decides what the machine sees of the host (tried both ways):
+owned by the host, the kernel refuses crun a fresh sysfs and crun binds the host's /sys instead
+(every host device listed, a read-write mount), and the host's kernel uevents reach any
+NETLINK_KOBJECT_UEVENT socket in it (they go to every network namespace the initial user
+namespace owns). Masking /sys would hide the first and leave the uevents; owned by the
+machine, its sysfs is its own (lo and eth0 alone in /sys/class/net, mounted read-only) and no
+host uevent reaches it. flyd speaks to netd over a SOCK_SEQPACKET unix socket in the
 run root: one JSON request per datagram, listening sockets passed alongside as SCM_RIGHTS, one
-JSON answer each (`{"ok": ...}` or `{"error": "..."}`):
+JSON answer each (`{"ok": ...}` or `{"error": "..."}`, with the request's `id` if it had one):
 
 - `hello` -> netd's pid and what it holds (after a flyd restart, flyd picks up from there)
 - `publish {machine, ports: [[host_port, internal_port], ...]}` + the listening sockets of the
@@ -55,9 +65,12 @@ JSON answer each (`{"ok": ...}` or `{"error": "..."}`):
   `address` (made anew only if it changed); `{prefix: null}`: not (the link goes). Refused
   with an uplink: both would be the hub's default route
 - `down {machine}`: drop its namespaces (it stopped); `forget {machine}`: and its ports
+- `limits {connections_per_machine}`: each machine's budget of forwarded connections at once
+  (see `flyd.drivers.forward`; `hello` says the limits and, per machine, its connections now
+  and how many went over its budget, reset)
 
-It imports nothing but the standard library and three small siblings (no flyd runtime), so it
-starts in ~0.1 s.
+It imports nothing but the standard library and four small siblings (no flyd runtime;
+`flyd.drivers.forward` forwards the connections), so it starts in ~0.1 s.
 """
 
 from __future__ import annotations
@@ -78,6 +91,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flyd.drivers import namespaces
+from flyd.drivers.forward import Forwarder, raise_nofile
 from flyd.drivers.netlink import Rtnl, SockDiag
 from flyd.drivers.nft import (
     ROUTED,
@@ -97,11 +111,7 @@ __all__ = ["PROTOCOL", "main", "unix_address"]
 PROTOCOL = 1
 MAX_MESSAGE = 64 << 10
 _MAX_FDS = 64
-_MAX_CONNECTIONS = 8192
-_PIPE_HIGH_WATER = 256 << 10
-_CONNECT_TIMEOUT_S = 5.0
-_SPARE_NETNS = 2  # network namespaces made ahead of need
-_SPARE_USERNS = 2  # user namespaces made ahead, for the uid ranges flyd said come next
+_SPARE_USERNS = 2  # user (and their network) namespaces made ahead, for the uid ranges next
 _SPARE_DELAY_S = 0.01  # after an answer: the start it answered is busy making its container
 # The uplink end's address, the hub's gateway: link-local, the same in every hub (a route to
 # each hub's own address tells them apart in a shared uplink).
@@ -155,89 +165,24 @@ class _Uplink:
     prefix: ipaddress.IPv4Network  # the worker's, never reached through the uplink
 
 
-class _Splice(asyncio.Protocol):
-    """One side of a forwarded connection: what it reads, the other side writes."""
-
-    def __init__(self, netd: Netd, *, refuse: bool = False) -> None:
-        self.netd = netd
-        self.refuse = refuse  # reset it as soon as it is made: nothing to forward to
-        self.transport: asyncio.Transport | None = None
-        self.peer: _Splice | None = None
-        self.early: list[bytes] = []  # bytes read before the other side was connected
-        self.eof_early = False
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-        if self.refuse:
-            transport.abort()
-            return
-        transport.set_write_buffer_limits(high=_PIPE_HIGH_WATER)
-
-    def data_received(self, data: bytes) -> None:
-        peer = self.peer
-        if peer is None or peer.transport is None:
-            self.early.append(data)
-            if sum(map(len, self.early)) > _PIPE_HIGH_WATER and self.transport is not None:
-                self.transport.pause_reading()
-            return
-        peer.transport.write(data)
-
-    def eof_received(self) -> bool:
-        peer = self.peer
-        if peer is None or peer.transport is None:
-            self.eof_early = True
-        elif peer.transport.can_write_eof():
-            peer.transport.write_eof()
-        return True  # keep the other direction open (half-close)
-
-    def pause_writing(self) -> None:
-        if self.peer is not None and self.peer.transport is not None:
-            self.peer.transport.pause_reading()
-
-    def resume_writing(self) -> None:
-        if self.peer is not None and self.peer.transport is not None:
-            self.peer.transport.resume_reading()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.netd.connections.discard(self)
-        peer, self.peer = self.peer, None
-        if peer is not None and peer.transport is not None:
-            peer.peer = None
-            peer.transport.close()
-
-    def join(self, other: _Splice) -> None:
-        """Link with `other` (now connected) and pass on what was read meanwhile."""
-        self.peer, other.peer = other, self
-        assert other.transport is not None
-        assert self.transport is not None
-        for chunk in self.early:
-            other.transport.write(chunk)
-        self.early.clear()
-        if self.eof_early and other.transport.can_write_eof():
-            other.transport.write_eof()
-        self.transport.resume_reading()
-
-
 class Netd:
     """The daemon's state; see the module docstring."""
 
-    def __init__(self, host_netns: int, hub_netns: int, hub_rtnl: Rtnl) -> None:
+    def __init__(self, host_netns: int, hub_netns: int, hub_rtnl: Rtnl, *, nofile: int) -> None:
         self.host_netns = host_netns  # where published ports are: a socket lives in the
         self.hub_netns = hub_netns  # namespace its maker was in when it made it
         self.rtnl = hub_rtnl
         self.machines: dict[str, _Machine] = {}
-        self.connections: set[_Splice] = set()
+        self.forwarder = Forwarder(self._in, _log, nofile=nofile)
         self.links = 0  # veths made: each gets a new name
         self.pid = os.getpid()
         self.uplink: _Uplink | None = None
         self.routes: _Routes | None = None
         self._nft: Nft | None = None  # made with the first uplink, in the hub
-        # Made ahead of need (`_make_spares`), so an `up` mostly only plumbs: network
-        # namespaces (nothing in them is a machine's), and user namespaces by uid range (never
-        # one a machine has used: a user namespace keeps its users' keyrings).
-        self._spare_netns: list[int] = []
-        self._spare_userns: dict[tuple[int, int], int] = {}
+        # Made ahead of need (`_make_spares`), so an `up` mostly only plumbs: user namespaces
+        # by uid range (never one a machine has used: a user namespace keeps its users'
+        # keyrings), each with the network namespace it owns.
+        self._spare_userns: dict[tuple[int, int], tuple[int, int]] = {}  # -> (userns, netns)
         self._wanted_userns: tuple[int, int] | None = None
         self._making: asyncio.TimerHandle | None = None
 
@@ -250,12 +195,28 @@ class Netd:
                 "pid": self.pid,
                 "protocol": PROTOCOL,
                 "machines": {
-                    mid: {"ports": sorted(m.ports), "up": m.netns is not None, "egress": m.egress}
+                    mid: {
+                        "ports": sorted(m.ports),
+                        "up": m.netns is not None,
+                        "egress": m.egress,
+                        "connections": self.forwarder.open.get(mid, 0),
+                        "refused": self.forwarder.refused.get(mid, 0),
+                    }
                     for mid, m in self.machines.items()
                 },
                 "uplink": None if self.uplink is None else self.uplink.netns,
                 "routes": None if self.routes is None else str(self.routes.prefix),
+                "limits": {
+                    "nofile": self.forwarder.nofile,
+                    "connections_per_machine": self.forwarder.per_machine,
+                },
             }
+        if op == "limits":
+            per_machine = request.get("connections_per_machine")
+            if not isinstance(per_machine, int) or isinstance(per_machine, bool) or per_machine < 1:
+                raise ValueError("connections_per_machine: a positive number")
+            self.forwarder.per_machine = per_machine
+            return {}
         if op == "uplink":
             self._set_uplink(request)
             return {}
@@ -285,6 +246,7 @@ class Netd:
             return {}
         if op == "forget":
             m = self.machines.pop(machine_id, None)
+            self.forwarder.forget(machine_id)
             if m is not None:
                 self._down(m)
                 for port in m.ports.values():
@@ -329,18 +291,15 @@ class Netd:
         m = self.machines.setdefault(machine_id, _Machine(machine_id))
         self._down(m)
         userns = None
-        if uids:
-            userns = self._spare_userns.pop((uid, uids), None)
-            if userns is None:
-                userns = namespaces.new_user_namespace(uid, uids)
         try:
             if adopt is not None:
                 netns = os.open(str(adopt), os.O_RDONLY | os.O_CLOEXEC)
                 with contextlib.suppress(OSError):  # its old eth0 went with the old hub
                     self._in(netns, lambda: Rtnl().close())
-            elif self._spare_netns:
-                netns = self._spare_netns.pop()
-            else:
+            elif uids:
+                spare = self._spare_userns.pop((uid, uids), None)
+                userns, netns = spare if spare is not None else self._new_sandbox(uid, uids)
+            else:  # no user namespace of its own: the network namespace is the host's users'
                 netns = self._new_netns()
             try:
                 self.links += 1  # a name of its own: the last run's may still be going away
@@ -365,18 +324,30 @@ class Netd:
         }
 
     def _new_netns(self) -> int:
+        """A network namespace of the hub's owner (the host's user namespace), set up."""
         namespaces.unshare(namespaces.CLONE_NEWNET)
         try:
             fd = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-            with Rtnl() as rtnl:
-                rtnl.set_up("lo")
-            # The machine's root is not root of this namespace's owner (the host's user
-            # namespace): let it bind any port, as it could on a host of its own.
-            _sysctl("net/ipv4/ip_unprivileged_port_start", "0")
-            _sysctl("net/ipv6/conf/default/disable_ipv6", "1")
         finally:
             namespaces.setns(self.hub_netns, namespaces.CLONE_NEWNET)
+        try:
+            self._in(fd, _set_up_netns)
+        except BaseException:
+            os.close(fd)
+            raise
         return fd
+
+    def _new_sandbox(self, uid: int, uids: int) -> tuple[int, int]:
+        """A machine's user namespace (`uid`.. for its `uids`) and a network namespace it owns,
+        set up: see `namespaces.new_user_and_network_namespaces` for why its own."""
+        userns, netns = namespaces.new_user_and_network_namespaces(uid, uids)
+        try:
+            self._in(netns, _set_up_netns)
+        except BaseException:
+            os.close(userns)
+            os.close(netns)
+            raise
+        return userns, netns
 
     def _schedule_spares(self) -> None:
         if self._making is None:
@@ -384,18 +355,17 @@ class Netd:
             self._making = loop.call_later(_SPARE_DELAY_S, self._make_spares)
 
     def _make_spares(self) -> None:
-        """Make what the next `up` will want: network namespaces, and the user namespace of
-        the uid range flyd named. A failure only means the next `up` makes its own."""
+        """Make what the next `up` will want: the user namespace of the uid range flyd named,
+        and the network namespace it owns. A failure only means the next `up` makes its own."""
         self._making = None
         try:
-            while len(self._spare_netns) < _SPARE_NETNS:
-                self._spare_netns.append(self._new_netns())
             wanted = self._wanted_userns
             if wanted is not None and wanted not in self._spare_userns:
                 if len(self._spare_userns) >= _SPARE_USERNS:
                     oldest = next(iter(self._spare_userns))
-                    os.close(self._spare_userns.pop(oldest))
-                self._spare_userns[wanted] = namespaces.new_user_namespace(*wanted)
+                    for fd in self._spare_userns.pop(oldest):
+                        os.close(fd)
+                self._spare_userns[wanted] = self._new_sandbox(*wanted)
         except OSError as e:
             _log("spares_failed", error=str(e))
 
@@ -663,6 +633,19 @@ class Netd:
                 functools.partial(self._accepted, m, port), sock=port.sock, backlog=1024
             )
 
+    def _accepted(self, m: _Machine, port: _Port) -> asyncio.Protocol:
+        """A connection on one of the machine's published ports: forwarded into its namespace
+        while it is up; when the service is found gone, the port stops listening until it
+        is back."""
+
+        def gone() -> None:
+            self._unserve(port)
+            self._watch(m)
+
+        return self.forwarder.accepted(
+            m.machine_id, lambda: m.netns, port.internal_port, gone, machines=len(self.machines)
+        )
+
     def _unserve(self, port: _Port) -> None:
         """Stop listening, keeping the port: connections are refused, as by a host whose
         service is down, and nobody else can bind it.
@@ -677,48 +660,14 @@ class Netd:
         except OSError as e:
             _log("port_lost", port=port.host_port, error=str(e))
 
-    # -- forwarding ---------------------------------------------------------------------------
 
-    def _accepted(self, m: _Machine, port: _Port) -> _Splice:
-        if m.netns is None or len(self.connections) >= _MAX_CONNECTIONS:
-            # Nothing to forward to (the machine is stopped), or too busy: reset at once.
-            return _Splice(self, refuse=True)
-        client = _Splice(self)
-        self.connections.add(client)
-        task = asyncio.ensure_future(self._connect(client, m, port))
-        task.add_done_callback(_retrieve)
-        return client
-
-    async def _connect(self, client: _Splice, m: _Machine, port: _Port) -> None:
-        loop = asyncio.get_running_loop()
-        if m.netns is None:
-            if client.transport is not None:
-                client.transport.abort()
-            return
-        netns = m.netns
-        sock = self._in(netns, lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-        try:
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            async with asyncio.timeout(_CONNECT_TIMEOUT_S):
-                await loop.sock_connect(sock, ("127.0.0.1", port.internal_port))
-            upstream = _Splice(self)
-            self.connections.add(upstream)
-            await loop.create_connection(lambda: upstream, sock=sock)
-        except (OSError, TimeoutError):
-            sock.close()
-            if client.transport is not None:
-                client.transport.abort()  # a reset: the service is not there (any more)
-            self._unserve(port)
-            self._watch(m)
-            return
-        if client.transport is None or client.transport.is_closing():
-            assert upstream.transport is not None
-            upstream.transport.close()
-            return
-        if client.transport is not None:
-            client.transport.set_write_buffer_limits(high=_PIPE_HIGH_WATER)
-        client.join(upstream)
+def _set_up_netns() -> None:
+    """Ready the network namespace the calling thread is in for a machine: loopback up, IPv6
+    off, any port bindable by any of its users (as on a host of its own)."""
+    with Rtnl() as rtnl:
+        rtnl.set_up("lo")
+    _sysctl("net/ipv4/ip_unprivileged_port_start", "0")
+    _sysctl("net/ipv6/conf/default/disable_ipv6", "1")
 
 
 def _bind_held(address: tuple[str, int]) -> socket.socket:
@@ -781,10 +730,12 @@ async def _serve(control: socket.socket, netd: Netd, stop: asyncio.Event) -> Non
                     fds.extend(
                         int.from_bytes(payload[i : i + 4], "little") for i in range(0, usable, 4)
                     )
+            ident: object = None
             try:
                 request = json.loads(data)
                 if not isinstance(request, dict):
                     raise ValueError("a request is a JSON object")
+                ident = request.get("id")
                 answer: dict[str, Any] = {"ok": await netd.handle(request, fds)}
             except Exception as e:
                 _log("request_failed", request=data[:200].decode("utf-8", "replace"), error=repr(e))
@@ -792,6 +743,8 @@ async def _serve(control: socket.socket, netd: Netd, stop: asyncio.Event) -> Non
             finally:
                 for fd in fds:
                     os.close(fd)
+            if ident is not None:
+                answer["id"] = ident  # which request this answers (see netclient.Netd.submit)
             with contextlib.suppress(OSError):
                 conn.setblocking(True)
                 conn.send(json.dumps(answer).encode())
@@ -862,8 +815,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--handle", help="write netd's process handle (JSON) here first")
     args = parser.parse_args(argv)
     os.umask(0o077)
+    nofile = raise_nofile()
     host_netns, hub_netns, rtnl = _hub()
-    netd = Netd(host_netns, hub_netns, rtnl)
+    netd = Netd(host_netns, hub_netns, rtnl, nofile=nofile)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(args.socket)
     control = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -872,7 +826,7 @@ def main(argv: list[str] | None = None) -> int:
     control.listen(16)
     if args.handle:
         _write_handle(args.handle)
-    _log("ready", pid=netd.pid, socket=args.socket)
+    _log("ready", pid=netd.pid, socket=args.socket, nofile=nofile)
     if args.ready_fd is not None:
         os.write(args.ready_fd, b"1")
         os.close(args.ready_fd)

@@ -9,7 +9,8 @@ What a machine is (see `flyd.drivers.bundle` for its runtime spec):
 - its namespaces are pid, mount, ipc, uts, cgroup, user (container root is a range of 65536
   host uids of its own: `uid_base + slot * 65536`, never host root) and network (netd's:
   `flyd.drivers.netd`, with the machine's own address `prefix + 2 + slot`);
-- its published services are host ports on 127.0.0.1 that netd holds and forwards into the
+- its published services are host ports on `machine_host` (127.0.0.1 by default, exactly
+  that address, never every address) that netd holds and forwards into the
   machine's namespace, where the service listens on its internal port (`PORT`);
 - it reaches nothing beyond its namespace, unless its config asks for egress
   (`network.egress`) and the worker has an uplink (`egress_via`, a network namespace the
@@ -47,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import ipaddress
 import json
 import os
@@ -62,8 +64,8 @@ import structlog
 
 from flyd.drivers import bundle as oci_bundle
 from flyd.drivers.base import Driver, ExitStatus, Handle, PortMapping, ProcessSpec, port_env
+from flyd.drivers.cgroups import namespace_at, v1_missing
 from flyd.drivers.cgroups import probe as cgroups_probe
-from flyd.drivers.cgroups import v1_missing
 from flyd.drivers.crun import (
     CRUN_ROOT,
     Tools,
@@ -71,12 +73,14 @@ from flyd.drivers.crun import (
     delete_container,
     find_tools,
     hybrid_cgroups,
+    init_pidfd,
 )
 from flyd.drivers.crun import probe as crun_probe
+from flyd.drivers.forward import CONNECTIONS_PER_MACHINE
 from flyd.drivers.logs import LOG_NAME, open_output
 from flyd.drivers.namespaces import idmapped_tree
-from flyd.drivers.netclient import Netd, NetdGone
-from flyd.drivers.ports import bind_port
+from flyd.drivers.netclient import Netd, NetdMachines
+from flyd.drivers.ports import bind_port, local_address
 from flyd.drivers.procfs import read_proc_stat
 from flyd.drivers.wrapped import Watched, WrappedDriver
 from flyd.drivers.wrapper import oci_wrapper_script
@@ -107,6 +111,7 @@ class OciDriver(WrappedDriver):
     """Runs machines as crun containers; see the module docstring for the design."""
 
     name = "oci"
+    cgroup_namespaces = True
 
     def __init__(
         self,
@@ -123,11 +128,14 @@ class OciDriver(WrappedDriver):
         uid_base: int = 1 << 30,
         egress_via: Path | None = None,
         route_machines: bool = False,
+        connections_per_machine: int = CONNECTIONS_PER_MACHINE,
     ) -> None:
         """`egress_via`: the worker's uplink, a network namespace of the operator's that
         reaches what machines may reach; without it no machine has egress. `route_machines`:
         netd routes each machine's own address to the host (and, through it, to the hosts
-        that route the worker's prefix here), for its published services only."""
+        that route the worker's prefix here), for its published services only.
+        `connections_per_machine`: how many connections netd forwards into one machine at
+        once (more are reset: one machine's flood leaves netd's descriptors to the others)."""
         problem = probe(cgroup_root) or cgroups_probe(cgroup_root, cgroup_prefix)
         if problem is not None:
             raise Unavailable(f"this host cannot run OCI machines: {problem}")
@@ -139,6 +147,8 @@ class OciDriver(WrappedDriver):
             raise InvalidArgument("network", str(e)) from None
         if not prefix.is_private or prefix.num_addresses < 4:
             raise InvalidArgument("network", f"{network} is not a private prefix of 4 or more")
+        if connections_per_machine < 1:
+            raise InvalidArgument("connections_per_machine", "must be at least 1")
         if uid_base < UIDS_PER_MACHINE or uid_base % UIDS_PER_MACHINE:
             raise InvalidArgument("uid_base", f"must be a positive multiple of {UIDS_PER_MACHINE}")
         if any(c in str(run_root.absolute()) for c in ",:\n\t "):
@@ -176,6 +186,7 @@ class OciDriver(WrappedDriver):
         self._slots = self._read_slots()
         self._runs: dict[str, int] = {}  # starts per machine, so a late down never undoes one
         self._downs: dict[str, asyncio.Future[None]] = {}  # netd downs under way
+        self._preparing: dict[str, asyncio.Future[_Disk]] = {}  # starts' disk threads
         self.egress_refusal = (
             None if egress_via is not None else "this worker has no uplink (flyd --egress-via)"
         )
@@ -190,10 +201,10 @@ class OciDriver(WrappedDriver):
         routes: dict[str, Any] = {"prefix": None}
         if route_machines:  # the hub's address: the machines' gateway, the host's next hop
             routes = {"prefix": str(prefix), "address": str(prefix.network_address + 1)}
-        self._net = Netd(self._run_dirs.root, uplink, routes)
-        hello = self._net.connect()
         # What netd holds, as it said: machine -> its host ports and whether it is up.
-        self._netd: dict[str, dict[str, Any]] = dict(hello.get("machines", {}))
+        limits = {"connections_per_machine": connections_per_machine}
+        net = Netd(self._run_dirs.root, uplink, routes, limits)
+        self._nets = NetdMachines(net, self._republish)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -203,6 +214,11 @@ class OciDriver(WrappedDriver):
         Returns once crun has made the container (namespaces, mounts) and holds it. Returns the
         handle of the run already watched for the machine, if any. Raises `InvalidArgument`
         for a bad spec and `Unavailable` when the container cannot be made.
+
+        A start that fails or is cancelled at any await (its caller's deadline passed) leaves
+        netd, the slots and its descriptors as they were: until the wrapper is spawned, what
+        it took is given back without an await (`_abandon`); after, the held container is
+        discarded and its end brings netd down.
         """
         running = self._begin_start(spec)
         if running is not None:
@@ -212,7 +228,10 @@ class OciDriver(WrappedDriver):
             # Created when the worker had an uplink; it has none now.
             raise Unavailable(f"machine {mid}: config.network.egress: {self.egress_refusal}")
         uid, gid = oci_bundle.resolve_user(spec.rootfs, spec.user)
-        run_dir = self._run_dirs.path(mid)
+        previous = self._preparing.get(mid)
+        if previous is not None:  # an abandoned start's thread, still writing the run dir
+            await asyncio.wait([previous])
+            return await self.start(spec)
         slot, new_slot = self._claim_slot(mid)
         address = str(self._prefix.network_address + 2 + slot)
         root_uid = self._uid_base + slot * UIDS_PER_MACHINE
@@ -221,18 +240,26 @@ class OciDriver(WrappedDriver):
         hold_r, hold_w = os.pipe2(os.O_CLOEXEC)
         ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
         os.set_blocking(ready_r, False)
+        pipes = [hold_r, hold_w, ready_r, ready_w]
         # What the run needs on disk is made in a thread while netd makes the namespaces: both
         # mostly wait on the kernel (a first start's cgroup renames wait for any cgroup move
         # under way on the host, up to an RCU grace period).
+        spare = self._spares.claim()
+        ahead = self._spares.namespace(spare) if spare is not None else None
         disk: asyncio.Future[_Disk] = asyncio.get_running_loop().run_in_executor(
             None,
             self._prepare_disk,
             spec,
-            self._spares.claim(),
+            spare,
+            ahead,
             slot if new_slot else None,
             root_uid,
             address,
         )
+        if ahead is not None:
+            disk.add_done_callback(functools.partial(_close_unused, ahead[0]))
+        self._preparing[mid] = disk
+        disk.add_done_callback(functools.partial(self._prepared, mid))
         self._runs[mid] = self._runs.get(mid, 0) + 1  # a down for an earlier run is moot now
         try:
             namespaces = await self._publish_ports(
@@ -244,102 +271,14 @@ class OciDriver(WrappedDriver):
                 egress=spec.egress,
                 next=self._next_user_range(),
             )
-        except BaseException:
-            _close(hold_r, hold_w, ready_r, ready_w)
-            disk.add_done_callback(_close_log)
-            raise
-        try:
             prepared = await asyncio.shield(disk)
+            popen, lower = self._spawn(spec, uid, gid, namespaces, prepared, hold_r, ready_w)
         except BaseException as e:
-            _close(hold_r, hold_w, ready_r, ready_w)
-            disk.add_done_callback(_close_log)
-            if new_slot:  # the machine never had it on disk
-                self._slots.pop(mid, None)
-            await asyncio.shield(self._down(mid))
+            self._abandon(mid, pipes, disk, new_slot)
             if isinstance(e, OSError):
                 raise Unavailable(f"cannot prepare machine {mid}: {e}") from e
             raise
-        log_fd = prepared.log_fd
-        b = oci_bundle.Bundle(
-            run_dir=run_dir,
-            view=_VIEW if self._bind_view else run_dir,
-            netns=str(namespaces["netns"]),
-            userns=str(namespaces["userns"]),
-            init=Path(self._tools.init),
-            hold_fd=hold_r,
-            ready_fd=ready_w,
-            held_marker=run_dir / "status" / "held",
-            cgroup_procs=tuple(prepared.cgroup_procs),
-        )
-        try:
-            spec_json = oci_bundle.config(
-                b,
-                machine_id=mid,
-                argv=spec.argv,
-                env={**spec.env, **port_env(spec.ports, inside=True)},
-                workdir=spec.workdir,
-                uid=uid,
-                gid=gid,
-                etc_files=prepared.etc_files,
-                host_runtime=spec.host_runtime,
-            )
-            # Root's alone: the machine's environment (its secrets) is in it.
-            fd = os.open(run_dir / "config.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(spec_json))
-        except OSError as e:
-            _close(log_fd, hold_r, hold_w, ready_r, ready_w)
-            await self._down(mid)
-            raise Unavailable(f"cannot prepare machine {mid}: {e}") from e
-        try:
-            userns = os.open(b.userns, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                lower = idmapped_tree(str(spec.rootfs), userns)
-            finally:
-                os.close(userns)
-        except OSError as e:
-            _close(log_fd, hold_r, hold_w, ready_r, ready_w)
-            await self._down(mid)
-            raise Unavailable(f"cannot map the image into machine {mid}: {e}") from e
-        try:
-            mounts = self._mounts(run_dir, prepared.layers, lower)
-        except OSError as e:
-            _close(log_fd, lower, hold_r, hold_w, ready_r, ready_w)
-            await self._down(mid)
-            raise Unavailable(f"cannot prepare machine {mid}: {e}") from e
-        script = oci_wrapper_script(
-            self._run_dirs.status_dir(mid),
-            self._tools.mv,
-            mounts=mounts,
-            crun=self._crun("run", "--bundle", str(run_dir), mid),
-            held_marker=b.held_marker,
-        )
-        try:
-            # Blocking, but only for the fork/exec: we never wait on the child here.
-            popen = subprocess.Popen(  # noqa: ASYNC220
-                [
-                    self._tools.unshare,
-                    "--mount",
-                    "--propagation",
-                    "private",
-                    self._tools.sh,
-                    "-c",
-                    script,
-                    "nonomad-wrapper",
-                ],
-                stdin=subprocess.DEVNULL,
-                pass_fds=(lower, hold_r, ready_w),
-                stdout=log_fd,
-                stderr=log_fd,
-                env={"PATH": _PATH, **_CRUN_ENV},
-                start_new_session=True,
-            )
-        except OSError as e:
-            _close(hold_w, ready_r)
-            await self._down(mid)
-            raise Unavailable(f"cannot start machine {mid}: {e}") from e
-        finally:
-            _close(log_fd, lower, hold_r, ready_w)
+        _close(*prepared.fds, lower, hold_r, ready_w)  # the wrapper has its copies
         proc = read_proc_stat(popen.pid)
         assert proc is not None, "an unreaped child always has a /proc entry"
         handle = Handle(pid=popen.pid, start_time=proc.start_time, boot_id=self._boot_id)
@@ -360,11 +299,114 @@ class OciDriver(WrappedDriver):
             # crun has read it (its own copy is in its state, root's alone, while the container
             # lives): the machine's environment, secrets and all, does not stay on disk.
             with contextlib.suppress(FileNotFoundError):
-                (run_dir / "config.json").unlink()
+                (self._run_dirs.path(mid) / "config.json").unlink()
         finally:
             os.close(ready_r)
         log.debug("machine_container_made", machine_id=mid, pid=popen.pid)
         return handle
+
+    def _spawn(
+        self,
+        spec: ProcessSpec,
+        uid: int,
+        gid: int,
+        namespaces: dict[str, Any],
+        prepared: _Disk,
+        hold_r: int,
+        ready_w: int,
+    ) -> tuple[subprocess.Popen[bytes], int]:
+        """Write the bundle, map the image into the machine's user namespace and spawn the
+        wrapper; the wrapper and the ID-mapped image's descriptor (the caller's to close once
+        the wrapper has its copy). Raises OSError, and nothing is left running."""
+        mid = spec.machine_id
+        run_dir = self._run_dirs.path(mid)
+        b = oci_bundle.Bundle(
+            run_dir=run_dir,
+            view=_VIEW if self._bind_view else run_dir,
+            netns=str(namespaces["netns"]),
+            userns=str(namespaces["userns"]),
+            init=Path(self._tools.init),
+            hold_fd=hold_r,
+            ready_fd=ready_w,
+            held_marker=run_dir / "status" / "held",
+            cgroup_procs=tuple(prepared.cgroup_procs),
+            cgroupns=None if prepared.cgroupns is None else f"/proc/self/fd/{prepared.cgroupns}",
+        )
+        spec_json = oci_bundle.config(
+            b,
+            machine_id=mid,
+            argv=spec.argv,
+            env={**spec.env, **port_env(spec.ports, inside=True)},
+            workdir=spec.workdir,
+            uid=uid,
+            gid=gid,
+            etc_files=prepared.etc_files,
+            host_runtime=spec.host_runtime,
+        )
+        # Root's alone: the machine's environment (its secrets) is in it.
+        fd = os.open(run_dir / "config.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(spec_json))
+        userns = os.open(b.userns, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            lower = idmapped_tree(str(spec.rootfs), userns)
+        except OSError as e:
+            raise OSError(e.errno, f"the image cannot be mapped into it: {e.strerror}") from e
+        finally:
+            os.close(userns)
+        try:
+            mounts = self._mounts(run_dir, prepared.layers, lower)
+            script = oci_wrapper_script(
+                self._run_dirs.status_dir(mid),
+                self._tools.mv,
+                mounts=mounts,
+                crun=self._crun("run", "--bundle", str(run_dir), mid),
+                held_marker=b.held_marker,
+            )
+            # Blocking, but only for the fork/exec: we never wait on the child here. crun
+            # joins the cgroup namespace through its copy of the descriptor (`/proc/self`).
+            popen = subprocess.Popen(
+                [
+                    self._tools.unshare,
+                    "--mount",
+                    "--propagation",
+                    "private",
+                    self._tools.sh,
+                    "-c",
+                    script,
+                    "nonomad-wrapper",
+                ],
+                stdin=subprocess.DEVNULL,
+                pass_fds=(lower, hold_r, ready_w, *prepared.fds[1:]),  # and the namespace
+                stdout=prepared.log_fd,
+                stderr=prepared.log_fd,
+                env={"PATH": _PATH, **_CRUN_ENV},
+                start_new_session=True,
+            )
+        except BaseException:
+            os.close(lower)
+            raise
+        return popen, lower
+
+    def _abandon(
+        self, machine_id: str, pipes: list[int], disk: asyncio.Future[_Disk], new_slot: bool
+    ) -> None:
+        """Give back what a start took before its wrapper was spawned, without an await (the
+        start may be cancelled): the pipes, the disk thread's descriptors once it is done, a
+        new slot (no process ever ran with its uids), and netd's namespaces for the run, by a
+        `down` queued behind the `up` (netd answers in order, whoever waits)."""
+        _close(*pipes)
+        disk.add_done_callback(_close_disk)
+        if new_slot:
+            self._slots.pop(machine_id, None)
+            disk.add_done_callback(
+                lambda _: (self._run_dirs.path(machine_id) / _SLOT_FILE).unlink(missing_ok=True)
+            )
+        self._nets.down_now(machine_id)
+
+    def _prepared(self, machine_id: str, disk: asyncio.Future[_Disk]) -> None:
+        if self._preparing.get(machine_id) is disk:
+            del self._preparing[machine_id]
 
     async def _until_ready(self, w: Watched, ready_fd: int) -> None:
         """Wait for the hold hook's "ready"; raise Unavailable if the wrapper ends first."""
@@ -407,7 +449,10 @@ class OciDriver(WrappedDriver):
         a signal sent to a pid namespace's init that neither handles nor blocks it, so one
         sent before tini blocked the signals it passes on would be lost.
         """
-        pidfd = await self._container_init(w, sig, _EXEC_WAIT_S)
+        ended = lambda: w.done  # noqa: E731
+        pidfd = await init_pidfd(
+            self._crun_root, w.machine_id, sig, wait=_EXEC_WAIT_S, ended=ended, sleep=self._sleep
+        )
         if pidfd is None:
             # No container (yet, or any more): a stop ends what the wrapper runs instead.
             if stopping:
@@ -418,25 +463,6 @@ class OciDriver(WrappedDriver):
                 signal.pidfd_send_signal(pidfd, sig)
         finally:
             os.close(pidfd)
-
-    async def _container_init(self, w: Watched, sig: int, wait: float) -> int | None:
-        """A pidfd for the container's init once tini is ready (or after `wait` seconds,
-        whatever it does then); None if there is no container.
-        """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait
-        while True:
-            pidfd = container_pidfd(self._crun_root, w.machine_id)
-            late = w.done or loop.time() >= deadline
-            # SIGKILL (and SIGSTOP) always reach it: nothing can block them.
-            uncatchable = sig in (signal.SIGKILL, signal.SIGSTOP)
-            if pidfd is not None and (late or uncatchable or _tini_ready(pidfd)):
-                return pidfd
-            if pidfd is not None:
-                os.close(pidfd)
-            if late:
-                return None
-            await self._sleep(0.002)
 
     def _kill_all(self, w: Watched) -> None:
         """SIGKILL the container's init: every process of its pid namespace dies with it."""
@@ -453,7 +479,7 @@ class OciDriver(WrappedDriver):
 
     def _ended(self, machine_id: str) -> None:
         super()._ended(machine_id)
-        if self._netd.get(machine_id, {}).get("up"):
+        if self._nets.is_up(machine_id):
             task = asyncio.ensure_future(self._down(machine_id, run=self._runs.get(machine_id)))
             task.add_done_callback(_log_failure)
             self._downs[machine_id] = task
@@ -470,9 +496,10 @@ class OciDriver(WrappedDriver):
         return status
 
     async def _forget(self, machine_id: str) -> None:
-        if machine_id in self._netd:
-            await self._call("forget", machine=machine_id)
-            self._netd.pop(machine_id, None)
+        preparing = self._preparing.get(machine_id)
+        if preparing is not None:  # an abandoned start's thread: the run dir is still its own
+            await asyncio.wait([preparing])
+        await self._nets.forget(machine_id)
         delete_container(self._crun_root, machine_id)
         self._slots.pop(machine_id, None)
         self._downs.pop(machine_id, None)
@@ -481,9 +508,20 @@ class OciDriver(WrappedDriver):
     async def close(self) -> None:
         """Stop watching; the machines and netd keep running (see `WrappedDriver.close`)."""
         await super().close()
-        self._net.close()
+        self._nets.close()
 
     # -- ports and network -------------------------------------------------------------------
+
+    def _bind_host(self, machine_host: str) -> str:
+        """`machine_host` itself: netd listens on the published ports, so what flyd binds is
+        what is exposed, and the operator said where (a port bound on 0.0.0.0 would also be
+        reached on every other interface of the host, a public one included)."""
+        address = local_address(machine_host)
+        if address is None:
+            raise InvalidArgument(
+                "machine_host", f"{machine_host} is not an address of this host (nothing binds it)"
+            )
+        return address
 
     async def publish(self, machine_id: str, ports: Sequence[PortMapping]) -> None:
         """The machine's published services are exactly `ports`: netd holds their host ports
@@ -493,17 +531,17 @@ class OciDriver(WrappedDriver):
         """
         self._check_open()
         await self._publish_ports(machine_id, ports)
-        if machine_id in self._watched and not self._netd[machine_id].get("up"):
+        if machine_id in self._watched and not self._nets.is_up(machine_id):
             await self._adopt(machine_id)
 
     async def reconcile(self, machines: Mapping[str, Sequence[PortMapping]]) -> None:
         """After flyd's recovery (see `WrappedDriver.reconcile`); netd also forgets the
         machines flyd has no row for (a create that died before its first commit).
         """
-        for machine_id in [m for m in self._netd if m not in machines]:
+        for machine_id in [m for m in self._nets.machines if m not in machines]:
             with contextlib.suppress(Unavailable):
-                await self._call("forget", machine=machine_id)
-            self._netd.pop(machine_id, None)
+                await self._nets.forget(machine_id)
+            self._nets.machines.pop(machine_id, None)
         await super().reconcile(machines)
 
     async def _publish_ports(
@@ -511,39 +549,37 @@ class OciDriver(WrappedDriver):
     ) -> dict[str, Any]:
         """Publish the machine's ports to netd; with `up` (its fields), in the same request
         as bringing its namespaces up (one round trip on a start). netd's answer.
+
+        What flyd knows of netd's side follows netd's answer, whether or not the caller still
+        waits for it; from the request on, netd may know the machine, so a cleanup has it
+        forget the machine.
         """
         self._published[machine_id] = tuple(ports)
-        held = set(self._netd.get(machine_id, {}).get("ports", ()))
+        held = self._nets.ports(machine_id)
         socks = []
         try:
             for p in ports:
                 if p.host_port in held:
                     continue
                 sock = self._ports.hand_over(machine_id, p.host_port) or bind_port(
-                    self.machine_host, p.host_port
+                    self._port_host, p.host_port
                 )
                 if sock is None:
                     log.error("machine_port_taken", machine_id=machine_id, port=p.host_port)
                     continue
                 socks.append((p, sock))
             kept = [p for p in ports if p.host_port in held]
-            answer = await self._call(
-                "up" if up else "publish",
-                [s.fileno() for _, s in socks],
-                machine=machine_id,
-                ports=[[p.host_port, p.internal_port] for p in kept]
+            self._ports.release(machine_id)  # any other port it had is no longer published
+            return await self._nets.publish(
+                machine_id,
+                [[p.host_port, p.internal_port] for p in kept]
                 + [[p.host_port, p.internal_port] for p, _ in socks],
+                [s.fileno() for _, s in socks],
                 **up,
             )
         finally:
             for _, sock in socks:
-                sock.close()  # netd has its own copy now
-        state = self._netd.setdefault(machine_id, {"up": False})
-        state["ports"] = sorted({p.host_port for p in kept} | {p.host_port for p, _ in socks})
-        if up:
-            state["up"] = True
-        self._ports.release(machine_id)
-        return answer
+                sock.close()  # netd has its own copy (the request made one at once)
 
     async def _adopt(self, machine_id: str) -> None:
         """Give a running machine (netd restarted under it) its address back."""
@@ -552,8 +588,9 @@ class OciDriver(WrappedDriver):
             return
         try:  # the pidfd pins the pid while netd opens its namespace
             status = json.loads((self._crun_root / machine_id / "status").read_bytes())
-            await self._call(
+            await self._nets.call(
                 "up",
+                then=lambda _: self._nets.mark_up(machine_id),
                 machine=machine_id,
                 address=str(self._prefix.network_address + 2 + self._slot(machine_id)),
                 uid=0,
@@ -564,7 +601,6 @@ class OciDriver(WrappedDriver):
             )
         finally:
             os.close(pidfd)
-        self._netd[machine_id]["up"] = True
 
     async def _down(self, machine_id: str, run: int | None = None) -> None:
         """Have netd drop the machine's namespaces (it stopped). With `run`: only if no start
@@ -573,24 +609,13 @@ class OciDriver(WrappedDriver):
         """
         if run is not None and self._runs.get(machine_id) != run:
             return
-        if machine_id in self._netd and not self._closed:
-            await self._call("down", machine=machine_id)
-            self._netd[machine_id]["up"] = False
+        await self._nets.down(machine_id)
 
-    async def _call(self, op: str, fds: list[int] | None = None, **fields: Any) -> dict[str, Any]:
-        """A netd request; if netd is gone, start a new one and give it back what it held."""
-        try:
-            return await self._net.request(op, fds, **fields)
-        except NetdGone as e:
-            if self._closed:
-                raise  # the driver closed the connection itself
-            log.warning("netd_restarting", previous_pid=self._net.pid, error=str(e))
-        self._net.connect()
-        self._netd = {}
+    async def _republish(self) -> None:
+        """Give a new netd (the last one died) what the machines had."""
         for mid, ports in list(self._published.items()):
             with contextlib.suppress(Unavailable):
                 await self.publish(mid, ports)  # and adopts the running machines
-        return await self._net.request(op, fds, **fields)
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -743,13 +768,15 @@ class OciDriver(WrappedDriver):
         self,
         spec: ProcessSpec,
         spare: str | None,
+        ahead: tuple[int, list[int]] | None,
         new_slot: int | None,
         root_uid: int,
         address: str,
     ) -> _Disk:
         """In a thread: the run dir and cgroups (`spare`, if claimed, on a first start), the
-        machine's new slot if it has one, its layers, its /etc files and its log. Raises
-        OSError.
+        machine's new slot if it has one, its layers, its /etc files, its log and its cgroup
+        namespace (`ahead`: the one made with the spare, which it closes if unused). Raises
+        OSError (the caller closes `ahead` then).
         """
         mid = spec.machine_id
         run_dir = self._run_dirs.path(mid)
@@ -760,7 +787,30 @@ class OciDriver(WrappedDriver):
         layers = self._prepare_layers(run_dir, root_uid, spec)
         delete_container(self._crun_root, mid)  # what a killed crun left
         etc = oci_bundle.write_etc(run_dir / "etc", mid, address, host_runtime=spec.host_runtime)
-        return _Disk(cgroup_procs, layers, etc, open_output(run_dir))
+        log_fd = open_output(run_dir)
+        try:
+            cgroupns = self._cgroup_namespace([p.parent for p in cgroup_procs], ahead)
+        except BaseException:
+            os.close(log_fd)
+            raise
+        return _Disk(cgroup_procs, layers, etc, log_fd, cgroupns)
+
+    def _spare_cgroup_namespace(self, cgroups: list[Path]) -> int:
+        return namespace_at(cgroups)
+
+    @staticmethod
+    def _cgroup_namespace(cgroups: list[Path], ahead: tuple[int, list[int]] | None) -> int | None:
+        """A namespace where the machine's cgroups are `/` (see bundle's docstring): the one
+        made `ahead` with its spare cgroups if those are its cgroups now (a rename keeps a
+        cgroup's inode, and the namespace's root), else a new one (a first move of a quiet
+        host's cgroups waits for an RCU grace period: made ahead, it is off a create's way).
+        None without cgroups. On OSError `ahead` is still open."""
+        if ahead is not None and cgroups and [os.stat(cg).st_ino for cg in cgroups] == ahead[1]:
+            return ahead[0]
+        made = namespace_at(cgroups) if cgroups else None
+        if ahead is not None:
+            os.close(ahead[0])
+        return made
 
 
 @dataclasses.dataclass(frozen=True)
@@ -770,13 +820,26 @@ class _Disk:
     cgroup_procs: list[Path]
     layers: dict[str, Path]
     etc_files: list[str]
-    log_fd: int  # the caller's to close
+    log_fd: int  # the caller's to close, as `cgroupns` is
+    cgroupns: int | None  # rooted at the machine's cgroups (None without cgroups)
+
+    @property
+    def fds(self) -> tuple[int, ...]:
+        """Its descriptors: what the wrapper inherits, and the caller closes."""
+        return (self.log_fd,) if self.cgroupns is None else (self.log_fd, self.cgroupns)
 
 
-def _close_log(done: asyncio.Future[_Disk]) -> None:
-    """Close the log a `_prepare_disk` opened for a start that failed meanwhile."""
+def _close_unused(namespace: int, done: asyncio.Future[_Disk]) -> None:
+    """Close the cgroup namespace made ahead for a `_prepare_disk` that failed before it
+    took it."""
+    if not done.cancelled() and done.exception() is not None:
+        os.close(namespace)
+
+
+def _close_disk(done: asyncio.Future[_Disk]) -> None:
+    """Close what a `_prepare_disk` opened for a start that failed meanwhile."""
     if not done.cancelled() and done.exception() is None:
-        os.close(done.result().log_fd)
+        _close(*done.result().fds)
 
 
 def _write_slot(run_dir: Path, slot: int) -> None:
@@ -789,27 +852,6 @@ def probe(cgroup_root: Path = Path("/sys/fs/cgroup")) -> str | None:
     limits machines (a cgroup v2-only host would run them unlimited: it is refused).
     """
     return crun_probe() or v1_missing(cgroup_root)
-
-
-def _tini_ready(pidfd: int) -> bool:
-    """Whether the pidfd's process is a tini that has blocked the signals it passes on.
-
-    tini blocks them first, then ignores SIGTTIN; it waits for them in sigtimedwait, during
-    which /proc shows them unblocked, so the SIGTTIN disposition is what tells.
-    """
-    try:
-        pid = next(
-            int(line.split()[1])
-            for line in Path(f"/proc/self/fdinfo/{pidfd}").read_text().splitlines()
-            if line.startswith("Pid:")
-        )
-        status = Path(f"/proc/{pid}/status").read_text()
-    except (OSError, StopIteration, ValueError):
-        return False
-    for line in status.splitlines():
-        if line.startswith("SigIgn:"):
-            return bool(int(line.split()[1], 16) >> (signal.SIGTTIN - 1) & 1)
-    return False
 
 
 def _searchable(path: Path) -> bool:

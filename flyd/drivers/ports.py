@@ -18,14 +18,15 @@ from collections.abc import Iterable
 
 from flyd.errors import ResourceExhausted
 
-__all__ = ["HeldPorts", "bind_address", "bind_port"]
+__all__ = ["HeldPorts", "bind_address", "bind_port", "local_address"]
 
 
 def bind_address(host: str) -> str:
-    """Where a port published on `host` is bound: a loopback host as it is (a single-host
-    cluster's), any other on every address of the host: a proxy on another host dials `host`,
-    the worker's readiness probes 127.0.0.1, and a process machine binds 0.0.0.0 itself, so
-    the port is free only when it is free on all of them."""
+    """Where the process driver holds a port published on `host`: a loopback host as it is
+    (a single-host cluster's), any other on every address of the host, because its machine
+    is a host process that binds the port itself, most often on 0.0.0.0: the port is free for
+    it only when it is free on all of them. (The OCI driver binds `host` alone: netd, not the
+    machine, listens there.)"""
     try:
         loopback = ipaddress.ip_address(host).is_loopback
     except ValueError:  # a name: never a loopback the worker was told to advertise
@@ -33,9 +34,23 @@ def bind_address(host: str) -> str:
     return host if loopback else "0.0.0.0"
 
 
+def local_address(host: str) -> str | None:
+    """`host` (an IPv4 address, or a name, resolved here) as an address of this host, or None
+    when it is not one: binding it fails (nothing is sent anywhere)."""
+    try:
+        address = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+    except (OSError, IndexError):
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
+        try:
+            sock.bind((address, 0))
+        except OSError:
+            return None
+    return str(address)
+
+
 def bind_port(host: str, port: int) -> socket.socket | None:
-    """A socket bound to host:port (see `bind_address`), not listening, or None when the port
-    is taken.
+    """A socket bound to host:port, not listening, or None when the port is taken there.
 
     SO_REUSEADDR is set only for the bind, over connections of an earlier holder still in
     TIME_WAIT; cleared, it keeps any other socket from binding the port.
@@ -43,7 +58,7 @@ def bind_port(host: str, port: int) -> socket.socket | None:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((bind_address(host), port))
+        sock.bind((host, port))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
     except OSError:
         sock.close()
@@ -58,7 +73,8 @@ class HeldPorts:
         self._held: dict[str, dict[int, socket.socket]] = {}
 
     def take(self, machine_id: str, host: str, candidates: Iterable[int], count: int) -> list[int]:
-        """Bind `count` more ports for the machine, the first of `candidates` that are free.
+        """Bind `count` more ports on `host` for the machine, the first of `candidates` that
+        are free there.
 
         Raises ResourceExhausted (resource "ports") when not enough are, holding none of them.
         """

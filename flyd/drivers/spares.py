@@ -43,10 +43,16 @@ class Spares:
         cgroup_parents: list[Path],
         user: tuple[int, int, list[int]] | None,
         layout: Callable[[Path], None] | None = None,
+        cgroup_namespace: Callable[[list[Path]], int] | None = None,
     ) -> None:
-        """`layout`: makes what else a driver wants in each spare run dir (in the thread)."""
+        """`layout`: makes what else a driver wants in each spare run dir (in the thread);
+        `cgroup_namespace(cgroups)`: a descriptor of a namespace rooted at a spare set's
+        cgroups (`namespace`), which stays rooted there across the rename into place."""
         self._root = run_root / _SPARE_DIR
         self._layout = layout
+        self._cgroup_namespace = cgroup_namespace
+        # token -> (namespace descriptor, its cgroups' inodes, which a rename keeps)
+        self._namespaces: dict[str, tuple[int, list[int]]] = {}
         self._cgroup_parents = cgroup_parents  # one per controller, in CONTROLLERS order
         self._user = user
         self._tag = hashlib.blake2s(str(run_root).encode(), digest_size=4).hexdigest()
@@ -126,11 +132,25 @@ class Spares:
                     os.chown(run_dir / "status", self._user[0], self._user[1])
                 if self._layout is not None:
                     self._layout(run_dir)
-                for parent in self._cgroup_parents:
-                    os.mkdir(parent / f"{_SPARE_CGROUP}{self._tag}-{token}", 0o755)
+                cgroups = [p / f"{_SPARE_CGROUP}{self._tag}-{token}" for p in self._cgroup_parents]
+                for cg in cgroups:
+                    os.mkdir(cg, 0o755)
+                if self._cgroup_namespace is not None and cgroups:
+                    try:
+                        fd = self._cgroup_namespace(cgroups)
+                    except OSError as e:  # the start makes its own
+                        log.debug("spare_cgroup_namespace_failed", error=str(e))
+                    else:
+                        self._namespaces[token] = (fd, [os.stat(cg).st_ino for cg in cgroups])
                 self._ready.append(token)
         finally:
             self._busy = False
+
+    def namespace(self, token: str) -> tuple[int, list[int]] | None:
+        """The cgroup namespace made with the claimed set `token` (the caller's to close) and
+        the inodes of the cgroups it is rooted at (the caller checks they are the machine's
+        now: `take` may have found the machine's own in place); None if none was made."""
+        return self._namespaces.pop(token, None)
 
     async def close(self) -> None:
         """Stop making spares and remove the ones not taken."""
@@ -142,6 +162,9 @@ class Spares:
 
     def _remove_all(self) -> None:
         self._ready.clear()
+        while self._namespaces:
+            fd, _ = self._namespaces.popitem()[1]
+            os.close(fd)
         shutil.rmtree(self._root, ignore_errors=True)
         ours = f"{_SPARE_CGROUP}{self._tag}-"
         for parent in self._cgroup_parents:

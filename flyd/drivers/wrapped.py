@@ -44,7 +44,7 @@ import structlog
 from flyd.drivers.base import ExitStatus, Handle, Limits, PortMapping, ProcessSpec
 from flyd.drivers.cgroups import Cgroups, probe
 from flyd.drivers.logs import MachineLogs
-from flyd.drivers.ports import HeldPorts
+from flyd.drivers.ports import HeldPorts, bind_address
 from flyd.drivers.procfs import open_pidfd, read_boot_id, readable, unreaped_child
 from flyd.drivers.rundir import RunDirs, validate_machine_id
 from flyd.drivers.spares import Spares
@@ -96,6 +96,7 @@ class WrappedDriver:
     """Why limits are not enforced, or None."""
 
     name = "wrapped"
+    cgroup_namespaces = False  # its machines join a cgroup namespace rooted at their cgroups
     # A host process shares the host's network: it reaches everything whatever it asks, so
     # egress is never refused (the OCI driver, which confines it, says otherwise).
     egress_refusal: str | None = None
@@ -133,6 +134,7 @@ class WrappedDriver:
         # Each machine's published services, as `publish` or its last start said.
         self._published: dict[str, tuple[PortMapping, ...]] = {}
         self.machine_host = machine_host
+        self._port_host = self._bind_host(machine_host)  # where its held ports are bound
 
         self.limits_problem = probe(cgroup_root, cgroup_prefix)
         self.limits_enforced = self.limits_problem is None
@@ -151,12 +153,23 @@ class WrappedDriver:
             self._cgroups.parents if self._cgroups is not None else [],
             user,
             self._spare_layout,
+            self._spare_cgroup_namespace if self.cgroup_namespaces else None,
         )
 
     # -- what a subclass provides ------------------------------------------------------------
 
+    def _bind_host(self, machine_host: str) -> str:
+        """Where the machines' host ports are bound, for ports published on `machine_host`
+        (`ports.bind_address`: a host process binds the port itself, on what it likes)."""
+        return bind_address(machine_host)
+
     def _spare_layout(self, run_dir: Path) -> None:
         """Make, in a spare run dir (in a worker thread), what a first start would make."""
+
+    def _spare_cgroup_namespace(self, cgroups: list[Path]) -> int:
+        """A cgroup namespace rooted at a spare set's cgroups, made ahead (in a worker
+        thread) for a driver whose machines join one (`cgroup_namespaces`)."""
+        raise NotImplementedError
 
     async def start(self, spec: ProcessSpec) -> Handle:
         raise NotImplementedError
@@ -341,7 +354,7 @@ class WrappedDriver:
         Raises ResourceExhausted ("ports") when there are not enough.
         """
         validate_machine_id(machine_id)
-        return self._ports.take(machine_id, self.machine_host, candidates, count)
+        return self._ports.take(machine_id, self._port_host, candidates, count)
 
     def machine_address(self, machine_id: str) -> str:
         """ "": a machine is reached at its host ports (an OCI worker that routes machines
@@ -383,7 +396,7 @@ class WrappedDriver:
 
     def _hold_published(self, machine_id: str) -> None:
         published = self._published.get(machine_id, ())
-        lost = self._ports.keep(machine_id, self.machine_host, [p.host_port for p in published])
+        lost = self._ports.keep(machine_id, self._port_host, [p.host_port for p in published])
         if lost:
             log.error("machine_ports_taken", machine_id=machine_id, ports=lost)
 

@@ -13,9 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
+import socket
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -152,3 +155,44 @@ def machine_file(driver: Driver, machine_id: str, name: str) -> Path:
     if driver.name == "oci":
         return driver._run_dirs.path(machine_id) / "upper" / name  # type: ignore[attr-defined]
     return driver._run_dirs.root.parent / "image" / name  # type: ignore[attr-defined]
+
+
+def answers_http(port: int) -> bool:
+    """Whether an HTTP server answers 200 on 127.0.0.1:`port`."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2) as conn:
+            conn.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            return conn.recv(12).startswith(b"HTTP/1.0 200")
+    except OSError:
+        return False
+
+
+def netd_hello(run_root: Path) -> dict[str, Any]:
+    """What the run root's netd says it holds, asked on a connection of the test's own."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.settimeout(DEADLINE)
+        s.connect(str(run_root / ".netd.sock"))
+        s.send(b'{"op": "hello"}')
+        answer: dict[str, Any] = json.loads(s.recv(1 << 16))["ok"]
+    return answer
+
+
+def host_address() -> str | None:
+    """An IPv4 address of this host that is not a loopback one (read from its interfaces,
+    nothing is sent), or None if it has none."""
+    import subprocess
+
+    try:
+        shown = subprocess.run(
+            ["ip", "-4", "-o", "addr", "show", "scope", "global"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in shown.splitlines():
+        fields = line.split()
+        if "inet" in fields:
+            return fields[fields.index("inet") + 1].split("/")[0]
+    return None

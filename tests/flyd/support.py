@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
+import types
+from collections.abc import AsyncGenerator, Callable, Coroutine, Generator, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn, TypeVar
 
 from flyd import fsm
 from flyd.drivers.base import ExitStatus, Handle
@@ -40,6 +41,7 @@ IMAGE = "app:v1"
 DEADLINE = 5.0
 CAPACITY = CapacitySettings(cpu_millicores=1000, memory_mib=1024, disk_mib=0, machines=10)
 PORTS = range(20000, 20010)
+T = TypeVar("T")
 
 
 def image_source(root: Path) -> ImageSource:
@@ -217,11 +219,13 @@ def boot(
     peers: SlotPeers | None = None,
     monotonic: Callable[[], float] | None = None,
     secret_box: SecretBox | None = None,
+    make_driver: Callable[[Callable[[str, Handle, ExitStatus], None]], Any] | None = None,
 ) -> Flyd:
-    """A flyd on `host`, before recover(); worker w1 in ams unless `identity` says otherwise."""
+    """A flyd on `host`, before recover(); worker w1 in ams unless `identity` says otherwise.
+    `make_driver(on_exit)`: a real driver instead of the fake on `host`."""
     relay = _ExitRelay()
     host.busy_ports.update(busy_ports)  # taken by programs that are not machines
-    driver = FakeDriver(on_exit=relay, host=host)
+    driver = FakeDriver(on_exit=relay, host=host) if make_driver is None else make_driver(relay)
     worker = Worker(
         identity=identity or Identity("w1", "ams", "127.0.0.1:1", {}, "boot"),
         store=store,
@@ -275,3 +279,45 @@ def log_changes(store: MachineLog) -> list[worker_pb2.MachineChange]:
             after = rec.seq
     assert after == store.last_seq()
     return out
+
+
+async def cancel_at_step(coro: Coroutine[Any, Any, Any], k: int) -> bool:
+    """Run `coro` as a task and cancel it at its k-th await that suspends, as a caller's
+    deadline would (the future it waits on is cancelled, CancelledError raised there, and
+    whatever the code makes of that follows). False if it ended, or failed, in fewer steps:
+    counting k up from 1 until then cancels it at every point it can be cancelled at.
+    """
+    steps = [0]
+    task = asyncio.ensure_future(_stepped(coro, k, steps))
+    with contextlib.suppress(Exception):  # its outcome: the caller checks what it left
+        try:
+            await task
+        except asyncio.CancelledError:
+            if not task.cancelled():
+                raise  # the test's own task was cancelled
+    return steps[0] >= k
+
+
+@types.coroutine
+def _stepped(
+    coro: Coroutine[Any, Any, T], cancel_at: int, steps: list[int]
+) -> Generator[Any, Any, T]:
+    """Drive `coro` as its task would, counting the futures it waits on; at the `cancel_at`-th
+    it cancels the task while it is still running, so the task cancels that future."""
+    sent: Any = None
+    thrown: BaseException | None = None
+    while True:
+        try:
+            yielded = coro.send(sent) if thrown is None else coro.throw(thrown)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        steps[0] += 1
+        if steps[0] == cancel_at:
+            task = asyncio.current_task()
+            assert task is not None
+            task.cancel()
+        sent, thrown = None, None
+        try:
+            sent = yield yielded
+        except BaseException as e:  # passed on to the coroutine, as a task does
+            thrown = e

@@ -15,6 +15,9 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,11 +25,13 @@ import pytest
 from flyd.drivers.base import ExitStatus, PortMapping
 from flyd.drivers.bundle import CAPABILITIES, Bundle, hold_hook
 from flyd.drivers.crun import hybrid_cgroups
+from flyd.drivers.namespaces import CLONE_NEWNET, unshare
 from flyd.drivers.netclient import kill_netd
 from flyd.drivers.oci import UIDS_PER_MACHINE, OciDriver
 from flyd.drivers.oci import probe as oci_probe
+from flyd.drivers.ports import local_address
 from flyd.drivers.rundir import kill_all
-from flyd.errors import Unavailable
+from flyd.errors import InvalidArgument, Unavailable
 from flyd.main import make_driver as make_flyd_driver
 from flyd.settings import FlydSettings
 from runtime import load_settings
@@ -34,7 +39,9 @@ from tests.flyd.driver_support import (
     DEADLINE,
     OCI_UNAVAILABLE,
     Exits,
+    answers_http,
     cgroup_pids,
+    host_address,
     logged,
     run_machine,
     sh,
@@ -192,6 +199,7 @@ async def test_a_first_start_from_a_spare_gets_its_mount_points_made_ahead_as_it
         await wait_until(lambda: driver._spares.ready > 0, "a spare run dir")
         await run_machine(driver, spec(mid, sh(script), image, host_runtime=True))
         await logged(driver, mid, "wrote")
+    await logged(driver, "m-own", "mine")  # printed after "wrote": it may come later
     plain_lines = driver.read_logs("m-plain", 5)
     assert plain_lines[0] == "0 755"  # the machine's root owns its /etc
     own_lines = driver.read_logs("m-own", 5)
@@ -291,24 +299,15 @@ async def test_a_dead_netd_is_replaced_and_running_machines_get_their_network_ba
     serve = "echo ready; exec python3 -m http.server 8080 --bind 127.0.0.1"
     await run_machine(driver, spec("m1", sh(serve), image, ports=ports))
     await logged(driver, "m1", "ready")
-    await wait_until(lambda: _answers(port), "the machine to serve")
+    await wait_until(lambda: answers_http(port), "the machine to serve")
 
     assert kill_netd(run_root)  # its hub, the machine's veth and the held port go with it
-    await wait_until(lambda: not _answers(port), "netd to be gone")
+    await wait_until(lambda: not answers_http(port), "netd to be gone")
     # The next thing flyd asks of netd starts a new one, which gets the ports back and the
     # running machine its network.
     await driver.publish("m1", ports)
-    await wait_until(lambda: _answers(port), "the machine to serve again")
+    await wait_until(lambda: answers_http(port), "the machine to serve again")
     await driver.stop("m1", signal.SIGTERM, timeout=DEADLINE)
-
-
-def _answers(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=2) as conn:
-            conn.sendall(b"GET / HTTP/1.0\r\n\r\n")
-            return conn.recv(12).startswith(b"HTTP/1.0 200")
-    except OSError:
-        return False
 
 
 @pytest.fixture
@@ -369,3 +368,222 @@ async def test_a_cgroup_v2_only_host_gets_no_oci_machines_without_limits(
         assert fallback.name == "process"
     finally:
         await fallback.close()
+
+
+# -- what a machine sees of its host (issue 27, attack 10) -------------------------------------
+
+
+async def test_a_machine_s_sysfs_is_its_own_and_read_only(make_driver, image: Path) -> None:
+    """/sys is a sysfs of the machine's own network namespace, mounted read-only, not a bind
+    of the host's (read-write, with every host device in /sys/class/net)."""
+    exits = Exits()
+    driver = make_driver(exits)
+    script = (
+        "while read -r _ _ _ root point options _; do "
+        '[ "$point" = /sys ] && echo "sys: $root $options"; done < /proc/self/mountinfo; '
+        "echo net: $(ls /sys/class/net); "
+        "echo x > /sys/kernel/uevent_helper 2>/dev/null && echo sys written; "
+        "touch /sys/planted 2>/dev/null && echo sys planted; echo done"
+    )
+    await run_machine(driver, spec("m1", sh(script), image))
+    assert await exits.wait("m1") == ExitStatus(0, None)
+    lines = driver.read_logs("m1", 40)
+    (sys_mount,) = [line for line in lines if line.startswith("sys: ")]
+    root, options = sys_mount.removeprefix("sys: ").split()
+    assert root == "/"  # a filesystem of its own, not a bind of part of one
+    assert "ro" in options.split(",")
+    assert "net: eth0 lo" in lines
+    assert "sys written" not in lines
+    assert "sys planted" not in lines
+    assert lines[-1] == "done"
+
+
+async def test_a_machine_s_cgroups_are_the_root_of_its_cgroup_namespace(
+    make_driver, image: Path
+) -> None:
+    """/proc/self/cgroup names the machine's own cgroups `/` in every hierarchy, not the host's
+    paths (crun's own cgroup namespace would be rooted where crun runs)."""
+    exits = Exits()
+    driver = make_driver(exits)
+    await run_machine(driver, spec("m1", sh("sed 's/^/cgroup: /' /proc/self/cgroup"), image))
+    assert await exits.wait("m1") == ExitStatus(0, None)
+    lines = [line for line in driver.read_logs("m1", 40) if line.startswith("cgroup: ")]
+    paths = {line.split(":", 3)[2]: line.split(":", 3)[3] for line in lines}
+    assert {"memory", "cpu", "pids"} <= paths.keys(), lines
+    assert set(paths.values()) == {"/"}, paths  # those, and every other hierarchy
+
+
+async def test_a_first_start_joins_the_cgroup_namespace_made_with_its_spare_cgroups(
+    make_driver, image: Path, prefix: str
+) -> None:
+    """Made ahead with the spare cgroups (off the start's way), the namespace stays rooted at
+    them once they are renamed into the machine's: a first start from a spare joins it."""
+    exits = Exits()
+    driver = make_driver(exits)
+    await run_machine(driver, spec("warm", sh("exec sleep 600"), image))
+    await wait_until(lambda: driver._spares.ready > 0, "a spare set")
+    made = {os.fstat(fd).st_ino for fd, _ in driver._spares._namespaces.values()}
+    assert made
+    script = "sed 's/^/cgroup: /' /proc/self/cgroup; exec sleep 600"
+    await run_machine(driver, spec("m1", sh(script), image))
+    await wait_until(  # (sed writes it all as it ends)
+        lambda: any(":pids:" in line for line in driver.read_logs("m1", 40)), "m1's cgroups"
+    )
+    (pid, *_) = cgroup_pids(prefix, "m1")
+    joined = int(os.readlink(f"/proc/{pid}/ns/cgroup").removeprefix("cgroup:[").rstrip("]"))
+    assert joined in made
+    lines = [line for line in driver.read_logs("m1", 40) if line.startswith("cgroup: ")]
+    assert {line.split(":", 3)[3] for line in lines} == {"/"}
+    for mid in ("warm", "m1"):
+        await driver.stop(mid, signal.SIGTERM, DEADLINE)
+
+
+UEVENT_LISTENER = """\
+import select, signal, socket, sys
+sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 15)  # NETLINK_KOBJECT_UEVENT
+sock.bind((0, 1))
+got = []
+def report(*_):
+    sock.setblocking(False)
+    while select.select([sock], [], [], 0)[0]:  # what came before the signal, read or not
+        got.append(sock.recv(65536))
+    print("uevents:", [part for g in got for part in g.split(b"\\0") if b"SYNTH_UUID" in part])
+    sys.exit(0)
+signal.signal(signal.SIGTERM, report)
+print("listening", flush=True)
+while True:
+    got.append(sock.recv(65536))
+"""
+
+
+def _uevent_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_KOBJECT_UEVENT)
+    sock.bind((0, 1))
+    sock.setblocking(False)
+    return sock
+
+
+def _in_a_new_network_namespace(make: Callable[[], socket.socket]) -> socket.socket:
+    """`make()` run in a network namespace of the host's users (as machines' were before),
+    by a thread that ends there: the socket keeps the namespace."""
+    made: list[socket.socket] = []
+
+    def run() -> None:
+        unshare(CLONE_NEWNET)
+        made.append(make())
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return made[0]
+
+
+def _uuids(sock: socket.socket) -> set[str]:
+    found = set()
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            for part in sock.recv(65536).split(b"\0"):
+                if part.startswith(b"SYNTH_UUID="):
+                    found.add(part.removeprefix(b"SYNTH_UUID=").decode())
+    return found
+
+
+async def test_no_host_uevent_reaches_a_machine(make_driver, image: Path) -> None:
+    """The host's kernel uevents go to every network namespace the initial user namespace
+    owns (the test's own, and one it makes as machines' were), never to a machine's, whose
+    own user namespace owns it. The uevents are synthetic `change` events of /dev/null,
+    each with a UUID of the test's: nothing on the host is added or removed (a veth made in
+    a namespace of the test's would not do: a network device's uevents stay in its
+    namespace)."""
+    if not Path(NULL_UEVENT).is_file():
+        pytest.skip(f"no {NULL_UEVENT} to trigger a uevent with")
+    host = _uevent_socket()
+    owned_by_host = _in_a_new_network_namespace(_uevent_socket)
+    exits = Exits()
+    driver = make_driver(exits)
+    try:
+        await run_machine(driver, spec("m1", ["python3", "-c", UEVENT_LISTENER], image))
+        await logged(driver, "m1", "listening")
+        sent = set()
+        for _ in range(3):
+            event = str(uuid.uuid4())
+            Path(NULL_UEVENT).write_text(f"change {event} NONOMAD=test")
+            sent.add(event)
+        seen: set[str] = set()
+        elsewhere: set[str] = set()
+
+        def all_arrived() -> bool:
+            seen.update(_uuids(host))
+            elsewhere.update(_uuids(owned_by_host))
+            return sent <= seen and sent <= elsewhere
+
+        # Broadcast at once to every listener it goes to: once these have them, the machine
+        # would have too.
+        await wait_until(all_arrived, "the host's listeners to receive the uevents")
+        await driver.stop("m1", signal.SIGTERM, timeout=DEADLINE)
+        (report,) = [line for line in driver.read_logs("m1", 20) if line.startswith("uevents:")]
+        assert report == "uevents: []"
+    finally:
+        host.close()
+        owned_by_host.close()
+
+
+NULL_UEVENT = "/sys/devices/virtual/mem/null/uevent"
+NETLINK_KOBJECT_UEVENT = 15  # (the socket module has no name for it)
+
+
+# -- where published ports are bound (issue 27) --------------------------------------------------
+
+
+def _listeners(port: int) -> list[str]:
+    """The addresses TCP sockets listen on for `port` in this (the host's) namespace."""
+    found = []
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, _, state = line.split()[1:4]
+        address, hex_port = local.split(":")
+        if state == "0A" and int(hex_port, 16) == port:
+            found.append(socket.inet_ntoa(bytes.fromhex(address)[::-1]))
+    return found
+
+
+async def test_a_published_port_is_bound_on_machine_host_alone(make_driver, image: Path) -> None:
+    """On a worker whose machine_host is not a loopback address, netd listens on that address
+    alone, not on 0.0.0.0 (every other interface of the host, a public one included): the port
+    stays free on loopback for anyone. Nothing is sent to that address: the test reads the
+    host's socket table."""
+    address = host_address()
+    if address is None:
+        pytest.skip("this host has no address but loopback ones")
+    exits = Exits()
+    driver = make_driver(exits, machine_host=address)
+    (port,) = driver.hold_ports("m1", range(24900, 25000), 1)
+    ports = (PortMapping(port, 8080),)
+    await driver.publish("m1", ports)
+    serve = "exec python3 -m http.server 8080 --bind 127.0.0.1"
+    await run_machine(driver, spec("m1", sh(serve), image, ports=ports))
+    await wait_until(lambda: bool(_listeners(port)), "netd to listen for the machine")
+    assert _listeners(port) == [address]
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", port))  # free there: nobody took every address
+    await driver.stop("m1", signal.SIGTERM, timeout=DEADLINE)
+
+
+def test_a_machine_host_that_is_not_of_this_host_is_refused(run_root: Path, prefix: str) -> None:
+    elsewhere = "203.0.113.7"  # TEST-NET-3: documentation only
+    if local_address(elsewhere) is not None:
+        pytest.skip(f"{elsewhere} is an address of this host")
+    with pytest.raises(InvalidArgument, match="machine_host"):
+        OciDriver(run_root, on_exit=Exits(), cgroup_prefix=prefix, machine_host=elsewhere)
+    assert not (run_root / ".netd.sock").exists()  # nothing started
+
+
+def test_flyd_with_a_machine_host_not_of_this_host_exits_saying_so(
+    tmp_path: Path, prefix: str
+) -> None:
+    elsewhere = "203.0.113.7"  # TEST-NET-3: documentation only
+    if local_address(elsewhere) is not None:
+        pytest.skip(f"{elsewhere} is an address of this host")
+    argv = ["--driver", "oci", "--cgroup-prefix", prefix, "--data-dir", str(tmp_path / "data")]
+    settings = load_settings(FlydSettings, [*argv, "--machine-host", elsewhere], prog="flyd")
+    with pytest.raises(SystemExit, match=r"machine_host: 203\.0\.113\.7 is not an address"):
+        make_flyd_driver(settings, Exits())

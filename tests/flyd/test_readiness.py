@@ -24,6 +24,7 @@ from flyd.settings import CapacitySettings
 from flyd.store import MemoryMachineLog
 from flyd.v1 import machine_pb2 as pb
 from runtime.clock import ManualClock
+from tests.flyd.driver_support import host_address
 from tests.flyd.support import (
     DEADLINE,
     STARTED,
@@ -276,9 +277,15 @@ async def test_a_change_to_one_machine_looks_at_that_machine_only(tmp_path: Path
         await eventually(lambda: probes.calls == calls + 1 + 2 * machines)
 
 
-def test_probes_go_to_loopback_only() -> None:
+def test_probes_go_to_addresses_of_this_host_only() -> None:
+    """Where the machines' ports are, when that is an address of this host (an OCI worker
+    binds them there alone); else loopback. Never beyond the host."""
     assert probe_host("127.0.0.2") == "127.0.0.2"
-    assert probe_host("10.0.0.1") == "127.0.0.1"
+    assert probe_host("localhost") == "127.0.0.1"
+    assert probe_host("10.0.0.1") == "127.0.0.1"  # (not an address of this host)
     assert probe_host("worker.example") == "127.0.0.1"
-    with pytest.raises(ValueError, match="loopback"):
+    own = host_address()
+    if own is not None:
+        assert probe_host(own) == own
+    with pytest.raises(ValueError, match="addresses of this host"):
         Readiness(rows={}, runner=None, clock=ManualClock(), host="10.0.0.1")  # type: ignore[arg-type]
