@@ -152,7 +152,9 @@ async def test_a_create_cancelled_at_any_await_leaves_the_worker_as_it_was(
         # The caller left at its k-th await: nothing of the create is left, anywhere.
         await back_to(flyd, before)
         k += 1
-    assert k > 5, "a create awaits more than that"
+    # How many of its awaits suspend depends on what is ready (spares, the disk thread), so
+    # on the machine's load: only that some did, and each was cancelled at, is certain.
+    assert k > 1, "the create never suspended: nothing was cancelled"
     # The one that was never cancelled made a machine; netd holds no more than spares more.
     assert flyd.worker.rows[f"c{k}"].state == STARTED
     assert netd_descriptors(flyd) <= descriptors + 2 * 2 + 2  # spares (user, net) and c{k}'s
