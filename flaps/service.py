@@ -680,7 +680,7 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
         )
         try:
             async for item in call:
-                yield m.GetMachineLogsResponse(line=item.line)
+                yield m.GetMachineLogsResponse(line=item.line, truncated_bytes=item.truncated_bytes)
         except grpc.aio.AioRpcError as err:
             raise Upstream(err) from None
         finally:

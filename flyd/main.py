@@ -50,8 +50,9 @@ from runtime.heap import no_full_collections
 
 log = structlog.get_logger("flyd")
 ANNOUNCE_TIMEOUT = 2.0
-# How often machine logs are checked against their size bound, image recency saved, and lazy
-# row changes (a released process's finished start) committed if no other commit carried them.
+# How often machine logs no copier bounds are checked against their size bound, image recency
+# saved, and lazy row changes (a released process's finished start) committed if no other
+# commit carried them.
 LOG_ROTATE_INTERVAL = 1.0
 
 
@@ -73,6 +74,7 @@ def make_driver(
         "cgroup_root": settings.cgroup_root,
         "cgroup_prefix": settings.cgroup_prefix,
         "max_log_bytes": settings.log_max_bytes,
+        "log_backups": settings.log_backups,
         "machine_host": settings.machine_host,
     }
     if choice == "oci":
@@ -178,7 +180,10 @@ async def build(argv: list[str]) -> Service:
     )
     register_worker(worker)  # gauges read at scrape time: nothing on the create path
     servicer = WorkerServicer(
-        worker, heartbeat_interval=settings.heartbeat_interval, draining=service.draining
+        worker,
+        heartbeat_interval=settings.heartbeat_interval,
+        draining=service.draining,
+        log_read_bytes=settings.log_read_bytes,
     )
     service.add(
         servicer,
@@ -195,7 +200,7 @@ async def build(argv: list[str]) -> Service:
         worker.recover()
         while not shutdown.is_set():
             await worker.flush()
-            driver.rotate_logs()
+            await asyncio.to_thread(driver.rotate_logs)  # it lists every run dir
             images.flush()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(shutdown.wait(), LOG_ROTATE_INTERVAL)

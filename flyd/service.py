@@ -22,6 +22,7 @@ from flyd.errors import (
     UnsafeImage,
 )
 from flyd.pages import page
+from flyd.settings import LOG_READ_BYTES
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
 from flyd.validate import CONFIG_LIMITS, PLACEMENT_LIMITS
@@ -90,11 +91,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     """Thin translation between requests and the Worker; all logic lives there."""
 
     def __init__(
-        self, worker: Worker, *, heartbeat_interval: float, draining: asyncio.Event
+        self,
+        worker: Worker,
+        *,
+        heartbeat_interval: float,
+        draining: asyncio.Event,
+        log_read_bytes: int = LOG_READ_BYTES,
     ) -> None:
         self.worker = worker
         self.heartbeat_interval = heartbeat_interval
         self.draining = draining
+        self.log_read_bytes = log_read_bytes
 
     async def CreateMachine(
         self, request: w.CreateMachineRequest, context: grpc.aio.ServicerContext
@@ -256,16 +263,26 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if request.tail_lines < 0 or request.tail_lines > MAX_TAIL:
             raise InvalidArgument("tail_lines", f"must be between 0 and {MAX_TAIL}")
         self.worker.get(request.machine_id)
-        tail = request.tail_lines or 100
-        # A line is cut to fit a message, whatever the machine printed without a newline.
-        for line in self.worker.driver.read_logs(request.machine_id, tail):
-            yield w.GetMachineLogsResponse(line=line[:MAX_LINE])
+        for item in await self._log_tail(request):
+            yield item
         if not request.follow:
             return
         async for line in self.worker.driver.follow_logs(
             request.machine_id, shutdown=self.draining
         ):
             yield w.GetMachineLogsResponse(line=line[:MAX_LINE])
+
+    async def _log_tail(self, request: w.GetMachineLogsRequest) -> list[w.GetMachineLogsResponse]:
+        """The tail a GetMachineLogs starts with: read off the loop, at most `log_read_bytes`
+        of the log; the first line says how much of the log before it was left out."""
+        tail = await self.worker.runner.read_logs(
+            request.machine_id, request.tail_lines or 100, self.log_read_bytes
+        )
+        # A line is cut to fit a message, whatever the machine printed without a newline.
+        items = [w.GetMachineLogsResponse(line=line[:MAX_LINE]) for line in tail.lines]
+        if items:
+            items[0].truncated_bytes = tail.truncated_bytes
+        return items
 
     async def CordonWorker(
         self, request: w.CordonWorkerRequest, context: grpc.aio.ServicerContext

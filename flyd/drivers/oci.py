@@ -73,7 +73,7 @@ from flyd.drivers.crun import (
     hybrid_cgroups,
 )
 from flyd.drivers.crun import probe as crun_probe
-from flyd.drivers.logs import LOG_NAME, open_output
+from flyd.drivers.logs import LOG_NAME, Copier
 from flyd.drivers.namespaces import idmapped_tree
 from flyd.drivers.netclient import Netd, NetdGone
 from flyd.drivers.ports import bind_port
@@ -88,6 +88,7 @@ log = structlog.get_logger(__name__)
 
 UIDS_PER_MACHINE = 65536
 _READY_TIMEOUT_S = 30.0
+_CRUN_SAID_BYTES = 16 << 10  # of the log, read for the reason a container could not be made
 _EXEC_WAIT_S = 1.0  # how long a signal waits for a just-started container's init
 _SLOT_FILE = "slot"
 _EGRESS_FILE = "egress"  # present while the machine's last start asked for egress
@@ -259,7 +260,7 @@ class OciDriver(WrappedDriver):
             if isinstance(e, OSError):
                 raise Unavailable(f"cannot prepare machine {mid}: {e}") from e
             raise
-        log_fd = prepared.log_fd
+        log_fd, copier = prepared.log_fd, prepared.copier
         b = oci_bundle.Bundle(
             run_dir=run_dir,
             view=_VIEW if self._bind_view else run_dir,
@@ -289,6 +290,7 @@ class OciDriver(WrappedDriver):
                 f.write(json.dumps(spec_json))
         except OSError as e:
             _close(log_fd, hold_r, hold_w, ready_r, ready_w)
+            copier.close()
             await self._down(mid)
             raise Unavailable(f"cannot prepare machine {mid}: {e}") from e
         try:
@@ -299,12 +301,14 @@ class OciDriver(WrappedDriver):
                 os.close(userns)
         except OSError as e:
             _close(log_fd, hold_r, hold_w, ready_r, ready_w)
+            copier.close()
             await self._down(mid)
             raise Unavailable(f"cannot map the image into machine {mid}: {e}") from e
         try:
             mounts = self._mounts(run_dir, prepared.layers, lower)
         except OSError as e:
             _close(log_fd, lower, hold_r, hold_w, ready_r, ready_w)
+            copier.close()
             await self._down(mid)
             raise Unavailable(f"cannot prepare machine {mid}: {e}") from e
         script = oci_wrapper_script(
@@ -336,6 +340,7 @@ class OciDriver(WrappedDriver):
             )
         except OSError as e:
             _close(hold_w, ready_r)
+            copier.close()  # with log_fd closed below, it reads the end of its pipe and exits
             await self._down(mid)
             raise Unavailable(f"cannot start machine {mid}: {e}") from e
         finally:
@@ -345,7 +350,7 @@ class OciDriver(WrappedDriver):
         handle = Handle(pid=popen.pid, start_time=proc.start_time, boot_id=self._boot_id)
         self._run_dirs.write_handle(mid, handle)
         loop = asyncio.get_running_loop()
-        w = self._watch(loop, mid, handle, os.pidfd_open(popen.pid), popen)
+        w = self._watch(loop, mid, handle, os.pidfd_open(popen.pid), popen, copier)
         w.go_fd = hold_w
         w.starting = True
         try:
@@ -392,7 +397,9 @@ class OciDriver(WrappedDriver):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(w.exited), 5.0)
         await self._down(w.machine_id)
-        tail = "; ".join(self.read_logs(w.machine_id, 5))
+        # What crun said: its exit was reported once its copier wrote it all.
+        said = await asyncio.to_thread(self.read_logs, w.machine_id, 5, _CRUN_SAID_BYTES)
+        tail = "; ".join(said.lines)
         if w.exited.done() and not w.exited.cancelled() and w.exited.exception() is None:
             raise Unavailable(
                 f"machine {w.machine_id}: the container could not be made "
@@ -748,8 +755,8 @@ class OciDriver(WrappedDriver):
         address: str,
     ) -> _Disk:
         """In a thread: the run dir and cgroups (`spare`, if claimed, on a first start), the
-        machine's new slot if it has one, its layers, its /etc files and its log. Raises
-        OSError.
+        machine's new slot if it has one, its layers, its /etc files and its log's copier.
+        Raises OSError.
         """
         mid = spec.machine_id
         run_dir = self._run_dirs.path(mid)
@@ -760,7 +767,7 @@ class OciDriver(WrappedDriver):
         layers = self._prepare_layers(run_dir, root_uid, spec)
         delete_container(self._crun_root, mid)  # what a killed crun left
         etc = oci_bundle.write_etc(run_dir / "etc", mid, address, host_runtime=spec.host_runtime)
-        return _Disk(cgroup_procs, layers, etc, open_output(run_dir))
+        return _Disk(cgroup_procs, layers, etc, *self._start_copier(mid))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -770,13 +777,15 @@ class _Disk:
     cgroup_procs: list[Path]
     layers: dict[str, Path]
     etc_files: list[str]
-    log_fd: int  # the caller's to close
+    log_fd: int  # the machine's end of its output pipe: the caller's to close
+    copier: Copier
 
 
 def _close_log(done: asyncio.Future[_Disk]) -> None:
-    """Close the log a `_prepare_disk` opened for a start that failed meanwhile."""
+    """Let go of the copier a `_prepare_disk` started for a start that failed meanwhile."""
     if not done.cancelled() and done.exception() is None:
         os.close(done.result().log_fd)
+        done.result().copier.close()
 
 
 def _write_slot(run_dir: Path, slot: int) -> None:

@@ -106,7 +106,8 @@ class WorkerServiceStub:
     GetMachineLogs: _grpc.UnaryStreamMultiCallable[_worker_pb2.GetMachineLogsRequest, _worker_pb2.GetMachineLogsResponse]
     """Streams the machine's log lines; with follow, keeps streaming new lines
     until the client cancels or the machine is destroyed. NOT_FOUND for an
-    unknown id, INVALID_ARGUMENT for tail_lines outside 0..10000.
+    unknown id, INVALID_ARGUMENT for tail_lines outside 0..10000. The tail
+    reads at most a set number of bytes of the log (see truncated_bytes).
     """
     CordonWorker: _grpc.UnaryUnaryMultiCallable[_worker_pb2.CordonWorkerRequest, _worker_pb2.CordonWorkerResponse]
     """Cordons (or uncordons) the worker: a cordoned worker refuses new
@@ -230,7 +231,8 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     GetMachineLogs: _aio.UnaryStreamMultiCallable[_worker_pb2.GetMachineLogsRequest, _worker_pb2.GetMachineLogsResponse]  # type: ignore[assignment]
     """Streams the machine's log lines; with follow, keeps streaming new lines
     until the client cancels or the machine is destroyed. NOT_FOUND for an
-    unknown id, INVALID_ARGUMENT for tail_lines outside 0..10000.
+    unknown id, INVALID_ARGUMENT for tail_lines outside 0..10000. The tail
+    reads at most a set number of bytes of the log (see truncated_bytes).
     """
     CordonWorker: _aio.UnaryUnaryMultiCallable[_worker_pb2.CordonWorkerRequest, _worker_pb2.CordonWorkerResponse]  # type: ignore[assignment]
     """Cordons (or uncordons) the worker: a cordoned worker refuses new
@@ -423,7 +425,8 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_worker_pb2.GetMachineLogsResponse], _abc.AsyncIterator[_worker_pb2.GetMachineLogsResponse]]:
         """Streams the machine's log lines; with follow, keeps streaming new lines
         until the client cancels or the machine is destroyed. NOT_FOUND for an
-        unknown id, INVALID_ARGUMENT for tail_lines outside 0..10000.
+        unknown id, INVALID_ARGUMENT for tail_lines outside 0..10000. The tail
+        reads at most a set number of bytes of the log (see truncated_bytes).
         """
 
     @_abc_1.abstractmethod

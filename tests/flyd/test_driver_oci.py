@@ -35,6 +35,7 @@ from tests.flyd.driver_support import (
     OCI_UNAVAILABLE,
     Exits,
     cgroup_pids,
+    log_lines,
     logged,
     run_machine,
     sh,
@@ -90,7 +91,7 @@ async def test_a_machine_is_hardened(make_driver, image: Path) -> None:
     )
     await run_machine(driver, spec("m1", sh(script), image))
     assert await exits.wait("m1") == ExitStatus(0, None)
-    lines = driver.read_logs("m1", 20)
+    lines = log_lines(driver, "m1", 20)
     fields = dict(line.split(":\t", 1) for line in lines if ":\t" in line)
     assert fields["NoNewPrivs"] == "1"
     assert fields["Seccomp"] == "2"  # a filter
@@ -192,9 +193,9 @@ async def test_a_first_start_from_a_spare_gets_its_mount_points_made_ahead_as_it
         await wait_until(lambda: driver._spares.ready > 0, "a spare run dir")
         await run_machine(driver, spec(mid, sh(script), image, host_runtime=True))
         await logged(driver, mid, "wrote")
-    plain_lines = driver.read_logs("m-plain", 5)
+    plain_lines = log_lines(driver, "m-plain", 5)
     assert plain_lines[0] == "0 755"  # the machine's root owns its /etc
-    own_lines = driver.read_logs("m-own", 5)
+    own_lines = log_lines(driver, "m-own", 5)
     assert own_lines[0] == "0 750"  # the image's own /etc, not one made ahead
     assert "mine" in own_lines
     upper = driver._run_dirs.path("m-plain") / "upper"
@@ -269,7 +270,7 @@ async def test_an_image_with_no_host_runtime_has_only_its_own_files_and_user(
 
 def _line(driver: OciDriver, prefix: str) -> str | None:
     """The rest of m1's first log line that starts with `prefix`, if it printed one."""
-    lines = [line for line in driver.read_logs("m1", 20) if line.startswith(prefix)]
+    lines = [line for line in log_lines(driver, "m1", 20) if line.startswith(prefix)]
     return lines[0].removeprefix(prefix) if lines else None
 
 
@@ -331,7 +332,7 @@ async def test_a_run_root_anyone_can_search_needs_no_bind_of_the_run_dir(prefix:
         assert driver._bind_view is False
         await run_machine(driver, spec("m1", sh("echo hello"), base / "image"))
         assert await exits.wait("m1") == ExitStatus(0, None)
-        assert driver.read_logs("m1", 1) == ["hello"]
+        assert log_lines(driver, "m1", 1) == ["hello"]
         # The bundle's spec holds its environment: it was root's alone, and is gone once read.
         assert not (base / "run" / "m1" / "config.json").exists()
     finally:

@@ -24,6 +24,7 @@ from flyd.errors import DOMAIN
 from flyd.fakes import FakeHost
 from flyd.secrets import SecretBox
 from flyd.service import LIMITS, WorkerServicer, map_error
+from flyd.settings import LOG_READ_BYTES
 from flyd.store import MemoryMachineLog
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
@@ -103,8 +104,21 @@ def heartbeat_interval() -> float:
 
 
 @pytest.fixture
-def grpc_servicer(flyd: Flyd, draining: asyncio.Event, heartbeat_interval: float) -> WorkerServicer:
-    return WorkerServicer(flyd.worker, heartbeat_interval=heartbeat_interval, draining=draining)
+def log_read_bytes() -> int:
+    """The most of a log one GetMachineLogs reads (flyd --log-read-bytes)."""
+    return LOG_READ_BYTES
+
+
+@pytest.fixture
+def grpc_servicer(
+    flyd: Flyd, draining: asyncio.Event, heartbeat_interval: float, log_read_bytes: int
+) -> WorkerServicer:
+    return WorkerServicer(
+        flyd.worker,
+        heartbeat_interval=heartbeat_interval,
+        draining=draining,
+        log_read_bytes=log_read_bytes,
+    )
 
 
 async def create(
@@ -296,6 +310,35 @@ async def test_machine_logs_tail_then_follow(servicer_stub: Stub, flyd: Flyd) ->
         assert (await call.read()).line == "line 5"
     finally:
         call.cancel()
+
+
+@pytest.mark.parametrize("log_read_bytes", [20])
+async def test_a_log_tail_keeps_to_its_byte_cap_and_says_what_it_left_out(
+    servicer_stub: Stub, flyd: Flyd
+) -> None:
+    await create(servicer_stub)
+    for i in range(5):
+        flyd.driver.write_log("m1", f"line {i}")  # 7 bytes each, with its newline
+    request = w.GetMachineLogsRequest(machine_id="m1", tail_lines=5)
+    items = [item async for item in servicer_stub.GetMachineLogs(request, timeout=T)]
+    assert [(item.line, item.truncated_bytes) for item in items] == [("line 3", 21), ("line 4", 0)]
+
+
+async def test_a_log_read_in_flight_holds_up_no_other_call(servicer_stub: Stub, flyd: Flyd) -> None:
+    await create(servicer_stub)
+    flyd.driver.write_log("m1", "hello")
+    hold = flyd.driver.host.hold_log_reads()
+    call = servicer_stub.GetMachineLogs(w.GetMachineLogsRequest(machine_id="m1"), timeout=T)
+    first = asyncio.ensure_future(call.read())
+    assert await asyncio.to_thread(hold.waiting.acquire, timeout=T)  # it waits, in its thread
+    # Meanwhile the worker answers everything else.
+    capacity = await servicer_stub.GetCapacity(w.GetCapacityRequest(), timeout=T)
+    assert capacity.worker.id == "w1"
+    machine = await servicer_stub.GetMachine(w.GetMachineRequest(machine_id="m1"), timeout=T)
+    assert machine.machine.state == STARTED
+    assert not first.done()
+    hold.let_go()
+    assert (await first).line == "hello"
 
 
 async def test_a_cordoned_worker_refuses_new_machines_only(servicer_stub: Stub) -> None:
