@@ -56,6 +56,7 @@ from flyd.drivers.procfs import open_pidfd, read_proc_stat
 from flyd.errors import CorruptLog
 
 __all__ = [
+    "COPIER_HANDLE",
     "LOG_NAME",
     "MAX_LINE",
     "Copier",

@@ -16,8 +16,18 @@ from pathlib import Path
 import pytest
 
 from flyd.drivers.base import ExitStatus, LogTail
-from flyd.drivers.logs import LOG_NAME, MAX_LINE, read_tail
-from tests.flyd.driver_support import Exits, log_lines, run_machine, sh, spec
+from flyd.drivers.logs import COPIER_HANDLE, LOG_NAME, MAX_LINE, read_tail
+from flyd.drivers.rundir import kill_all
+from tests.flyd.driver_support import (
+    Exits,
+    gone,
+    log_lines,
+    logged,
+    run_machine,
+    sh,
+    spec,
+    wait_until,
+)
 
 BUDGET = 1 << 20
 
@@ -209,3 +219,17 @@ async def test_output_written_before_an_exit_is_in_the_log_when_it_is_reported(
     await run_machine(driver, spec("m1", sh("seq 1 20000; echo last >&2"), image))
     await exits.wait("m1")
     assert log_lines(driver, "m1", 2) == ["20000", "last"]
+
+
+async def test_tearing_a_worker_down_ends_the_copiers_too(
+    make_driver, run_root: Path, image: Path
+) -> None:
+    exits = Exits()
+    driver = make_driver(exits)
+    # Something of the machine's escapes its process group and keeps its stdout open.
+    await run_machine(driver, spec("m1", sh("setsid sleep 1000 & echo up; sleep 1000"), image))
+    await logged(driver, "m1", "up")
+    copier = json.loads((run_root / "m1" / COPIER_HANDLE).read_text())["pid"]
+    await driver.close()
+    kill_all(run_root)
+    await wait_until(lambda: gone(copier), "the copier to end")
