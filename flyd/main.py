@@ -184,6 +184,7 @@ async def build(argv: list[str]) -> Service:
         heartbeat_interval=settings.heartbeat_interval,
         draining=service.draining,
         log_read_bytes=settings.log_read_bytes,
+        streams_per_caller=settings.streams_per_caller,
     )
     service.add(
         servicer,

@@ -22,13 +22,14 @@ from flyd.errors import (
     UnsafeImage,
 )
 from flyd.pages import page
-from flyd.settings import LOG_READ_BYTES
+from flyd.settings import LOG_READ_BYTES, STREAMS_PER_CALLER
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
 from flyd.validate import CONFIG_LIMITS, PLACEMENT_LIMITS
 from flyd.worker import Worker
 from runtime import Mapped, cluster_peer
 from runtime.limits import DEFAULT_LIMITS, Limits
+from runtime.streams import CallerCaps, caller_name
 from runtime.validate import check_name, duration_seconds, parse_signal
 
 # Checked in order: the first matching class decides (subclasses before their bases).
@@ -97,11 +98,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         heartbeat_interval: float,
         draining: asyncio.Event,
         log_read_bytes: int = LOG_READ_BYTES,
+        streams_per_caller: int = STREAMS_PER_CALLER,
     ) -> None:
         self.worker = worker
         self.heartbeat_interval = heartbeat_interval
         self.draining = draining
         self.log_read_bytes = log_read_bytes
+        self.streams = CallerCaps(
+            limit=streams_per_caller, setting="--streams-per-caller", domain=DOMAIN
+        )
 
     async def CreateMachine(
         self, request: w.CreateMachineRequest, context: grpc.aio.ServicerContext
@@ -236,9 +241,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             maximum=MAX_WAIT,
             present=request.HasField("timeout"),
         )
-        machine = await self.worker.wait(
-            request.machine_id, request.state, timeout, request.instance_id, ready=request.ready
-        )
+        async with self.streams.hold(context, "WaitMachine calls", caller_name(context)):
+            machine = await self.worker.wait(
+                request.machine_id, request.state, timeout, request.instance_id, ready=request.ready
+            )
         return w.WaitMachineResponse(machine=machine)
 
     async def GetCapacity(
@@ -249,13 +255,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def WatchEvents(
         self, request: w.WatchEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[w.WatchEventsResponse]:
-        async for item in self.worker.watch(
-            request.from_seq,
-            heartbeat_interval=self.heartbeat_interval,
-            stop=self.draining,
-            log_epoch=request.log_epoch,
-        ):
-            yield item
+        async with self.streams.hold(context, "WatchEvents streams", caller_name(context)):
+            async for item in self.worker.watch(
+                request.from_seq,
+                heartbeat_interval=self.heartbeat_interval,
+                stop=self.draining,
+                log_epoch=request.log_epoch,
+            ):
+                yield item
 
     async def GetMachineLogs(
         self, request: w.GetMachineLogsRequest, context: grpc.aio.ServicerContext
@@ -263,14 +270,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if request.tail_lines < 0 or request.tail_lines > MAX_TAIL:
             raise InvalidArgument("tail_lines", f"must be between 0 and {MAX_TAIL}")
         self.worker.get(request.machine_id)
-        for item in await self._log_tail(request):
-            yield item
         if not request.follow:
+            for item in await self._log_tail(request):
+                yield item
             return
-        async for line in self.worker.driver.follow_logs(
-            request.machine_id, shutdown=self.draining
+        async with self.streams.hold(
+            context, "GetMachineLogs follow streams", caller_name(context)
         ):
-            yield w.GetMachineLogsResponse(line=line[:MAX_LINE])
+            for item in await self._log_tail(request):
+                yield item
+            async for line in self.worker.driver.follow_logs(
+                request.machine_id, shutdown=self.draining
+            ):
+                yield w.GetMachineLogsResponse(line=line[:MAX_LINE])
 
     async def _log_tail(self, request: w.GetMachineLogsRequest) -> list[w.GetMachineLogsResponse]:
         """The tail a GetMachineLogs starts with: read off the loop, at most `log_read_bytes`

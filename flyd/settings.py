@@ -35,6 +35,8 @@ def parse_port_range(value: str) -> range:
 
 LOG_READ_BYTES = 1 << 20
 """Default of --log-read-bytes: the most of a machine's log one GetMachineLogs reads."""
+STREAMS_PER_CALLER = 1024
+"""Default of --streams-per-caller (flaps relays every client's streams as one caller)."""
 
 MAX_WORKER_ID = 63 - 13  # room for "-" and the 12 hex digits of a machine id
 
@@ -133,6 +135,13 @@ class FlydSettings(ServiceSettings):
         gt=0,
         description="most bytes of a machine's log one GetMachineLogs reads for its tail, "
         "however large the log: the first line says how much was left out",
+    )
+    streams_per_caller: int = Field(
+        default=STREAMS_PER_CALLER,
+        gt=0,
+        description="GetMachineLogs follow streams, WaitMachine calls and WatchEvents streams "
+        "one caller (a certificate's name, or a host) may have open at once, each kind counted "
+        "apart; one more is RESOURCE_EXHAUSTED (flaps relays all its clients' as one caller)",
     )
     log_keep: int = Field(default=10_000, gt=0, description="log records kept behind snapshots")
 

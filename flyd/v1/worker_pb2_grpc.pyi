@@ -108,6 +108,9 @@ class WorkerServiceStub:
     until the client cancels or the machine is destroyed. NOT_FOUND for an
     unknown id, INVALID_ARGUMENT for tail_lines outside 0..10000. The tail
     reads at most a set number of bytes of the log (see truncated_bytes).
+    RESOURCE_EXHAUSTED (ErrorInfo STREAM_CAP) when the caller already has as
+    many follow streams open as one caller may; likewise WaitMachine and
+    WatchEvents.
     """
     CordonWorker: _grpc.UnaryUnaryMultiCallable[_worker_pb2.CordonWorkerRequest, _worker_pb2.CordonWorkerResponse]
     """Cordons (or uncordons) the worker: a cordoned worker refuses new
@@ -233,6 +236,9 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     until the client cancels or the machine is destroyed. NOT_FOUND for an
     unknown id, INVALID_ARGUMENT for tail_lines outside 0..10000. The tail
     reads at most a set number of bytes of the log (see truncated_bytes).
+    RESOURCE_EXHAUSTED (ErrorInfo STREAM_CAP) when the caller already has as
+    many follow streams open as one caller may; likewise WaitMachine and
+    WatchEvents.
     """
     CordonWorker: _aio.UnaryUnaryMultiCallable[_worker_pb2.CordonWorkerRequest, _worker_pb2.CordonWorkerResponse]  # type: ignore[assignment]
     """Cordons (or uncordons) the worker: a cordoned worker refuses new
@@ -427,6 +433,9 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         until the client cancels or the machine is destroyed. NOT_FOUND for an
         unknown id, INVALID_ARGUMENT for tail_lines outside 0..10000. The tail
         reads at most a set number of bytes of the log (see truncated_bytes).
+        RESOURCE_EXHAUSTED (ErrorInfo STREAM_CAP) when the caller already has as
+        many follow streams open as one caller may; likewise WaitMachine and
+        WatchEvents.
         """
 
     @_abc_1.abstractmethod
