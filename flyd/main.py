@@ -17,6 +17,7 @@ from opentelemetry import trace
 
 from flyd import fsm
 from flyd.drivers.base import Driver, ExitStatus, Handle
+from flyd.drivers.fdlimit import machines_within, raise_nofile
 from flyd.drivers.oci import OciDriver
 from flyd.drivers.oci import probe as oci_probe
 from flyd.drivers.process import ProcessDriver
@@ -32,7 +33,7 @@ from flyd.store import LmdbMachineLog
 from flyd.traces import OpTracer
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2, worker_pb2_grpc
-from flyd.validate import EGRESS_LABEL
+from flyd.validate import CONFIG_LIMITS, EGRESS_LABEL
 from flyd.worker import Identity, Worker
 from registry.v1 import registry_pb2, registry_pb2_grpc
 from runtime import (
@@ -116,6 +117,27 @@ def _fall_back(problem: str) -> None:
     )
 
 
+def descriptor_budget(settings: FlydSettings) -> None:
+    """Raise flyd's descriptor limit as far as the host allows (netd, started by flyd,
+    inherits it) and take no more machines than it holds (`flyd.drivers.fdlimit`)."""
+    limit = raise_nofile()
+    ports = CONFIG_LIMITS.counts["flyd.v1.MachineConfig.services"]
+    fit = machines_within(limit, settings.capacity.machines, ports=ports)
+    if fit == 0:
+        raise SystemExit(f"flyd: a descriptor limit of {limit} holds no machine (ulimit -n)")
+    if fit < settings.capacity.machines:
+        log.warning(
+            "capacity_machines_lowered",
+            machines=fit,
+            asked=settings.capacity.machines,
+            nofile=limit,
+            message=f"the descriptor limit ({limit}, ulimit -n) holds {fit} machines, not "
+            f"{settings.capacity.machines}: this worker takes {fit}",
+        )
+        settings.capacity.machines = fit
+    log.info("descriptors", nofile=limit, machines=settings.capacity.machines)
+
+
 async def build(argv: list[str]) -> Service:
     """Open the log, recover every machine, and wire the gRPC service."""
     settings = settings_or_exit(FlydSettings, argv, "flyd")
@@ -126,6 +148,7 @@ async def build(argv: list[str]) -> Service:
     for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP):
         if signal.getsignal(sig) == signal.SIG_IGN:
             signal.signal(sig, signal.SIG_DFL)
+    descriptor_budget(settings)
     data = settings.data_dir
     data.mkdir(parents=True, exist_ok=True)
     store = LmdbMachineLog(data / "log")
