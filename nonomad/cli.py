@@ -75,6 +75,15 @@ def parser() -> argparse.ArgumentParser:
         default=8090,
         help="HTTP port of the web console on 127.0.0.1 (0 picks a free one)",
     )
+    up.add_argument(
+        "--worker-memory",
+        type=int,
+        default=1024,
+        metavar="MIB",
+        help="memory each worker's flyd may use, with what it starts (netd, wrappers): a "
+        "cgroup v1 memory limit of its own, so no machine can make it take the host's "
+        "(default %(default)s; 0: no limit)",
+    )
     up.add_argument("--demo", action="store_true", help="deploy the demo app in every region")
     up.add_argument(
         "--hosts",

@@ -29,6 +29,7 @@ __all__ = [
     "Cgroups",
     "OomCounters",
     "cpu_shares",
+    "limit_memory",
     "probe",
     "remove_tree",
     "v1_missing",
@@ -215,6 +216,15 @@ class Cgroups:
                     if e.errno != errno.EBUSY or loop.time() > deadline:
                         raise Unavailable(f"cannot remove cgroup {cg}: {e}") from e
                 await self._sleep(0.01)
+
+
+def limit_memory(memory_cgroup: Path, limit: int) -> None:
+    """Make the v1 memory cgroup `memory_cgroup` (or keep it) and limit it to `limit` bytes,
+    memory+swap too where the kernel accounts swap: a process of nonomad's own that joins it
+    (a local worker's flyd, and what it starts) can use no more. Raises OSError."""
+    memory_cgroup.mkdir(mode=0o755, exist_ok=True)
+    memsw = (memory_cgroup / "memory.memsw.limit_in_bytes").is_file()
+    _set_memory_limit(memory_cgroup, limit, memsw=memsw)
 
 
 def force_empty(memory_cgroup: Path) -> None:

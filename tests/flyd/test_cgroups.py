@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from flyd.drivers.cgroups import force_empty, remove_tree
+from flyd.drivers.cgroups import force_empty, limit_memory, remove_tree
 
 MEMORY = Path("/sys/fs/cgroup/memory")
 
@@ -53,3 +53,23 @@ def test_force_empty_of_a_cgroup_that_is_gone_or_has_no_memory_controller(
     with pytest.raises(FileNotFoundError):
         force_empty(MEMORY / prefix / "never-made")
     force_empty(tmp_path)  # a directory without memory.force_empty: nothing to do
+
+
+def test_a_memory_limit_of_its_own_holds_a_process_to_it(prefix: str) -> None:
+    """limit_memory, as `nonomad up` gives each worker's flyd: a process in it that asks for
+    more than the limit is killed there, and the host's memory is untouched."""
+    cg = MEMORY / prefix
+    cg.mkdir()
+    own = cg / "flyd"
+    limit_memory(own, 32 << 20)
+    assert int((own / "memory.limit_in_bytes").read_text()) == 32 << 20
+    limit_memory(own, 48 << 20)  # again, on the one that is there: only the limit changes
+    assert int((own / "memory.limit_in_bytes").read_text()) == 48 << 20
+    # A greedy process in it: killed by the kernel within the cgroup, at its limit.
+    greedy = subprocess.run(
+        ["sh", "-c", f"echo $$ > {own}/cgroup.procs && exec python3 -c 'b = bytearray(256 << 20)'"],
+        check=False,
+    )
+    assert greedy.returncode == -9
+    assert int((own / "memory.max_usage_in_bytes").read_text()) <= 48 << 20
+    assert remove_tree(cg)
