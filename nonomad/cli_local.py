@@ -27,7 +27,7 @@ import grpc
 import structlog
 
 from flaps.v1 import platform_pb2
-from flyd.drivers.cgroups import CONTROLLERS, limit_memory, remove_tree
+from flyd.drivers.cgroups import CONTROLLERS, joining, limit_memory, remove_tree
 from flyd.drivers.rundir import kill_all
 from flyd.images.build import build_image
 from flyd.v1 import machine_pb2 as pb
@@ -97,29 +97,17 @@ def _start(
     (a v1 memory cgroup's directory) from before its first instruction, when given."""
     logs = state / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    join = None
-    if memory_cgroup is not None:
-        procs = memory_cgroup / "cgroup.procs"
-
-        def join() -> None:  # in the child, before exec: all it ever takes is charged there
-            with open(procs, "w") as f:
-                f.write(str(os.getpid()))
-
+    argv = [sys.executable, "-c", f"from {module}.main import main; main()", "--listen", listen]
+    argv += args
+    if memory_cgroup is not None:  # all it ever takes is charged there
+        argv = joining(memory_cgroup, argv)
     with open(logs / f"{name}.log", "ab") as err:
         return subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                f"from {module}.main import main; main()",
-                "--listen",
-                listen,
-                *args,
-            ],
+            argv,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=err,
             start_new_session=True,  # Ctrl-C goes to `up`, which stops everything in order
-            preexec_fn=join,
         )
 
 
