@@ -1,16 +1,14 @@
-"""The descriptor limit of flyd's own processes (flyd, netd), raised at start as far as the host
+"""The descriptor limit of flyd (and the netd it starts), raised at start as far as the host
 allows, and how many machines fit in it.
 
 Each machine costs flyd descriptors for as long as it lives: the pidfds of its wrapper and its
 log's copier, and, while it is stopped, the sockets of the host ports it publishes (the process
 driver holds them); netd holds more (its namespaces, its ports, two per forwarded connection).
 Processes start with a soft limit of 1024 on most hosts: a worker would run out after some tens
-of machines, and then every machine's next start or connection fails alike. So each raises its
-soft limit to its hard one at start (netd, which flyd starts, inherits flyd's), and flyd takes
-no more machines than its limit holds at their most (`machines_within`): a machine is refused
-at create, as when memory runs out, instead of one machine's ports starving the others.
-
-Standard library only: netd imports it.
+of machines, and then every machine's next start or connection fails alike. So flyd raises its
+soft limit to its hard one at start (netd, which flyd starts, inherits it), and takes no more
+machines than its limit holds at their most (`machines_within`): a machine is refused at
+create, as when memory runs out, instead of one machine's ports starving the others.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ JSON answer each (`{"ok": ...}` or `{"error": "..."}`):
   with an uplink: both would be the hub's default route
 - `down {machine}`: drop its namespaces (it stopped); `forget {machine}`: and its ports
 
-It imports nothing but the standard library and four small siblings (no flyd runtime), so it
+It imports nothing but the standard library and three small siblings (no flyd runtime), so it
 starts in ~0.1 s.
 """
 
@@ -78,7 +78,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flyd.drivers import namespaces
-from flyd.drivers.fdlimit import raise_nofile
 from flyd.drivers.netlink import Rtnl, SockDiag
 from flyd.drivers.nft import (
     ROUTED,
@@ -863,7 +862,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--handle", help="write netd's process handle (JSON) here first")
     args = parser.parse_args(argv)
     os.umask(0o077)
-    raise_nofile()  # its ports and forwarded connections (flyd.drivers.fdlimit)
     host_netns, hub_netns, rtnl = _hub()
     netd = Netd(host_netns, hub_netns, rtnl)
     with contextlib.suppress(FileNotFoundError):
