@@ -1,5 +1,5 @@
 """Per-caller caps on flaps' long calls (issue 27): each token may hold so many followed logs
-and so many waits at once, whatever other tokens hold.
+and so many waits at once, whatever other tokens hold; and the caps' settings.
 
 flaps runs in-process as flaps.main wires it when it checks tokens (servicers guarded by
 flaps.auth, then wrapped by map_error), in front of the fake fleet of tests/flaps/support.py,
@@ -20,11 +20,14 @@ from flaps import auth, placement
 from flaps.auth import REASON_DOMAIN, Authorizer
 from flaps.errors import map_error
 from flaps.service import Exchange, MachinesServicer, Workers
+from flaps.settings import FlapsSettings
 from flaps.tokens import Keyring, new_key_line
 from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc
 from flyd.v1 import machine_pb2 as pb
-from runtime import Service, ServiceSettings
+from proxy.settings import ProxySettings
+from registry.settings import ReplicaSettings
+from runtime import Service, ServiceSettings, SettingsError, load_settings
 from runtime.streams import STREAM_CAP
 from tests.flaps.support import FakeFleet, fake_fleet
 from tests.flyd.support import config
@@ -119,3 +122,20 @@ async def test_each_token_waits_at_most_its_cap_at_once(flaps: Flaps) -> None:
         assert (await two.WaitMachine(started, timeout=T)).machine.id == mid
     finally:
         waiting.cancel()
+
+
+@pytest.mark.parametrize(
+    ("settings", "streams", "follows"),
+    [(FlapsSettings, 32, 64), (ProxySettings, None, 64)],
+)
+def test_the_caps_have_defaults_and_a_cap_of_none_is_refused_naming_it(
+    settings: type[ReplicaSettings], streams: int | None, follows: int
+) -> None:
+    loaded = load_settings(settings, [], prog="x")
+    assert getattr(loaded, "streams_per_caller", None) == streams
+    assert loaded.follows_per_caller == follows  # registry Follow, served by each of them
+    flags = ["--follows-per-caller"] + (["--streams-per-caller"] if streams else [])
+    for flag in flags:
+        field = flag.removeprefix("--").replace("-", "_")
+        with pytest.raises(SettingsError, match=f"{field}: Input should be greater than 0"):
+            load_settings(settings, [flag, "0"], prog="x")

@@ -1,4 +1,5 @@
-"""RegistryService's error mapping and the standalone settings (its RPCs: test_servicer.py)."""
+"""RegistryService's error mapping, the standalone settings and what serve_replica takes of
+them (its RPCs: test_servicer.py)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,11 @@ import grpc
 import pytest
 
 from registry.errors import InvalidArgument, RegistryError, SequenceGap, Unavailable
-from registry.service import RegistryServicer, map_error
-from registry.settings import RegistrySettings
+from registry.service import RegistryServicer, map_error, serve_replica
+from registry.settings import FOLLOWS_PER_CALLER, RegistrySettings
 from registry.v1 import registry_pb2 as r
 from registry.v1 import registry_pb2_grpc
-from runtime import SettingsError, load_settings
+from runtime import Service, SettingsError, load_settings
 
 
 def test_every_rpc_of_the_proto_is_implemented() -> None:
@@ -54,6 +55,23 @@ def test_settings_defaults_and_flags() -> None:
     assert settings.peers == ["10.0.0.1:7000"]
     assert settings.upstream is None
     assert (settings.suspect_after, settings.dead_after) == (0.6, 3.0)
+    assert settings.follows_per_caller == FOLLOWS_PER_CALLER
+
+
+@pytest.mark.parametrize(
+    ("argv", "cap"), [([], FOLLOWS_PER_CALLER), (["--follows-per-caller", "3"], 3)]
+)
+async def test_the_served_replica_caps_follow_streams_as_its_settings_say(
+    argv: list[str], cap: int
+) -> None:
+    settings = load_settings(RegistrySettings, argv, prog="registry")
+    served: list[object] = []
+    serve_replica(
+        Service("registry", settings), settings.replica(), [], lambda s, _: served.append(s)
+    )
+    [servicer] = served
+    assert isinstance(servicer, RegistryServicer)
+    assert servicer.follows.limit == cap
 
 
 @pytest.mark.parametrize(
@@ -65,6 +83,7 @@ def test_settings_defaults_and_flags() -> None:
         (["--suspect-after", "0"], "suspect_after"),
         (["--suspect-after", "2", "--dead-after", "1"], "dead_after"),
         (["--retry-max", "0"], "retry_max"),
+        (["--follows-per-caller", "0"], "follows_per_caller"),
     ],
 )
 def test_bad_settings_name_the_setting(argv: list[str], named: str) -> None:
