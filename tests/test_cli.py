@@ -14,6 +14,8 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from nonomad.cli_local import cgroup_prefix, worker_memory_cgroup
 from tests.harness import REPO_ROOT, VENV_BIN, clean_env
 
@@ -293,10 +295,19 @@ def test_status_without_a_cluster_fails_clearly(tmp_path: Path) -> None:
     assert "no cluster runs from" in result.stderr
 
 
-def test_bad_flags_exit_2(tmp_path: Path) -> None:
-    result = nonomad("--state-dir", str(tmp_path), "up", "--workers-per-region", "0")
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--workers-per-region", "0"],
+        ["--worker-memory", "-1"],
+        ["--worker-memory", "64"],  # flyd would be OOM-killed while it starts
+    ],
+)
+def test_bad_flags_exit_2(tmp_path: Path, flags: list[str]) -> None:
+    result = nonomad("--state-dir", str(tmp_path), "up", *flags)
     assert result.returncode == 2
-    assert "--workers-per-region" in result.stderr
+    assert flags[0] in result.stderr
+    assert not list(tmp_path.iterdir())  # nothing was started or made
 
 
 def _roles(state: Path) -> dict[str, tuple[str, str, int]]:
