@@ -3,6 +3,8 @@ them (its RPCs: test_servicer.py)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 import pytest
 
@@ -58,6 +60,18 @@ def test_settings_defaults_and_flags() -> None:
     assert settings.follows_per_caller == FOLLOWS_PER_CALLER
 
 
+class Recording(Service):
+    """A Service that keeps what is added to it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.servicers: list[object] = []
+
+    def add(self, servicer: Any, *args: Any, **kwargs: Any) -> None:
+        self.servicers.append(servicer)
+        super().add(servicer, *args, **kwargs)
+
+
 @pytest.mark.parametrize(
     ("argv", "cap"), [([], FOLLOWS_PER_CALLER), (["--follows-per-caller", "3"], 3)]
 )
@@ -65,11 +79,9 @@ async def test_the_served_replica_caps_follow_streams_as_its_settings_say(
     argv: list[str], cap: int
 ) -> None:
     settings = load_settings(RegistrySettings, argv, prog="registry")
-    served: list[object] = []
-    serve_replica(
-        Service("registry", settings), settings.replica(), [], lambda s, _: served.append(s)
-    )
-    [servicer] = served
+    service = Recording("registry", settings)
+    serve_replica(service, settings.replica(), [])
+    [servicer] = service.servicers
     assert isinstance(servicer, RegistryServicer)
     assert servicer.follows.limit == cap
 
