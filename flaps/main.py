@@ -67,7 +67,7 @@ async def build(argv: list[str]) -> Service:
         service.spawn("revoked-tokens", revoked.watch)
     else:
         log.warning("no_token_keys", consequence="every caller may do anything")
-    machines = MachinesServicer(exchange)
+    machines = MachinesServicer(exchange, streams_per_caller=settings.streams_per_caller)
     platform = PlatformServicer(exchange)
     machines_service = machines_pb2.DESCRIPTOR.services_by_name["MachinesService"]
     platform_service = platform_pb2.DESCRIPTOR.services_by_name["PlatformService"]

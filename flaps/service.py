@@ -26,7 +26,7 @@ from google.rpc import error_details_pb2
 from opentelemetry import trace
 
 from flaps import auth, explain, metrics, placement
-from flaps.auth import current_grant
+from flaps.auth import REASON_DOMAIN, current_grant
 from flaps.errors import (
     DeadlineExceeded,
     InvalidArgument,
@@ -50,6 +50,7 @@ from registry.v1 import registry_pb2
 from registry.view import ALIVE
 from runtime import ChannelTLS, abort_with_details, aio_channel, time_left
 from runtime.limits import DEFAULT_LIMITS, Limits
+from runtime.streams import CallerCaps, caller_name
 from runtime.validate import check_name, duration_seconds, quote
 
 log = structlog.get_logger("flaps")
@@ -245,14 +246,28 @@ class Exchange:
         return out
 
 
+STREAMS_PER_CALLER = 32
+"""Default of flaps --streams-per-caller: followed logs and waits one token (or cluster part)
+may have open at once, each kind counted apart."""
+
+
+def _caller(context: grpc.aio.ServicerContext) -> str:
+    """Who a per-caller cap counts: the token's id, else the certificate's name or host."""
+    grant = current_grant()
+    return f"token {grant.token_id}" if grant is not None else caller_name(context)
+
+
 class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
     """flaps.v1.MachinesService."""
 
-    def __init__(self, exchange: Exchange) -> None:
+    def __init__(self, exchange: Exchange, *, streams_per_caller: int = STREAMS_PER_CALLER) -> None:
         self.x = exchange
         self._rollbacks: set[asyncio.Task[None]] = set()
         # Every object a call names is of its app (flyd.scope), on every path to a handler.
         auth.scoped(self, m.DESCRIPTOR.services_by_name["MachinesService"], exchange.app_of)
+        self.streams = CallerCaps(
+            limit=streams_per_caller, setting="--streams-per-caller", domain=REASON_DOMAIN
+        )
 
     async def _call(
         self, machine_id: str, rpc: str, request: object, timeout: float = RPC_TIMEOUT
@@ -624,18 +639,19 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
             maximum=MAX_WAIT,
             present=request.HasField("timeout"),
         )
-        resp = await self._call(
-            request.machine_id,
-            "WaitMachine",
-            w.WaitMachineRequest(
-                machine_id=request.machine_id,
-                state=request.state,
-                timeout=Duration(seconds=int(timeout), nanos=int(timeout % 1 * 1e9)),
-                instance_id=request.instance_id,
-                ready=request.ready,
-            ),
-            timeout=timeout + 5,
-        )
+        async with self.streams.hold(context, "WaitMachine calls", _caller(context)):
+            resp = await self._call(
+                request.machine_id,
+                "WaitMachine",
+                w.WaitMachineRequest(
+                    machine_id=request.machine_id,
+                    state=request.state,
+                    timeout=Duration(seconds=int(timeout), nanos=int(timeout % 1 * 1e9)),
+                    instance_id=request.instance_id,
+                    ready=request.ready,
+                ),
+                timeout=timeout + 5,
+            )
         assert isinstance(resp, w.WaitMachineResponse)
         return m.WaitMachineResponse(machine=resp.machine)
 
@@ -662,6 +678,17 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
     async def GetMachineLogs(
         self, request: m.GetMachineLogsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[m.GetMachineLogsResponse]:
+        if not request.follow:
+            async for item in self._logs(request):
+                yield item
+            return
+        async with self.streams.hold(context, "GetMachineLogs follow streams", _caller(context)):
+            async for item in self._logs(request):
+                yield item
+
+    async def _logs(
+        self, request: m.GetMachineLogsRequest
+    ) -> AsyncIterator[m.GetMachineLogsResponse]:
         stub = self.x.workers.stub(self.x.workers.owner(request.machine_id))
         # A followed stream lasts as long as the client wants it; the client's cancel ends it.
         call = stub.GetMachineLogs(
@@ -672,7 +699,7 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
         )
         try:
             async for item in call:
-                yield m.GetMachineLogsResponse(line=item.line)
+                yield m.GetMachineLogsResponse(line=item.line, truncated_bytes=item.truncated_bytes)
         except grpc.aio.AioRpcError as err:
             raise Upstream(err) from None
         finally:

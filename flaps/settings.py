@@ -8,6 +8,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from flaps.placement import DEFAULT_CURVE, Curve
+from flaps.service import STREAMS_PER_CALLER
 from flaps.tokens import REVOKED_FILE, Keyring, parse_revoked
 from registry.settings import ReplicaSettings
 
@@ -32,6 +33,12 @@ class FlapsSettings(ReplicaSettings):
         description="utility of utilization after placement, as [x, y] points spanning 0..1",
     )
     weights: WeightSettings = WeightSettings()
+    streams_per_caller: int = Field(
+        default=STREAMS_PER_CALLER,
+        gt=0,
+        description="followed logs, and waits, one token (or cluster part) may have open at "
+        "once, each kind counted apart: one more is RESOURCE_EXHAUSTED",
+    )
     token_keys: Path | None = Field(
         default=None,
         description="file of root keys (`nonomad tokens keygen`, mode 0600): every call to the "

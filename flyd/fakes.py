@@ -14,17 +14,20 @@ machine through the normal create path:
     "fake:ignore_stop"           ignores the stop signal: stop escalates to SIGKILL
 
 Signals sent with `signal` are recorded in `signals` and otherwise ignored; a test models a
-reaction with `exit`. Log lines come from `write_log`.
+reaction with `exit`. Log lines come from `write_log`. A log read blocks like the real one:
+called on the event loop it raises, and `FakeHost.hold_log_reads` keeps reads in flight (in
+their threads) until the test lets them go.
 """
 
 from __future__ import annotations
 
 import asyncio
 import signal
+import threading
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from flyd.drivers.base import Driver, ExitStatus, Handle, PortMapping, ProcessSpec
+from flyd.drivers.base import Driver, ExitStatus, Handle, LogTail, PortMapping, ProcessSpec
 from flyd.errors import (
     FailedPrecondition,
     FlydError,
@@ -35,9 +38,27 @@ from flyd.errors import (
 )
 from runtime.clock import Clock, ManualClock
 
-__all__ = ["FakeDriver", "FakeHost", "FakeScript"]
+__all__ = ["FakeDriver", "FakeHost", "FakeScript", "LogReadHold"]
 
 FAKE_BOOT_ID = "fake-boot"
+_HOLD_LIMIT_S = 30.0  # a held read that nobody lets go of ends with an error, not a hang
+
+
+class LogReadHold:
+    """Log reads in flight: each waits in its own thread until `let_go`."""
+
+    def __init__(self) -> None:
+        self.waiting = threading.Semaphore(0)
+        """Released once for each read that is waiting now."""
+        self._go = threading.Event()
+
+    def let_go(self) -> None:
+        self._go.set()
+
+    def wait(self) -> None:
+        self.waiting.release()
+        if not self._go.wait(_HOLD_LIMIT_S):
+            raise TimeoutError("a held log read was never let go of")
 
 
 @dataclass(frozen=True)
@@ -91,7 +112,13 @@ class FakeHost:
         # other programs (a test adds to `busy_ports`).
         self.held_ports: dict[str, set[int]] = {}
         self.busy_ports: set[int] = set()
+        self.log_hold: LogReadHold | None = None
         self._next_pid = 1000
+
+    def hold_log_reads(self) -> LogReadHold:
+        """From now on, log reads wait in their threads until the hold's `let_go`."""
+        self.log_hold = LogReadHold()
+        return self.log_hold
 
     def spawn(self, machine_id: str, script: FakeScript) -> Handle:
         """A new fake process for the machine, ending on its own after `script.run_for`."""
@@ -283,12 +310,35 @@ class FakeDriver:
     def rotate_logs(self) -> None:
         """Nothing to bound: fake logs live in memory."""
 
-    def read_logs(self, machine_id: str, tail_lines: int) -> list[str]:
-        """The last `tail_lines` lines written with `write_log`."""
+    def read_logs(self, machine_id: str, tail_lines: int, max_bytes: int) -> LogTail:
+        """The last `tail_lines` lines written with `write_log`, as many as fit `max_bytes`
+        (a line and its newline, UTF-8). Blocking, as a real read: refused on the loop."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            raise RuntimeError("read_logs blocks: call it off the event loop (a thread)")
         if tail_lines < 0:
             raise InvalidArgument("tail_lines", "must not be negative")
-        lines = self._logs(machine_id)
-        return lines[len(lines) - tail_lines :] if tail_lines else []
+        if max_bytes <= 0:
+            raise InvalidArgument("max_bytes", "must be positive")
+        lines = list(self._logs(machine_id))
+        if self.host.log_hold is not None:
+            self.host.log_hold.wait()
+        wanted = lines[max(0, len(lines) - tail_lines) :] if tail_lines else []
+        taken: list[str] = []  # newest first
+        used = 0
+        for line in reversed(wanted):
+            cost = len(line.encode()) + 1
+            if used + cost > max_bytes:
+                break
+            taken.append(line)
+            used += cost
+        truncated = 0
+        if len(taken) < len(wanted):  # the budget ran out first
+            truncated = sum(len(line.encode()) + 1 for line in lines[: len(lines) - len(taken)])
+        return LogTail(taken[::-1], truncated_bytes=truncated)
 
     def follow_logs(
         self,

@@ -18,6 +18,7 @@ from opentelemetry import trace
 from flyd import fsm
 from flyd.access import WORKER_ACCESS
 from flyd.drivers.base import Driver, ExitStatus, Handle
+from flyd.drivers.fdlimit import machines_within, raise_nofile
 from flyd.drivers.oci import OciDriver
 from flyd.drivers.oci import probe as oci_probe
 from flyd.drivers.process import ProcessDriver
@@ -33,7 +34,7 @@ from flyd.store import LmdbMachineLog
 from flyd.traces import OpTracer
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2, worker_pb2_grpc
-from flyd.validate import EGRESS_LABEL
+from flyd.validate import CONFIG_LIMITS, EGRESS_LABEL
 from flyd.worker import Identity, Worker
 from registry.v1 import registry_pb2, registry_pb2_grpc
 from runtime import (
@@ -52,8 +53,9 @@ from runtime.heap import no_full_collections
 
 log = structlog.get_logger("flyd")
 ANNOUNCE_TIMEOUT = 2.0
-# How often machine logs are checked against their size bound, image recency saved, and lazy
-# row changes (a released process's finished start) committed if no other commit carried them.
+# How often machine logs no copier bounds are checked against their size bound, image recency
+# saved, and lazy row changes (a released process's finished start) committed if no other
+# commit carried them.
 LOG_ROTATE_INTERVAL = 1.0
 
 
@@ -75,6 +77,7 @@ def make_driver(
         "cgroup_root": settings.cgroup_root,
         "cgroup_prefix": settings.cgroup_prefix,
         "max_log_bytes": settings.log_max_bytes,
+        "log_backups": settings.log_backups,
         "machine_host": settings.machine_host,
     }
     if choice == "oci":
@@ -116,6 +119,27 @@ def _fall_back(problem: str) -> None:
     )
 
 
+def descriptor_budget(settings: FlydSettings) -> None:
+    """Raise flyd's descriptor limit as far as the host allows (netd, started by flyd,
+    inherits it) and take no more machines than it holds (`flyd.drivers.fdlimit`)."""
+    limit = raise_nofile()
+    ports = CONFIG_LIMITS.counts["flyd.v1.MachineConfig.services"]
+    fit = machines_within(limit, settings.capacity.machines, ports=ports)
+    if fit == 0:
+        raise SystemExit(f"flyd: a descriptor limit of {limit} holds no machine (ulimit -n)")
+    if fit < settings.capacity.machines:
+        log.warning(
+            "capacity_machines_lowered",
+            machines=fit,
+            asked=settings.capacity.machines,
+            nofile=limit,
+            message=f"the descriptor limit ({limit}, ulimit -n) holds {fit} machines, not "
+            f"{settings.capacity.machines}: this worker takes {fit}",
+        )
+        settings.capacity.machines = fit
+    log.info("descriptors", nofile=limit, machines=settings.capacity.machines)
+
+
 async def build(argv: list[str]) -> Service:
     """Open the log, recover every machine, and wire the gRPC service."""
     settings = settings_or_exit(FlydSettings, argv, "flyd")
@@ -126,6 +150,7 @@ async def build(argv: list[str]) -> Service:
     for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP):
         if signal.getsignal(sig) == signal.SIG_IGN:
             signal.signal(sig, signal.SIG_DFL)
+    descriptor_budget(settings)
     data = settings.data_dir
     data.mkdir(parents=True, exist_ok=True)
     store = LmdbMachineLog(data / "log")
@@ -180,7 +205,11 @@ async def build(argv: list[str]) -> Service:
     )
     register_worker(worker)  # gauges read at scrape time: nothing on the create path
     servicer = WorkerServicer(
-        worker, heartbeat_interval=settings.heartbeat_interval, draining=service.draining
+        worker,
+        heartbeat_interval=settings.heartbeat_interval,
+        draining=service.draining,
+        log_read_bytes=settings.log_read_bytes,
+        streams_per_caller=settings.streams_per_caller,
     )
     # Over TLS, each RPC only for the parts whose role may call it (flyd.access).
     access.add(
@@ -200,7 +229,7 @@ async def build(argv: list[str]) -> Service:
         worker.recover()
         while not shutdown.is_set():
             await worker.flush()
-            driver.rotate_logs()
+            await asyncio.to_thread(driver.rotate_logs)  # it lists every run dir
             images.flush()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(shutdown.wait(), LOG_ROTATE_INTERVAL)

@@ -23,7 +23,7 @@ import structlog
 
 from flyd import fsm
 from flyd.commits import GroupCommit, durable
-from flyd.drivers.base import Driver, ExitStatus, Handle
+from flyd.drivers.base import Driver, ExitStatus, Handle, LogTail
 from flyd.errors import DeadlineExceeded, FailedPrecondition, NotFound
 from flyd.images.cache import ImageCache
 from flyd.metrics import CLEANUP_FAILURES, count_transition
@@ -44,6 +44,12 @@ S = pb.MachineState
 KEEP_DESTROYED = 1000
 # Characters of each of the last log lines a failed machine's row keeps.
 LOG_TAIL_CHARS = 1024
+# The last lines of its log an exit reads for the row, and the most bytes it reads for them.
+EXIT_TAIL_LINES = 20
+EXIT_TAIL_BYTES = 64 << 10
+LOG_READS = 4
+"""Log reads in flight at once (each in a thread, each holding up to its byte cap): what
+machine logs can cost flyd's memory, however many readers and exits there are."""
 _SPAWN_ONLY = (fsm.Spawn(),)
 
 
@@ -85,6 +91,7 @@ class Runner:
         self._locks: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._listeners: list[Callable[[str], None]] = []
+        self._log_reads = asyncio.Semaphore(LOG_READS)
         self.closing = False
 
     # --- start and stop ---------------------------------------------------
@@ -170,22 +177,35 @@ class Runner:
             listener(machine_id)
 
     def on_exit(self, machine_id: str, handle: Handle, status: ExitStatus) -> None:
-        """The driver's exit callback: turn it into an Exited event."""
+        """The driver's exit callback: turn it into an Exited event (`_exited`)."""
         if self.closing or machine_id not in self.rows:
             return
-        tail: tuple[str, ...] = ()
-        with contextlib.suppress(Exception):
-            # Cut, each line: the row (and every snapshot) must not grow with what it printed.
-            tail = tuple(line[:LOG_TAIL_CHARS] for line in self.driver.read_logs(machine_id, 20))
-        event = fsm.Exited(
-            handle.to_dict(),
-            status.exit_code,
-            status.signal,
-            status.oom_killed,
-            tail,
-            released=status.released,
-        )
-        self.spawn_task(self.drive(machine_id, event))
+        self.spawn_task(self._exited(machine_id, handle, status))
+
+    async def _exited(self, machine_id: str, handle: Handle, status: ExitStatus) -> None:
+        """Step the machine with its exit and the last lines it printed. The lock first, as
+        any step takes it: the exit keeps its place before steps asked for after it."""
+        async with self.lock(machine_id):
+            tail: tuple[str, ...] = ()
+            with contextlib.suppress(Exception):
+                said = await self.read_logs(machine_id, EXIT_TAIL_LINES, EXIT_TAIL_BYTES)
+                # Cut, each line: the row (and every snapshot) must not grow with what it said.
+                tail = tuple(line[:LOG_TAIL_CHARS] for line in said.lines)
+            event = fsm.Exited(
+                handle.to_dict(),
+                status.exit_code,
+                status.signal,
+                status.oom_killed,
+                tail,
+                released=status.released,
+            )
+            await self.drive_locked(machine_id, event)
+
+    async def read_logs(self, machine_id: str, tail_lines: int, max_bytes: int) -> LogTail:
+        """The machine's last `tail_lines` log lines, read in a thread (no other call waits
+        on it), at most `max_bytes` of the log, and at most `LOG_READS` reads at once."""
+        async with self._log_reads:
+            return await asyncio.to_thread(self.driver.read_logs, machine_id, tail_lines, max_bytes)
 
     def spawn_task(self, coro: Awaitable[None]) -> None:
         """Run `coro` in the background; `close` cancels it."""

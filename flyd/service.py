@@ -22,12 +22,14 @@ from flyd.errors import (
     UnsafeImage,
 )
 from flyd.pages import page
+from flyd.settings import LOG_READ_BYTES, STREAMS_PER_CALLER
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
 from flyd.validate import CONFIG_LIMITS, PLACEMENT_LIMITS
 from flyd.worker import Worker
 from runtime import Mapped
 from runtime.limits import DEFAULT_LIMITS, Limits
+from runtime.streams import CallerCaps, caller_name
 from runtime.validate import check_name, duration_seconds, parse_signal
 
 # Checked in order: the first matching class decides (subclasses before their bases).
@@ -88,11 +90,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     """Thin translation between requests and the Worker; all logic lives there."""
 
     def __init__(
-        self, worker: Worker, *, heartbeat_interval: float, draining: asyncio.Event
+        self,
+        worker: Worker,
+        *,
+        heartbeat_interval: float,
+        draining: asyncio.Event,
+        log_read_bytes: int = LOG_READ_BYTES,
+        streams_per_caller: int = STREAMS_PER_CALLER,
     ) -> None:
         self.worker = worker
         self.heartbeat_interval = heartbeat_interval
         self.draining = draining
+        self.log_read_bytes = log_read_bytes
+        self.streams = CallerCaps(
+            limit=streams_per_caller, setting="--streams-per-caller", domain=DOMAIN
+        )
 
     async def CreateMachine(
         self, request: w.CreateMachineRequest, context: grpc.aio.ServicerContext
@@ -218,9 +230,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             maximum=MAX_WAIT,
             present=request.HasField("timeout"),
         )
-        machine = await self.worker.wait(
-            request.machine_id, request.state, timeout, request.instance_id, ready=request.ready
-        )
+        async with self.streams.hold(context, "WaitMachine calls", caller_name(context)):
+            machine = await self.worker.wait(
+                request.machine_id, request.state, timeout, request.instance_id, ready=request.ready
+            )
         return w.WaitMachineResponse(machine=machine)
 
     async def GetCapacity(
@@ -231,13 +244,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def WatchEvents(
         self, request: w.WatchEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[w.WatchEventsResponse]:
-        async for item in self.worker.watch(
-            request.from_seq,
-            heartbeat_interval=self.heartbeat_interval,
-            stop=self.draining,
-            log_epoch=request.log_epoch,
-        ):
-            yield item
+        async with self.streams.hold(context, "WatchEvents streams", caller_name(context)):
+            async for item in self.worker.watch(
+                request.from_seq,
+                heartbeat_interval=self.heartbeat_interval,
+                stop=self.draining,
+                log_epoch=request.log_epoch,
+            ):
+                yield item
 
     async def GetMachineLogs(
         self, request: w.GetMachineLogsRequest, context: grpc.aio.ServicerContext
@@ -245,16 +259,31 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if request.tail_lines < 0 or request.tail_lines > MAX_TAIL:
             raise InvalidArgument("tail_lines", f"must be between 0 and {MAX_TAIL}")
         self.worker.get(request.machine_id)
-        tail = request.tail_lines or 100
-        # A line is cut to fit a message, whatever the machine printed without a newline.
-        for line in self.worker.driver.read_logs(request.machine_id, tail):
-            yield w.GetMachineLogsResponse(line=line[:MAX_LINE])
         if not request.follow:
+            for item in await self._log_tail(request):
+                yield item
             return
-        async for line in self.worker.driver.follow_logs(
-            request.machine_id, shutdown=self.draining
+        async with self.streams.hold(
+            context, "GetMachineLogs follow streams", caller_name(context)
         ):
-            yield w.GetMachineLogsResponse(line=line[:MAX_LINE])
+            for item in await self._log_tail(request):
+                yield item
+            async for line in self.worker.driver.follow_logs(
+                request.machine_id, shutdown=self.draining
+            ):
+                yield w.GetMachineLogsResponse(line=line[:MAX_LINE])
+
+    async def _log_tail(self, request: w.GetMachineLogsRequest) -> list[w.GetMachineLogsResponse]:
+        """The tail a GetMachineLogs starts with: read off the loop, at most `log_read_bytes`
+        of the log; the first line says how much of the log before it was left out."""
+        tail = await self.worker.runner.read_logs(
+            request.machine_id, request.tail_lines or 100, self.log_read_bytes
+        )
+        # A line is cut to fit a message, whatever the machine printed without a newline.
+        items = [w.GetMachineLogsResponse(line=line[:MAX_LINE]) for line in tail.lines]
+        if items:
+            items[0].truncated_bytes = tail.truncated_bytes
+        return items
 
     async def CordonWorker(
         self, request: w.CordonWorkerRequest, context: grpc.aio.ServicerContext

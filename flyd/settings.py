@@ -33,6 +33,11 @@ def parse_port_range(value: str) -> range:
     return range(lo, hi + 1)
 
 
+LOG_READ_BYTES = 1 << 20
+"""Default of --log-read-bytes: the most of a machine's log one GetMachineLogs reads."""
+STREAMS_PER_CALLER = 1024
+"""Default of --streams-per-caller (flaps relays every client's streams as one caller)."""
+
 MAX_WORKER_ID = 63 - 13  # room for "-" and the 12 hex digits of a machine id
 
 
@@ -122,6 +127,22 @@ class FlydSettings(ServiceSettings):
     restart_window: float = Field(default=300.0, gt=0, description="restart counting window, s")
     restart_max_retries: int = Field(default=10, gt=0, description="default on-failure retries")
     log_max_bytes: int = Field(default=1 << 20, gt=0, description="machine log size to rotate at")
+    log_backups: int = Field(
+        default=2, ge=0, description="rotated files of each machine log kept beside it"
+    )
+    log_read_bytes: int = Field(
+        default=LOG_READ_BYTES,
+        gt=0,
+        description="most bytes of a machine's log one GetMachineLogs reads for its tail, "
+        "however large the log: the first line says how much was left out",
+    )
+    streams_per_caller: int = Field(
+        default=STREAMS_PER_CALLER,
+        gt=0,
+        description="GetMachineLogs follow streams, WaitMachine calls and WatchEvents streams "
+        "one caller (a certificate's name, or a host) may have open at once, each kind counted "
+        "apart; one more is RESOURCE_EXHAUSTED (flaps relays all its clients' as one caller)",
+    )
     log_keep: int = Field(default=10_000, gt=0, description="log records kept behind snapshots")
 
     @model_validator(mode="after")

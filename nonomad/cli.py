@@ -75,6 +75,15 @@ def parser() -> argparse.ArgumentParser:
         default=8090,
         help="HTTP port of the web console on 127.0.0.1 (0 picks a free one)",
     )
+    up.add_argument(
+        "--worker-memory",
+        type=int,
+        default=1024,
+        metavar="MIB",
+        help="memory each worker's flyd may use, with what it starts (netd, wrappers): a "
+        "cgroup v1 memory limit of its own, so no machine can make it take the host's "
+        "(default %(default)s; at least 128; 0: no limit)",
+    )
     up.add_argument("--demo", action="store_true", help="deploy the demo app in every region")
     up.add_argument(
         "--hosts",
@@ -128,12 +137,21 @@ def command(func: str | Command) -> Command:
     return found
 
 
+MIN_WORKER_MEMORY = 128
+"""The least `up --worker-memory` (MiB) a flyd starts in (it has about 80 MiB resident)."""
+
+
 def main(argv: list[str] | None = None) -> None:
     """The `nonomad` console script: exit 0 ok, 1 an error from the platform, 2 bad usage."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         if getattr(args, "workers_per_region", 1) < 1:
             raise UsageError("--workers-per-region must be at least 1")
+        if not (getattr(args, "worker_memory", 0) == 0 or args.worker_memory >= MIN_WORKER_MEMORY):
+            # Less and flyd would be OOM-killed while it starts, saying nothing of why.
+            raise UsageError(
+                f"--worker-memory must be 0 (no limit) or at least {MIN_WORKER_MEMORY} (MiB)"
+            )
         code = command(args.func)(args)
         sys.stdout.flush()
     except CliError as err:

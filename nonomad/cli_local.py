@@ -28,7 +28,7 @@ import structlog
 
 from flaps.tokens import read_token
 from flaps.v1 import platform_pb2
-from flyd.drivers.cgroups import CONTROLLERS, remove_tree
+from flyd.drivers.cgroups import CONTROLLERS, joining, limit_memory, remove_tree
 from flyd.drivers.rundir import kill_all
 from flyd.images.build import build_image
 from flyd.v1 import machine_pb2 as pb
@@ -89,26 +89,49 @@ class WorkerProc:
 
 
 def _start(
-    state: Path, name: str, module: str, *args: str, listen: str = "127.0.0.1:0"
+    state: Path,
+    name: str,
+    module: str,
+    *args: str,
+    listen: str = "127.0.0.1:0",
+    memory_cgroup: Path | None = None,
 ) -> subprocess.Popen[bytes]:
-    """Start one service of the cluster with its log under the state dir."""
+    """Start one service of the cluster with its log under the state dir; in `memory_cgroup`
+    (a v1 memory cgroup's directory) from before its first instruction, when given."""
     logs = state / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-c", f"from {module}.main import main; main()", "--listen", listen]
+    argv += args
+    if memory_cgroup is not None:  # all it ever takes is charged there
+        argv = joining(memory_cgroup, argv)
     with open(logs / f"{name}.log", "ab") as err:
         return subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                f"from {module}.main import main; main()",
-                "--listen",
-                listen,
-                *args,
-            ],
+            argv,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=err,
             start_new_session=True,  # Ctrl-C goes to `up`, which stops everything in order
         )
+
+
+def worker_memory_cgroup(state: Path, worker_id: str) -> Path:
+    """The memory cgroup of a local worker's flyd: beside its machines' (`cgroup_prefix`),
+    never above them, so what they use is never flyd's."""
+    return CGROUP_ROOT / "memory" / f"{cgroup_prefix(state, worker_id)}.flyd"
+
+
+def _worker_memory(state: Path, worker_id: str, mib: int) -> Path | None:
+    """The worker's flyd's memory cgroup, limited to `mib` (made now); None, said once on
+    stderr, where cgroup v1 memory limits cannot be set (no limit asked for: None)."""
+    if mib <= 0:
+        return None
+    cg = worker_memory_cgroup(state, worker_id)
+    try:
+        limit_memory(cg, mib << 20)
+    except OSError as e:
+        print(f"warning: {worker_id}'s flyd runs without a memory limit: {e}", file=sys.stderr)
+        return None
+    return cg
 
 
 def _read_ready(
@@ -266,6 +289,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     procs: list[tuple[WorkerProc, subprocess.Popen[bytes]]] = []
     console: subprocess.Popen[bytes] | None = None  # read-only: the cluster runs on without it
     worker_args: dict[str, list[str]] = {}
+    worker_memory: dict[str, Path | None] = {}  # each flyd's own memory cgroup
     machine_ids: list[str] = []
     flaps_address = ""
     stop = StopSignals()
@@ -345,7 +369,11 @@ def cmd_up(args: argparse.Namespace) -> int:
                     "2",
                     *security.worker_args(worker_id),
                 ]
-                proc = _start(state, worker_id, "flyd", *worker_args[worker_id])
+                memory = _worker_memory(state, worker_id, args.worker_memory)
+                worker_memory[worker_id] = memory
+                proc = _start(
+                    state, worker_id, "flyd", *worker_args[worker_id], memory_cgroup=memory
+                )
                 address = _read_ready(proc, worker_id)
                 procs.append(
                     (
@@ -427,7 +455,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             print(f"\ntokens for one app: nonomad{here} tokens create --app demo --ops read")
         print(f"\nthe web console: {console_url}")
         print(_console_login(console_url, security))
-        watch = _Watch(state, procs, worker_args)
+        watch = _Watch(state, procs, worker_args, worker_memory)
         stop.run(watch.step, "Try a failover: nonomad workers kill|pause|resume|restart WORKER")
     finally:
         print("stopping...", flush=True)
@@ -453,6 +481,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         for worker_id in worker_args:
             for controller in CONTROLLERS:
                 remove_tree(CGROUP_ROOT / controller / cgroup_prefix(state, worker_id))
+            if worker_memory.get(worker_id) is not None:
+                remove_tree(worker_memory_cgroup(state, worker_id))
         pid_file.unlink(missing_ok=True)
         (state / CLUSTER_FILE).unlink(missing_ok=True)
         print("stopped")
@@ -481,10 +511,12 @@ class _Watch:
         state: Path,
         procs: list[tuple[WorkerProc, subprocess.Popen[bytes]]],
         worker_args: dict[str, list[str]],
+        worker_memory: dict[str, Path | None],
     ) -> None:
         self.state = state
         self.procs = procs
         self.worker_args = worker_args
+        self.worker_memory = worker_memory
         self.seen: dict[str, str] = {wp.worker_id: "running" for wp, _ in procs}
 
     def step(self) -> bool:
@@ -539,7 +571,12 @@ class _Watch:
         if old.stdout is not None:
             old.stdout.close()
         proc = _start(
-            self.state, worker_id, "flyd", *self.worker_args[worker_id], listen=wp.address
+            self.state,
+            worker_id,
+            "flyd",
+            *self.worker_args[worker_id],
+            listen=wp.address,
+            memory_cgroup=self.worker_memory.get(worker_id),  # the same limit, again
         )
         try:
             address = _read_ready(proc, worker_id)

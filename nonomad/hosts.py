@@ -4,7 +4,9 @@ Each host is a network namespace with one address on a private link the harness 
 bridge in a *fabric* namespace, `FABRIC`, one veth per host), and runs the same command line an
 operator would run on a real host: the `ExecStart` of the unit files under `deploy/`, with the
 variables of that role's environment file (`deploy/<role>.env`, the values of this layout put
-in place of the example's). So the unit files and docs/deploy.md cannot rot: this runs them.
+in place of the example's), held to the limits of its unit's [Service] section as systemd
+would hold it (LimitNOFILE; MemoryMax, a v1 memory cgroup of its own). So the unit files and
+docs/deploy.md cannot rot: this runs them.
 
 - flaps, the registry and the proxy each on a host of their own; flyd on one host per worker,
   with `--route-machines`: each worker's machine prefix is routed by every other host to that
@@ -31,6 +33,7 @@ import itertools
 import json
 import os
 import re
+import resource
 import shlex
 import signal
 import socket
@@ -40,11 +43,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from flyd.drivers.cgroups import remove_tree
+from flyd.drivers.cgroups import joining, limit_memory, remove_tree
 from flyd.drivers.namespaces import CLONE_NEWNET, setns
 from flyd.drivers.rundir import kill_all
 from nonomad.cli_workers import set_cut
@@ -56,7 +59,9 @@ __all__ = [
     "Host",
     "Hosts",
     "HostsError",
+    "UnitLimits",
     "netns_unavailable",
+    "read_limits",
     "read_unit",
     "set_cut",
     "sweep",
@@ -67,6 +72,7 @@ PREFIX = "nnh"
 RUN_MARK = "NNHOSTS_RUN"
 FABRIC = "fabric"
 NETNS_DIR = Path("/var/run/netns")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 NETWORK = ipaddress.IPv4Network("10.200.0.0/24")
 """The hosts' private link: flaps .2, registry .3, proxy .4, worker n .10+n."""
 ROLE_HOST = {"flaps": 2, "registry": 3, "proxy": 4}
@@ -126,6 +132,75 @@ def read_unit(path: Path) -> list[str]:
         if line.startswith("ExecStart="):
             return shlex.split(line.removeprefix("ExecStart="))
     raise HostsError(f"{path} has no ExecStart line")
+
+
+@dataclass(frozen=True)
+class UnitLimits:
+    """What a unit's [Service] section holds its service to, as systemd would: `nofile` its
+    descriptor limit (soft, hard: LimitNOFILE), `memory_max` its cgroup's memory (MemoryMax,
+    bytes). None: the unit sets none."""
+
+    nofile: tuple[int, int] | None = None
+    memory_max: int | None = None
+
+
+_SIZE = re.compile(r"(\d+)([KMGT]?)")
+_SCALE = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def read_limits(path: Path) -> UnitLimits:
+    """The LimitNOFILE (`N` or `SOFT:HARD`) and MemoryMax (`N`, with K, M, G or T, base 1024;
+    `infinity`: none) of a unit file's [Service] section. A form systemd takes but this does
+    not (a percentage, an infinite descriptor limit) is an error naming the key."""
+    section, nofile, memory_max = "", None, None
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line.startswith("[") and line.endswith("]"):
+            section = line[1:-1]
+            continue
+        key, sep, value = line.partition("=")
+        if section != "Service" or not sep:
+            continue
+        if key == "LimitNOFILE":
+            soft, _, hard = value.partition(":")
+            if not (soft.isdigit() and (hard or soft).isdigit()):
+                raise HostsError(f"{path}: LimitNOFILE={value} is not N or SOFT:HARD")
+            nofile = (int(soft), int(hard or soft))
+        elif key == "MemoryMax" and value != "infinity":
+            size = _SIZE.fullmatch(value)
+            if size is None:
+                raise HostsError(f"{path}: MemoryMax={value} is not bytes, K, M, G or T")
+            memory_max = int(size.group(1)) * _SCALE[size.group(2)]
+    return UnitLimits(nofile, memory_max)
+
+
+_CAP_SYS_RESOURCE = 24
+
+
+def applicable(limits: UnitLimits) -> UnitLimits:
+    """`limits` as this process can apply them: systemd (root, every capability) may raise a
+    descriptor limit past its own hard one; a harness without CAP_SYS_RESOURCE (a container)
+    cannot, and gives its services its own hard limit instead, saying so on stderr."""
+    if limits.nofile is None:
+        return limits
+    hard_now = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard_now == resource.RLIM_INFINITY or limits.nofile[1] <= hard_now or _may_raise():
+        return limits
+    soft, hard = (min(n, hard_now) for n in limits.nofile)
+    print(
+        f"nonomad.hosts: LimitNOFILE {limits.nofile[1]} is past this process's hard limit "
+        f"({hard_now}), which it may not raise: services get {hard}",
+        file=sys.stderr,
+    )
+    return replace(limits, nofile=(soft, hard))
+
+
+def _may_raise() -> bool:
+    """Whether this process holds CAP_SYS_RESOURCE (raises hard resource limits)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> _CAP_SYS_RESOURCE & 1)
+    return False
 
 
 _VAR = re.compile(r"\$\{(\w+)\}")
@@ -217,11 +292,11 @@ def _marked(tag: str) -> list[int]:
 
 
 def _cgroups(start: str) -> list[Path]:
-    """The cgroups (of every v1 controller flyd uses) whose names begin with `start`."""
-    root = Path("/sys/fs/cgroup")
+    """The cgroups (of every v1 controller flyd uses) whose names begin with `start`: a run's
+    machines', and its services' memory cgroups (`Hosts.memory_cgroup`)."""
     out = []
     for controller in ("memory", "cpu", "cpuacct", "pids", "cpu,cpuacct"):
-        base = root / controller
+        base = CGROUP_ROOT / controller
         if base.is_dir() and not base.is_symlink():
             out += [p for p in base.iterdir() if p.is_dir() and p.name.startswith(start)]
     return out
@@ -365,6 +440,7 @@ class Host:
     announced: dict[str, str] = field(default_factory=dict)
     log: Path = Path()
     network: str = ""  # a worker's machine prefix
+    limits: UnitLimits = field(default_factory=UnitLimits)  # its unit's, as applied
 
     @property
     def grpc(self) -> str:
@@ -539,8 +615,9 @@ class Hosts:
         )
         host.argv = command(host.role, host.env)
         host.log = self.root / "hosts" / name / f"{host.role}.log"
+        host.limits = applicable(read_limits(DEPLOY / UNITS[host.role]))
         with open(host.log, "ab") as err:
-            host.proc = self.popen(name, host.argv, stderr=err)
+            host.proc = self.popen(name, host.argv, limits=host.limits, stderr=err)
         try:
             host.announced = read_announcements(host.proc, READY_TIMEOUT)
         except RuntimeError as e:
@@ -548,23 +625,48 @@ class Hosts:
             raise HostsError(f"{name} did not start: {e}\n" + "\n".join(tail)) from None
         return host
 
-    def popen(self, name: str, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:
-        """`argv` started inside host `name` (stdout on a pipe, its own session), marked as this
-        run's so that a sweep finds it; `kwargs` go to Popen (stderr, say)."""
+    def popen(
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        limits: UnitLimits = UnitLimits(),
+        **kwargs: Any,
+    ) -> subprocess.Popen[bytes]:
+        """`argv` started inside host `name` (stdout on a pipe, its own session), held to
+        `limits` as systemd holds a unit's service (its descriptor limit; a memory cgroup of its
+        own, `memory_cgroup`), marked as this run's so that a sweep finds it; `kwargs` go to
+        Popen (stderr, say)."""
         env = {
             k: v
             for k, v in os.environ.items()
             if not k.startswith(("OTEL_", "NONOMAD_", "FLYD_", "FLAPS_", "PROXY_", "REGISTRY_"))
         }
         env[RUN_MARK] = self.tag
+        command = ["nsenter", f"--net={NETNS_DIR / self.hosts[name].netns}", "--", *argv]
+        if limits.nofile is not None:
+            command = ["prlimit", "--nofile={}:{}".format(*limits.nofile), "--", *command]
+        if limits.memory_max is not None:
+            cgroup = self.memory_cgroup(name)
+            try:
+                limit_memory(cgroup, limits.memory_max)
+            except OSError as e:
+                raise HostsError(f"{name}: its unit's MemoryMax cannot be set: {e}") from None
+            command = joining(cgroup, command)
         return subprocess.Popen(
-            ["nsenter", f"--net={NETNS_DIR / self.hosts[name].netns}", "--", *argv],
+            command,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             env=env,
             start_new_session=True,
             **kwargs,
         )
+
+    def memory_cgroup(self, name: str) -> Path:
+        """The v1 memory cgroup host `name`'s service runs in when its unit sets MemoryMax:
+        beside a worker's machines' cgroups (its `--cgroup-prefix`), never above them, named as
+        this run's so that `remove_run` and a sweep find it."""
+        return CGROUP_ROOT / "memory" / f"{PREFIX}{self.tag}-{name}.service"
 
     def _save(self) -> None:
         """hosts.json: what `nonomad workers partition|heal` needs to find the hosts."""

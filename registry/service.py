@@ -24,10 +24,14 @@ from registry.replica import (
     Replica,
     SubscriptionClosed,
 )
+from registry.settings import FOLLOWS_PER_CALLER, ReplicaSettings
 from registry.v1 import registry_pb2 as r
 from registry.v1 import registry_pb2_grpc
 from runtime import Service, access
+from runtime.streams import CallerCaps, caller_name
 from runtime.validate import check_name
+
+REASON_DOMAIN = "registry.nonomad"
 
 # Checked in order: the first matching class decides (subclasses before their bases).
 _CODES: list[tuple[type[RegistryError], grpc.StatusCode]] = [
@@ -52,7 +56,8 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
     `draining` (the embedding Service's `draining` event) ends Follow streams when shutdown
     begins, so that stopping the server need not wait out its grace period; without it they
     end when the replica stops. `follow_queue` bounds what each Follow stream may have queued:
-    a downstream further behind is sent a fresh snapshot instead.
+    a downstream further behind is sent a fresh snapshot instead. `follows_per_caller`: how
+    many Follow streams one caller may have open; one more is RESOURCE_EXHAUSTED.
     """
 
     def __init__(
@@ -61,10 +66,14 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         *,
         draining: asyncio.Event | None = None,
         follow_queue: int = FOLLOW_QUEUE,
+        follows_per_caller: int = FOLLOWS_PER_CALLER,
     ) -> None:
         self.replica = replica
         self.draining = draining
         self.follow_queue = follow_queue
+        self.follows = CallerCaps(
+            limit=follows_per_caller, setting="--follows-per-caller", domain=REASON_DOMAIN
+        )
 
     async def Announce(
         self, request: r.AnnounceRequest, context: grpc.aio.ServicerContext
@@ -102,6 +111,13 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
     async def Follow(
         self, request: r.FollowRequest, context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[r.FollowResponse, None]:
+        async with self.follows.hold(context, "Follow streams", caller_name(context)):
+            async for message in self.feed(request):
+                yield message
+
+    async def feed(self, request: r.FollowRequest) -> AsyncGenerator[r.FollowResponse, None]:
+        """What a Follow stream sends: the view, then each change (`Follow` counts the stream
+        against its caller's cap first)."""
         # The feed starts before the view is read: what it queues meanwhile is newer than, or
         # a repeat of, the snapshots (built one worker at a time, between yields).
         feed = self.replica.follow(self.follow_queue)
@@ -173,10 +189,18 @@ def serve_replica(service: Service, replica: Replica, workers: Iterable[str]) ->
     themselves to it, replicas share members with it), follow the seed `workers`, and run it
     while the service runs. Over TLS, for the cluster's parts only, as far as their roles go
     (registry.access), on every port the service has."""
+    settings = service.settings
+    servicer = RegistryServicer(
+        replica,
+        draining=service.draining,
+        follows_per_caller=settings.follows_per_caller
+        if isinstance(settings, ReplicaSettings)
+        else FOLLOWS_PER_CALLER,
+    )
     access.add(
         service,
         REGISTRY_ACCESS,
-        RegistryServicer(replica, draining=service.draining),
+        servicer,
         registry_pb2_grpc.add_RegistryServiceServicer_to_server,
         r.DESCRIPTOR.services_by_name["RegistryService"],
         map_error,

@@ -14,6 +14,10 @@ from pydantic_settings import SettingsConfigDict
 from registry.replica import Replica
 from runtime import ServiceSettings, aio_channel, parse_host_port
 
+FOLLOWS_PER_CALLER = 64
+"""Default of --follows-per-caller: the Follow streams one caller (a certificate's name, or a
+host) may have open at once; each holds a queue and is sent the whole view first."""
+
 
 class ReplicaSettings(ServiceSettings):
     """The settings of an embedded or standalone registry replica."""
@@ -38,6 +42,12 @@ class ReplicaSettings(ServiceSettings):
         default=1.0, gt=0, description="seconds without a heartbeat before a worker is dead"
     )
     retry_max: float = Field(default=2.0, ge=0.05, description="longest reconnect backoff, seconds")
+    follows_per_caller: int = Field(
+        default=FOLLOWS_PER_CALLER,
+        gt=0,
+        description="Follow streams of this replica one caller (a certificate's name, or a "
+        "host) may have open at once; one more is RESOURCE_EXHAUSTED",
+    )
     forget_after: float = Field(
         default=600.0,
         gt=0,

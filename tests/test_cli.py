@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from nonomad.cli_local import cgroup_prefix
+from nonomad.cli_local import cgroup_prefix, worker_memory_cgroup
 from tests.harness import REPO_ROOT, VENV_BIN, clean_env
 
 NONOMAD = [sys.executable, "-c", "from nonomad.cli import main; main()"]
@@ -213,6 +213,11 @@ def test_up_serves_the_demo_app_and_down_leaves_nothing_behind(tmp_path: Path) -
         assert listed.returncode == 0, listed.stderr
         assert json.loads(listed.stdout)["regions"][0]["name"] == "ams"
 
+        # Each worker's flyd runs in a memory cgroup of its own, limited: whatever a machine
+        # makes it do, it cannot take the host's memory.
+        for w in json.loads((state / "workers.json").read_text()):
+            assert in_limited_memory_cgroup(state, w["worker_id"], w["pid"])
+
         status = nonomad("--state-dir", str(state), "status", "--json")
         assert status.returncode == 0, status.stderr
         report = json.loads(status.stdout)
@@ -273,6 +278,8 @@ def test_up_serves_the_demo_app_and_down_leaves_nothing_behind(tmp_path: Path) -
             )
 
         assert eventually_true(swapped)
+        now = {w["worker_id"]: w["pid"] for w in json.loads((state / "workers.json").read_text())}
+        assert in_limited_memory_cgroup(state, victim, now[victim])  # restarted: the same cgroup
         listed = nonomad("--state-dir", str(state), "machines", "list", "demo")
         roles = {line.split()[0]: line.split()[3:5] for line in listed.stdout.splitlines()[1:]}
         assert roles == {primary["id"]: ["standby", "g1"], standby["id"]: ["primary", "g1"]}
@@ -290,11 +297,21 @@ def test_up_serves_the_demo_app_and_down_leaves_nothing_behind(tmp_path: Path) -
             for cg in Path("/sys/fs/cgroup").glob(f"*/{cgroup_prefix(state, w['worker_id'])}")
         ]
         assert left == []
+        assert not any(worker_memory_cgroup(state, w["worker_id"]).exists() for w in workers)
     finally:
         if up.poll() is None:
             up.send_signal(signal.SIGTERM)
             up.wait(30)
         up.stdout.close()
+
+
+def in_limited_memory_cgroup(state: Path, worker_id: str, pid: int) -> bool:
+    """Whether the process is in the worker's flyd memory cgroup, limited to `up`'s default."""
+    cg = worker_memory_cgroup(state, worker_id)
+    lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    [memory] = [line.split(":", 2)[2] for line in lines if line.split(":")[1] == "memory"]
+    limit = int((cg / "memory.limit_in_bytes").read_text())
+    return memory == f"/{cg.name}" and limit == 1024 << 20
 
 
 def listed_until(state: Path, app: str, count: int) -> list[dict[str, object]]:
@@ -316,10 +333,19 @@ def test_status_without_a_cluster_fails_clearly(tmp_path: Path) -> None:
     assert "no cluster runs from" in result.stderr
 
 
-def test_bad_flags_exit_2(tmp_path: Path) -> None:
-    result = nonomad("--state-dir", str(tmp_path), "up", "--workers-per-region", "0")
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--workers-per-region", "0"],
+        ["--worker-memory", "-1"],
+        ["--worker-memory", "64"],  # flyd would be OOM-killed while it starts
+    ],
+)
+def test_bad_flags_exit_2(tmp_path: Path, flags: list[str]) -> None:
+    result = nonomad("--state-dir", str(tmp_path), "up", *flags)
     assert result.returncode == 2
-    assert "--workers-per-region" in result.stderr
+    assert flags[0] in result.stderr
+    assert not list(tmp_path.iterdir())  # nothing was started or made
 
 
 def _roles(state: Path) -> dict[str, tuple[str, str, int]]:

@@ -723,16 +723,22 @@ class GetMachineLogsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     LINE_FIELD_NUMBER: _builtins.int
+    TRUNCATED_BYTES_FIELD_NUMBER: _builtins.int
     line: _builtins.str
     """One line of the machine's combined stdout and stderr, without newline."""
+    truncated_bytes: _builtins.int
+    """Set on the first line of a tail that a worker's byte cap on one read cut short: how many
+    bytes of the log come before this line and were not read (0: the tail is whole).
+    """
     def __init__(
         self,
         *,
         line: _builtins.str = ...,
+        truncated_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["line", b"line"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["line", b"line", "truncated_bytes", b"truncated_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

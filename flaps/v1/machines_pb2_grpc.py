@@ -250,7 +250,9 @@ class MachinesServiceServicer:
         """Streams the machine's log lines from its worker; with follow, keeps
         streaming new lines until the client cancels or the machine is destroyed.
         NOT_FOUND for an unknown id, INVALID_ARGUMENT for tail_lines outside
-        0..10000.
+        0..10000. RESOURCE_EXHAUSTED (ErrorInfo STREAM_CAP) when the caller's token
+        already has as many follow streams open as one caller may; likewise
+        WaitMachine.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

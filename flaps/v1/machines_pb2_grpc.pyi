@@ -99,7 +99,9 @@ class MachinesServiceStub:
     """Streams the machine's log lines from its worker; with follow, keeps
     streaming new lines until the client cancels or the machine is destroyed.
     NOT_FOUND for an unknown id, INVALID_ARGUMENT for tail_lines outside
-    0..10000.
+    0..10000. RESOURCE_EXHAUSTED (ErrorInfo STREAM_CAP) when the caller's token
+    already has as many follow streams open as one caller may; likewise
+    WaitMachine.
     """
     SupersedeMachine: _grpc.UnaryUnaryMultiCallable[_machines_pb2.SupersedeMachineRequest, _machines_pb2.SupersedeMachineResponse]
     """Tells the machine's worker that its slot moved on to `primary` at `generation` (see
@@ -184,7 +186,9 @@ class MachinesServiceAsyncStub(MachinesServiceStub):
     """Streams the machine's log lines from its worker; with follow, keeps
     streaming new lines until the client cancels or the machine is destroyed.
     NOT_FOUND for an unknown id, INVALID_ARGUMENT for tail_lines outside
-    0..10000.
+    0..10000. RESOURCE_EXHAUSTED (ErrorInfo STREAM_CAP) when the caller's token
+    already has as many follow streams open as one caller may; likewise
+    WaitMachine.
     """
     SupersedeMachine: _aio.UnaryUnaryMultiCallable[_machines_pb2.SupersedeMachineRequest, _machines_pb2.SupersedeMachineResponse]  # type: ignore[assignment]
     """Tells the machine's worker that its slot moved on to `primary` at `generation` (see
@@ -350,7 +354,9 @@ class MachinesServiceServicer(metaclass=_abc_1.ABCMeta):
         """Streams the machine's log lines from its worker; with follow, keeps
         streaming new lines until the client cancels or the machine is destroyed.
         NOT_FOUND for an unknown id, INVALID_ARGUMENT for tail_lines outside
-        0..10000.
+        0..10000. RESOURCE_EXHAUSTED (ErrorInfo STREAM_CAP) when the caller's token
+        already has as many follow streams open as one caller may; likewise
+        WaitMachine.
         """
 
     @_abc_1.abstractmethod

@@ -21,6 +21,7 @@ and, under them:
 - `rundir`: what a driver keeps on disk per machine, and `kill_all`
 - `procfs`: telling processes apart (/proc, boot id, pidfds)
 - `cgroups`: cgroup v1 limits and the OOM verdict
-- `logs`: machine output: rotation, tails, followers
+- `logs`: machine output: the copier that writes and rotates it, bounded tails, followers
+- `fdlimit`: the descriptor limit of flyd's processes, and how many machines it holds
 - `spares`: run dirs and cgroups made ahead of need
 """

@@ -20,6 +20,7 @@ __all__ = [
     "ExitStatus",
     "Handle",
     "Limits",
+    "LogTail",
     "PortMapping",
     "ProcessSpec",
     "port_env",
@@ -147,6 +148,18 @@ class ExitStatus:
         return text + " (out of memory)" if self.oom_killed else text
 
 
+@dataclass(frozen=True)
+class LogTail:
+    """The last lines of a machine's output, oldest first.
+
+    `truncated_bytes`: how many bytes of the log come before the first line and were not read
+    because the read's byte budget ran out (0: the tail is all that was asked, or all there is).
+    """
+
+    lines: list[str]
+    truncated_bytes: int = 0
+
+
 class Driver(Protocol):
     """What flyd needs from a driver: `oci.OciDriver`, `process.ProcessDriver`, or
     `flyd.fakes.FakeDriver`.
@@ -175,8 +188,15 @@ class Driver(Protocol):
     async def stop(self, machine_id: str, sig: int, timeout: float) -> ExitStatus: ...
     def last_exit(self, machine_id: str) -> ExitStatus | None: ...
     async def cleanup(self, machine_id: str) -> None: ...
-    def rotate_logs(self) -> None: ...
-    def read_logs(self, machine_id: str, tail_lines: int) -> list[str]: ...
+    def rotate_logs(self) -> None:
+        """Bound the machines' logs that nothing else bounds. Blocking: run it off the loop."""
+        ...
+
+    def read_logs(self, machine_id: str, tail_lines: int, max_bytes: int) -> LogTail:
+        """The last `tail_lines` lines of the machine's output, reading at most `max_bytes`
+        of it however large it is. Blocking: run it off the loop."""
+        ...
+
     def follow_logs(
         self,
         machine_id: str,

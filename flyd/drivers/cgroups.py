@@ -16,7 +16,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +31,8 @@ __all__ = [
     "Cgroups",
     "OomCounters",
     "cpu_shares",
+    "joining",
+    "limit_memory",
     "namespace_at",
     "probe",
     "remove_tree",
@@ -218,6 +220,25 @@ class Cgroups:
                     if e.errno != errno.EBUSY or loop.time() > deadline:
                         raise Unavailable(f"cannot remove cgroup {cg}: {e}") from e
                 await self._sleep(0.01)
+
+
+def limit_memory(memory_cgroup: Path, limit: int) -> None:
+    """Make the v1 memory cgroup `memory_cgroup` (or keep it) and limit it to `limit` bytes,
+    memory+swap too where the kernel accounts swap: a process of nonomad's own that joins it
+    (a local worker's flyd, and what it starts) can use no more. Raises OSError."""
+    memory_cgroup.mkdir(mode=0o755, exist_ok=True)
+    memsw = (memory_cgroup / "memory.memsw.limit_in_bytes").is_file()
+    _set_memory_limit(memory_cgroup, limit, memsw=memsw)
+
+
+def joining(memory_cgroup: Path, argv: Sequence[str]) -> list[str]:
+    """`argv` as a command that joins `memory_cgroup` before anything of it runs: a shell writes
+    its own pid to the cgroup's `cgroup.procs` and execs `argv` (same pid), so all the program
+    and what it starts ever take is charged there; where it cannot join, it does not start.
+    Not a Popen preexec_fn, which runs Python in the forked child of a parent that may have
+    threads (`nonomad.hosts` starts hosts from a pool)."""
+    join = 'echo $$ > "$0" && exec "$@"'
+    return ["/bin/sh", "-c", join, str(memory_cgroup / "cgroup.procs"), *argv]
 
 
 def force_empty(memory_cgroup: Path) -> None:

@@ -14,19 +14,18 @@ has a budget: at most `per_machine` forwarded connections at once (a descriptor 
 ports); one more is reset at once, as a host whose backlog overflows would, and counted
 (`refused`, per machine, which netd's `hello` reports). All machines together get what netd's
 descriptor limit leaves once its own are set aside (`OWN_DESCRIPTORS`); netd raises that
-limit to what the host allows when it starts (`raise_nofile`). Standard library only, like
+limit to what the host allows when it starts (`fdlimit.raise_nofile`). Standard library only, like
 netd.
 """
 
 from __future__ import annotations
 
 import asyncio
-import resource
 import socket
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["CONNECTIONS_PER_MACHINE", "Forwarder", "raise_nofile"]
+__all__ = ["CONNECTIONS_PER_MACHINE", "Forwarder"]
 
 CONNECTIONS_PER_MACHINE = 1024  # the default budget: 2048 descriptors of forwarded connections
 MACHINE_DESCRIPTORS = 32  # a machine's own in netd: 2 namespaces, sock_diag, up to 16 ports
@@ -217,21 +216,3 @@ class Forwarder:
     def _retrieve(self, task: asyncio.Future[Any]) -> None:
         if not task.cancelled() and task.exception() is not None:
             self._log("forward_failed", error=repr(task.exception()))
-
-
-def raise_nofile() -> int:
-    """Raise this process's descriptor limit to what the host allows (fs.nr_open, for a
-    process that may raise its hard limit; else its hard limit); the limit it has now."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    try:
-        with open("/proc/sys/fs/nr_open") as f:
-            ceiling = int(f.read())
-    except (OSError, ValueError):
-        ceiling = hard
-    for wanted in sorted({max(ceiling, hard), hard}, reverse=True):
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, wanted))
-        except (OSError, ValueError):
-            continue
-        return wanted
-    return soft

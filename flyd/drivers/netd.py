@@ -91,7 +91,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flyd.drivers import namespaces
-from flyd.drivers.forward import Forwarder, raise_nofile
+from flyd.drivers.fdlimit import raise_nofile
+from flyd.drivers.forward import Forwarder
 from flyd.drivers.netlink import Rtnl, SockDiag
 from flyd.drivers.nft import (
     ROUTED,

@@ -77,7 +77,7 @@ from flyd.drivers.crun import (
 )
 from flyd.drivers.crun import probe as crun_probe
 from flyd.drivers.forward import CONNECTIONS_PER_MACHINE
-from flyd.drivers.logs import LOG_NAME, open_output
+from flyd.drivers.logs import LOG_NAME, Copier
 from flyd.drivers.namespaces import idmapped_tree
 from flyd.drivers.netclient import Netd, NetdMachines
 from flyd.drivers.ports import bind_port, local_address
@@ -92,6 +92,7 @@ log = structlog.get_logger(__name__)
 
 UIDS_PER_MACHINE = 65536
 _READY_TIMEOUT_S = 30.0
+_CRUN_SAID_BYTES = 16 << 10  # of the log, read for the reason a container could not be made
 _EXEC_WAIT_S = 1.0  # how long a signal waits for a just-started container's init
 _SLOT_FILE = "slot"
 _EGRESS_FILE = "egress"  # present while the machine's last start asked for egress
@@ -284,7 +285,7 @@ class OciDriver(WrappedDriver):
         handle = Handle(pid=popen.pid, start_time=proc.start_time, boot_id=self._boot_id)
         self._run_dirs.write_handle(mid, handle)
         loop = asyncio.get_running_loop()
-        w = self._watch(loop, mid, handle, os.pidfd_open(popen.pid), popen)
+        w = self._watch(loop, mid, handle, os.pidfd_open(popen.pid), popen, prepared.copier)
         w.go_fd = hold_w
         w.starting = True
         try:
@@ -434,7 +435,9 @@ class OciDriver(WrappedDriver):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(w.exited), 5.0)
         await self._down(w.machine_id)
-        tail = "; ".join(self.read_logs(w.machine_id, 5))
+        # What crun said: its exit was reported once its copier wrote it all.
+        said = await asyncio.to_thread(self.read_logs, w.machine_id, 5, _CRUN_SAID_BYTES)
+        tail = "; ".join(said.lines)
         if w.exited.done() and not w.exited.cancelled() and w.exited.exception() is None:
             raise Unavailable(
                 f"machine {w.machine_id}: the container could not be made "
@@ -774,9 +777,9 @@ class OciDriver(WrappedDriver):
         address: str,
     ) -> _Disk:
         """In a thread: the run dir and cgroups (`spare`, if claimed, on a first start), the
-        machine's new slot if it has one, its layers, its /etc files, its log and its cgroup
-        namespace (`ahead`: the one made with the spare, which it closes if unused). Raises
-        OSError (the caller closes `ahead` then).
+        machine's new slot if it has one, its layers, its /etc files, its log's copier and its
+        cgroup namespace (`ahead`: the one made with the spare, which it closes if unused).
+        Raises OSError (the caller closes `ahead` then).
         """
         mid = spec.machine_id
         run_dir = self._run_dirs.path(mid)
@@ -787,13 +790,14 @@ class OciDriver(WrappedDriver):
         layers = self._prepare_layers(run_dir, root_uid, spec)
         delete_container(self._crun_root, mid)  # what a killed crun left
         etc = oci_bundle.write_etc(run_dir / "etc", mid, address, host_runtime=spec.host_runtime)
-        log_fd = open_output(run_dir)
+        log_fd, copier = self._start_copier(mid)
         try:
             cgroupns = self._cgroup_namespace([p.parent for p in cgroup_procs], ahead)
         except BaseException:
             os.close(log_fd)
+            copier.close()
             raise
-        return _Disk(cgroup_procs, layers, etc, log_fd, cgroupns)
+        return _Disk(cgroup_procs, layers, etc, log_fd, copier, cgroupns)
 
     def _spare_cgroup_namespace(self, cgroups: list[Path]) -> int:
         return namespace_at(cgroups)
@@ -820,7 +824,8 @@ class _Disk:
     cgroup_procs: list[Path]
     layers: dict[str, Path]
     etc_files: list[str]
-    log_fd: int  # the caller's to close, as `cgroupns` is
+    log_fd: int  # the machine's end of its output pipe; the caller closes it, as `cgroupns`
+    copier: Copier  # what writes the pipe's other end to the log
     cgroupns: int | None  # rooted at the machine's cgroups (None without cgroups)
 
     @property
@@ -837,9 +842,11 @@ def _close_unused(namespace: int, done: asyncio.Future[_Disk]) -> None:
 
 
 def _close_disk(done: asyncio.Future[_Disk]) -> None:
-    """Close what a `_prepare_disk` opened for a start that failed meanwhile."""
+    """Close what a `_prepare_disk` opened for a start that failed meanwhile, and let go of
+    its copier."""
     if not done.cancelled() and done.exception() is None:
         _close(*done.result().fds)
+        done.result().copier.close()
 
 
 def _write_slot(run_dir: Path, slot: int) -> None:

@@ -29,7 +29,6 @@ from pathlib import Path
 import structlog
 
 from flyd.drivers.base import Driver, ExitStatus, Handle, ProcessSpec, port_env
-from flyd.drivers.logs import open_output
 from flyd.drivers.procfs import open_child_pidfd, read_proc_stat, readable
 from flyd.drivers.wrapped import Watched, WrappedDriver, resolve_user
 from flyd.drivers.wrapper import FORWARDED_SIGNALS, wrapper_script
@@ -112,13 +111,18 @@ class ProcessDriver(WrappedDriver):
         loop = asyncio.get_running_loop()
         try:
             cgroup_procs = self._prepare_run(spec, self._spares.claim())
-            log_fd = open_output(self._run_dirs.path(mid))
+            log_fd, copier = self._start_copier(mid)
         except OSError as e:
             raise Unavailable(f"cannot prepare machine {mid}: {e}") from e
 
         status_dir = self._run_dirs.status_dir(mid)
         script = wrapper_script(status_dir, cwd, env, cgroup_procs, self._mv)
-        hold_r, hold_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            hold_r, hold_w = os.pipe2(os.O_CLOEXEC)
+        except OSError as e:
+            os.close(log_fd)
+            copier.close()
+            raise Unavailable(f"cannot start machine {mid}: {e}") from e
         uid, gid, groups = self._user if self._user is not None else (None, None, None)
         # The machine binds its host ports itself.
         self._published[mid] = spec.ports
@@ -139,6 +143,7 @@ class ProcessDriver(WrappedDriver):
             )
         except OSError as e:
             os.close(hold_w)
+            copier.close()  # with log_fd closed below, it reads the end of its pipe and exits
             self._hold_published(mid)
             raise Unavailable(f"cannot start machine {mid}: {e}") from e
         finally:
@@ -150,7 +155,7 @@ class ProcessDriver(WrappedDriver):
         assert proc is not None, "an unreaped child always has a /proc entry"
         handle = Handle(pid=popen.pid, start_time=proc.start_time, boot_id=self._boot_id)
         self._run_dirs.write_handle(mid, handle)
-        w = self._watch(loop, mid, handle, os.pidfd_open(popen.pid), popen)
+        w = self._watch(loop, mid, handle, os.pidfd_open(popen.pid), popen, copier)
         w.go_fd = hold_w
         log.debug("machine_process_started", machine_id=mid, pid=popen.pid)
         return handle

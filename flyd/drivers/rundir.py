@@ -7,7 +7,8 @@ Layout of `<run_root>/<machine_id>/`:
 - `status/`: writable by the machine's user; the wrapper records its exit in `status/exit`
 - `exit`: the driver's record of an exit the wrapper could not record
 - `oom.base`: the memory cgroup's counters when the run started, if that cgroup was not new
-- `machine.log[.N]`: the machine's output (`flyd.drivers.logs`)
+- `machine.log[.N]`: the machine's output, and `log.json` the handle of the copier that writes
+  it (`flyd.drivers.logs`)
 - OCI only: `config.json` (the bundle's runtime spec), `etc/` (its /etc files), `upper/` and
   `work/` (its overlay's own layer), `rootfs/` (the overlay's mount point), `slot` (its uid
   range and address)
@@ -168,10 +169,12 @@ def kill_all(run_root: Path) -> int:
 
     For tearing down a whole worker (a local cluster, a test) when flyd can no longer be asked
     to. Handles are checked against /proc, so a recycled pid is left alone: each wrapper's
-    process group, each container's init (its pid namespace dies with it), then netd (the
-    worker's network and held ports go with it). Returns how many machines were killed.
+    process group, each container's init (its pid namespace dies with it), each log copier,
+    then netd (the worker's network and held ports go with it). Returns how many machines
+    were killed.
     """
     from flyd.drivers.crun import CRUN_ROOT, delete_container
+    from flyd.drivers.logs import COPIER_HANDLE, kill_copier
     from flyd.drivers.netclient import kill_netd
 
     killed = 0
@@ -191,6 +194,8 @@ def kill_all(run_root: Path) -> int:
     if crun_root.is_dir():
         for state in crun_root.iterdir():
             delete_container(crun_root, state.name)
+    for copier_file in run_root.glob(f"*/{COPIER_HANDLE}"):
+        kill_copier(copier_file.parent, boot_id)
     kill_netd(run_root)
     return killed
 

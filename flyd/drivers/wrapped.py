@@ -6,8 +6,10 @@ flyd re-attaches to them when it comes back. So nothing about a machine lives on
 - Each machine runs under a tiny `/bin/sh` wrapper (a session leader) that records the
   machine's exit status in the run dir (see `flyd.drivers.wrapper`); the process driver's
   wrapper runs the machine's command, the OCI driver's runs `crun run`.
-- stdout and stderr go to one `machine.log` opened O_APPEND, so a machine never blocks on flyd.
-  flyd bounds it by copy-truncate rotation (`rotate_logs`, see `flyd.drivers.logs`).
+- stdout and stderr go to a pipe whose other end is the machine's copier, a small process
+  beside the wrapper that appends to `machine.log` within its size bound and rotates it, so a
+  machine never blocks on flyd and can do nothing to the file (see `flyd.drivers.logs`). An
+  exit is reported once the copier has written everything the machine printed.
 - A `Handle` (pid, process start time, boot id) identifies the wrapper across flyd restarts; a
   recycled pid or a reboot cannot pass for the machine (see `flyd.drivers.procfs`). The driver
   also keeps the handle in the machine's run dir (`flyd.drivers.rundir`), so a start after a
@@ -31,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import os
 import pwd
 import signal
@@ -43,7 +46,7 @@ import structlog
 
 from flyd.drivers.base import ExitStatus, Handle, Limits, PortMapping, ProcessSpec
 from flyd.drivers.cgroups import Cgroups, probe
-from flyd.drivers.logs import MachineLogs
+from flyd.drivers.logs import Copier, LogTail, MachineLogs, find_copier, start_copier
 from flyd.drivers.ports import HeldPorts, bind_address
 from flyd.drivers.procfs import open_pidfd, read_boot_id, readable, unreaped_child
 from flyd.drivers.rundir import RunDirs, validate_machine_id
@@ -56,6 +59,10 @@ __all__ = ["KILL_GRACE_S", "Watched", "WrappedDriver", "resolve_user", "validate
 log = structlog.get_logger(__name__)
 
 KILL_GRACE_S = 5.0  # after SIGKILL, how long the kernel may take before we call it stuck
+# After a machine's wrapper exits and what it left is killed, how long its copier may take to
+# write the rest of the pipe and exit; past it, something that escaped the kill holds the pipe
+# open, and the copier is killed (the exit is reported without what it had not written).
+COPIER_GRACE_S = 2.0
 
 # Popen objects of machines still running when their driver closed. Dropping a running Popen
 # warns (ResourceWarning); keeping it costs nothing, and a later driver in the same process
@@ -77,6 +84,7 @@ class Watched:
     go_fd: int | None = None  # what release() writes to, until it does
     discarded: bool = False  # let go of unreleased (discard)
     starting: bool = False  # start() has not returned it yet: an exit now is start's failure
+    copier: Copier | None = None  # what writes its output to its log
 
 
 class WrappedDriver:
@@ -124,6 +132,8 @@ class WrappedDriver:
         self._sleep = sleep
         self._logs = MachineLogs(max_bytes=max_log_bytes, backups=log_backups, sleep=sleep)
         self._watched: dict[str, Watched] = {}
+        # Machines whose exit waits for their copier to finish (see `_when_copied`).
+        self._copying: dict[Copier, asyncio.TimerHandle] = {}
         # The last handle whose exit was reported per machine: on_exit fires once per exit.
         self._reported: dict[str, Handle] = {}
         self._closed = False
@@ -232,8 +242,9 @@ class WrappedDriver:
         if self._reported.get(machine_id) == handle:
             return False
         pidfd = open_pidfd(handle, self._boot_id)
+        copier = find_copier(self._run_dirs.path(machine_id), self._boot_id)
         if pidfd is not None:
-            w = self._watch(loop, machine_id, handle, pidfd, popen=None)
+            w = self._watch(loop, machine_id, handle, pidfd, popen=None, copier=copier)
             if not readable(pidfd):
                 log.info("machine_process_attached", machine_id=machine_id, pid=handle.pid)
                 return True
@@ -247,7 +258,11 @@ class WrappedDriver:
         self._ended(machine_id)
         self._reported[machine_id] = handle
         log.info("machine_process_gone", machine_id=machine_id, status=status.describe())
-        loop.call_soon(self._call_on_exit, machine_id, handle, status)
+
+        def report() -> None:
+            loop.call_soon(self._call_on_exit, machine_id, handle, status)
+
+        self._when_copied(machine_id, copier, report)
         return False
 
     def is_running(self, machine_id: str) -> bool:
@@ -318,7 +333,6 @@ class WrappedDriver:
             await self._cgroups.remove(machine_id)
         self._run_dirs.remove(machine_id)
         self._reported.pop(machine_id, None)
-        self._logs.forget(self._run_dirs.path(machine_id))
 
     async def close(self) -> None:
         """Stop watching; the machines keep running. A new driver can `attach` to them.
@@ -330,9 +344,18 @@ class WrappedDriver:
         self._closed = True
         await self._spares.close()
         loop = asyncio.get_running_loop()
+        for copier, timer in self._copying.items():  # their exits are a later flyd's to report
+            timer.cancel()
+            loop.remove_reader(copier.pidfd)
+            copier.close()
+        self._copying.clear()
         for w in list(self._watched.values()):
-            loop.remove_reader(w.pidfd)
-            os.close(w.pidfd)
+            if not w.done:  # else it exited, and only its copier was waited for
+                loop.remove_reader(w.pidfd)
+                os.close(w.pidfd)
+            if w.copier is not None:
+                w.copier.close()
+                w.copier = None
             if w.go_fd is not None:
                 # Never released: like a dying flyd, let it exit without running anything.
                 os.close(w.go_fd)
@@ -403,16 +426,21 @@ class WrappedDriver:
     # -- logs --------------------------------------------------------------------------------
 
     def rotate_logs(self) -> None:
-        """Copy-truncate every machine log larger than `max_log_bytes`, keeping `log_backups`
-        older copies (see `MachineLogs.rotate_all`).
+        """Copy-truncate every machine log larger than `max_log_bytes` that no copier writes,
+        keeping `log_backups` older copies (see `MachineLogs.rotate_all`). Blocking.
         """
         self._logs.rotate_all(self._run_dirs.root)
 
-    def read_logs(self, machine_id: str, tail_lines: int) -> list[str]:
-        """The last `tail_lines` lines of the machine's output, across rotated files."""
+    def read_logs(self, machine_id: str, tail_lines: int, max_bytes: int) -> LogTail:
+        """The last `tail_lines` lines of the machine's output, across rotated files, reading
+        at most `max_bytes` of them (see `flyd.drivers.logs.read_tail`). Blocking: call it off
+        the event loop.
+        """
         if tail_lines < 0:
             raise InvalidArgument("tail_lines", "must not be negative")
-        return self._logs.read(self._run_dirs.existing(machine_id), tail_lines)
+        if max_bytes <= 0:
+            raise InvalidArgument("max_bytes", "must be positive")
+        return self._logs.read(self._run_dirs.existing(machine_id), tail_lines, max_bytes)
 
     def follow_logs(
         self,
@@ -470,14 +498,16 @@ class WrappedDriver:
         handle: Handle,
         pidfd: int,
         popen: subprocess.Popen[bytes] | None,
+        copier: Copier | None,
     ) -> Watched:
-        w = Watched(machine_id, handle, pidfd, popen, loop.create_future())
+        w = Watched(machine_id, handle, pidfd, popen, loop.create_future(), copier=copier)
         self._watched[machine_id] = w
         loop.add_reader(pidfd, self._finish, w)
         return w
 
     def _finish(self, w: Watched, *, defer_on_exit: bool = False) -> None:
-        """The wrapper exited: reap it, kill what it left behind, work out and report the status."""
+        """The wrapper exited: reap it, kill what it left behind, work out the status, and
+        report it once the copier has written all the machine printed (`_reported_exit`)."""
         if w.done:
             return
         w.done = True
@@ -511,6 +541,12 @@ class WrappedDriver:
         status = self._status_from_files(w.machine_id, fallback, w.killed_by_us) or fallback
         if held and status.released:
             status = dataclasses.replace(status, released=False)
+        copier, w.copier = w.copier, None
+        report = functools.partial(self._reported_exit, w, status, defer_on_exit)
+        self._when_copied(w.machine_id, copier, report)
+
+    def _reported_exit(self, w: Watched, status: ExitStatus, defer_on_exit: bool) -> None:
+        """The rest of `_finish`, once the machine's log is complete."""
         del self._watched[w.machine_id]
         self._reported[w.machine_id] = w.handle
         w.exited.set_result(status)
@@ -518,13 +554,57 @@ class WrappedDriver:
         if w.starting:
             return  # start raises instead: flyd never saw this handle
         if defer_on_exit:
-            loop.call_soon(self._call_on_exit, w.machine_id, w.handle, status)
+            asyncio.get_running_loop().call_soon(self._call_on_exit, w.machine_id, w.handle, status)
         else:
             self._call_on_exit(w.machine_id, w.handle, status)
 
     def _ended(self, machine_id: str) -> None:
         """The machine's wrapper is gone: kill what is left in its cgroups."""
         self._kill_cgroup(machine_id)
+
+    def _start_copier(self, machine_id: str) -> tuple[int, Copier]:
+        """The machine's new copier and the pipe end for its stdout and stderr, which the
+        caller closes once the wrapper has it. Raises OSError."""
+        return start_copier(
+            self._run_dirs.path(machine_id),
+            max_bytes=self._logs.max_bytes,
+            backups=self._logs.backups,
+            boot_id=self._boot_id,
+        )
+
+    def _when_copied(
+        self, machine_id: str, copier: Copier | None, then: Callable[[], None]
+    ) -> None:
+        """Call `then` once `copier` has exited (at once when there is none, or it is gone):
+        everything the machine wrote is in its log. Past `COPIER_GRACE_S` the copier is
+        killed instead (something that escaped the machine's end holds its pipe open).
+        """
+        if copier is None:
+            then()
+            return
+        if readable(copier.pidfd):
+            copier.close()
+            then()
+            return
+        loop = asyncio.get_running_loop()
+
+        def done() -> None:
+            if self._copying.pop(copier, None) is None:
+                return  # the driver closed
+            timer.cancel()
+            loop.remove_reader(copier.pidfd)
+            copier.close()
+            then()
+
+        def overdue() -> None:
+            log.warning("machine_log_copier_killed", machine_id=machine_id, pid=copier.handle.pid)
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(copier.pidfd, signal.SIGKILL)
+            done()
+
+        timer = loop.call_later(COPIER_GRACE_S, overdue)
+        self._copying[copier] = timer
+        loop.add_reader(copier.pidfd, done)
 
     def _call_on_exit(self, machine_id: str, handle: Handle, status: ExitStatus) -> None:
         try:

@@ -266,7 +266,11 @@ class WorkerServiceServicer:
     def GetMachineLogs(self, request, context):
         """Streams the machine's log lines; with follow, keeps streaming new lines
         until the client cancels or the machine is destroyed. NOT_FOUND for an
-        unknown id, INVALID_ARGUMENT for tail_lines outside 0..10000.
+        unknown id, INVALID_ARGUMENT for tail_lines outside 0..10000. The tail
+        reads at most a set number of bytes of the log (see truncated_bytes).
+        RESOURCE_EXHAUSTED (ErrorInfo STREAM_CAP) when the caller already has as
+        many follow streams open as one caller may; likewise WaitMachine and
+        WatchEvents.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -107,7 +107,11 @@ class WorkerServiceStub:
     GetMachineLogs: _grpc.UnaryStreamMultiCallable[_worker_pb2.GetMachineLogsRequest, _worker_pb2.GetMachineLogsResponse]
     """Streams the machine's log lines; with follow, keeps streaming new lines
     until the client cancels or the machine is destroyed. NOT_FOUND for an
-    unknown id, INVALID_ARGUMENT for tail_lines outside 0..10000.
+    unknown id, INVALID_ARGUMENT for tail_lines outside 0..10000. The tail
+    reads at most a set number of bytes of the log (see truncated_bytes).
+    RESOURCE_EXHAUSTED (ErrorInfo STREAM_CAP) when the caller already has as
+    many follow streams open as one caller may; likewise WaitMachine and
+    WatchEvents.
     """
     CordonWorker: _grpc.UnaryUnaryMultiCallable[_worker_pb2.CordonWorkerRequest, _worker_pb2.CordonWorkerResponse]
     """Cordons (or uncordons) the worker: a cordoned worker refuses new
@@ -234,7 +238,11 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     GetMachineLogs: _aio.UnaryStreamMultiCallable[_worker_pb2.GetMachineLogsRequest, _worker_pb2.GetMachineLogsResponse]  # type: ignore[assignment]
     """Streams the machine's log lines; with follow, keeps streaming new lines
     until the client cancels or the machine is destroyed. NOT_FOUND for an
-    unknown id, INVALID_ARGUMENT for tail_lines outside 0..10000.
+    unknown id, INVALID_ARGUMENT for tail_lines outside 0..10000. The tail
+    reads at most a set number of bytes of the log (see truncated_bytes).
+    RESOURCE_EXHAUSTED (ErrorInfo STREAM_CAP) when the caller already has as
+    many follow streams open as one caller may; likewise WaitMachine and
+    WatchEvents.
     """
     CordonWorker: _aio.UnaryUnaryMultiCallable[_worker_pb2.CordonWorkerRequest, _worker_pb2.CordonWorkerResponse]  # type: ignore[assignment]
     """Cordons (or uncordons) the worker: a cordoned worker refuses new
@@ -430,7 +438,11 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_worker_pb2.GetMachineLogsResponse], _abc.AsyncIterator[_worker_pb2.GetMachineLogsResponse]]:
         """Streams the machine's log lines; with follow, keeps streaming new lines
         until the client cancels or the machine is destroyed. NOT_FOUND for an
-        unknown id, INVALID_ARGUMENT for tail_lines outside 0..10000.
+        unknown id, INVALID_ARGUMENT for tail_lines outside 0..10000. The tail
+        reads at most a set number of bytes of the log (see truncated_bytes).
+        RESOURCE_EXHAUSTED (ErrorInfo STREAM_CAP) when the caller already has as
+        many follow streams open as one caller may; likewise WaitMachine and
+        WatchEvents.
         """
 
     @_abc_1.abstractmethod

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -32,8 +33,10 @@ from nonomad.hosts import (
     PORTS,
     UNITS,
     Hosts,
+    applicable,
     expand,
     netns_unavailable,
+    read_limits,
     read_unit,
 )
 from runtime import aio_channel
@@ -166,6 +169,30 @@ def test_every_host_runs_its_unit_file_s_command_line(cluster: Cluster) -> None:
         assert Path(host.argv[0]).name == Path(unit[0]).name
         assert host.argv[1:] == unit[1:]
         assert host.grpc.startswith(host.address + ":")
+
+
+def test_every_host_s_service_is_held_to_its_unit_s_limits(cluster: Cluster) -> None:
+    # flyd's unit sets both (deploy/nonomad-flyd.service): its descriptors, and its memory
+    # in a cgroup of its own, beside its machines' (issue 27, item 6).
+    bounded = []
+    for host in cluster.hosts.hosts.values():
+        limits = host.limits
+        # The unit's, or (a harness that may not raise its hard limit) as far as it could.
+        assert limits == applicable(read_limits(DEPLOY / UNITS[host.role]))
+        assert host.proc is not None
+        proc = Path(f"/proc/{host.proc.pid}")
+        assert (proc / "exe").resolve() == Path(sys.executable).resolve()  # the service itself
+        if limits.nofile is not None:
+            [line] = [x for x in (proc / "limits").read_text().splitlines() if "open files" in x]
+            assert tuple(int(n) for n in line.split()[3:5]) == limits.nofile
+        cgroups = dict(x.split(":", 2)[1:] for x in (proc / "cgroup").read_text().splitlines())
+        if limits.memory_max is None:
+            continue
+        memory = cluster.hosts.memory_cgroup(host.name)
+        assert cgroups["memory"] == f"/{memory.name}"
+        assert int((memory / "memory.limit_in_bytes").read_text()) == limits.memory_max
+        bounded.append(host.name)
+    assert {w.name for w in cluster.hosts.workers} <= set(bounded)
 
 
 async def test_create_route_and_scale_from_zero_across_hosts(cluster: Cluster) -> None:
@@ -354,6 +381,8 @@ def test_what_a_crashed_run_left_is_swept_at_the_next_start(
     from nonomad.hosts import _marked, sweep
 
     assert _marked(tag)  # its services run on, orphaned
+    assert Path(f"/sys/fs/cgroup/memory/nnh{tag}-w1.service").is_dir()  # flyd's, of its unit
     assert tag in sweep()
     assert not [n for n in netns.listnetns() if n.startswith(f"nnh{tag}-")]
     assert not _marked(tag)
+    assert not list(Path("/sys/fs/cgroup/memory").glob(f"nnh{tag}-*"))

@@ -101,9 +101,14 @@ async def wait_until(condition: Callable[[], bool], what: str) -> None:
         await asyncio.sleep(0.005)
 
 
+def log_lines(driver: Driver, machine_id: str, tail_lines: int) -> list[str]:
+    """The machine's last `tail_lines` log lines (a blocking read, a short one in tests)."""
+    return driver.read_logs(machine_id, tail_lines, 1 << 20).lines
+
+
 async def logged(driver: Driver, machine_id: str, line: str) -> None:
     """Wait until the machine has printed `line`."""
-    await wait_until(lambda: line in driver.read_logs(machine_id, 100), f"{machine_id}: {line}")
+    await wait_until(lambda: line in log_lines(driver, machine_id, 100), f"{machine_id}: {line}")
 
 
 def gone(pid: int) -> bool:

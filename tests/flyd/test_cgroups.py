@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from flyd.drivers.cgroups import force_empty, remove_tree
+from flyd.drivers.cgroups import force_empty, joining, limit_memory, remove_tree
 
 MEMORY = Path("/sys/fs/cgroup/memory")
 
@@ -53,3 +53,36 @@ def test_force_empty_of_a_cgroup_that_is_gone_or_has_no_memory_controller(
     with pytest.raises(FileNotFoundError):
         force_empty(MEMORY / prefix / "never-made")
     force_empty(tmp_path)  # a directory without memory.force_empty: nothing to do
+
+
+def test_a_memory_limit_of_its_own_holds_a_process_to_it(prefix: str, tmp_path: Path) -> None:
+    """limit_memory, as `nonomad up` gives each worker's flyd: a process in it that asks for
+    more than the limit is killed there, and the host's memory is untouched."""
+    cg = MEMORY / prefix
+    cg.mkdir()
+    own = cg / "flyd"
+    limit_memory(own, 32 << 20)
+    assert int((own / "memory.limit_in_bytes").read_text()) == 32 << 20
+    limit_memory(own, 48 << 20)  # again, on the one that is there: only the limit changes
+    assert int((own / "memory.limit_in_bytes").read_text()) == 48 << 20
+    # A program started joining it runs there, as the process started (the shell exec'd it)...
+    show = "import os; print(os.getpid()); print(open('/proc/self/cgroup').read())"
+    with subprocess.Popen(
+        joining(own, ["python3", "-c", show]), stdout=subprocess.PIPE, text=True
+    ) as proc:
+        pid, cgroups = proc.communicate()[0].split("\n", 1)
+    assert (proc.returncode, int(pid)) == (0, proc.pid)
+    assert f"memory:/{prefix}/flyd\n" in cgroups
+    # ...and a greedy one is killed by the kernel within the cgroup, at its limit.
+    greedy = subprocess.run(
+        joining(own, ["python3", "-c", "b = bytearray(256 << 20)"]), check=False
+    )
+    assert greedy.returncode == -9
+    assert int((own / "memory.max_usage_in_bytes").read_text()) <= 48 << 20
+    assert remove_tree(cg)
+    # Where it cannot join (the cgroup is gone), the program never starts.
+    never = subprocess.run(
+        joining(own, ["touch", str(tmp_path / "ran")]), capture_output=True, check=False
+    )
+    assert never.returncode != 0
+    assert not (tmp_path / "ran").exists()

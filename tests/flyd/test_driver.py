@@ -32,6 +32,7 @@ from tests.flyd.driver_support import (
     Exits,
     cgroup_pids,
     gone,
+    log_lines,
     logged,
     machine_file,
     needs_cgroups,
@@ -81,7 +82,7 @@ async def test_exit_code_and_output_are_reported(make_driver, image: Path) -> No
     status = await exits.wait("m1")
 
     assert status == ExitStatus(exit_code=3, signal=None)
-    assert driver.read_logs("m1", 10) == ["hi", "oops"]
+    assert log_lines(driver, "m1", 10) == ["hi", "oops"]
     assert driver.last_exit("m1") == status
     assert not driver.is_running("m1")
     await asyncio.sleep(0)
@@ -101,12 +102,12 @@ async def test_env_workdir_and_port_are_passed_exactly(make_driver, image: Path)
     expected = {**env, "PORT": listen, "PORT_8080": listen}
     if driver.name == "oci":
         expected["HOME"] = "/root"  # crun's, as any OCI runtime's, when the image sets none
-    assert sorted(driver.read_logs("m1", 10)) == sorted(f"{k}={v}" for k, v in expected.items())
+    assert sorted(log_lines(driver, "m1", 10)) == sorted(f"{k}={v}" for k, v in expected.items())
 
     await run_machine(driver, spec("m1", sh("pwd"), image, workdir="/srv"))
     await exits.wait("m1", count=2)
     inside = "/srv" if driver.name == "oci" else str(image / "srv")
-    assert driver.read_logs("m1", 1) == [inside]
+    assert log_lines(driver, "m1", 1) == [inside]
 
 
 async def test_machine_sees_default_signal_dispositions(make_driver, image: Path) -> None:
@@ -114,7 +115,7 @@ async def test_machine_sees_default_signal_dispositions(make_driver, image: Path
     driver = make_driver(exits)
     await run_machine(driver, spec("m1", ["cat", "/proc/self/status"], image))
     await exits.wait("m1")
-    fields = dict(line.split(":\t", 1) for line in driver.read_logs("m1", 100) if ":\t" in line)
+    fields = dict(line.split(":\t", 1) for line in log_lines(driver, "m1", 100) if ":\t" in line)
     # The wrapper's traps must not leak as ignored or caught signals. What this test process
     # itself ignores (some libraries ignore glibc-reserved signals) may be inherited;
     # Python's own SIGPIPE and SIGXFSZ ignores are restored by subprocess.
@@ -248,7 +249,7 @@ async def test_operations_on_a_machine_without_process_say_why(make_driver, imag
     with pytest.raises(FailedPrecondition):
         await driver.signal("never", signal.SIGUSR1)
     with pytest.raises(NotFound):
-        driver.read_logs("never", 10)
+        log_lines(driver, "never", 10)
 
 
 # -- stopping and signals ----------------------------------------------------------------------
@@ -315,7 +316,7 @@ async def test_signal_reaches_the_main_process(make_driver, image: Path) -> None
     await driver.signal("m1", signal.SIGUSR1)
 
     assert await exits.wait("m1") == ExitStatus(exit_code=0, signal=None)
-    assert driver.read_logs("m1", 1) == ["got usr1"]
+    assert log_lines(driver, "m1", 1) == ["got usr1"]
 
 
 # -- flyd restarts -----------------------------------------------------------------------------
@@ -419,7 +420,7 @@ async def test_pids_limit_and_leftovers_killed_on_exit(make_driver, image, prefi
 
     assert await exits.wait("m1") == ExitStatus(exit_code=0, signal=None)
     # 12 pids for everything: the wrapper (and crun and the init) count, python forks the rest.
-    (line,) = driver.read_logs("m1", 1)
+    (line,) = log_lines(driver, "m1", 1)
     assert line.startswith("forked ")
     assert 0 < int(line.split()[1]) < 12
     # The children outlived the machine's main process; the driver killed them.
@@ -470,39 +471,37 @@ def file_sizes(log: Path) -> list[int | None]:
     return [p.stat().st_size if p.exists() else None for p in paths]
 
 
-async def test_log_rotation_keeps_files_bounded(make_driver, image: Path) -> None:
+async def test_the_copier_keeps_each_log_file_to_its_bound_and_loses_no_line(
+    make_driver, image: Path
+) -> None:
     exits = Exits()
     driver = make_driver(exits, max_log_bytes=1000, log_backups=2)
     log = driver._run_dirs.root / "m1" / "machine.log"
+    written = 0
     for run in range(4):
-        # Each run prints 30 numbered lines of 99 bytes.
+        # Each run prints 30 numbered lines of 99 bytes; the log goes on across runs.
         script = (
             f'i=0; while [ $i -lt 30 ]; do printf "run{run}-%02d-%090d\\n" $i 0; i=$((i+1)); done'
         )
         await run_machine(driver, spec("m1", sh(script), image))
-        await exits.wait("m1", count=run + 1)
-        driver.rotate_logs()
+        await exits.wait("m1", count=run + 1)  # reported once the copier wrote it all
+        written += 30 * 99
+        # Rotated every 1000 bytes of output, by rename: the oldest beyond two is gone.
+        assert file_sizes(log) == [written % 1000, 1000, 1000, None]
 
-        current, first, second, third = file_sizes(log)
-        assert current == 0
-        assert first is not None
-        assert first <= 1000
-        assert (second is None) if run == 0 else (second is not None and second <= 1000)
-        assert third is None
-
-    # 99-byte lines: each rotated file holds the last 10 lines of a run.
-    tail = driver.read_logs("m1", 12)  # spans machine.log.2 and machine.log.1
-    assert [line[:7] for line in tail] == ["run2-28", "run2-29"] + [
-        f"run3-{i}" for i in range(20, 30)
-    ]
+    driver.rotate_logs()  # the safety net leaves a log its copier bounds alone
+    assert file_sizes(log) == [880, 1000, 1000, None]
+    # The last 29 lines span machine.log.2, .1 and machine.log; those a rotation cut in two
+    # are read back whole.
+    assert log_lines(driver, "m1", 29) == [f"run3-{i:02d}-{0:090d}" for i in range(1, 30)]
 
 
 async def test_follow_logs_yields_new_lines_across_rotation(make_driver, image: Path) -> None:
     exits = Exits()
-    driver = make_driver(exits, max_log_bytes=4, log_backups=1)
+    driver = make_driver(exits, max_log_bytes=10, log_backups=1)
     # Each USR1 prints the next word; USR2 ends it.
     script = (
-        "n=0; trap 'n=$((n+1)); set -- one two three; eval echo \\${$n}' USR1; "
+        "n=0; trap 'n=$((n+1)); set -- aaaa bbbb cccc; eval echo \\${$n}' USR1; "
         "trap 'exit 0' USR2; echo ready; while :; do sleep 1000 & wait; done"
     )
     await run_machine(driver, spec("m1", sh(script), image))
@@ -511,17 +510,23 @@ async def test_follow_logs_yields_new_lines_across_rotation(make_driver, image: 
     lines = driver.follow_logs("m1", shutdown=shutdown, poll_interval=0.005)
     log = driver._run_dirs.root / "m1" / "machine.log"
 
-    await driver.signal("m1", signal.SIGUSR1)
-    assert await asyncio.wait_for(anext(lines), DEADLINE) == "one"
+    def files() -> tuple[bytes, bytes] | None:
+        try:
+            return log.read_bytes(), Path(f"{log}.1").read_bytes()
+        except FileNotFoundError:  # between the copier's rename and its next write
+            return None
 
-    # The follower is not polling while "two" is written and the log rotated under it.
     await driver.signal("m1", signal.SIGUSR1)
-    await logged(driver, "m1", "two")
-    driver.rotate_logs()
-    assert log.stat().st_size == 0
+    assert await asyncio.wait_for(anext(lines), DEADLINE) == "aaaa"  # "ready\naaaa" filled one
+
+    # The follower is not polling while "bbbb" and "cccc" are written and the log rotates
+    # under it: the rest of the file it was reading is machine.log.1 now.
     await driver.signal("m1", signal.SIGUSR1)
-    assert await asyncio.wait_for(anext(lines), DEADLINE) == "two"
-    assert await asyncio.wait_for(anext(lines), DEADLINE) == "three"
+    await logged(driver, "m1", "bbbb")
+    await driver.signal("m1", signal.SIGUSR1)
+    await wait_until(lambda: files() == (b"\n", b"\nbbbb\ncccc"), "the log to rotate again")
+    assert await asyncio.wait_for(anext(lines), DEADLINE) == "bbbb"
+    assert await asyncio.wait_for(anext(lines), DEADLINE) == "cccc"
     await driver.signal("m1", signal.SIGUSR2)
     assert await exits.wait("m1") == ExitStatus(0, None)
 

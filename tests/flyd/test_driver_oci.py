@@ -42,6 +42,7 @@ from tests.flyd.driver_support import (
     answers_http,
     cgroup_pids,
     host_address,
+    log_lines,
     logged,
     run_machine,
     sh,
@@ -97,7 +98,7 @@ async def test_a_machine_is_hardened(make_driver, image: Path) -> None:
     )
     await run_machine(driver, spec("m1", sh(script), image))
     assert await exits.wait("m1") == ExitStatus(0, None)
-    lines = driver.read_logs("m1", 20)
+    lines = log_lines(driver, "m1", 20)
     fields = dict(line.split(":\t", 1) for line in lines if ":\t" in line)
     assert fields["NoNewPrivs"] == "1"
     assert fields["Seccomp"] == "2"  # a filter
@@ -200,9 +201,9 @@ async def test_a_first_start_from_a_spare_gets_its_mount_points_made_ahead_as_it
         await run_machine(driver, spec(mid, sh(script), image, host_runtime=True))
         await logged(driver, mid, "wrote")
     await logged(driver, "m-own", "mine")  # printed after "wrote": it may come later
-    plain_lines = driver.read_logs("m-plain", 5)
+    plain_lines = log_lines(driver, "m-plain", 5)
     assert plain_lines[0] == "0 755"  # the machine's root owns its /etc
-    own_lines = driver.read_logs("m-own", 5)
+    own_lines = log_lines(driver, "m-own", 5)
     assert own_lines[0] == "0 750"  # the image's own /etc, not one made ahead
     assert "mine" in own_lines
     upper = driver._run_dirs.path("m-plain") / "upper"
@@ -265,6 +266,11 @@ async def test_an_image_with_no_host_runtime_has_only_its_own_files_and_user(
     # On the host, the same process is uid 1000 of the machine's own range.
     slot = int((driver._run_dirs.path("m1") / "slot").read_text())
     expected = (1 << 30) + slot * UIDS_PER_MACHINE + 1000
+    # "top:" is printed just before `exec sleep`: wait for the exec to have happened.
+    await wait_until(
+        lambda: any(_comm(pid) == "sleep" for pid in cgroup_pids(prefix, "m1")),
+        "the machine's shell to exec sleep",
+    )
     (sleeper,) = [pid for pid in cgroup_pids(prefix, "m1") if _comm(pid) == "sleep"]
     uid_line = next(
         line.split()
@@ -277,7 +283,7 @@ async def test_an_image_with_no_host_runtime_has_only_its_own_files_and_user(
 
 def _line(driver: OciDriver, prefix: str) -> str | None:
     """The rest of m1's first log line that starts with `prefix`, if it printed one."""
-    lines = [line for line in driver.read_logs("m1", 20) if line.startswith(prefix)]
+    lines = [line for line in log_lines(driver, "m1", 20) if line.startswith(prefix)]
     return lines[0].removeprefix(prefix) if lines else None
 
 
@@ -330,7 +336,7 @@ async def test_a_run_root_anyone_can_search_needs_no_bind_of_the_run_dir(prefix:
         assert driver._bind_view is False
         await run_machine(driver, spec("m1", sh("echo hello"), base / "image"))
         assert await exits.wait("m1") == ExitStatus(0, None)
-        assert driver.read_logs("m1", 1) == ["hello"]
+        assert log_lines(driver, "m1", 1) == ["hello"]
         # The bundle's spec holds its environment: it was root's alone, and is gone once read.
         assert not (base / "run" / "m1" / "config.json").exists()
     finally:
@@ -387,7 +393,7 @@ async def test_a_machine_s_sysfs_is_its_own_and_read_only(make_driver, image: Pa
     )
     await run_machine(driver, spec("m1", sh(script), image))
     assert await exits.wait("m1") == ExitStatus(0, None)
-    lines = driver.read_logs("m1", 40)
+    lines = log_lines(driver, "m1", 40)
     (sys_mount,) = [line for line in lines if line.startswith("sys: ")]
     root, options = sys_mount.removeprefix("sys: ").split()
     assert root == "/"  # a filesystem of its own, not a bind of part of one
@@ -407,7 +413,7 @@ async def test_a_machine_s_cgroups_are_the_root_of_its_cgroup_namespace(
     driver = make_driver(exits)
     await run_machine(driver, spec("m1", sh("sed 's/^/cgroup: /' /proc/self/cgroup"), image))
     assert await exits.wait("m1") == ExitStatus(0, None)
-    lines = [line for line in driver.read_logs("m1", 40) if line.startswith("cgroup: ")]
+    lines = [line for line in log_lines(driver, "m1", 40) if line.startswith("cgroup: ")]
     paths = {line.split(":", 3)[2]: line.split(":", 3)[3] for line in lines}
     assert {"memory", "cpu", "pids"} <= paths.keys(), lines
     assert set(paths.values()) == {"/"}, paths  # those, and every other hierarchy
@@ -427,12 +433,12 @@ async def test_a_first_start_joins_the_cgroup_namespace_made_with_its_spare_cgro
     script = "sed 's/^/cgroup: /' /proc/self/cgroup; exec sleep 600"
     await run_machine(driver, spec("m1", sh(script), image))
     await wait_until(  # (sed writes it all as it ends)
-        lambda: any(":pids:" in line for line in driver.read_logs("m1", 40)), "m1's cgroups"
+        lambda: any(":pids:" in line for line in log_lines(driver, "m1", 40)), "m1's cgroups"
     )
     (pid, *_) = cgroup_pids(prefix, "m1")
     joined = int(os.readlink(f"/proc/{pid}/ns/cgroup").removeprefix("cgroup:[").rstrip("]"))
     assert joined in made
-    lines = [line for line in driver.read_logs("m1", 40) if line.startswith("cgroup: ")]
+    lines = [line for line in log_lines(driver, "m1", 40) if line.startswith("cgroup: ")]
     assert {line.split(":", 3)[3] for line in lines} == {"/"}
     for mid in ("warm", "m1"):
         await driver.stop(mid, signal.SIGTERM, DEADLINE)
@@ -521,7 +527,7 @@ async def test_no_host_uevent_reaches_a_machine(make_driver, image: Path) -> Non
         # would have too.
         await wait_until(all_arrived, "the host's listeners to receive the uevents")
         await driver.stop("m1", signal.SIGTERM, timeout=DEADLINE)
-        (report,) = [line for line in driver.read_logs("m1", 20) if line.startswith("uevents:")]
+        (report,) = [line for line in log_lines(driver, "m1", 20) if line.startswith("uevents:")]
         assert report == "uevents: []"
     finally:
         host.close()

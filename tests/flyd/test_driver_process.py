@@ -14,7 +14,7 @@ import structlog
 from flyd.drivers.base import ExitStatus
 from flyd.drivers.process import ProcessDriver
 from flyd.errors import UnsafeImage
-from tests.flyd.driver_support import Exits, run_machine, sh, spec
+from tests.flyd.driver_support import Exits, log_lines, run_machine, sh, spec
 
 
 async def test_without_cgroups_machines_run_with_one_warning(run_root, image, tmp_path) -> None:
@@ -46,7 +46,7 @@ async def test_run_as_unprivileged_user(prefix: str) -> None:
     try:
         await run_machine(driver, spec("m1", sh("id -u; id -G"), base))
         status = await exits.wait("m1")
-        logs = driver.read_logs("m1", 10)
+        logs = log_lines(driver, "m1", 10)
         assert status == ExitStatus(0, None), logs  # 125: it could not join its cgroups
         assert logs == [str(nobody.pw_uid), str(nobody.pw_gid)]  # none of flyd's groups
     finally:
@@ -96,7 +96,7 @@ async def test_the_program_of_the_image_runs_not_the_hosts(
         machine = spec("m1", [program], image, host_runtime=False, env={"PATH": "/usr/bin:/bin"})
         await run_machine(driver, machine)
         assert await exits.wait("m1") == ExitStatus(0, None)
-        assert driver.read_logs("m1", 10) == ["from the image"]
+        assert log_lines(driver, "m1", 10) == ["from the image"]
         # The host's /usr/bin has `env`; the image's /usr/bin (its /bin) has not.
         with pytest.raises(UnsafeImage, match="image has no program 'env'"):
             await driver.start(spec("m2", ["env"], image, host_runtime=False))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from flyd.drivers.base import ExitStatus
+from flyd.drivers.base import ExitStatus, LogTail
 from flyd.errors import Unavailable
 from flyd.fakes import FakeDriver, FakeHost, FakeScript
 from runtime.clock import ManualClock
@@ -70,7 +70,37 @@ async def test_fake_logs() -> None:
     lines = fake.follow_logs("m1", shutdown=shutdown)
     fake.write_log("m1", "after")
     assert await asyncio.wait_for(anext(lines), DEADLINE) == "after"
-    assert fake.read_logs("m1", 5) == ["before", "after"]
+    tail = await asyncio.to_thread(fake.read_logs, "m1", 5, 1 << 20)
+    assert tail == LogTail(["before", "after"])
     shutdown.set()
     with pytest.raises(StopAsyncIteration):
         await asyncio.wait_for(anext(lines), DEADLINE)
+
+
+@pytest.mark.parametrize(
+    ("tail_lines", "max_bytes", "tail"),
+    [
+        (5, 1 << 20, LogTail(["one", "two", "three"])),
+        (2, 1 << 20, LogTail(["two", "three"])),
+        (5, 10, LogTail(["two", "three"], truncated_bytes=4)),  # "one\n" is left out
+        (5, 9, LogTail(["three"], truncated_bytes=8)),
+        (5, 3, LogTail([], truncated_bytes=14)),
+        (0, 1 << 20, LogTail([])),
+    ],
+)
+async def test_fake_log_reads_keep_to_their_byte_budget(
+    tail_lines: int, max_bytes: int, tail: LogTail
+) -> None:
+    fake = FakeDriver(on_exit=Exits())
+    await run_machine(fake, spec("m1", ["app"], Path("/")))
+    for line in ("one", "two", "three"):
+        fake.write_log("m1", line)
+    assert await asyncio.to_thread(fake.read_logs, "m1", tail_lines, max_bytes) == tail
+
+
+async def test_a_fake_log_read_refuses_to_block_the_event_loop() -> None:
+    # The real read blocks on the disk: called on the loop, every other call would wait.
+    fake = FakeDriver(on_exit=Exits())
+    await run_machine(fake, spec("m1", ["app"], Path("/")))
+    with pytest.raises(RuntimeError, match="off the event loop"):
+        fake.read_logs("m1", 5, 1 << 20)

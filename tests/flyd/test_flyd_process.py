@@ -18,6 +18,7 @@ from google.protobuf.duration_pb2 import Duration
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
+from tests.flyd.driver_support import gone
 from tests.harness import ServiceProcess, error_info
 
 S = pb.MachineState
@@ -154,9 +155,7 @@ def signal_machine(token: str, sig: int) -> int:
 async def gone_soon(pid: int) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + DEADLINE
-    while Path(f"/proc/{pid}").exists() and not Path(f"/proc/{pid}/stat").read_text().split(") ")[
-        -1
-    ].startswith("Z"):
+    while not gone(pid):
         assert loop.time() < deadline, f"process {pid} is still there"
         await asyncio.sleep(0.02)
 

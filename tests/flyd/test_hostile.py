@@ -56,6 +56,8 @@ from tests.flyd.test_servicer import (  # noqa: F401 - the servicer fixtures
     grpc_servicer,
     grpc_stub_cls,
     heartbeat_interval,
+    log_read_bytes,
+    streams_per_caller,
     wait,
 )
 from tests.servicers import INVALID, T, refused

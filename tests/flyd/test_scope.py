@@ -34,6 +34,8 @@ from tests.flyd.test_servicer import (
     grpc_servicer,
     grpc_stub_cls,
     heartbeat_interval,
+    log_read_bytes,
+    streams_per_caller,
 )
 from tests.scope import (
     NOTHING,
@@ -54,6 +56,8 @@ __all__ = [
     "grpc_servicer",
     "grpc_stub_cls",
     "heartbeat_interval",
+    "log_read_bytes",
+    "streams_per_caller",
 ]
 
 SERVICE = w.DESCRIPTOR.services_by_name["WorkerService"]

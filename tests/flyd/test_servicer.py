@@ -24,6 +24,7 @@ from flyd.errors import DOMAIN
 from flyd.fakes import FakeHost
 from flyd.secrets import SecretBox
 from flyd.service import LIMITS, WorkerServicer, map_error
+from flyd.settings import LOG_READ_BYTES, STREAMS_PER_CALLER
 from flyd.store import MemoryMachineLog
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
@@ -103,8 +104,32 @@ def heartbeat_interval() -> float:
 
 
 @pytest.fixture
-def grpc_servicer(flyd: Flyd, draining: asyncio.Event, heartbeat_interval: float) -> WorkerServicer:
-    return WorkerServicer(flyd.worker, heartbeat_interval=heartbeat_interval, draining=draining)
+def log_read_bytes() -> int:
+    """The most of a log one GetMachineLogs reads (flyd --log-read-bytes)."""
+    return LOG_READ_BYTES
+
+
+@pytest.fixture
+def streams_per_caller() -> int:
+    """Follow streams (and waits, event streams) one caller may hold (--streams-per-caller)."""
+    return STREAMS_PER_CALLER
+
+
+@pytest.fixture
+def grpc_servicer(
+    flyd: Flyd,
+    draining: asyncio.Event,
+    heartbeat_interval: float,
+    log_read_bytes: int,
+    streams_per_caller: int,
+) -> WorkerServicer:
+    return WorkerServicer(
+        flyd.worker,
+        heartbeat_interval=heartbeat_interval,
+        draining=draining,
+        log_read_bytes=log_read_bytes,
+        streams_per_caller=streams_per_caller,
+    )
 
 
 async def create(
@@ -296,6 +321,108 @@ async def test_machine_logs_tail_then_follow(servicer_stub: Stub, flyd: Flyd) ->
         assert (await call.read()).line == "line 5"
     finally:
         call.cancel()
+
+
+@pytest.mark.parametrize("log_read_bytes", [20])
+async def test_a_log_tail_keeps_to_its_byte_cap_and_says_what_it_left_out(
+    servicer_stub: Stub, flyd: Flyd
+) -> None:
+    await create(servicer_stub)
+    for i in range(5):
+        flyd.driver.write_log("m1", f"line {i}")  # 7 bytes each, with its newline
+    request = w.GetMachineLogsRequest(machine_id="m1", tail_lines=5)
+    items = [item async for item in servicer_stub.GetMachineLogs(request, timeout=T)]
+    assert [(item.line, item.truncated_bytes) for item in items] == [("line 3", 21), ("line 4", 0)]
+
+
+async def test_a_log_read_in_flight_holds_up_no_other_call(servicer_stub: Stub, flyd: Flyd) -> None:
+    await create(servicer_stub)
+    flyd.driver.write_log("m1", "hello")
+    hold = flyd.driver.host.hold_log_reads()
+    call = servicer_stub.GetMachineLogs(w.GetMachineLogsRequest(machine_id="m1"), timeout=T)
+    first = asyncio.ensure_future(call.read())
+    assert await asyncio.to_thread(hold.waiting.acquire, timeout=T)  # it waits, in its thread
+    # Meanwhile the worker answers everything else.
+    capacity = await servicer_stub.GetCapacity(w.GetCapacityRequest(), timeout=T)
+    assert capacity.worker.id == "w1"
+    machine = await servicer_stub.GetMachine(w.GetMachineRequest(machine_id="m1"), timeout=T)
+    assert machine.machine.state == STARTED
+    assert not first.done()
+    hold.let_go()
+    assert (await first).line == "hello"
+
+
+async def held(servicer: WorkerServicer, kind: str, count: int) -> str:
+    """Wait until one caller holds `count` calls of `kind`; returns who it is."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + T
+    while True:
+        callers = [c for c, n in servicer.streams.holding(kind).items() if n == count]
+        if callers:
+            return callers[0]
+        assert loop.time() < deadline, f"no caller holds {count} {kind}"
+        await asyncio.sleep(0.005)
+
+
+@pytest.mark.parametrize("streams_per_caller", [2])
+async def test_a_caller_follows_at_most_its_cap_of_logs(
+    servicer_stub: Stub, flyd: Flyd, grpc_servicer: WorkerServicer
+) -> None:
+    await create(servicer_stub)
+    flyd.driver.write_log("m1", "hello")
+    follow = w.GetMachineLogsRequest(machine_id="m1", follow=True)
+    calls = [servicer_stub.GetMachineLogs(follow, timeout=T) for _ in range(2)]
+    try:
+        for call in calls:
+            assert (await call.read()).line == "hello"  # open, and following
+        err = await refused(
+            servicer_stub.GetMachineLogs(follow, timeout=T).read(),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+        )
+        info = info_of(err)
+        assert (info.reason, info.domain) == ("STREAM_CAP", DOMAIN)
+        assert info.metadata["kind"] == "GetMachineLogs follow streams"
+        assert info.metadata["limit"] == "2"
+        assert "--streams-per-caller 2" in (err.details() or "")
+        # A tail alone is no stream: it is not counted.
+        tail = w.GetMachineLogsRequest(machine_id="m1")
+        assert [item.line async for item in servicer_stub.GetMachineLogs(tail, timeout=T)] == [
+            "hello"
+        ]
+        calls.pop().cancel()  # one ends: another fits
+        await held(grpc_servicer, "GetMachineLogs follow streams", 1)
+        calls.append(servicer_stub.GetMachineLogs(follow, timeout=T))
+        assert (await calls[-1].read()).line == "hello"
+        flyd.driver.write_log("m1", "again")
+        for call in calls:  # the streams that were let in go on as before
+            assert (await call.read()).line == "again"
+    finally:
+        for call in calls:
+            call.cancel()
+
+
+@pytest.mark.parametrize("streams_per_caller", [2])
+async def test_a_caller_waits_at_most_its_cap_at_once(
+    servicer_stub: Stub, grpc_servicer: WorkerServicer
+) -> None:
+    await create(servicer_stub)
+    never = w.WaitMachineRequest(machine_id="m1", state=DESTROYED, timeout=seconds(30))
+    waits = [asyncio.ensure_future(servicer_stub.WaitMachine(never, timeout=T)) for _ in range(2)]
+    try:
+        await held(grpc_servicer, "WaitMachine calls", 2)
+        err = await refused(
+            servicer_stub.WaitMachine(never, timeout=T), grpc.StatusCode.RESOURCE_EXHAUSTED
+        )
+        assert info_of(err).metadata["kind"] == "WaitMachine calls"
+        # The machine is as it was; the waits already in go on, and one ends when it is met.
+        destroy = w.DestroyMachineRequest(machine_id="m1", force=True)
+        await servicer_stub.DestroyMachine(destroy, timeout=T)
+        for done in waits:
+            assert (await done).machine.state == DESTROYED
+        assert grpc_servicer.streams.open("WaitMachine calls", info_of(err).metadata["caller"]) == 0
+    finally:
+        for wait_ in waits:
+            wait_.cancel()
 
 
 async def test_a_cordoned_worker_refuses_new_machines_only(servicer_stub: Stub) -> None:

@@ -74,3 +74,23 @@ def test_route_machines_and_egress_via_are_not_both_the_way_out() -> None:
             load_settings(FlydSettings, argv, prog="flyd")
     finally:
         subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+def test_what_bounds_a_machine_s_cost_to_flyd_has_defaults() -> None:
+    settings = load_settings(FlydSettings, [], prog="flyd")
+    assert (settings.log_read_bytes, settings.streams_per_caller) == (1 << 20, 1024)
+    assert (settings.log_max_bytes, settings.log_backups) == (1 << 20, 2)
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--log-read-bytes", "0"], "log_read_bytes: Input should be greater than 0"),
+        (["--streams-per-caller", "0"], "streams_per_caller: Input should be greater than 0"),
+        (["--log-backups", "-1"], "log_backups: Input should be greater than or equal to 0"),
+        (["--log-max-bytes", "0"], "log_max_bytes: Input should be greater than 0"),
+    ],
+)
+def test_a_bound_that_bounds_nothing_is_refused_naming_it(argv: list[str], says: str) -> None:
+    with pytest.raises(SettingsError, match=says):
+        load_settings(FlydSettings, argv, prog="flyd")

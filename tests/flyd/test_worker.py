@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from flyd import stream as stream_module
-from flyd.drivers.base import PortMapping
+from flyd.drivers.base import ExitStatus, PortMapping
 from flyd.errors import (
     AlreadyExists,
     DeadlineExceeded,
@@ -336,6 +336,29 @@ async def test_cordon_refuses_creates_while_machines_run_on(
 
 
 # --- exits and the restart policy -------------------------------------------------------------
+
+
+async def test_an_exit_reads_its_log_tail_off_the_loop_and_keeps_its_place(flyd: Flyd) -> None:
+    # A huge log once made this read block the loop, and a restarted flyd read it again on
+    # recovery (issue 27, attack 8): now it waits in a thread, holding only its machine's lock.
+    w = flyd.worker
+    await create(w, "m1", config(restart=pb.RESTART_MODE_ON_FAILURE, max_retries=2))
+    await create(w, "m2")
+    flyd.driver.write_log("m1", "last words")
+    hold = flyd.driver.host.hold_log_reads()
+    flyd.driver.exit("m1", ExitStatus(3, None))
+    assert await asyncio.to_thread(hold.waiting.acquire, timeout=DEADLINE)
+    # The loop goes on (this test runs on it): another machine's operation is not held up.
+    assert (await w.stop("m2", None, None)).state in (STOPPING, STOPPED)
+    stop = asyncio.ensure_future(w.stop("m1", None, None))  # asked for after: it comes second
+    await asyncio.sleep(0)
+    assert w.get("m1").state == STARTED
+    assert not stop.done()
+    hold.let_go()
+    restarting = await w.wait("m1", RESTARTING, DEADLINE)
+    assert (restarting.last_exit.has_exit_code, restarting.last_exit.exit_code) == (True, 3)
+    assert list(restarting.log_tail) == ["last words"]
+    assert (await stop).state == STOPPED  # then the stop, of a machine waiting to restart
 
 
 async def test_a_crash_loop_ends_failed_with_exit_code_and_log_tail(

@@ -330,7 +330,7 @@ async def test_a_slow_follower_is_resynced_from_a_fresh_snapshot(fake: FakeWorke
     async with running(replica):
         await eventually(replica, lambda: replica.machine("m0") is not None, "m0")
         servicer = RegistryServicer(replica, follow_queue=3)
-        stream = servicer.Follow(r.FollowRequest(), None)
+        stream = servicer.feed(r.FollowRequest())
         first = await anext(stream)
         assert first.item.snapshot.seq == 1
         # the follower reads nothing while the worker changes a lot
@@ -354,7 +354,7 @@ async def test_a_follower_that_asks_for_batches_gets_what_is_ready_in_one_messag
     replica.add_worker(fake.info)
     async with running(replica):
         await eventually(replica, lambda: replica.machine("m0") is not None, "m0")
-        stream = RegistryServicer(replica).Follow(r.FollowRequest(max_batch=8), None)
+        stream = RegistryServicer(replica).feed(r.FollowRequest(max_batch=8))
         first = await anext(stream)  # the view
         assert (list(first.batch) or [first])[0].item.snapshot.seq == 1
         # the follower reads nothing while the worker changes five times

@@ -1,16 +1,19 @@
-"""RegistryService's error mapping and the standalone settings (its RPCs: test_servicer.py)."""
+"""RegistryService's error mapping, the standalone settings and what serve_replica takes of
+them (its RPCs: test_servicer.py)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import grpc
 import pytest
 
 from registry.errors import InvalidArgument, RegistryError, SequenceGap, Unavailable
-from registry.service import RegistryServicer, map_error
-from registry.settings import RegistrySettings
+from registry.service import RegistryServicer, map_error, serve_replica
+from registry.settings import FOLLOWS_PER_CALLER, RegistrySettings
 from registry.v1 import registry_pb2 as r
 from registry.v1 import registry_pb2_grpc
-from runtime import SettingsError, load_settings
+from runtime import Service, SettingsError, load_settings
 
 
 def test_every_rpc_of_the_proto_is_implemented() -> None:
@@ -54,6 +57,33 @@ def test_settings_defaults_and_flags() -> None:
     assert settings.peers == ["10.0.0.1:7000"]
     assert settings.upstream is None
     assert (settings.suspect_after, settings.dead_after) == (0.6, 3.0)
+    assert settings.follows_per_caller == FOLLOWS_PER_CALLER
+
+
+class Recording(Service):
+    """A Service that keeps what is added to it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.servicers: list[object] = []
+
+    def add(self, servicer: Any, *args: Any, **kwargs: Any) -> None:
+        self.servicers.append(servicer)
+        super().add(servicer, *args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("argv", "cap"), [([], FOLLOWS_PER_CALLER), (["--follows-per-caller", "3"], 3)]
+)
+async def test_the_served_replica_caps_follow_streams_as_its_settings_say(
+    argv: list[str], cap: int
+) -> None:
+    settings = load_settings(RegistrySettings, argv, prog="registry")
+    service = Recording("registry", settings)
+    serve_replica(service, settings.replica(), [])
+    [servicer] = service.servicers
+    assert isinstance(servicer, RegistryServicer)
+    assert servicer.follows.limit == cap
 
 
 @pytest.mark.parametrize(
@@ -64,6 +94,7 @@ def test_settings_defaults_and_flags() -> None:
         (["--upstream", "x"], "upstream"),
         (["--suspect-after", "0"], "suspect_after"),
         (["--retry-max", "0"], "retry_max"),
+        (["--follows-per-caller", "0"], "follows_per_caller"),
     ],
 )
 def test_bad_settings_name_the_setting(argv: list[str], named: str) -> None:

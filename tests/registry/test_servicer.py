@@ -17,10 +17,13 @@ from flyd.v1 import machine_pb2 as pb
 from registry.fakes import FakeWorker
 from registry.replica import Replica
 from registry.service import RegistryServicer, map_error
+from registry.settings import FOLLOWS_PER_CALLER
 from registry.v1 import registry_pb2 as r
 from registry.v1 import registry_pb2_grpc
 from registry.view import ALIVE, DEAD
+from runtime import error_info
 from runtime.clock import ManualClock
+from runtime.streams import STREAM_CAP
 from tests.registry.support import DEADLINE, MALFORMED_WORKERS, eventually, running, status_is
 from tests.servicers import INVALID, T, refused, registered
 
@@ -60,8 +63,16 @@ def draining() -> asyncio.Event:
 
 
 @pytest.fixture
-def grpc_servicer(replica: Replica, draining: asyncio.Event) -> RegistryServicer:
-    return RegistryServicer(replica, draining=draining)
+def follows_per_caller() -> int:
+    """Follow streams one caller may hold (--follows-per-caller)."""
+    return FOLLOWS_PER_CALLER
+
+
+@pytest.fixture
+def grpc_servicer(
+    replica: Replica, draining: asyncio.Event, follows_per_caller: int
+) -> RegistryServicer:
+    return RegistryServicer(replica, draining=draining, follows_per_caller=follows_per_caller)
 
 
 @pytest.fixture
@@ -122,6 +133,12 @@ async def test_list_members_reports_liveness_and_what_was_applied(
         await beating.stop()
 
 
+async def follow_w1(replica: Replica, fake: FakeWorker) -> None:
+    """The replica follows worker w1, and has its machine m1."""
+    replica.add_worker(fake.info)
+    await eventually(replica, lambda: replica.machine("m1") is not None, "m1 in the replica")
+
+
 async def test_list_members_of_an_empty_replica(servicer_stub: Stub) -> None:
     resp = await servicer_stub.ListMembers(r.ListMembersRequest(), timeout=T)
     assert list(resp.members) == []
@@ -130,8 +147,7 @@ async def test_list_members_of_an_empty_replica(servicer_stub: Stub) -> None:
 async def test_follow_sends_the_view_then_live_changes(
     servicer_stub: Stub, replica: Replica, fake: FakeWorker
 ) -> None:
-    replica.add_worker(fake.info)
-    await eventually(replica, lambda: replica.machine("m1") is not None, "m1 in the replica")
+    await follow_w1(replica, fake)
     call = servicer_stub.Follow(r.FollowRequest(), timeout=DEADLINE)
     try:
         first = await call.read()
@@ -148,6 +164,40 @@ async def test_follow_sends_the_view_then_live_changes(
         call.cancel()
 
 
+@pytest.mark.parametrize("follows_per_caller", [1])
+async def test_a_caller_holds_at_most_its_cap_of_follow_streams(
+    servicer_stub: Stub, replica: Replica, fake: FakeWorker
+) -> None:
+    await follow_w1(replica, fake)
+    call = servicer_stub.Follow(r.FollowRequest(), timeout=DEADLINE)
+    try:
+        assert (await call.read()).worker_id == "w1"  # it is following
+        err = await refused(
+            servicer_stub.Follow(r.FollowRequest(), timeout=DEADLINE).read(),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+        )
+        info = error_info(err)
+        assert info is not None
+        assert (info.reason, info.metadata["kind"]) == (STREAM_CAP, "Follow streams")
+        assert "--follows-per-caller 1" in (err.details() or "")
+    finally:
+        call.cancel()
+    # Once that one has ended, the caller may follow again.
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + DEADLINE
+    while True:
+        again = servicer_stub.Follow(r.FollowRequest(), timeout=DEADLINE)
+        try:
+            assert (await again.read()).worker_id == "w1"
+            break
+        except grpc.aio.AioRpcError as e:
+            assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # the cancel is on its way
+            assert loop.time() < deadline
+            await asyncio.sleep(0.005)
+        finally:
+            again.cancel()
+
+
 async def test_follow_ends_unavailable_when_the_service_drains(
     servicer_stub: Stub, draining: asyncio.Event
 ) -> None:
@@ -160,8 +210,7 @@ async def test_follow_ends_unavailable_when_the_service_drains(
 async def test_list_slot_names_each_member_with_its_worker(
     servicer_stub: Stub, replica: Replica, fake: FakeWorker
 ) -> None:
-    replica.add_worker(fake.info)
-    await eventually(replica, lambda: replica.machine("m1") is not None, "m1 in the replica")
+    await follow_w1(replica, fake)
     resp = await servicer_stub.ListSlot(r.ListSlotRequest(app="app", slot="m1"), timeout=T)
     [member] = resp.members
     assert (member.machine.id, member.worker.id, member.worker.address) == (
