@@ -46,6 +46,7 @@ from flaps.v1 import machines_pb2_grpc
 from flyd.drivers.oci import probe as oci_probe
 from flyd.drivers.rundir import kill_all
 from flyd.images.build import build_image
+from flyd.images.owners import PUBLIC
 from flyd.v1 import machine_pb2 as pb
 from nonomad.cli_local import DEMO_SOURCE
 from proxy.v1 import proxy_pb2, proxy_pb2_grpc
@@ -179,7 +180,12 @@ def run_on_demo(
     t0 = time.perf_counter()
     try:
         build_image(
-            DEMO_SOURCE, root / "images", name="demo", tag="v1", entrypoint=["python3", "app.py"]
+            DEMO_SOURCE,
+            root / "images",
+            name="demo",
+            tag="v1",
+            entrypoint=["python3", "app.py"],
+            owners=PUBLIC,
         )
         asyncio.run(body())
     except Exception as err:

@@ -3,7 +3,8 @@
 An image named `n` lives in the source root as an OCI image layout directory `n/` (with
 `oci-layout`, `index.json` and `blobs/sha256/...`) or as a tar of one, `n.tar`, read in place.
 A reference resolves to a manifest by tag annotation or digest; each blob read is checked
-against its descriptor's size and sha256 digest.
+against its descriptor's size and sha256 digest. Who may run an image is in its manifest
+(`ResolvedImage.owners`, flyd.images.owners).
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ from flyd.images.oci import (
     parse_index,
     parse_manifest,
 )
+from flyd.images.owners import Owners
 from flyd.images.reference import ImageRef, parse_reference
 
-__all__ = ["CHUNK", "BlobReader", "ImageSource", "ResolvedImage", "open_layout"]
+__all__ = ["CHUNK", "BlobReader", "ImageSource", "ResolvedImage", "open_layout", "owners_of"]
 
 # index.json, manifests and configs are read whole into memory; registries cap manifests at
 # 4 MiB, and nothing legitimate comes close.
@@ -231,6 +233,11 @@ class ResolvedImage:
         """Read and verify the manifest."""
         return parse_manifest(self.read_blob(self.manifest), self.manifest)
 
+    def owners(self) -> Owners:
+        """Who may run the image, as its manifest records (flyd.images.owners): read and
+        verified, as every blob is, so an image cannot claim owners its digest does not name."""
+        return owners_of(self.read_manifest(), self.manifest.digest)
+
     def read_config(self, manifest: Manifest) -> ImageConfig:
         """Read and verify the image config the manifest names."""
         return parse_config(self.read_blob(manifest.config), manifest.config)
@@ -339,6 +346,11 @@ def open_layout(path: Path, tag: str | None) -> ResolvedImage:
         f"{_ref_name(name)}:{manifest.annotations.get(REF_NAME_ANNOTATION) or 'latest'}"
     )
     return ResolvedImage(ref=ref, manifest=manifest, source=layout.description, _layout=layout)
+
+
+def owners_of(manifest: Manifest, digest: str) -> Owners:
+    """The owners the manifest of digest `digest` records (ImageError when malformed)."""
+    return Owners.parse(manifest.annotations, f"manifest {digest}")
 
 
 def _ref_name(name: str) -> str:
