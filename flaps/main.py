@@ -13,9 +13,11 @@ from google.protobuf.descriptor import ServiceDescriptor
 from flaps import auth, placement
 from flaps.auth import Authorizer, KeySource
 from flaps.errors import map_error
+from flaps.images import ImageOwners
 from flaps.service import LIMITS, Exchange, MachinesServicer, PlatformServicer, Workers
 from flaps.settings import FlapsSettings
 from flaps.v1 import machines_pb2, machines_pb2_grpc, platform_pb2, platform_pb2_grpc
+from flyd.images.source import ImageSource
 from registry.service import serve_replica
 from runtime import Service, configure_logging, main_entry, settings_or_exit, setup_tracing
 from runtime.heap import no_full_collections
@@ -36,7 +38,8 @@ async def build(argv: list[str]) -> Service:
         weights=placement.Weights(**settings.weights.model_dump()),
         sample_size=settings.sample_size,
     )
-    exchange = Exchange(replica, workers, pipeline)
+    images = ImageOwners(ImageSource(settings.image_source)) if settings.image_source else None
+    exchange = Exchange(replica, workers, pipeline, images)
     service = Service("flaps", settings)
     guard: Callable[[object, ServiceDescriptor], None] | None = None
     if settings.token_keys is not None:
