@@ -332,7 +332,7 @@ is invalid (the message names the field).
 
 
 def add_image(sub: argparse._SubParsersAction[Parser], out: Parser) -> None:
-    """Add `image build` to the top-level subparsers."""
+    """Add `image build` and `image list` to the top-level subparsers."""
     image = sub.add_parser("image", help="build images for the workers")
     isub = image.add_subparsers(dest="image_command", required=True, metavar="COMMAND")
     build = isub.add_parser(
@@ -384,6 +384,21 @@ def add_image(sub: argparse._SubParsersAction[Parser], out: Parser) -> None:
         help="image source directory to write to (default: the local cluster's, see below)",
     )
     build.set_defaults(func="nonomad.cli_image:cmd_build")
+    listing = isub.add_parser(
+        "list",
+        parents=[out],
+        help="the images of an image source, and who may run each",
+        description="Every NAME:TAG of the image source (the local cluster's by default), its "
+        "digest, and who may run it as its manifest records (docs/images.md): an image that "
+        "records no owner and is not public runs for no app.",
+    )
+    listing.add_argument(
+        "--source",
+        type=Path,
+        metavar="DIR",
+        help="the image source directory (default: the local cluster's)",
+    )
+    listing.set_defaults(func="nonomad.cli_image:cmd_list")
 
 
 # -- tokens and secrets ----------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""`nonomad image build`: a directory as an OCI image in the workers' image source."""
+"""`nonomad image build`: a directory as an OCI image in the workers' image source; `image
+list`: what a source holds, and who may run each image."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from flyd.errors import InvalidArgument as FlydInvalidArgument
 from flyd.images.build import build_image
 from flyd.images.owners import Owners
 from flyd.images.reference import parse_reference
-from nonomad.cli_common import CliError, UsageError, emit, local_cluster, state_dir
+from flyd.images.source import ImageSource
+from nonomad.cli_common import CliError, UsageError, emit, local_cluster, state_dir, table
 
 
 def argv(flag: str, value: str | None) -> list[str]:
@@ -162,4 +164,49 @@ def cmd_build(args: argparse.Namespace) -> int:
         return line
 
     emit(args, report, human)
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    root = args.source
+    if root is None:
+        cluster = local_cluster(state_dir(args))
+        if cluster is None:
+            raise UsageError(
+                "--source: no local cluster runs, so give the image source directory (the "
+                "workers' flyd --image-source)"
+            )
+        root = Path(cluster.image_source)
+    if not Path(root).is_dir():
+        raise UsageError(f"--source: {root} is not a directory")
+    source = ImageSource(root)
+    listed: list[dict[str, object]] = []
+    for ref in source.tagged():
+        row: dict[str, object] = {"image": ref}
+        try:
+            resolved = source.resolve(ref)
+            owners = resolved.owners()
+        except (ImageError, OSError) as err:  # listed all the same: a worker says this
+            row.update(digest=None, owner=None, shared_with=[], public=False, error=str(err))
+        else:
+            row.update(
+                digest=resolved.digest,
+                owner=owners.app or None,
+                shared_with=sorted(owners.shared_with),
+                public=owners.public,
+                error=None,
+                who=str(owners) if owners.app or owners.public else "no app (no owner recorded)",
+            )
+        listed.append(row)
+
+    def human() -> str:
+        rows = [
+            (r["image"], str(r["digest"] or "-")[:19], r.get("who") or f"unreadable: {r['error']}")
+            for r in listed
+        ]
+        return (
+            table(rows, ["IMAGE", "DIGEST", "WHO MAY RUN IT"]) if rows else f"no images in {root}"
+        )
+
+    emit(args, [{k: v for k, v in r.items() if k != "who"} for r in listed], human)
     return 0

@@ -33,7 +33,7 @@ from flyd.images.oci import (
     parse_manifest,
 )
 from flyd.images.owners import Owners
-from flyd.images.reference import ImageRef, parse_reference
+from flyd.images.reference import ImageRef, check_image_name, parse_reference
 
 __all__ = ["CHUNK", "BlobReader", "ImageSource", "ResolvedImage", "open_layout", "owners_of"]
 
@@ -314,6 +314,35 @@ class ImageSource:
                 continue
             return (st.st_ino, st.st_mtime_ns, st.st_size)
         return None
+
+    def tagged(self) -> list[str]:
+        """Every `name:tag` the source holds, sorted: the tags of each layout directory and
+        tar under the root, and the bare name of one whose index cannot be read (for an
+        operator's listing; a worker never walks the source)."""
+        out: list[str] = []
+        for parent, dirs, files in os.walk(self.root):
+            here = Path(parent).relative_to(self.root)
+            if "index.json" in files:
+                dirs.clear()  # a layout: its blobs are not images
+                names = [here.as_posix()]
+            else:
+                names = [
+                    (here / f.removesuffix(".tar")).as_posix() for f in files if f.endswith(".tar")
+                ]
+            for name in names:
+                try:
+                    check_image_name(name, name)
+                except ImageError:
+                    continue  # no reference names it: not an image of this source
+                try:
+                    layout = self._open_layout(ImageRef(name=name))
+                    index = parse_index(layout.read_index(), f"{layout.description}/index.json")
+                except (ImageError, OSError):
+                    out.append(name)  # listed, so that resolving it says what is wrong
+                    continue
+                tags = {m.annotations.get(REF_NAME_ANNOTATION) for m in index} - {None}
+                out += [f"{name}:{tag}" for tag in tags]
+        return sorted(out)
 
     def _open_layout(self, ref: ImageRef) -> _Layout:
         directory = self.root.joinpath(*ref.name.split("/"))

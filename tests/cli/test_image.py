@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from flyd.images.build import build_image
 from nonomad.cli_common import LocalCluster
 from tests.cli.conftest import CliFleet, nonomad
 from tests.harness import clean_env
@@ -171,3 +172,41 @@ async def test_a_build_must_say_whose_image_it_is_and_writes_nothing_until_it_do
     assert bad.code == 2, bad.out
     assert says in bad.err
     assert not out.exists()
+
+
+async def test_image_list_shows_who_may_run_each_image_of_the_source(tmp_path: Path) -> None:
+    src = tmp_path / "site"
+    src.mkdir()
+    (src / "app.py").write_text(SITE)
+    images = tmp_path / "images"
+    for tag, flags in [
+        ("demo:v1", ["--app", "demo"]),
+        ("team/site:v2", ["--app", "site", "--share-with", "blog,docs"]),
+        ("base:v1", ["--public"]),
+    ]:
+        built = await nonomad(
+            "image", "build", str(src), "--tag", tag, "--cmd", "true", "--out", str(images), *flags
+        )
+        assert built.code == 0, built.err
+    build_image(src, images, name="stray", tag="v1", entrypoint=["true"])  # as before owners
+    (images / "broken").mkdir()
+    (images / "broken" / "index.json").write_text("{")
+
+    listed = (await nonomad("image", "list", "--source", str(images), "--json")).json()
+    assert [(r["image"], r["owner"], r["shared_with"], r["public"]) for r in listed] == [
+        ("base:v1", None, [], True),
+        ("broken", None, [], False),
+        ("demo:v1", "demo", [], False),
+        ("stray:v1", None, [], False),
+        ("team/site:v2", "site", ["blog", "docs"], False),
+    ]
+    assert "is not valid JSON" in listed[1]["error"]
+    assert all(r["error"] is None for r in listed if r["image"] != "broken")
+    human = await nonomad("image", "list", "--source", str(images))
+    lines = {line.split()[0]: line for line in human.out.splitlines()[1:]}
+    assert lines["demo:v1"].endswith("app demo")
+    assert lines["team/site:v2"].endswith("app site, shared with blog, docs")
+    assert lines["base:v1"].endswith("public")
+    assert lines["stray:v1"].endswith("no app (no owner recorded)")
+    nowhere = await nonomad("--state-dir", str(tmp_path / "none"), "image", "list", env=clean_env())
+    assert (nowhere.code, "--source: no local cluster runs" in nowhere.err) == (2, True)
