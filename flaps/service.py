@@ -190,11 +190,14 @@ class Exchange:
         self.images = images
         self.watchers = explain.Watchers()
 
-    async def check_image(self, app: str, config: pb.MachineConfig) -> None:
+    async def check_image(
+        self, config: pb.MachineConfig, *, app: str = "", machine_id: str = ""
+    ) -> None:
         """Refuse (ImageDenied, before any worker is asked) a config whose image a machine of
-        `app` may not run, when flaps can tell (flaps.images); the worker checks it again."""
+        `app` (or of the app of `machine_id`) may not run, when flaps can tell (flaps.images);
+        the worker checks it again."""
         if self.images is not None:
-            await self.images.check(app, config.image)
+            await self.images.check(app or await self.app_of(machine_id), config.image)
 
     async def app_of(self, machine_id: str) -> str:
         """The app a machine belongs to: from the registry view, else (a machine just made,
@@ -286,7 +289,7 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
             raise InvalidArgument("name", "must be at most 63 characters")
         regions = self.x.regions_of(request.region, request.regions)
         check_config(request.config)
-        await self.x.check_image(request.app, request.config)
+        await self.x.check_image(request.config, app=request.app)
         lease_ttl = duration_seconds(
             "lease_ttl",
             request.lease_ttl,
@@ -599,7 +602,7 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
         self, request: m.UpdateMachineRequest, context: grpc.aio.ServicerContext
     ) -> m.UpdateMachineResponse:
         check_config(request.config)
-        await self.x.check_image(await self.x.app_of(request.machine_id), request.config)
+        await self.x.check_image(request.config, machine_id=request.machine_id)
         # Replacing a running machine stops it first: allow for its stop timeout.
         return await self._forward("UpdateMachine", request, timeout=CLAIM_TIMEOUT + 30)
 
@@ -756,7 +759,7 @@ class PlatformServicer(platform_pb2_grpc.PlatformServiceServicer):
         check_name("app", request.app)
         regions = self.x.regions_of(request.region, request.regions)
         check_config(request.config)
-        await self.x.check_image(request.app, request.config)  # a deploy's dry run says so
+        await self.x.check_image(request.config, app=request.app)  # a deploy's dry run says so
         bid = self.x.request(request.app, regions, request.config, request.standby_for, None)
         # A larger sample than a create ranks; the rest are explained by the counts.
         pipeline = dataclasses.replace(
