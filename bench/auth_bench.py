@@ -41,6 +41,7 @@ from flyd.access import WORKER_ACCESS
 from flyd.fakes import FakeDriver, FakeHost
 from flyd.images.build import build_image
 from flyd.images.cache import ImageCache
+from flyd.images.owners import PUBLIC
 from flyd.images.source import ImageSource
 from flyd.service import WorkerServicer
 from flyd.service import map_error as flyd_map_error
@@ -145,7 +146,9 @@ async def _alive(replica: Replica) -> None:
 
 
 async def _measure(root: Path, security: ClusterSecurity, n: int, results: Results) -> None:
-    build_image(root / "src", root / "images", name="app", tag="v1", entrypoint=["app"])
+    build_image(
+        root / "src", root / "images", name="app", tag="v1", entrypoint=["app"], owners=PUBLIC
+    )
     source = ImageSource(root / "images")
     workers = [_worker(root, f"w{i}", source) for i in range(WORKERS)]
     flyd_cert, flaps_cert = security.cert(FLYD_PART), security.cert("flaps")

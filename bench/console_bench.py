@@ -55,9 +55,9 @@ from bench.proxy_control_bench import Fleet, Service
 from bench.report import Results, percentile
 from flaps.tokens import read_token
 from flaps.v1.platform_pb2 import WORKER_STATUS_ALIVE
-from flyd.images.build import build_image
+from flyd.images.owners import PUBLIC
 from flyd.v1 import machine_pb2 as pb
-from nonomad.cli_local import DEMO_SOURCE
+from nonomad.cli_local import build_demo
 from nonomad.client import Client
 from nonomad.console.login import login_url
 from nonomad.security import ClusterSecurity, provision
@@ -368,9 +368,7 @@ async def _prepare(cluster: Cluster) -> list[str]:
 def _run(res: Results, root: Path, quick: bool) -> None:
     cluster = Cluster(root)
     try:
-        build_image(
-            DEMO_SOURCE, root / "images", name="demo", tag="v1", entrypoint=["python3", "app.py"]
-        )
+        build_demo(root / "images", owners=PUBLIC)
         cluster.start()
         progress("cluster up")
         running = _run_async(_prepare(cluster))

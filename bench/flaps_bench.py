@@ -52,6 +52,7 @@ from bench.report import Results, percentile
 from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
 from flyd.images.build import build_image
+from flyd.images.owners import PUBLIC
 from flyd.v1 import machine_pb2 as pb
 from nonomad.spec import load_spec
 from runtime import METRICS_PREFIX, READY_PREFIX, read_announcements
@@ -567,7 +568,14 @@ def build_sleeper(root: Path) -> None:
     src = root / "image-src"
     src.mkdir(parents=True)
     (src / "README").write_text("nonomad benchmark image: sleeps\n")
-    build_image(src, root / "images", name="sleeper", tag="v1", entrypoint=["sleep", "100000"])
+    build_image(
+        src,
+        root / "images",
+        name="sleeper",
+        tag="v1",
+        entrypoint=["sleep", "100000"],
+        owners=PUBLIC,
+    )
 
 
 def real_config() -> pb.MachineConfig:

@@ -17,6 +17,7 @@ from google.protobuf.duration_pb2 import Duration
 
 from bench.procs import progress
 from flyd.images.build import build_image
+from flyd.images.owners import PUBLIC
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
@@ -222,5 +223,7 @@ def build_sleeper(root: Path) -> tuple[Path, str]:
     src.mkdir(parents=True)
     (src / "README").write_text("nonomad benchmark image: sleeps\n")
     source = root / "images"
-    digest = build_image(src, source, name="sleeper", tag="v1", entrypoint=["sleep", "100000"])
+    digest = build_image(
+        src, source, name="sleeper", tag="v1", entrypoint=["sleep", "100000"], owners=PUBLIC
+    )
     return source, digest

@@ -45,9 +45,9 @@ from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc
 from flyd.drivers.oci import probe as oci_probe
 from flyd.drivers.rundir import kill_all
-from flyd.images.build import build_image
+from flyd.images.owners import PUBLIC
 from flyd.v1 import machine_pb2 as pb
-from nonomad.cli_local import DEMO_SOURCE
+from nonomad.cli_local import build_demo
 from proxy.v1 import proxy_pb2, proxy_pb2_grpc
 from runtime import READY_PREFIX, read_announcements
 
@@ -178,9 +178,7 @@ def run_on_demo(
     `results` its error (if any) and how long it all took; `root` is removed after."""
     t0 = time.perf_counter()
     try:
-        build_image(
-            DEMO_SOURCE, root / "images", name="demo", tag="v1", entrypoint=["python3", "app.py"]
-        )
+        build_demo(root / "images", owners=PUBLIC)
         asyncio.run(body())
     except Exception as err:
         results.errors.append(f"{type(err).__name__}: {err}")

@@ -43,6 +43,7 @@ from bench import procs, report
 from bench.procs import FlydProcess, progress
 from bench.report import Results, percentile
 from flyd.images.build import build_image
+from flyd.images.owners import PUBLIC
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
@@ -189,7 +190,9 @@ def _build_image(root: Path) -> None:
     src = root / "src"
     src.mkdir(parents=True)
     (src / "README").write_text("an image whose machines are never started\n")
-    build_image(src, root / "images", name="idle", tag="v1", entrypoint=["sleep", "1000"])
+    build_image(
+        src, root / "images", name="idle", tag="v1", entrypoint=["sleep", "1000"], owners=PUBLIC
+    )
 
 
 async def _wait(replica: Replica, check: Callable[[], bool], what: str) -> None:

@@ -10,12 +10,16 @@ from google.rpc.error_details_pb2 import ErrorInfo
 from runtime import Mapped, error_info
 from runtime import errors as runtime_errors
 
+DOMAIN = "flaps.nonomad"
+"""`google.rpc.ErrorInfo.domain` of the reasons flaps gives."""
+
 
 class FlapsError(Exception):
-    """Base of every error flaps reports."""
+    """Base of every error flaps reports; `info`, when set, is sent with its status."""
 
     code = grpc.StatusCode.INTERNAL
     retryable = False
+    info: ErrorInfo | None = None
 
 
 class InvalidArgument(FlapsError, runtime_errors.InvalidArgument):
@@ -55,6 +59,23 @@ class NoCapacity(FlapsError):
         self.counts = counts
 
 
+class ImageDenied(FlapsError):
+    """The machine's app may not run the image its config names (flyd.images.owners), as
+    flaps' view of the image source says: refused before any worker is claimed on, as the
+    worker would refuse it (reason IMAGE_DENIED, naming the field, the image and its owner)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+    field = "config.image"
+
+    def __init__(self, image: str, owner: str, message: str) -> None:
+        super().__init__(f"{self.field}: {message}")
+        self.info = ErrorInfo(
+            reason="IMAGE_DENIED",
+            domain=DOMAIN,
+            metadata={"field": self.field, "image": image, "owner": owner},
+        )
+
+
 class Upstream(FlapsError):
     """A worker's own answer, passed on as it is (its status is final), with the ErrorInfo
     that names its reason, if it sent one."""
@@ -67,7 +88,7 @@ class Upstream(FlapsError):
 
 def map_error(err: Exception) -> Mapped | None:
     """flaps' errors (and flyd's validation errors it reuses) as gRPC statuses."""
-    if isinstance(err, Upstream) and err.info is not None:
+    if isinstance(err, FlapsError) and err.info is not None:
         return err.code, str(err), err.info
     if isinstance(err, FlapsError):
         return err.code, str(err)

@@ -13,6 +13,7 @@ from google.protobuf.descriptor import ServiceDescriptor
 from flaps import auth, placement
 from flaps.auth import Authorizer, KeySource, RevocationList, TokenVerifier
 from flaps.errors import map_error
+from flaps.images import ImageOwners
 from flaps.service import LIMITS, Exchange, MachinesServicer, PlatformServicer, Workers
 from flaps.settings import FlapsSettings
 from flaps.v1 import (
@@ -24,6 +25,7 @@ from flaps.v1 import (
     tokens_pb2_grpc,
 )
 from flaps.verify import TOKEN_ACCESS, TokenServicer
+from flyd.images.source import ImageSource
 from registry.service import serve_replica
 from runtime import (
     Service,
@@ -51,7 +53,8 @@ async def build(argv: list[str]) -> Service:
         weights=placement.Weights(**settings.weights.model_dump()),
         sample_size=settings.sample_size,
     )
-    exchange = Exchange(replica, workers, pipeline)
+    images = ImageOwners(ImageSource(settings.image_source)) if settings.image_source else None
+    exchange = Exchange(replica, workers, pipeline, images)
     service = Service("flaps", settings)
     guard: Callable[[object, ServiceDescriptor], None] | None = None
     tokens: TokenVerifier | None = None

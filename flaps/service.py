@@ -35,6 +35,7 @@ from flaps.errors import (
     Unavailable,
     Upstream,
 )
+from flaps.images import ImageOwners
 from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
 from flyd import slots
@@ -174,13 +175,30 @@ def _conclude(
 
 
 class Exchange:
-    """What both services share: the replica view, worker channels, the placement settings."""
+    """What both services share: the replica view, worker channels, the placement settings,
+    and what flaps can tell of images' owners (None: only the workers check them)."""
 
-    def __init__(self, replica: Replica, workers: Workers, pipeline: placement.Pipeline) -> None:
+    def __init__(
+        self,
+        replica: Replica,
+        workers: Workers,
+        pipeline: placement.Pipeline,
+        images: ImageOwners | None = None,
+    ) -> None:
         self.replica = replica
         self.workers = workers
         self.pipeline = pipeline
+        self.images = images
         self.watchers = explain.Watchers()
+
+    async def check_image(
+        self, config: pb.MachineConfig, *, app: str = "", machine_id: str = ""
+    ) -> None:
+        """Refuse (ImageDenied, before any worker is asked) a config whose image a machine of
+        `app` (or of the app of `machine_id`) may not run, when flaps can tell (flaps.images);
+        the worker checks it again."""
+        if self.images is not None:
+            await self.images.check(app or await self.app_of(machine_id), config.image)
 
     async def app_of(self, machine_id: str) -> str:
         """The app a machine belongs to: from the registry view, else (a machine just made,
@@ -288,6 +306,7 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
             raise InvalidArgument("name", "must be at most 63 characters")
         regions = self.x.regions_of(request.region, request.regions)
         check_config(request.config)
+        await self.x.check_image(request.config, app=request.app)
         lease_ttl = duration_seconds(
             "lease_ttl",
             request.lease_ttl,
@@ -580,6 +599,7 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
         self, request: m.UpdateMachineRequest, context: grpc.aio.ServicerContext
     ) -> m.UpdateMachineResponse:
         check_config(request.config)
+        await self.x.check_image(request.config, machine_id=request.machine_id)
         # Replacing a running machine stops it first: allow for its stop timeout.
         return await self._forward("UpdateMachine", request, timeout=CLAIM_TIMEOUT + 30)
 
@@ -761,6 +781,7 @@ class PlatformServicer(platform_pb2_grpc.PlatformServiceServicer):
         check_name("app", request.app)
         regions = self.x.regions_of(request.region, request.regions)
         check_config(request.config)
+        await self.x.check_image(request.config, app=request.app)  # a deploy's dry run says so
         bid = self.x.request(request.app, regions, request.config, request.standby_for, None)
         # A larger sample than a create ranks; the rest are explained by the counts.
         pipeline = dataclasses.replace(

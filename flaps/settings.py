@@ -1,4 +1,5 @@
-"""flaps' settings: where to learn the fleet from, how to rank it, whose tokens to accept."""
+"""flaps' settings: where to learn the fleet from, how to rank it, whose tokens to accept, where
+to read images' owners."""
 
 from __future__ import annotations
 
@@ -49,6 +50,13 @@ class FlapsSettings(ReplicaSettings):
         default=None,
         description="file of revoked token ids, one a line (`nonomad tokens revoke`); default: "
         "revoked-tokens beside token_keys; re-read when it changes, a missing file revokes none",
+    )
+
+    image_source: Path | None = Field(
+        default=None,
+        description="the workers' image source directory (or a copy of it): a create or "
+        "update of an image its app may not run is refused before any worker is claimed on "
+        "(without it, or for an image it lacks, the workers refuse it)",
     )
 
     @field_validator("token_keys")

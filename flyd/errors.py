@@ -116,6 +116,24 @@ class UnsafeImage(ImageError):
     """An image archive tried to escape its target or holds forbidden entries."""
 
 
+class ImageDenied(FlydError):
+    """The machine's app may not run the image its config names (flyd.images.owners): not
+    the app's own, not shared with it, not public. Sent as PERMISSION_DENIED with the reason
+    IMAGE_DENIED, naming the field, the image and its owner."""
+
+    reason = "IMAGE_DENIED"
+    field = "config.image"
+
+    def __init__(self, image: str, owner: str, message: str) -> None:
+        super().__init__(f"{self.field}: {message}")
+        self.image = image
+        self.owner = owner
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        return {"field": self.field, "image": self.image, "owner": self.owner}
+
+
 class CorruptLog(FlydError):
     """The machine log holds what this flyd cannot interpret: unknown type, gap, newer version.
 

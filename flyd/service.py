@@ -15,6 +15,7 @@ from flyd.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     FlydError,
+    ImageDenied,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
@@ -42,6 +43,7 @@ _CODES: list[tuple[type[FlydError], grpc.StatusCode]] = [
     (Unavailable, grpc.StatusCode.UNAVAILABLE),
     (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
     (UnsafeImage, grpc.StatusCode.FAILED_PRECONDITION),
+    (ImageDenied, grpc.StatusCode.PERMISSION_DENIED),
 ]
 
 _OTHER = grpc.StatusCode.FAILED_PRECONDITION

@@ -331,7 +331,8 @@ class Worker:
                 f"{'cordoned' if self.cordoned else 'shutting down'}"
             )
         self.reservations.check_room(config.guest)  # fail fast, before pulling anything
-        image = await self.images.pull(config.image)
+        # Only an image the app may run (flyd.images.owners), known before anything is pulled.
+        image = await self.images.pull(config.image, app=app)
         self.images.use(image.digest)  # at once, so the pulled image cannot be evicted
         mine = secrets.token_hex(8)  # the instance this call creates
         reached_driver = False
@@ -556,7 +557,8 @@ class Worker:
         if row.state == S.MACHINE_STATE_DESTROYED:
             raise FailedPrecondition(f"cannot update a destroyed machine {machine_id}", DESTROYED)
         self.reservations.check_room(config.guest, instead_of=row.machine.config.guest)  # fail fast
-        image = await self.images.pull(config.image)
+        # The new instance's image is checked as a create's is, whether or not it changed.
+        image = await self.images.pull(config.image, app=row.machine.app)
         self.images.use(image.digest)
         instance_id = secrets.token_hex(8)
         old_digest = row.image_digest

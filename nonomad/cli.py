@@ -10,6 +10,7 @@ through flaps (--flaps HOST:PORT, $NONOMAD_FLAPS, or the local cluster's):
   nonomad regions             free capacity per region (--cpu --memory: how many fit)
   nonomad workers             the workers flaps knows
   nonomad image build DIR     an image the workers can pull (the local cluster's by default)
+  nonomad image list          the images there, and which apps may run each
   nonomad deploy APP_TOML     make an app's machines match its spec, with standbys
   nonomad secrets set|unset|list APP  an app's secrets: values reach its machines only
   nonomad tokens create|attenuate|show|keygen|retire  tokens for flaps (macaroons)

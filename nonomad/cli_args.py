@@ -11,6 +11,7 @@ import argparse
 from pathlib import Path
 
 from nonomad.cli_common import Parser
+from runtime.validate import is_name
 
 DEFAULT_CPU = 250
 DEFAULT_MEMORY = 128
@@ -28,8 +29,13 @@ which holds one OCI layout per image name. `nonomad up` points every worker of t
 cluster at STATE_DIR/images, so when a local cluster runs, --out defaults to that directory and
 a built image can be run at once:
 
-  nonomad image build ./site --tag site:v1 --entrypoint 'python3 -u app.py'
+  nonomad image build ./site --tag site:v1 --app site --entrypoint 'python3 -u app.py'
   nonomad machines run site --image site:v1 --region ams --port 8080
+
+Whose it is: an image is its app's (--app): only that app's machines may run it, and the apps
+it is shared with (--share-with a,b); --public lets every app run it. One of --app or --public
+is needed. Who may run it is recorded in the image's manifest (docs/images.md), so the same
+tree built for another app is another image, of another digest; to change it, build again.
 
 For other workers, pass --out DIR with their --image-source directory.
 --entrypoint and --cmd take a shell-like string ('python3 -u app.py') or a JSON array.
@@ -41,7 +47,8 @@ lent: an OCI image layout (or a tar of one), a `docker save` archive, or a rootf
 small Debian built from Debian's packages:
 
   mmdebstrap --variant=minbase --include=python3-minimal bookworm debian.tar
-  nonomad image build ./site --tag site:v1 --base debian.tar --entrypoint 'python3 -u app.py'
+  nonomad image build ./site --tag site:v1 --app site --base debian.tar \\
+    --entrypoint 'python3 -u app.py'
 """
 
 
@@ -53,6 +60,17 @@ def env_pair(value: str) -> tuple[str, str]:
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"{value!r} is not KEY=VALUE")
     return key, val
+
+
+def app_list(value: str) -> list[str]:
+    """`a,b,c` as app names."""
+    apps = [a.strip() for a in value.split(",") if a.strip()]
+    for app in apps:
+        if not is_name(app):
+            raise argparse.ArgumentTypeError(f"{app!r} is not an app name")
+    if not apps:
+        raise argparse.ArgumentTypeError("name at least one app")
+    return apps
 
 
 def positive_int(value: str) -> int:
@@ -314,7 +332,7 @@ is invalid (the message names the field).
 
 
 def add_image(sub: argparse._SubParsersAction[Parser], out: Parser) -> None:
-    """Add `image build` to the top-level subparsers."""
+    """Add `image build` and `image list` to the top-level subparsers."""
     image = sub.add_parser("image", help="build images for the workers")
     isub = image.add_subparsers(dest="image_command", required=True, metavar="COMMAND")
     build = isub.add_parser(
@@ -326,6 +344,16 @@ def add_image(sub: argparse._SubParsersAction[Parser], out: Parser) -> None:
     )
     build.add_argument("dir", metavar="DIR", help="the files of the image")
     build.add_argument("--tag", required=True, metavar="NAME:TAG", help="the image's reference")
+    build.add_argument("--app", metavar="APP", help="the app it is for: its owner")
+    build.add_argument(
+        "--share-with",
+        type=app_list,
+        action="extend",
+        default=[],
+        metavar="A,B",
+        help="other apps that may run it (repeatable)",
+    )
+    build.add_argument("--public", action="store_true", help="every app may run it")
     build.add_argument("--entrypoint", metavar="CMD", help="what machines run")
     build.add_argument("--cmd", metavar="ARGS", help="arguments after the entrypoint")
     build.add_argument(
@@ -356,6 +384,21 @@ def add_image(sub: argparse._SubParsersAction[Parser], out: Parser) -> None:
         help="image source directory to write to (default: the local cluster's, see below)",
     )
     build.set_defaults(func="nonomad.cli_image:cmd_build")
+    listing = isub.add_parser(
+        "list",
+        parents=[out],
+        help="the images of an image source, and who may run each",
+        description="Every NAME:TAG of the image source (the local cluster's by default), its "
+        "digest, and who may run it as its manifest records (docs/images.md): an image that "
+        "records no owner and is not public runs for no app.",
+    )
+    listing.add_argument(
+        "--source",
+        type=Path,
+        metavar="DIR",
+        help="the image source directory (default: the local cluster's)",
+    )
+    listing.set_defaults(func="nonomad.cli_image:cmd_list")
 
 
 # -- tokens and secrets ----------------------------------------------------------------------------

@@ -25,15 +25,14 @@ import sys
 import threading
 from pathlib import Path
 
-from flyd.images.build import build_image
 from nonomad.cli_common import CLUSTER_FILE, CliError, LocalCluster, table
 from nonomad.cli_local import (
-    DEMO_SOURCE,
     PROXY_DOMAIN,
     StopSignals,
     _deploy_demo,
     _destroy_all,
     _until_alive,
+    build_demo,
     free_pid_file,
 )
 from nonomad.cli_workers import WORKERS_FILE, process_state, request_done, restart_requests
@@ -193,9 +192,7 @@ def cmd_up_hosts(args: argparse.Namespace) -> int:
     workers = spread(args.hosts, regions)
     demo_regions = _demo_regions(workers) if args.demo else []
     state.mkdir(parents=True, exist_ok=True)
-    build_image(
-        DEMO_SOURCE, state / "images", name="demo", tag="v1", entrypoint=["python3", "-u", "app.py"]
-    )
+    build_demo(state / "images")
     hosts = Hosts(state, workers, image_source=state / "images", region=regions[0])
     stop = StopSignals()
     machine_ids: list[str] = []

@@ -1,4 +1,5 @@
-"""`nonomad image build`: a directory as an OCI image in the workers' image source."""
+"""`nonomad image build`: a directory as an OCI image in the workers' image source; `image
+list`: what a source holds, and who may run each image."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from pathlib import Path
 from flyd.errors import FlydError, ImageError
 from flyd.errors import InvalidArgument as FlydInvalidArgument
 from flyd.images.build import build_image
+from flyd.images.owners import Owners
 from flyd.images.reference import parse_reference
-from nonomad.cli_common import CliError, UsageError, emit, local_cluster, state_dir
+from flyd.images.source import ImageSource
+from nonomad.cli_common import CliError, UsageError, emit, local_cluster, state_dir, table
 
 
 def argv(flag: str, value: str | None) -> list[str]:
@@ -66,6 +69,22 @@ def layer_bytes(out: Path, name: str, digest: str) -> int:
     return sum(int(layer["size"]) for layer in json.loads(manifest.read_text())["layers"])
 
 
+def owners_of(args: argparse.Namespace) -> Owners:
+    """Who may run the image, from --app, --share-with and --public: one of --app and
+    --public is needed (an image that records no owner runs for no one)."""
+    if args.share_with and args.app is None:
+        raise UsageError("--share-with: an image shared with other apps needs its own --app")
+    if args.app is None and not args.public:
+        raise UsageError(
+            "--app: say which app the image is for (--app APP, and --share-with A,B for "
+            "others that may run it), or --public for every app"
+        )
+    try:
+        return Owners.of(args.app or "", args.share_with, public=args.public)
+    except ValueError as err:
+        raise UsageError(f"--app: {err}") from None
+
+
 def cmd_build(args: argparse.Namespace) -> int:
     try:
         ref = parse_reference(args.tag)
@@ -73,6 +92,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         raise UsageError(f"--tag: {err}") from None
     if ref.digest is not None or ref.tag is None:
         raise UsageError(f"--tag: {args.tag!r} must be NAME:TAG, not a digest")
+    owners = owners_of(args)
     src = Path(args.dir)
     if not src.is_dir():
         raise UsageError(f"DIR: {src} is not a directory")
@@ -110,6 +130,7 @@ def cmd_build(args: argparse.Namespace) -> int:
             workdir=args.workdir,
             base=args.base,
             ports=args.port,
+            owners=owners,
         )
     except FlydInvalidArgument as err:
         raise UsageError(f"--{err.field}: {str(err).partition(': ')[2]}") from None
@@ -127,16 +148,65 @@ def cmd_build(args: argparse.Namespace) -> int:
         "bytes": size,
         "layer_bytes": layer,
         "seconds": round(seconds, 3),
+        "owner": owners.app or None,
+        "shared_with": sorted(owners.shared_with),
+        "public": owners.public,
     }
 
     def human() -> str:
         line = (
             f"built {ref} in {seconds:.2f} s: {plural(files, 'file')}, {human_bytes(size)} "
             f"({human_bytes(layer)} compressed), digest {digest}\ninto {report['out']}"
+            f"\nwho may run it: {owners}"
         )
         if cluster is not None and Path(cluster.image_source).absolute() == Path(out).absolute():
             line += f"\nthe local cluster can run it: nonomad machines run APP --image {ref} ..."
         return line
 
     emit(args, report, human)
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    root = args.source
+    if root is None:
+        cluster = local_cluster(state_dir(args))
+        if cluster is None:
+            raise UsageError(
+                "--source: no local cluster runs, so give the image source directory (the "
+                "workers' flyd --image-source)"
+            )
+        root = Path(cluster.image_source)
+    if not Path(root).is_dir():
+        raise UsageError(f"--source: {root} is not a directory")
+    source = ImageSource(root)
+    listed: list[dict[str, object]] = []
+    for ref in source.tagged():
+        row: dict[str, object] = {"image": ref}
+        try:
+            resolved = source.resolve(ref)
+            owners = resolved.owners()
+        except (ImageError, OSError) as err:  # listed all the same: a worker says this
+            row.update(digest=None, owner=None, shared_with=[], public=False, error=str(err))
+        else:
+            row.update(
+                digest=resolved.digest,
+                owner=owners.app or None,
+                shared_with=sorted(owners.shared_with),
+                public=owners.public,
+                error=None,
+                who=str(owners) if owners.app or owners.public else "no app (no owner recorded)",
+            )
+        listed.append(row)
+
+    def human() -> str:
+        rows = [
+            (r["image"], str(r["digest"] or "-")[:19], r.get("who") or f"unreadable: {r['error']}")
+            for r in listed
+        ]
+        return (
+            table(rows, ["IMAGE", "DIGEST", "WHO MAY RUN IT"]) if rows else f"no images in {root}"
+        )
+
+    emit(args, [{k: v for k, v in r.items() if k != "who"} for r in listed], human)
     return 0

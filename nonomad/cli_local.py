@@ -31,6 +31,7 @@ from flaps.v1 import platform_pb2
 from flyd.drivers.cgroups import CONTROLLERS, joining, limit_memory, remove_tree
 from flyd.drivers.rundir import kill_all
 from flyd.images.build import build_image
+from flyd.images.owners import Owners
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
@@ -53,6 +54,8 @@ from runtime import CLUSTER_PREFIX, READY_PREFIX, ChannelTLS, aio_channel, read_
 from runtime.logs import configure_logging
 
 DEMO_SOURCE = Path(__file__).parent / "demo"
+DEMO_OWNERS = Owners.of("demo")
+"""The demo image is the demo app's: another app's machine of it is refused."""
 READY_TIMEOUT = 30.0
 PROXY_DOMAIN = "nonomad.localhost"  # the proxy's default: <app>.nonomad.localhost
 RPC_TIMEOUT = 10.0
@@ -86,6 +89,19 @@ class WorkerProc:
     address: str
     pid: int
     log: str
+
+
+def build_demo(image_source: Path, owners: Owners = DEMO_OWNERS) -> str:
+    """Build the demo's image, `demo:v1`, into `image_source` (for the demo app, unless
+    `owners` say otherwise); its digest."""
+    return build_image(
+        DEMO_SOURCE,
+        image_source,
+        name="demo",
+        tag="v1",
+        entrypoint=["python3", "-u", "app.py"],
+        owners=owners,
+    )
 
 
 def _start(
@@ -281,10 +297,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         )
     # Secure by default: a CA and a certificate per part, token root keys, an admin token.
     security = provision(state, ["flaps", "proxy", "console", *(f"flyd-{w}" for w in worker_ids)])
-    digest = build_image(
-        DEMO_SOURCE, state / "images", name="demo", tag="v1", entrypoint=["python3", "-u", "app.py"]
-    )
-    print(f"built image demo:v1 ({digest[:19]})")
+    digest = build_demo(state / "images")
+    print(f"built image demo:v1 ({digest[:19]}) for app demo")
 
     procs: list[tuple[WorkerProc, subprocess.Popen[bytes]]] = []
     console: subprocess.Popen[bytes] | None = None  # read-only: the cluster runs on without it
@@ -295,7 +309,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     stop = StopSignals()
     try:
         # flaps first: workers announce themselves to it and are followed from then on.
-        flaps = _start(state, "flaps", "flaps", *security.flaps_args())
+        # flaps reads the workers' image source too: another app's image is refused at once.
+        flaps = _start(
+            state, "flaps", "flaps", "--image-source", str(state / "images"), *security.flaps_args()
+        )
         flaps_seen: dict[str, str] = {}
         flaps_address = _read_ready(flaps, "flaps", flaps_seen)
         # The cluster's parts (the proxy, workers announcing) call its mutual-TLS port.

@@ -97,7 +97,8 @@ class ApiError(Exception):
         self.reason = ""
         """The server's machine-readable reason (google.rpc.ErrorInfo), when it gave one: from
         flaps NO_CAPACITY; from a worker MACHINE_BUSY, LEASE_HELD, MACHINE_DESTROYED,
-        INSTANCE_REPLACED, WRONG_STATE or NO_ROOM."""
+        INSTANCE_REPLACED, WRONG_STATE or NO_ROOM; from either IMAGE_DENIED (the app may not
+        run `config.image`: metadata `image` and `owner`, docs/images.md)."""
         self.metadata: dict[str, str] = {}
         """What came with the reason (NO_ROOM: the resource that ran out)."""
         self.rejections: dict[str, int] = {}

@@ -567,7 +567,9 @@ class Hosts:
         flaps = f"{self['flaps'].address}:{PORTS['flaps_cluster']}"
         opts = self.options.get(host.role, "")
         if host.role == "flaps":
-            values.update(TOKEN_KEYS=str(sec.token_keys), FLAPS_OPTS=opts)
+            values.update(
+                TOKEN_KEYS=str(sec.token_keys), IMAGES=str(self.image_source), FLAPS_OPTS=opts
+            )
         elif host.role == "proxy":
             values.update(
                 FLAPS_CLUSTER=flaps,

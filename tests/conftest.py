@@ -17,6 +17,7 @@ from pytest_grpc_aio.plugin import GrpcContext
 from flyd.drivers.cgroups import remove_tree
 from flyd.drivers.rundir import kill_all
 from flyd.images.build import build_image
+from flyd.images.owners import PUBLIC
 from flyd.v1 import worker_pb2_grpc
 from nonomad.security import ClusterSecurity, provision
 from tests.harness import ServiceProcess, clean_env, flyd_args
@@ -65,11 +66,14 @@ _port_blocks = itertools.count(0)
 
 @pytest.fixture(scope="session")
 def image_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An image source with `demo:v1`: a tiny HTTP server on $PORT."""
+    """An image source with `demo:v1`: a tiny HTTP server on $PORT, public (every app of a
+    test may run it; `nonomad up` builds its own, the demo app's)."""
     root = tmp_path_factory.mktemp("images")
     src = tmp_path_factory.mktemp("demo-src")
     (src / "app.py").write_text(DEMO_APP)
-    build_image(src, root, name="demo", tag="v1", entrypoint=["python3", "-u", "app.py"])
+    build_image(
+        src, root, name="demo", tag="v1", entrypoint=["python3", "-u", "app.py"], owners=PUBLIC
+    )
     return root
 
 

@@ -235,10 +235,21 @@ def test_up_serves_the_demo_app_and_down_leaves_nothing_behind(tmp_path: Path) -
         (src / "run.sh").write_text("echo hi\n")
         built = nonomad(
             "--state-dir", str(state), "image", "build", str(src), "--tag", "hi:v1",
-            "--entrypoint", "sh run.sh", "--json",
+            "--entrypoint", "sh run.sh", "--app", "hi", "--json",
         )  # fmt: skip
         assert built.returncode == 0, built.stderr
         assert json.loads(built.stdout)["out"] == str(state / "images")
+        # The demo image is the demo's: another app's machine of it is refused, by flaps,
+        # before any worker is asked (issue 27, attack 11).
+        foreign = nonomad(
+            "--state-dir", str(state), "machines", "run", "bapp", "--image", "demo:v1",
+            "--region", "ams",
+        )  # fmt: skip
+        assert foreign.returncode == 1, foreign.stdout
+        assert "config.image: image 'demo:v1' is app demo's and not shared with app bapp" in (
+            foreign.stderr
+        )
+        assert listed_until(state, "bapp", 0) == []
 
         # `up` deployed the demo spec; deploying it again through the CLI changes nothing.
         spec = tmp_path / "app.toml"

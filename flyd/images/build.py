@@ -33,6 +33,7 @@ from flyd.images.oci import (
     parse_index,
     write_atomic,
 )
+from flyd.images.owners import NO_OWNER, Owners
 from flyd.images.reference import check_image_name, check_image_tag
 
 __all__ = ["build_image"]
@@ -77,6 +78,7 @@ def build_image(
     workdir: str | None = None,
     base: Path | None = None,
     ports: Sequence[int] = (),
+    owners: Owners = NO_OWNER,
 ) -> str:
     """Turn `src_dir` into an OCI image tagged `name:tag` under `source_root`.
 
@@ -87,6 +89,9 @@ def build_image(
     own rootfs. `ports` are the TCP ports its command serves on: they become ExposedPorts, and
     the first is the image's `PORT` unless `env` sets one (a worker sets PORT itself when it
     starts a machine: the service's port, or with the process driver the host port).
+    `owners` say which apps may run it (flyd.images.owners): recorded in its manifest, so
+    the same tree built for another app is another image, of another digest. By default it
+    records none, and no app may run it.
 
     The layout is `source_root/<name>` (a name's path components become nested directories);
     other tags already in it are kept and an earlier image with this tag is replaced. The
@@ -152,6 +157,8 @@ def build_image(
         "config": config_desc.to_json(),
         "layers": [*(d.to_json() for d, _ in below), layer.to_json()],
     }
+    if recorded := owners.annotations():
+        manifest["annotations"] = recorded
     manifest_desc = dataclasses.replace(
         _write_blob(blobs, canonical_json(manifest), MEDIA_TYPE_MANIFEST),
         annotations={REF_NAME_ANNOTATION: tag},

@@ -1,9 +1,10 @@
 """The worker's content-addressed image cache, shared by its machines.
 
-A pull resolves a reference in the image source, verifies every blob against its digest and
-unpacks the layers (in a scratch directory, renamed into place only when complete) into a rootfs
-that machines share. Machines hold references to the images they use; the least recently used
-images nobody holds are evicted when the cache grows past its bound.
+A pull resolves a reference in the image source, checks that the app asking may run the image
+(flyd.images.owners), verifies every blob against its digest and unpacks the layers (in a
+scratch directory, renamed into place only when complete) into a rootfs that machines share.
+Machines hold references to the images they use; the least recently used images nobody holds
+are evicted when the cache grows past its bound.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ from typing import Any, cast
 
 import structlog
 
-from flyd.errors import ImageError, ImageNotFound
+from flyd.errors import ImageDenied, ImageError, ImageNotFound
 from flyd.images import confine
 from flyd.images.oci import canonical_json, digest_hex, load_json, write_atomic
+from flyd.images.owners import Owners
 from flyd.images.reference import ImageRef, parse_reference
-from flyd.images.source import ImageSource, ResolvedImage
+from flyd.images.source import ImageSource, ResolvedImage, owners_of
 from flyd.images.unpack import Unpacker, rmtree
 
 __all__ = ["CachedImage", "Image", "ImageCache"]
@@ -61,6 +63,9 @@ class Image:
     pulled: bool
     user: str = ""
     host_runtime: bool = False  # it names no base (see flyd.images.oci.HOST_RUNTIME_LABEL)
+    # Who may run it, from its manifest; None for an entry cached before owners were kept,
+    # read from the source the next time an app asks for it.
+    owners: Owners | None = None
 
 
 @dataclass(frozen=True)
@@ -138,7 +143,7 @@ class ImageCache:
         """Bytes of all cached images."""
         return sum(e.image.size_bytes for e in self._entries.values())
 
-    async def pull(self, ref: str) -> Image:
+    async def pull(self, ref: str, *, app: str | None = None) -> Image:
         """Make the image `ref` available locally and return it.
 
         A cached digest returns at once without reading any blob. A tag is looked up in the
@@ -146,6 +151,10 @@ class ImageCache:
         last pulled under that tag is used. Otherwise every blob is verified and the layers
         are unpacked. Concurrent pulls of one digest share one unpack. Raises
         InvalidImageReference, ImageNotFound, ImageError or UnsafeImage.
+
+        With `app`, a machine of that app is to run it: ImageDenied unless its owners allow
+        that, checked once the reference names a digest and before anything is unpacked or
+        the cache changes (a cached image's owners are known without reading the source).
 
         Call `use()` before awaiting anything else if the image must not be evicted.
         """
@@ -170,6 +179,8 @@ class ImageCache:
                 digest = resolved.digest
                 if signature is not None:
                     self._resolved[str(image_ref)] = (signature, digest)
+        if app is not None:
+            resolved = await self._check_owners(app, digest, image_ref, resolved)
         hit = self._hit(digest, image_ref)
         if hit is not None:
             return dataclasses.replace(hit, ref=str(image_ref))
@@ -189,6 +200,30 @@ class ImageCache:
             _log.info("image_pulled", ref=image.ref, digest=digest, size_bytes=image.size_bytes)
             await self._evict(keep=digest)
             return dataclasses.replace(image, ref=str(image_ref), pulled=True)
+
+    async def _check_owners(
+        self, app: str, digest: str, ref: ImageRef, resolved: ResolvedImage | None
+    ) -> ResolvedImage | None:
+        """Raise ImageDenied unless a machine of `app` may run the image of `digest`; returns
+        the image as resolved, if this had to resolve it (so the pull need not again)."""
+        entry = self._entries.get(digest)
+        owners = entry.image.owners if entry is not None else None
+        if owners is None:
+            # Not cached (or cached before owners were kept): its manifest says. A source
+            # that cannot say is an error: nothing is run on an owner it cannot establish.
+            if resolved is None:
+                resolved = await asyncio.to_thread(self.source.resolve, ref)
+            owners = await asyncio.to_thread(resolved.owners)
+            if entry is not None and entry.image.owners is None:
+                entry.image = dataclasses.replace(entry.image, owners=owners)
+                await asyncio.to_thread(
+                    _write_image_meta, self._images_dir / digest_hex(digest), entry.image
+                )
+        why = owners.refusal(app, str(ref))
+        if why is not None:
+            _log.info("image_denied", ref=str(ref), digest=digest, app=app, owner=owners.app)
+            raise ImageDenied(str(ref), owners.app, why)
+        return resolved
 
     def get(self, digest: str) -> Image | None:
         """The cached image with this manifest digest, or None; never reads the source."""
@@ -305,6 +340,7 @@ class ImageCache:
                 pulled=False,
                 user=config.user,
                 host_runtime=config.host_runtime,
+                owners=owners_of(manifest, resolved.digest),
             )
             _write_image_meta(scratch, image)
             try:
@@ -437,7 +473,24 @@ def _write_image_meta(directory: Path, image: Image) -> None:
         "user": image.user,
         "host_runtime": image.host_runtime,
     }
+    if image.owners is not None:
+        meta["owners"] = {
+            "app": image.owners.app,
+            "shared_with": sorted(image.owners.shared_with),
+            "public": image.owners.public,
+        }
     write_atomic(directory / "image.json", canonical_json(meta))
+
+
+def _owners_meta(recorded: Any) -> Owners | None:
+    """The owners image.json keeps; None when it keeps none (an entry from before them)."""
+    if recorded is None:
+        return None
+    return Owners.of(
+        str(recorded["app"]),
+        [str(a) for a in recorded["shared_with"]],
+        public=recorded["public"] is True,
+    )
 
 
 def _read_image_meta(directory: Path) -> Image | None:
@@ -455,6 +508,7 @@ def _read_image_meta(directory: Path) -> Image | None:
             pulled=False,
             user=str(meta["user"]),
             host_runtime=bool(meta["host_runtime"]),  # entries from before it: pulled again
+            owners=_owners_meta(meta.get("owners")),  # entries from before them: None
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -77,7 +77,7 @@ class Descriptor:
         media_type = obj.get("mediaType", "")
         digest = obj.get("digest")
         size = obj.get("size")
-        annotations = obj.get("annotations") or {}
+        annotations = _annotations(obj, where)
         if not isinstance(media_type, str):
             raise ImageError(f"{where}: mediaType is not a string")
         # The digest becomes a file name under blobs/, so anything but sha256 hex is refused
@@ -86,10 +86,6 @@ class Descriptor:
             raise ImageError(f"{where}: unsupported digest {digest!r} (only sha256 is supported)")
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise ImageError(f"{where}: size {size!r} is not a non-negative integer")
-        if not isinstance(annotations, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in annotations.items()
-        ):
-            raise ImageError(f"{where}: annotations are not a map of strings")
         return cls(media_type=media_type, digest=digest, size=size, annotations=annotations)
 
     def to_json(self) -> dict[str, Any]:
@@ -104,6 +100,16 @@ class Descriptor:
         return obj
 
 
+def _annotations(obj: dict[str, Any], where: str) -> dict[str, str]:
+    """The `annotations` of a descriptor or manifest: a map of strings, or none."""
+    annotations = obj.get("annotations") or {}
+    if not isinstance(annotations, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in annotations.items()
+    ):
+        raise ImageError(f"{where}: annotations are not a map of strings")
+    return annotations
+
+
 # The label `nonomad image build` puts on an image built from a directory with no base.
 HOST_RUNTIME_LABEL = "dev.nonomad.host-runtime"
 
@@ -114,6 +120,8 @@ class Manifest:
 
     config: Descriptor
     layers: tuple[Descriptor, ...]
+    # Who may run the image is recorded here (flyd.images.owners), among whatever else.
+    annotations: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -182,7 +190,7 @@ def parse_manifest(data: bytes, descriptor: Descriptor) -> Manifest:
                 f"layer {layer.digest} has media type {layer.media_type!r}; flyd unpacks "
                 "only tar and tar+gzip layers",
             )
-    return Manifest(config=config, layers=layers)
+    return Manifest(config=config, layers=layers, annotations=_annotations(obj, what))
 
 
 def _string_list(value: object, what: str) -> list[str]:

@@ -3,7 +3,8 @@
 An image named `n` lives in the source root as an OCI image layout directory `n/` (with
 `oci-layout`, `index.json` and `blobs/sha256/...`) or as a tar of one, `n.tar`, read in place.
 A reference resolves to a manifest by tag annotation or digest; each blob read is checked
-against its descriptor's size and sha256 digest.
+against its descriptor's size and sha256 digest. Who may run an image is in its manifest
+(`ResolvedImage.owners`, flyd.images.owners).
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ from flyd.images.oci import (
     parse_index,
     parse_manifest,
 )
-from flyd.images.reference import ImageRef, parse_reference
+from flyd.images.owners import Owners
+from flyd.images.reference import ImageRef, check_image_name, parse_reference
 
-__all__ = ["CHUNK", "BlobReader", "ImageSource", "ResolvedImage", "open_layout"]
+__all__ = ["CHUNK", "BlobReader", "ImageSource", "ResolvedImage", "open_layout", "owners_of"]
 
 # index.json, manifests and configs are read whole into memory; registries cap manifests at
 # 4 MiB, and nothing legitimate comes close.
@@ -231,6 +233,11 @@ class ResolvedImage:
         """Read and verify the manifest."""
         return parse_manifest(self.read_blob(self.manifest), self.manifest)
 
+    def owners(self) -> Owners:
+        """Who may run the image, as its manifest records (flyd.images.owners): read and
+        verified, as every blob is, so an image cannot claim owners its digest does not name."""
+        return owners_of(self.read_manifest(), self.manifest.digest)
+
     def read_config(self, manifest: Manifest) -> ImageConfig:
         """Read and verify the image config the manifest names."""
         return parse_config(self.read_blob(manifest.config), manifest.config)
@@ -308,6 +315,35 @@ class ImageSource:
             return (st.st_ino, st.st_mtime_ns, st.st_size)
         return None
 
+    def tagged(self) -> list[str]:
+        """Every `name:tag` the source holds, sorted: the tags of each layout directory and
+        tar under the root, and the bare name of one whose index cannot be read (for an
+        operator's listing; a worker never walks the source)."""
+        out: list[str] = []
+        for parent, dirs, files in os.walk(self.root):
+            here = Path(parent).relative_to(self.root)
+            if "index.json" in files:
+                dirs.clear()  # a layout: its blobs are not images
+                names = [here.as_posix()]
+            else:
+                names = [
+                    (here / f.removesuffix(".tar")).as_posix() for f in files if f.endswith(".tar")
+                ]
+            for name in names:
+                try:
+                    check_image_name(name, name)
+                except ImageError:
+                    continue  # no reference names it: not an image of this source
+                try:
+                    layout = self._open_layout(ImageRef(name=name))
+                    index = parse_index(layout.read_index(), f"{layout.description}/index.json")
+                except (ImageError, OSError):
+                    out.append(name)  # listed, so that resolving it says what is wrong
+                    continue
+                tags = {m.annotations.get(REF_NAME_ANNOTATION) for m in index} - {None}
+                out += [f"{name}:{tag}" for tag in tags]
+        return sorted(out)
+
     def _open_layout(self, ref: ImageRef) -> _Layout:
         directory = self.root.joinpath(*ref.name.split("/"))
         if (directory / "index.json").is_file():
@@ -339,6 +375,11 @@ def open_layout(path: Path, tag: str | None) -> ResolvedImage:
         f"{_ref_name(name)}:{manifest.annotations.get(REF_NAME_ANNOTATION) or 'latest'}"
     )
     return ResolvedImage(ref=ref, manifest=manifest, source=layout.description, _layout=layout)
+
+
+def owners_of(manifest: Manifest, digest: str) -> Owners:
+    """The owners the manifest of digest `digest` records (ImageError when malformed)."""
+    return Owners.parse(manifest.annotations, f"manifest {digest}")
 
 
 def _ref_name(name: str) -> str:

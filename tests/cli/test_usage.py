@@ -28,7 +28,8 @@ async def test_bad_input_and_an_unreachable_flaps(tmp_path: Path) -> None:
     src.mkdir()
     flaps = ["--flaps", nowhere]
     run = ["machines", "run", "web", "--image", "demo:v1"]
-    build = ["image", "build", str(src), "--entrypoint", "x", "--out", str(tmp_path / "images")]
+    build = ["image", "build", str(src), "--entrypoint", "x", "--out", str(tmp_path / "images"),
+             "--app", "web"]  # fmt: skip
     cases: list[tuple[list[str], int, list[str]]] = [
         # what the platform would be asked, but flaps is not there
         (["machines", "list", "web", *flaps], 1,
@@ -68,7 +69,7 @@ async def test_bad_input_and_an_unreachable_flaps(tmp_path: Path) -> None:
         ([*build[:2], str(tmp_path / "missing"), *build[3:], "--tag", "a:v1"], 2,
          ["is not a directory"]),
         ([*build, "--tag", "a:v1", "--workdir", "relative"], 2, ["--workdir", "not an absolute"]),
-        (["--state-dir", str(tmp_path / "none"), *build[:5], "--tag", "a:v1"], 2,
+        (["--state-dir", str(tmp_path / "none"), *build[:5], "--app", "web", "--tag", "a:v1"], 2,
          ["--out: no local cluster runs", "--image-source"]),
     ]  # fmt: skip
     gate = asyncio.Semaphore(4)

@@ -74,9 +74,13 @@ class Fleet:
         return proc
 
     def add_flaps(self, *extra: str) -> ServiceProcess:
+        """Start a flaps following every worker so far; it reads the workers' image source
+        (as `nonomad up` runs it), so an image the app may not run is refused there."""
         args = [
             "--listen",
             "127.0.0.1:0",
+            "--image-source",
+            str(self.image_source),
             "--grace-period",
             "2",
             "--suspect-after",

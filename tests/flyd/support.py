@@ -21,6 +21,7 @@ from flyd.fakes import FakeDriver, FakeHost, FakeScript, _FakeProcess
 from flyd.fencing import SlotPeers
 from flyd.images.build import build_image
 from flyd.images.cache import ImageCache
+from flyd.images.owners import PUBLIC
 from flyd.images.source import ImageSource
 from flyd.secrets import SecretBox
 from flyd.settings import CapacitySettings
@@ -45,11 +46,12 @@ T = TypeVar("T")
 
 
 def image_source(root: Path) -> ImageSource:
-    """An image source holding `app:v1`, a one-file image whose entrypoint is `app`."""
+    """An image source holding `app:v1`, a one-file image whose entrypoint is `app`, public:
+    every app of a test may run it."""
     src = root / "app-src"
     src.mkdir(parents=True)
     (src / "app").write_text("#!/bin/sh\n")
-    build_image(src, root / "source", name="app", tag="v1", entrypoint=["app"])
+    build_image(src, root / "source", name="app", tag="v1", entrypoint=["app"], owners=PUBLIC)
     return ImageSource(root / "source")
 
 

@@ -30,6 +30,7 @@ import pytest
 
 from flyd.drivers.namespaces import CLONE_NEWNET, setns
 from flyd.images.build import build_image
+from flyd.images.owners import PUBLIC
 from flyd.settings import FlydSettings
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
@@ -180,7 +181,9 @@ def image_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("egress-images")
     src = tmp_path_factory.mktemp("egress-src")
     (src / "probe.py").write_text(PROBE)
-    build_image(src, root, name="probe", tag="v1", entrypoint=["python3", "-u", "probe.py"])
+    build_image(
+        src, root, name="probe", tag="v1", entrypoint=["python3", "-u", "probe.py"], owners=PUBLIC
+    )
     return root
 
 

@@ -27,6 +27,7 @@ import pytest
 from google.protobuf.duration_pb2 import Duration
 
 from flyd.images.build import build_image
+from flyd.images.owners import PUBLIC
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
@@ -98,8 +99,12 @@ def image_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (src / "app.py").write_text(DEMO_APP)
     (src / "data").mkdir()
     (src / "data" / "config.txt").write_text("the image's own file\n")
-    build_image(src, root, name="probe", tag="v1", entrypoint=["python3", "-u", "probe.py"])
-    build_image(src, root, name="demo", tag="v1", entrypoint=["python3", "-u", "app.py"])
+    build_image(
+        src, root, name="probe", tag="v1", entrypoint=["python3", "-u", "probe.py"], owners=PUBLIC
+    )
+    build_image(
+        src, root, name="demo", tag="v1", entrypoint=["python3", "-u", "app.py"], owners=PUBLIC
+    )
     base = tmp_path_factory.mktemp("base") / "shell.tar"
     with tarfile.open(base, "w") as tf:
         tf.add("/bin/dash", "bin/sh")
@@ -108,7 +113,13 @@ def image_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     script = tmp_path_factory.mktemp("script")
     (script / "hello.sh").write_text("echo own rootfs: /*\n")
     build_image(
-        script, root, name="based", tag="v1", entrypoint=["/bin/sh", "/hello.sh"], base=base
+        script,
+        root,
+        name="based",
+        tag="v1",
+        entrypoint=["/bin/sh", "/hello.sh"],
+        base=base,
+        owners=PUBLIC,
     )
     return root
 
@@ -395,6 +406,7 @@ async def test_a_directory_image_on_the_debian_base_make_builds_runs_on_it_alone
         tag="v1",
         entrypoint=["python3", "-u", "/hello.py"],
         base=debian_base,
+        owners=PUBLIC,
     )
     flyd = flyd_factory("--driver", "oci")
     stub = stub_for(flyd.address)

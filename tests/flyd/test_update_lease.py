@@ -20,6 +20,7 @@ from flyd.errors import FailedPrecondition, NotFound, ResourceExhausted
 from flyd.fakes import FakeDriver
 from flyd.images.build import build_image
 from flyd.images.cache import ImageCache
+from flyd.images.owners import PUBLIC
 from flyd.store import LmdbMachineLog
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as wpb
@@ -225,7 +226,9 @@ def app_v2(tmp_path: Path, images: ImageCache) -> str:
     src = tmp_path / "app-v2-src"
     src.mkdir()
     (src / "app2").write_text("#!/bin/sh\n")
-    return build_image(src, tmp_path / "source", name="app", tag="v2", entrypoint=["app2"])
+    return build_image(
+        src, tmp_path / "source", name="app", tag="v2", entrypoint=["app2"], owners=PUBLIC
+    )
 
 
 def refs(images: ImageCache) -> dict[str, int]:
