@@ -87,7 +87,7 @@ def _worker(root: Path, worker_id: str, source: ImageSource) -> Worker:
         driver=FakeDriver(on_exit=on_exit, host=FakeHost(clock)),
         images=ImageCache(root / worker_id, source, max_bytes=1 << 30),
         capacity=CapacitySettings(
-            cpu_millicores=10**8, memory_mib=10**8, disk_mib=0, machines=100_000
+            cpu_millicores=10**8, memory_mib=10**8, disk_mib=10**8, machines=100_000
         ),
         ports=range(30000, 30001),
         machine_host="127.0.0.1",

@@ -57,6 +57,7 @@ from flaps.tokens import read_token
 from flaps.v1.platform_pb2 import WORKER_STATUS_ALIVE
 from flyd.images.owners import PUBLIC
 from flyd.v1 import machine_pb2 as pb
+from flyd.validate import DEFAULT_DISK_MIB
 from nonomad.cli_local import build_demo
 from nonomad.client import Client
 from nonomad.console.login import login_url
@@ -121,6 +122,7 @@ class Cluster:
                 "--capacity.machines", "1000",
                 "--capacity.cpu-millicores", "16000",
                 "--capacity.memory-mib", "16384",
+                "--capacity.disk-mib", str(1000 * DEFAULT_DISK_MIB),
                 "--announce", cluster,
                 *s.worker_args(ids),
             ]  # fmt: skip

@@ -54,6 +54,7 @@ from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
 from flyd.images.build import build_image
 from flyd.images.owners import PUBLIC
 from flyd.v1 import machine_pb2 as pb
+from flyd.validate import DEFAULT_DISK_MIB, MAX_DISK_MIB
 from nonomad.spec import load_spec
 from runtime import METRICS_PREFIX, READY_PREFIX, read_announcements
 
@@ -422,10 +423,11 @@ async def simulated(size: int, cfg: Config, logs: Path) -> SizeResult:
                     raise RuntimeError("a guest no worker can hold was placed")
 
             # Memory and CPU fit on every worker, the disk on none (the simulated hosts have
-            # none): the refusal the index answers from its disk dimension, not a scan.
+            # a default disk per slot, far from the most a guest may ask): the refusal the
+            # index answers from its disk dimension, not a scan.
             diskful = pb.MachineConfig()
             diskful.CopyFrom(config)
-            diskful.guest.disk_mib = 1
+            diskful.guest.disk_mib = MAX_DISK_MIB
 
             async def refuse_disk(_: int) -> None:
                 try:
@@ -593,7 +595,12 @@ async def real(cfg: Config, res: Results, tmp: Path, logs: Path) -> None:
             image_source=tmp / "images",
             cgroup_prefix=prefix,
             log_dir=logs,
-            capacity={"cpu_millicores": 1_000_000, "memory_mib": 1_000_000, "machines": 20_000},
+            capacity={
+                "cpu_millicores": 1_000_000,
+                "memory_mib": 1_000_000,
+                "disk_mib": 20_000 * DEFAULT_DISK_MIB,  # what each machine's 0 reserves
+                "machines": 20_000,
+            },
             pycache_prefix=tmp / "pycache",
             worker_id=f"f{i}",
             region="ams",

@@ -37,6 +37,7 @@ import grpc.aio
 
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
+from flyd.validate import DEFAULT_DISK_MIB, guest_disk_mib
 from nonomad.spec import load_spec
 from registry.v1 import registry_pb2 as r
 
@@ -98,7 +99,13 @@ class Fleet:
             )
             sim = SimWorker(
                 info=info,
-                total=pb.Resources(cpu_millicores=cpu, memory_mib=mem, machines=slots),
+                # Disk for every slot at the default size, as a worker reserves it.
+                total=pb.Resources(
+                    cpu_millicores=cpu,
+                    memory_mib=mem,
+                    disk_mib=slots * DEFAULT_DISK_MIB,
+                    machines=slots,
+                ),
                 used=pb.Resources(),
             )
             for j in range(machines_each):
@@ -147,7 +154,7 @@ class Fleet:
         guest = machine.config.guest
         sim.used.cpu_millicores += guest.cpu_millicores
         sim.used.memory_mib += guest.memory_mib
-        sim.used.disk_mib += guest.disk_mib
+        sim.used.disk_mib += guest_disk_mib(guest)
         sim.used.machines += 1
         sim.seq += len(machine.events) or 1
         sim.rows[machine.id] = machine.SerializeToString()
@@ -167,7 +174,7 @@ class Fleet:
         for name, need, free in (
             ("cpu", guest.cpu_millicores, t.cpu_millicores - u.cpu_millicores),
             ("memory", guest.memory_mib, t.memory_mib - u.memory_mib),
-            ("disk", guest.disk_mib, t.disk_mib - u.disk_mib),
+            ("disk", guest_disk_mib(guest), t.disk_mib - u.disk_mib),
             ("machines", 1, t.machines - u.machines),
         ):
             if need > free:

@@ -21,6 +21,7 @@ from flyd.images.owners import PUBLIC
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
+from flyd.validate import DEFAULT_DISK_MIB
 
 S = pb.MachineState
 STARTED = S.MACHINE_STATE_STARTED
@@ -32,8 +33,14 @@ RPC_TIMEOUT = 30.0
 WAIT_TIMEOUT = 30
 IMAGE = "sleeper:v1"
 GUEST = pb.GuestConfig(cpu_millicores=10, memory_mib=16)
-# Room for every machine the run creates (destroyed ones release theirs).
-CAPACITY = {"cpu_millicores": 1_000_000, "memory_mib": 1_000_000, "machines": 4_000}
+# Room for every machine the run creates (destroyed ones release theirs), each with the
+# default disk (GUEST says 0) that a worker reserves.
+CAPACITY = {
+    "cpu_millicores": 1_000_000,
+    "memory_mib": 1_000_000,
+    "disk_mib": 4_000 * DEFAULT_DISK_MIB,
+    "machines": 4_000,
+}
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),

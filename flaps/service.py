@@ -43,7 +43,7 @@ from flyd.pages import checked_page_size
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
-from flyd.validate import CONFIG_LIMITS, EGRESS_LABEL, REDACTED, check_config
+from flyd.validate import CONFIG_LIMITS, EGRESS_LABEL, REDACTED, check_config, guest_disk_mib
 from registry.replica import Replica
 from registry.rows import MachineQuery
 from registry.supply import Pool
@@ -242,10 +242,13 @@ class Exchange:
             wanted = pb.PlacementConfig()
             wanted.CopyFrom(config.placement)
             wanted.required_labels[EGRESS_LABEL] = "true"
+        guest = pb.GuestConfig()
+        guest.CopyFrom(config.guest)
+        guest.disk_mib = guest_disk_mib(guest)  # what the worker reserves for 0
         return placement.Request(
             app=app,
             regions=tuple(regions),
-            guest=config.guest,
+            guest=guest,
             image=config.image,
             placement=wanted,
             standby_for=frozenset(standby_for),
@@ -829,4 +832,4 @@ class PlatformServicer(platform_pb2_grpc.PlatformServiceServicer):
 def region_fits(pool: Pool, guest: pb.GuestConfig) -> int:
     """How many machines of `guest`'s size fit in a region's pool (alive, uncordoned workers):
     bounded, see `Pool.room`."""
-    return pool.room(guest.memory_mib, guest.cpu_millicores, guest.disk_mib)
+    return pool.room(guest.memory_mib, guest.cpu_millicores, guest_disk_mib(guest))

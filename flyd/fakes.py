@@ -159,6 +159,7 @@ class FakeDriver:
 
     name = "fake"
     egress_refusal: str | None = None
+    disk_limited = True  # as the OCI driver: what a machine writes is its disk's, no more
 
     def __init__(
         self,
@@ -338,7 +339,7 @@ class FakeDriver:
         truncated = 0
         if len(taken) < len(wanted):  # the budget ran out first
             truncated = sum(len(line.encode()) + 1 for line in lines[: len(lines) - len(taken)])
-        return LogTail(taken[::-1], truncated_bytes=truncated)
+        return LogTail(taken[::-1], truncated_bytes=truncated, follow_from=len(lines))
 
     def follow_logs(
         self,

@@ -34,7 +34,7 @@ from flyd.store import LmdbMachineLog
 from flyd.traces import OpTracer
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2, worker_pb2_grpc
-from flyd.validate import CONFIG_LIMITS, EGRESS_LABEL
+from flyd.validate import CONFIG_LIMITS, DISK_LABEL, EGRESS_LABEL
 from flyd.worker import Identity, Worker
 from registry.v1 import registry_pb2, registry_pb2_grpc
 from runtime import (
@@ -175,6 +175,8 @@ async def build(argv: list[str]) -> Service:
     log.info("driver", driver=driver.name, limits_enforced=driver.limits_enforced)
     if driver.egress_refusal is None:  # flaps sends machines that ask for egress only here
         identity.labels[EGRESS_LABEL] = "true"
+    if driver.disk_limited:
+        identity.labels[DISK_LABEL] = "limited"
     worker = Worker(
         identity=identity,
         store=store,

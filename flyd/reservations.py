@@ -18,6 +18,7 @@ from flyd.errors import ResourceExhausted
 from flyd.images.cache import CachedImage
 from flyd.settings import CapacitySettings
 from flyd.v1 import machine_pb2 as pb
+from flyd.validate import guest_disk_mib
 
 S = pb.MachineState
 
@@ -34,7 +35,7 @@ class Totals:
     def add(self, guest: pb.GuestConfig, sign: int = 1) -> None:
         self.cpu_millicores += sign * guest.cpu_millicores
         self.memory_mib += sign * guest.memory_mib
-        self.disk_mib += sign * guest.disk_mib
+        self.disk_mib += sign * guest_disk_mib(guest)  # what its filesystem is made at
         self.machines += sign
 
 
@@ -97,7 +98,7 @@ class Reservations:
             guest = machine.config.guest
             res.cpu_millicores += guest.cpu_millicores
             res.memory_mib += guest.memory_mib
-            res.disk_mib += guest.disk_mib
+            res.disk_mib += guest_disk_mib(guest)
             res.machines += 1
         return res
 
@@ -134,7 +135,7 @@ class Reservations:
         if instead_of is not None:
             used.cpu_millicores -= instead_of.cpu_millicores
             used.memory_mib -= instead_of.memory_mib
-            used.disk_mib -= instead_of.disk_mib
+            used.disk_mib -= guest_disk_mib(instead_of)
             used.machines -= 1
         wants = [
             (
@@ -144,7 +145,7 @@ class Reservations:
                 "millicores",
             ),
             ("memory", guest.memory_mib, self.total.memory_mib - used.memory_mib, "MiB"),
-            ("disk", guest.disk_mib, self.total.disk_mib - used.disk_mib, "MiB"),
+            ("disk", guest_disk_mib(guest), self.total.disk_mib - used.disk_mib, "MiB"),
             ("machines", 1, self.total.machines - used.machines, "machines"),
         ]
         for resource, need, free, unit in wants:

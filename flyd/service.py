@@ -262,22 +262,27 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             raise InvalidArgument("tail_lines", f"must be between 0 and {MAX_TAIL}")
         self.worker.get(request.machine_id)
         if not request.follow:
-            for item in await self._log_tail(request):
+            for item in (await self._log_tail(request))[0]:
                 yield item
             return
         async with self.streams.hold(
             context, "GetMachineLogs follow streams", caller_name(context)
         ):
-            for item in await self._log_tail(request):
+            items, follow_from = await self._log_tail(request)
+            for item in items:
                 yield item
+            # From where the tail's read ended: a line written in between is not lost.
             async for line in self.worker.driver.follow_logs(
-                request.machine_id, shutdown=self.draining
+                request.machine_id, shutdown=self.draining, from_offset=follow_from
             ):
                 yield w.GetMachineLogsResponse(line=line[:MAX_LINE])
 
-    async def _log_tail(self, request: w.GetMachineLogsRequest) -> list[w.GetMachineLogsResponse]:
-        """The tail a GetMachineLogs starts with: read off the loop, at most `log_read_bytes`
-        of the log; the first line says how much of the log before it was left out."""
+    async def _log_tail(
+        self, request: w.GetMachineLogsRequest
+    ) -> tuple[list[w.GetMachineLogsResponse], int | None]:
+        """The tail a GetMachineLogs starts with, and where a follow goes on from: read off
+        the loop, at most `log_read_bytes` of the log; the first line says how much of the
+        log before it was left out."""
         tail = await self.worker.runner.read_logs(
             request.machine_id, request.tail_lines or 100, self.log_read_bytes
         )
@@ -285,7 +290,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         items = [w.GetMachineLogsResponse(line=line[:MAX_LINE]) for line in tail.lines]
         if items:
             items[0].truncated_bytes = tail.truncated_bytes
-        return items
+        return items, tail.follow_from
 
     async def CordonWorker(
         self, request: w.CordonWorkerRequest, context: grpc.aio.ServicerContext

@@ -187,12 +187,17 @@ class FlydSettings(ServiceSettings):
     @field_validator("labels")
     @classmethod
     def _labels(cls, value: dict[str, str]) -> dict[str, str]:
-        from flyd.validate import EGRESS_LABEL
+        from flyd.validate import DISK_LABEL, EGRESS_LABEL
 
         if EGRESS_LABEL in value:
             raise ValueError(
                 f"{EGRESS_LABEL} is flyd's own: it says whether machines here can have egress "
                 "(--egress-via)"
+            )
+        if DISK_LABEL in value:
+            raise ValueError(
+                f"{DISK_LABEL} is flyd's own: it says whether machines' disks are limited here "
+                "(the oci driver)"
             )
         return value
 

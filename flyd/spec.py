@@ -14,6 +14,7 @@ from flyd.errors import NotFound
 from flyd.images.cache import Image, ImageCache
 from flyd.secrets import SecretBox
 from flyd.v1 import machine_pb2 as pb
+from flyd.validate import guest_disk_mib
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -65,6 +66,7 @@ def process_spec(
             cpu_millicores=guest.cpu_millicores,
             memory_mib=guest.memory_mib,
             pids=guest.pids_max or DEFAULT_PIDS,
+            disk_mib=guest_disk_mib(guest),
         ),
         workdir=image.workdir,
         user=image.user,

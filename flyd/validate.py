@@ -25,6 +25,9 @@ MAX_VALUE_BYTES = 4096
 MAX_CPU_MILLICORES = 64_000
 MAX_MEMORY_MIB = 256 * 1024
 MIN_PIDS, MAX_PIDS = 16, 32768  # GuestConfig.pids_max; 0 is the worker default
+MIN_DISK_MIB, MAX_DISK_MIB = 16, 1 << 20  # GuestConfig.disk_mib, MiB (up to 1 TiB)
+DEFAULT_DISK_MIB = 256
+"""The disk a machine whose config says 0 gets and reserves, MiB (`guest_disk_mib`)."""
 MAX_CONFIG_BYTES = 64 * 1024
 MAX_ARG_CHARS = 4096
 
@@ -112,8 +115,12 @@ def check_config(config: pb.MachineConfig, field: str = "config") -> None:
         raise InvalidArgument(
             f"{field}.guest.memory_mib", f"must be between 1 and {MAX_MEMORY_MIB}"
         )
-    if guest.disk_mib < 0:
-        raise InvalidArgument(f"{field}.guest.disk_mib", "must not be negative")
+    if guest.disk_mib and not MIN_DISK_MIB <= guest.disk_mib <= MAX_DISK_MIB:
+        raise InvalidArgument(
+            f"{field}.guest.disk_mib",
+            f"must be 0 (the default, {DEFAULT_DISK_MIB} MiB) or between {MIN_DISK_MIB} and "
+            f"{MAX_DISK_MIB}",
+        )
     if guest.pids_max and not MIN_PIDS <= guest.pids_max <= MAX_PIDS:
         raise InvalidArgument(
             f"{field}.guest.pids_max",
@@ -192,10 +199,33 @@ def check_config(config: pb.MachineConfig, field: str = "config") -> None:
     check_secrets(config, field)
 
 
+def guest_disk_mib(guest: pb.GuestConfig) -> int:
+    """The disk a guest gets and reserves, MiB: its `disk_mib`, or `DEFAULT_DISK_MIB` for 0.
+    Every account of a machine's disk (a worker's reservations, placement, the driver's
+    filesystem of that size) goes through here, so what is reserved is what is made."""
+    return guest.disk_mib or DEFAULT_DISK_MIB
+
+
+def check_disk_change(old: pb.GuestConfig, new: pb.GuestConfig, field: str = "config") -> None:
+    """A machine's disk grows with an update, never shrinks: what it wrote stays."""
+    before, after = guest_disk_mib(old), guest_disk_mib(new)
+    if after < before:
+        raise InvalidArgument(
+            f"{field}.guest.disk_mib",
+            f"a machine's disk cannot shrink: it has {before} MiB, the update asks for {after}",
+        )
+
+
 EGRESS_LABEL = "nonomad.egress"
 """The label flyd gives its worker when its machines can have egress (`flyd --egress-via`, or
 the process driver, whose machines share the host's network); flaps requires it of the
 workers it places a machine on whose config asks for egress. Operators cannot set it."""
+
+DISK_LABEL = "nonomad.disk"
+"""The label flyd gives its worker ("limited") when what a machine writes is bounded by its
+`guest.disk_mib` (the OCI driver: a filesystem of its own); a process driver's machines write
+to the host's filesystem, unbounded, and their worker has no such label. Operators cannot set
+it; a config can require it (`placement.required_labels`)."""
 
 
 def check_network(config: pb.MachineConfig, refusal: str | None, field: str = "config") -> None:

@@ -46,7 +46,7 @@ from flyd.stream import EventStream
 from flyd.traces import OpSpan, OpTracer
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
-from flyd.validate import check_config, check_network
+from flyd.validate import check_config, check_disk_change, check_network
 from runtime.clock import Clock
 from runtime.validate import check_name
 
@@ -556,6 +556,7 @@ class Worker:
         fsm.check_lease(row, lease_nonce, self.clock.now())
         if row.state == S.MACHINE_STATE_DESTROYED:
             raise FailedPrecondition(f"cannot update a destroyed machine {machine_id}", DESTROYED)
+        check_disk_change(row.machine.config.guest, config.guest)
         self.reservations.check_room(config.guest, instead_of=row.machine.config.guest)  # fail fast
         # The new instance's image is checked as a create's is, whether or not it changed.
         image = await self.images.pull(config.image, app=row.machine.app)
@@ -569,6 +570,7 @@ class Worker:
                 row = self.rows[machine_id]
                 fsm.check_lease(row, lease_nonce, self.clock.now())
                 # No await from here to the commit: the check and the reservation are atomic.
+                check_disk_change(row.machine.config.guest, config.guest)
                 self.reservations.check_room(config.guest, instead_of=row.machine.config.guest)
                 old_digest = row.image_digest
                 sig, timeout = self._stop_params(row, None, None)

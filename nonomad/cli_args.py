@@ -148,6 +148,13 @@ def add_machines(
         "--memory", type=positive_int, default=DEFAULT_MEMORY, metavar="MIB", help="MiB"
     )
     create.add_argument(
+        "--disk",
+        type=positive_int,
+        default=0,
+        metavar="MIB",
+        help="what its writable layer holds, MiB (default: the workers' default, 256)",
+    )
+    create.add_argument(
         "--env", type=env_pair, action="append", default=[], metavar="K=V", help="repeatable"
     )
     create.add_argument(

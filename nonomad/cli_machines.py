@@ -15,6 +15,7 @@ from pathlib import Path
 from flyd.errors import FlydError
 from flyd.images.source import ImageSource
 from flyd.slots import slot_of
+from flyd.validate import DISK_LABEL, guest_disk_mib
 from nonomad.cli_common import (
     FLAPS_ENV,
     CliError,
@@ -160,6 +161,7 @@ def show_text(machine: Machine) -> str:
         ("image", c.image),
         ("command", command_line(c)),
         ("guest", f"{c.guest.cpu_millicores} millicores, {c.guest.memory_mib} MiB"),
+        ("disk", f"{guest_disk_mib(c.guest)} MiB"),
         ("env", ", ".join(f"{k}={v}" for k, v in sorted(c.env.items())) or "-"),
         ("secrets", ", ".join(sorted(c.secrets)) or "-"),  # names: values never leave workers
         ("services", ", ".join(str(s.internal_port) for s in c.services) or "-"),
@@ -306,7 +308,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     config = MachineConfig(
         image=args.image,
-        guest=GuestConfig(cpu_millicores=args.cpu, memory_mib=args.memory),
+        guest=GuestConfig(cpu_millicores=args.cpu, memory_mib=args.memory, disk_mib=args.disk),
         entrypoint=args.cmd_argv,
         env=dict(args.env),
         secrets=dict(args.secret),
@@ -327,11 +329,23 @@ def cmd_run(args: argparse.Namespace) -> int:
         standby = bool(args.standby_for)
         if args.wait and not standby:
             machine = await wait_state(flaps, machine.id, "started", wait_budget(args), ready=True)
+        unlimited = False  # its worker does not bound what it writes (the process driver)
+        if not args.json:
+            with contextlib.suppress(ApiError):  # a token that may not list workers: unsaid
+                unlimited = any(
+                    w.info.id == machine.worker_id and DISK_LABEL not in w.info.labels
+                    for w in await flaps.list_workers(region=machine.region)
+                )
 
         def human() -> str:
             what = f"standby for {', '.join(args.standby_for)}" if standby else ""
             line = f"{machine.id} in {machine.region} on {machine.worker_id}: "
             line += state_text(machine) + (f" ({what})" if what else "")
+            if unlimited:
+                line += (
+                    f"\ndisk: {guest_disk_mib(machine.config.guest)} MiB reserved, not limited: "
+                    f"worker {machine.worker_id} runs machines as host processes"
+                )
             return line + (f"\nports: {ports(machine)}" if machine.ports else "")
 
         emit(args, machine, human)

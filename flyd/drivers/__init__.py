@@ -24,4 +24,5 @@ and, under them:
 - `logs`: machine output: the copier that writes and rotates it, bounded tails, followers
 - `fdlimit`: the descriptor limit of flyd's processes, and how many machines it holds
 - `spares`: run dirs and cgroups made ahead of need
+- `writable`: an OCI machine's writable layer, on a disk of its own (`flyd.storage`)
 """

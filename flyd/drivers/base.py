@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Protocol
 
 from flyd.errors import CorruptLog
+from flyd.validate import DEFAULT_DISK_MIB
 
 __all__ = [
     "DEFAULT_PIDS",
@@ -32,11 +33,13 @@ DEFAULT_PIDS = 1024
 
 @dataclass(frozen=True)
 class Limits:
-    """Resources reserved for a machine: enforced with cgroups when `limits_enforced`."""
+    """Resources reserved for a machine: cpu, memory and pids enforced with cgroups when
+    `limits_enforced`; `disk_mib` (what its writable layer holds) where `disk_limited`."""
 
     cpu_millicores: int
     memory_mib: int
     pids: int = DEFAULT_PIDS
+    disk_mib: int = DEFAULT_DISK_MIB
 
 
 @dataclass(frozen=True)
@@ -154,10 +157,13 @@ class LogTail:
 
     `truncated_bytes`: how many bytes of the log come before the first line and were not read
     because the read's byte budget ran out (0: the tail is all that was asked, or all there is).
+    `follow_from`: where in the current log the read ended, for a follow that goes on from the
+    tail without missing what is written meanwhile (None: from the log's end when it starts).
     """
 
     lines: list[str]
     truncated_bytes: int = 0
+    follow_from: int | None = None
 
 
 class Driver(Protocol):
@@ -166,6 +172,8 @@ class Driver(Protocol):
     """
 
     limits_enforced: bool
+    disk_limited: bool
+    """Whether a machine's writes are bounded by `Limits.disk_mib` (a filesystem of its own)."""
     name: str
     egress_refusal: str | None
     """Why a machine asking for egress (`network.egress`) cannot have it here, or None."""

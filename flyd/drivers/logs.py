@@ -200,9 +200,11 @@ def read_tail(
     """The last `tail_lines` lines of the log and its rotated files, reading at most
     `max_bytes` of them (see the module docstring). Blocking.
     """
-    if tail_lines <= 0:
-        return LogTail([])
     base = run_dir / LOG_NAME
+    if tail_lines <= 0:
+        st = _stat_regular(base)
+        return LogTail([], follow_from=st.st_size if st is not None else 0)
+    follow_from = 0  # the current log's size when it was read (none yet: a follow from 0)
     newest_first = [base] + [Path(f"{base}.{k}") for k in range(1, backups + 1)]
     chunks: list[bytes] = []  # newest first
     newlines = 0
@@ -216,6 +218,8 @@ def read_tail(
             continue
         try:
             end = os.fstat(fd).st_size
+            if path == base:
+                follow_from = end
             while end > 0 and newlines <= tail_lines and budget > 0:
                 size = min(_CHUNK, end, budget)
                 chunk = os.pread(fd, size, end - size)
@@ -247,7 +251,7 @@ def read_tail(
         skipped += max(0, len(pieces[0]) - max_line)
         pieces = [pieces[0][-max_line:]]
     lines = [p[:max_line].decode("utf-8", "replace") for p in pieces]
-    return LogTail(lines, truncated_bytes=skipped)
+    return LogTail(lines, truncated_bytes=skipped, follow_from=follow_from)
 
 
 @dataclass

@@ -4,8 +4,9 @@ What a machine is (see `flyd.drivers.bundle` for its runtime spec):
 
 - its rootfs is an overlay: the cached image is the lower layer, shared by every machine of
   the image and never written (ID-mapped, so the machine's root owns it while on disk it stays
-  host root's), and the machine's `upper/` in its run dir takes every write; the upper layer
-  stays across restarts and goes on destroy;
+  host root's), and the machine's writable layer takes every write: a filesystem of its own,
+  in a disk file of `guest.disk_mib` in its run dir (`flyd.drivers.writable`), so what it can
+  write is bounded; the layer stays across restarts and goes on destroy;
 - its namespaces are pid, mount, ipc, uts, cgroup, user (container root is a range of 65536
   host uids of its own: `uid_base + slot * 65536`, never host root) and network (netd's:
   `flyd.drivers.netd`, with the machine's own address `prefix + 2 + slot`);
@@ -23,9 +24,10 @@ A run, as the shared machinery (`flyd.drivers.wrapped`) drives it:
 1. `start` asks netd for the namespaces while a thread prepares the run dir and cgroups (a
    spare set on a first start, made ahead with the files and mount points a first start
    writes), then writes the bundle and makes a detached ID-mapped copy of the image's rootfs;
-   then it spawns the wrapper under `unshare --mount` (a private mount namespace): the wrapper
-   hides /sys/fs/cgroup/unified on a hybrid-cgroup host (crun refuses those) and mounts the
-   overlay, in one `mount --all` (see `_mounts`), and runs `crun run` in the foreground.
+   then it spawns the wrapper under `unshare --mount` (a private mount namespace), handing it
+   the machine's writable layer, mounted detached in that thread: the wrapper hides
+   /sys/fs/cgroup/unified on a hybrid-cgroup host (crun refuses those) and mounts the overlay,
+   in one `mount --all` (see `_mounts`), and runs `crun run` in the foreground.
    crun makes the container and stops in the createRuntime hook, which puts it in the
    machine's cgroups and says "ready"; only then does
    `start` return the handle: a container that cannot be made is a failed start, not a crash.
@@ -37,10 +39,10 @@ A run, as the shared machinery (`flyd.drivers.wrapped`) drives it:
    which ends every process of the pid namespace.
 4. When the container ends, crun returns its status (a code, or 128+signo), the wrapper
    records it and exits; the private mount namespace, and the overlay mount in it, die with
-   the wrapper: nothing is ever mounted in the host's mount namespace. flyd tells netd the
-   machine is down.
+   the wrapper, and its writable layer's filesystem (and loop device) with the last of them:
+   nothing is ever mounted in the host's mount namespace. flyd tells netd the machine is down.
 5. `cleanup` (destroy) has netd forget the machine's ports, and removes the run dir with its
-   upper layer, the cgroups and what crun may have left.
+   writable layer's disk file, the cgroups and what crun may have left.
 """
 
 from __future__ import annotations
@@ -52,7 +54,6 @@ import functools
 import ipaddress
 import json
 import os
-import shutil
 import signal
 import stat
 import subprocess
@@ -84,7 +85,9 @@ from flyd.drivers.ports import bind_port, local_address
 from flyd.drivers.procfs import read_proc_stat
 from flyd.drivers.wrapped import Watched, WrappedDriver
 from flyd.drivers.wrapper import oci_wrapper_script
+from flyd.drivers.writable import WritableLayers, overlay_options
 from flyd.errors import InvalidArgument, ResourceExhausted, Unavailable
+from flyd.storage import diskfile
 
 __all__ = ["UIDS_PER_MACHINE", "OciDriver", "probe"]
 
@@ -97,8 +100,7 @@ _EXEC_WAIT_S = 1.0  # how long a signal waits for a just-started container's ini
 _SLOT_FILE = "slot"
 _EGRESS_FILE = "egress"  # present while the machine's last start asked for egress
 _FSTAB_FILE = "fstab"  # what the wrapper mounts (see OciDriver._mounts)
-_LAYERS = {"upper": 0o755, "work": 0o700, "rootfs": 0o755}  # the overlay's dirs, their modes
-_SKELETON = "mountpoints"  # in a spare run dir: a first upper layer (OciDriver._prepare_layers)
+_ROOTFS = "rootfs"  # in the run dir: the overlay's mount point
 _HIDE_OPTIONS = "ro,nosuid,nodev,noexec,mode=0,size=4k"
 # Where each wrapper binds its machine's run dir, in its own mount namespace (see Bundle.view).
 _VIEW = Path("/run/nonomad/machine")
@@ -113,6 +115,7 @@ class OciDriver(WrappedDriver):
 
     name = "oci"
     cgroup_namespaces = True
+    disk_limited = True
 
     def __init__(
         self,
@@ -172,7 +175,7 @@ class OciDriver(WrappedDriver):
         self.max_machines = min(prefix.num_addresses - 3, (2**32 - uid_base) // UIDS_PER_MACHINE)
         """How many machines it can give an address and a uid range of their own."""
         self._hybrid = hybrid_cgroups()
-        self._skeleton = oci_bundle.skeleton()
+        self._layers = WritableLayers(self._run_dirs.root, oci_bundle.skeleton())
         self._crun_root = self._run_dirs.root / CRUN_ROOT
         self._crun_root.mkdir(mode=0o700, exist_ok=True)
         # crun reaches a machine's rootfs and /etc files partly as the machine's root: through
@@ -356,7 +359,7 @@ class OciDriver(WrappedDriver):
         finally:
             os.close(userns)
         try:
-            mounts = self._mounts(run_dir, prepared.layers, lower)
+            mounts = self._mounts(run_dir, prepared.disk_fd, lower)
             script = oci_wrapper_script(
                 self._run_dirs.status_dir(mid),
                 self._tools.mv,
@@ -378,7 +381,7 @@ class OciDriver(WrappedDriver):
                     "nonomad-wrapper",
                 ],
                 stdin=subprocess.DEVNULL,
-                pass_fds=(lower, hold_r, ready_w, *prepared.fds[1:]),  # and the namespace
+                pass_fds=(lower, hold_r, ready_w, *prepared.fds[1:]),  # the disk, the namespace
                 stdout=prepared.log_fd,
                 stderr=prepared.log_fd,
                 env={"PATH": _PATH, **_CRUN_ENV},
@@ -511,6 +514,7 @@ class OciDriver(WrappedDriver):
     async def close(self) -> None:
         """Stop watching; the machines and netd keep running (see `WrappedDriver.close`)."""
         await super().close()
+        self._layers.close()  # the spares are gone: their mounts go too
         self._nets.close()
 
     # -- ports and network -------------------------------------------------------------------
@@ -631,7 +635,7 @@ class OciDriver(WrappedDriver):
             *args,
         ]
 
-    def _mounts(self, run_dir: Path, layers: dict[str, Path], lower: int) -> list[list[str]]:
+    def _mounts(self, run_dir: Path, disk: int, lower: int) -> list[list[str]]:
         """What the wrapper mounts in its private mount namespace before crun runs: one
         `mount -a` over a table in the run dir (root's alone), a program rather than one
         per mount (each costs ~1.5 ms of exec and libmount set-up on a start).
@@ -653,67 +657,27 @@ class OciDriver(WrappedDriver):
         if self._bind_view:
             table.append((str(run_dir), str(_VIEW), "none", "bind"))
             view = _VIEW
-        options = (
-            f"lowerdir=/proc/self/fd/{lower},upperdir={layers['upper']},workdir={layers['work']}"
-        )
-        table.append(("overlay", str(view / "rootfs"), "overlay", options))
+        options = f"lowerdir=/proc/self/fd/{lower},{overlay_options(disk)}"
+        table.append(("overlay", str(view / _ROOTFS), "overlay", options))
         fstab = run_dir / _FSTAB_FILE
         fd = os.open(fstab, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write("".join(" ".join(map(_fstab_field, row)) + " 0 0\n" for row in table))
         return [[self._tools.mount, "--all", "--fstab", str(fstab)]]
 
-    def _prepare_layers(self, run_dir: Path, root_uid: int, spec: ProcessSpec) -> dict[str, Path]:
-        """The machine's upper layer (owned by its root), the overlay's work dir and the
-        mount point, made on its first start (or by `_spare_layout`) and kept across restarts.
-
-        A spare run dir also holds the mount points crun would make in the upper layer of an
-        image that names no base (`bundle.skeleton`): on such a machine's first start they
-        become its upper layer, owned by its root, less any the image has itself (whose own
-        would otherwise be hidden); any other image's first start drops them.
-        """
-        layers = {name: run_dir / name for name in _LAYERS}
-        for name, path in layers.items():
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(path, _LAYERS[name])
-        made = run_dir / _SKELETON
-        if made.is_dir():
-            upper = layers["upper"]
-            if spec.host_runtime and not any(os.scandir(upper)):
-                os.rmdir(upper)
-                os.rename(made, upper)
-                for rel, is_dir in reversed(self._skeleton):  # children first
-                    path = upper / rel
-                    if not os.path.lexists(spec.rootfs / rel):
-                        os.chown(path, root_uid, root_uid, follow_symlinks=False)
-                    elif is_dir:
-                        shutil.rmtree(path)
-                    else:
-                        path.unlink(missing_ok=True)
-            else:
-                shutil.rmtree(made)
-        if os.stat(layers["upper"]).st_uid != root_uid:  # new, or a spare's
-            os.chown(layers["upper"], root_uid, root_uid)
-        return layers
-
     def _spare_layout(self, run_dir: Path) -> None:
-        """The directories and (empty) files a first start writes, made in a spare run dir:
-        writing a file that exists costs a fraction of making one on a busy disk.
+        """The directories and (empty) files a first start writes, made in a spare run dir
+        (writing a file that exists costs a fraction of making one on a busy disk), and a
+        writable layer's disk file (`WritableLayers.make_spare`).
         """
-        for name, mode in _LAYERS.items():
-            os.mkdir(run_dir / name, mode)
-        os.mkdir(run_dir / _SKELETON, 0o755)
-        for rel, is_dir in self._skeleton:
-            if is_dir:
-                os.mkdir(run_dir / _SKELETON / rel, 0o755)
-            else:
-                os.close(os.open(run_dir / _SKELETON / rel, os.O_WRONLY | os.O_CREAT, 0o644))
+        os.mkdir(run_dir / _ROOTFS, 0o755)
         os.mkdir(run_dir / "etc", 0o755)
         files = [(f"etc/{name}", 0o644) for name in oci_bundle.ETC_FILES]
         files += [(_SLOT_FILE, 0o644), (_FSTAB_FILE, 0o600), ("config.json", 0o600)]
         files += [(LOG_NAME, 0o640)]
         for name, mode in files:
             os.close(os.open(run_dir / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode))
+        self._layers.make_spare(run_dir)  # last: it holds a mount until the spare is taken
 
     def _read_slots(self) -> dict[str, int]:
         slots: dict[str, int] = {}
@@ -777,27 +741,37 @@ class OciDriver(WrappedDriver):
         address: str,
     ) -> _Disk:
         """In a thread: the run dir and cgroups (`spare`, if claimed, on a first start), the
-        machine's new slot if it has one, its layers, its /etc files, its log's copier and its
-        cgroup namespace (`ahead`: the one made with the spare, which it closes if unused).
-        Raises OSError (the caller closes `ahead` then).
+        machine's new slot if it has one, its writable layer (mounted), its /etc files, its
+        log's copier and its cgroup namespace (`ahead`: the one made with the spare, which it
+        closes if unused). Raises OSError (the caller closes `ahead` then).
         """
         mid = spec.machine_id
         run_dir = self._run_dirs.path(mid)
         cgroup_procs = self._prepare_run(spec, spare)
         _mark(run_dir / _EGRESS_FILE, spec.egress)  # for an adoption by a new netd
-        if new_slot is not None:
-            _write_slot(run_dir, new_slot)
-        layers = self._prepare_layers(run_dir, root_uid, spec)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(run_dir / _ROOTFS, 0o755)
         delete_container(self._crun_root, mid)  # what a killed crun left
         etc = oci_bundle.write_etc(run_dir / "etc", mid, address, host_runtime=spec.host_runtime)
-        log_fd, copier = self._start_copier(mid)
+        # Until its slot is written the machine is on its first start, whoever died meanwhile:
+        # a disk file a spare brought of another size is still made anew.
+        disk_fd = self._layers.mount(
+            run_dir, spec, root_uid, first_start=new_slot is not None, spare=spare
+        )
+        try:
+            if new_slot is not None:
+                _write_slot(run_dir, new_slot)
+            log_fd, copier = self._start_copier(mid)
+        except BaseException:
+            os.close(disk_fd)
+            raise
         try:
             cgroupns = self._cgroup_namespace([p.parent for p in cgroup_procs], ahead)
         except BaseException:
-            os.close(log_fd)
+            _close(log_fd, disk_fd)
             copier.close()
             raise
-        return _Disk(cgroup_procs, layers, etc, log_fd, copier, cgroupns)
+        return _Disk(cgroup_procs, etc, log_fd, copier, disk_fd, cgroupns)
 
     def _spare_cgroup_namespace(self, cgroups: list[Path]) -> int:
         return namespace_at(cgroups)
@@ -822,16 +796,18 @@ class _Disk:
     """What `OciDriver._prepare_disk` made for a run."""
 
     cgroup_procs: list[Path]
-    layers: dict[str, Path]
     etc_files: list[str]
-    log_fd: int  # the machine's end of its output pipe; the caller closes it, as `cgroupns`
+    log_fd: int  # the machine's end of its output pipe; the caller closes it, as the rest
     copier: Copier  # what writes the pipe's other end to the log
+    disk_fd: int  # the writable layer's mount (WritableLayers.mount)
     cgroupns: int | None  # rooted at the machine's cgroups (None without cgroups)
 
     @property
     def fds(self) -> tuple[int, ...]:
-        """Its descriptors: what the wrapper inherits, and the caller closes."""
-        return (self.log_fd,) if self.cgroupns is None else (self.log_fd, self.cgroupns)
+        """Its descriptors: what the wrapper inherits (the log as its output, the rest passed
+        on), and the caller closes."""
+        ns = () if self.cgroupns is None else (self.cgroupns,)
+        return (self.log_fd, self.disk_fd, *ns)
 
 
 def _close_unused(namespace: int, done: asyncio.Future[_Disk]) -> None:
@@ -842,8 +818,8 @@ def _close_unused(namespace: int, done: asyncio.Future[_Disk]) -> None:
 
 
 def _close_disk(done: asyncio.Future[_Disk]) -> None:
-    """Close what a `_prepare_disk` opened for a start that failed meanwhile, and let go of
-    its copier."""
+    """Close what a `_prepare_disk` opened for a start that failed meanwhile (its log, its
+    writable layer's mount, its cgroup namespace), and let go of its copier."""
     if not done.cancelled() and done.exception() is None:
         _close(*done.result().fds)
         done.result().copier.close()
@@ -855,10 +831,12 @@ def _write_slot(run_dir: Path, slot: int) -> None:
 
 def probe(cgroup_root: Path = Path("/sys/fs/cgroup")) -> str | None:
     """None when this host can run OCI machines within their limits, else why not: crun's
-    needs (`flyd.drivers.crun.probe`) and cgroup v1 controllers, which is how the driver
-    limits machines (a cgroup v2-only host would run them unlimited: it is refused).
+    needs (`flyd.drivers.crun.probe`), cgroup v1 controllers, which is how the driver limits
+    machines (a cgroup v2-only host would run them unlimited: it is refused), and disk files
+    (loop devices, ext4: `flyd.storage.diskfile.problem`), which bound what they write.
     """
-    return crun_probe() or v1_missing(cgroup_root)
+    disk = diskfile.problem()
+    return crun_probe() or v1_missing(cgroup_root) or (disk and f"cannot limit disks: {disk}")
 
 
 def _searchable(path: Path) -> bool:

@@ -12,7 +12,13 @@ network: its services bind their host ports themselves. What it shares with the 
 - the machine's published host ports are held by flyd while it is not running (a stopped
   standby's port cannot be taken by anyone) and let go of just before it starts, since the
   machine binds them itself: between that and its bind the port is free, a window only a
-  namespace of its own (the OCI driver) closes.
+  namespace of its own (the OCI driver) closes;
+- its disk is not limited (`disk_limited` False, so its worker carries no `nonomad.disk`
+  label and `nonomad machines run` says so): it writes to the host's filesystem, wherever its
+  user may, and its working directory is the image's rootfs, shared by every machine of the
+  image. `guest.disk_mib` is reserved all the same. A filesystem of its own under its working
+  directory would bound what it writes there and nothing else (/tmp, its user's home), so it
+  is not offered as a limit.
 """
 
 from __future__ import annotations

@@ -9,13 +9,14 @@ Layout of `<run_root>/<machine_id>/`:
 - `oom.base`: the memory cgroup's counters when the run started, if that cgroup was not new
 - `machine.log[.N]`: the machine's output, and `log.json` the handle of the copier that writes
   it (`flyd.drivers.logs`)
-- OCI only: `config.json` (the bundle's runtime spec), `etc/` (its /etc files), `upper/` and
-  `work/` (its overlay's own layer), `rootfs/` (the overlay's mount point), `slot` (its uid
-  range and address)
+- OCI only: `config.json` (the bundle's runtime spec), `etc/` (its /etc files), `disk.ext4`
+  (its disk: the overlay's own layer, `upper/` and `work/`, on a filesystem of its own; see
+  `flyd.drivers.writable`), `rootfs/` (the overlay's mount point), `slot` (its uid range and
+  address)
 
 Entries of the run root whose names start with a dot are not machines' (`.spare/` holds the
 spare run dirs of `flyd.drivers.spares`; OCI: `.crun/` crun's state, `.netd.*` netd's socket,
-handle and log).
+handle and log, `.layer/` what each disk is made holding).
 """
 
 from __future__ import annotations

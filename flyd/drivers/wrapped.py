@@ -108,6 +108,9 @@ class WrappedDriver:
     # A host process shares the host's network: it reaches everything whatever it asks, so
     # egress is never refused (the OCI driver, which confines it, says otherwise).
     egress_refusal: str | None = None
+    # And its filesystem: it writes wherever its user may, unbounded (the OCI driver gives
+    # each machine a filesystem of its own).
+    disk_limited = False
 
     def __init__(
         self,
@@ -729,6 +732,6 @@ def validate_spec(spec: ProcessSpec) -> None:
         if key.startswith(WRAPPER_PREFIX):
             raise InvalidArgument("env", f"{key!r}: names starting {WRAPPER_PREFIX} are reserved")
     limits: Limits = spec.limits
-    for name in ("cpu_millicores", "memory_mib", "pids"):
+    for name in ("cpu_millicores", "memory_mib", "pids", "disk_mib"):
         if getattr(limits, name) <= 0:
             raise InvalidArgument(f"limits.{name}", "must be positive")

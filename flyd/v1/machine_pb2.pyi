@@ -100,7 +100,13 @@ class GuestConfig(_message.Message):
     memory_mib: _builtins.int
     """Memory in MiB; must be > 0. Enforced as a hard limit where cgroups exist."""
     disk_mib: _builtins.int
-    """Scratch disk reserved on the worker in MiB; 0 means none beyond the image."""
+    """Disk in MiB: what the machine's writable layer (everything it writes to
+    its rootfs) holds, reserved on the worker; 0 means the default, 256.
+    Between 16 and 1048576. A hard limit (ENOSPC past it) where the worker
+    labels itself nonomad.disk=limited (the oci driver: a filesystem of its
+    own); a process driver's machines write to the host's filesystem. Grows
+    with an update (at the next start), never shrinks.
+    """
     pids_max: _builtins.int
     """At most this many processes and threads at once (a fork bomb stops
     there); 0 means the worker default, 1024. Between 16 and 32768.

@@ -26,7 +26,7 @@ from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
 from flyd.errors import DOMAIN as FLYD
 from flyd.v1 import machine_pb2 as pb
-from flyd.validate import EGRESS_LABEL
+from flyd.validate import DEFAULT_DISK_MIB, EGRESS_LABEL
 from tests.flaps.support import FakeFleet, fake_fleet
 from tests.flyd.support import CREATED, DESTROYED, STARTED, STOPPED, config
 from tests.servicers import (
@@ -561,6 +561,17 @@ class TestPlatformService:
             (r.name, r.workers, r.alive_workers, r.total.memory_mib, r.free.machines, r.fits)
             for r in resp.regions
         ] == [("ams", 2, 2, 2048, 20, 4), ("syd", 1, 1, 1024, 10, 2)]
+
+    async def test_a_config_that_says_no_disk_is_placed_at_the_disk_its_worker_reserves(
+        self, exchange: Exchange
+    ) -> None:
+        """0 is the default disk (`guest_disk_mib`): placement counts what the worker will
+        reserve and make, not nothing; the config itself is passed on as it was asked."""
+        cfg = config()
+        bid_ = exchange.request("web", ["ams"], cfg, [], None)
+        assert (bid_.guest.disk_mib, cfg.guest.disk_mib) == (DEFAULT_DISK_MIB, 0)
+        cfg.guest.disk_mib = 64
+        assert exchange.request("web", ["ams"], cfg, [], None).guest.disk_mib == 64
 
     @pytest.mark.parametrize("guest", ["cpu_millicores", "memory_mib", "disk_mib"])
     async def test_list_regions_refuses_a_negative_size(

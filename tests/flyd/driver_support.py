@@ -3,9 +3,10 @@
 `make_driver` (a fixture in tests/flyd/conftest.py) builds a `process` or an `oci` driver on
 one run root; the tests written against it run for both (the OCI ones skip, with the reason,
 where crun cannot run). A machine's "image" is a plain directory (`image`); what a machine
-writes in its working directory is read back with `machine_file`, which knows where each
+writes in its working directory is read back with `machine_wrote`, which knows where each
 driver keeps it (the image directory itself for the process driver, the machine's upper
-layer for OCI). Nothing waits on wall-clock time: tests wait on conditions with deadlines.
+layer for OCI, inside its disk file: `upper_layer`). Nothing waits on wall-clock time: tests
+wait on conditions with deadlines.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import os
+import re
 import socket
 import uuid
 from collections.abc import Callable
@@ -24,6 +27,8 @@ import pytest
 
 from flyd.drivers.base import Driver, ExitStatus, Handle, Limits, ProcessSpec
 from flyd.drivers.oci import probe as oci_probe
+from flyd.drivers.writable import DISK_FILE
+from flyd.storage import diskfile
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CONTROLLERS = ("memory", "cpu", "pids")
@@ -155,11 +160,51 @@ def sh(script: str) -> list[str]:
     return ["sh", "-c", script]
 
 
-def machine_file(driver: Driver, machine_id: str, name: str) -> Path:
-    """Where a file the machine wrote in its working directory (/) is on the host."""
-    if driver.name == "oci":
-        return driver._run_dirs.path(machine_id) / "upper" / name  # type: ignore[attr-defined]
-    return driver._run_dirs.root.parent / "image" / name  # type: ignore[attr-defined]
+def machine_wrote(driver: Driver, machine_id: str, name: str) -> bool:
+    """Whether the machine wrote file `name` in its working directory (/): for OCI, in its
+    upper layer (through its wrapper while it lives, else by mounting its disk file)."""
+    if driver.name != "oci":
+        return (driver._run_dirs.root.parent / "image" / name).exists()  # type: ignore[attr-defined]
+    run_dir = driver._run_dirs.path(machine_id)  # type: ignore[attr-defined]
+    with contextlib.suppress(OSError):  # its wrapper is gone, or was never spawned
+        return (upper_layer(run_dir) / name).exists()
+    if not (run_dir / DISK_FILE).exists():
+        return False
+    fd = diskfile.mount(run_dir / DISK_FILE)
+    try:
+        return os.path.lexists(f"/proc/self/fd/{fd}/upper/{name}")
+    finally:
+        os.close(fd)
+
+
+def loops_under(root: Path) -> list[str]:
+    """Every loop device bound to a file under `root` (removed ones too: "... (deleted)"),
+    but the spare run dirs' (their disks are mounted ahead, by the driver that made them).
+    None of them: nothing has a disk file of `root` mounted, in any mount namespace."""
+    found = []
+    for entry in Path("/sys/block").iterdir():
+        try:
+            backing = (entry / "loop" / "backing_file").read_text().strip()
+        except OSError:
+            continue
+        under = backing.startswith(str(root.resolve()) + "/")
+        if under and "/.spare/" not in backing:
+            found.append(f"{entry.name}: {backing}")
+    return found
+
+
+def upper_layer(run_dir: Path) -> Path:
+    """An OCI machine's upper layer as its live wrapper holds it (OSError if there is none):
+    through the descriptor of its disk's mount, named in the overlay's options in the run
+    dir's fstab, from the host."""
+    pid = json.loads((run_dir / "handle.json").read_text())["pid"]
+    if gone(pid):
+        raise FileNotFoundError(f"machine {run_dir.name} has no live wrapper")
+    found = re.search(r"upperdir=/proc/self/fd/(\d+)/upper", (run_dir / "fstab").read_text())
+    assert found is not None, "the fstab names no upper layer"
+    upper = Path(f"/proc/{pid}/fd/{found[1]}/upper")
+    upper.stat()  # raises if the wrapper went meanwhile
+    return upper
 
 
 def answers_http(port: int) -> bool:

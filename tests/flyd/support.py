@@ -29,6 +29,7 @@ from flyd.store import MachineLog, NewRecord, Record, Snapshot
 from flyd.traces import OpTracer
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
+from flyd.validate import DEFAULT_DISK_MIB
 from flyd.worker import Identity, Worker
 from runtime.clock import ManualClock
 
@@ -40,7 +41,10 @@ DESTROYED = S.MACHINE_STATE_DESTROYED
 IMAGE = "app:v1"
 # How long any test waits for a condition before it fails (never reached when things work).
 DEADLINE = 5.0
-CAPACITY = CapacitySettings(cpu_millicores=1000, memory_mib=1024, disk_mib=0, machines=10)
+# Room for its 10 machines' disks at the default size (what a config's disk_mib 0 reserves).
+CAPACITY = CapacitySettings(
+    cpu_millicores=1000, memory_mib=1024, disk_mib=10 * DEFAULT_DISK_MIB, machines=10
+)
 PORTS = range(20000, 20010)
 T = TypeVar("T")
 

@@ -23,6 +23,7 @@ import pytest
 from flyd.fakes import FakeHost
 from flyd.images.build import build_image
 from flyd.images.cache import ImageCache
+from flyd.images.owners import PUBLIC
 from flyd.images.source import ImageSource
 from flyd.store import LmdbMachineLog
 from flyd.v1 import machine_pb2 as pb
@@ -69,7 +70,7 @@ async def oci_flyd(tmp_path: Path, make_driver: Callable[..., Any]) -> AsyncIter
     (src / "README").write_text("a machine that sleeps\n")
     build_image(
         src, tmp_path / "source", name="sleeper", tag="v1",
-        entrypoint=["sh", "-c", "echo up; exec sleep 600"],
+        entrypoint=["sh", "-c", "echo up; exec sleep 600"], owners=PUBLIC,
     )  # fmt: skip
     images = ImageCache(tmp_path / "cache", ImageSource(tmp_path / "source"), max_bytes=1 << 30)
     store = LmdbMachineLog(tmp_path / "log")

@@ -14,6 +14,7 @@ from google.protobuf.duration_pb2 import Duration
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
+from flyd.validate import MAX_DISK_MIB, MIN_DISK_MIB
 from tests.conftest import one_flyd
 from tests.harness import error_info, grpcurl
 
@@ -113,6 +114,27 @@ CASES: list[tuple[str, str, Any, grpc.StatusCode, str]] = [
         create(config=cfg(guest__disk_mib=-1)),
         C.INVALID_ARGUMENT,
         "config.guest.disk_mib",
+    ),
+    (
+        "disk under the least a filesystem of its own takes",
+        "CreateMachine",
+        create(config=cfg(guest__disk_mib=MIN_DISK_MIB - 1)),
+        C.INVALID_ARGUMENT,
+        "config.guest.disk_mib",
+    ),
+    (
+        "disk over the most a guest may have",
+        "CreateMachine",
+        create(config=cfg(guest__disk_mib=MAX_DISK_MIB + 1)),
+        C.INVALID_ARGUMENT,
+        "config.guest.disk_mib",
+    ),
+    (
+        "more disk than the worker has",
+        "CreateMachine",
+        create(config=cfg(guest__disk_mib=MAX_DISK_MIB)),
+        C.RESOURCE_EXHAUSTED,
+        "disk",
     ),
     (
         "too big for the worker",

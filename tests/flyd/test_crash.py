@@ -28,6 +28,7 @@ from flyd.drivers.base import ExitStatus
 from flyd.images.source import ImageSource
 from flyd.store import LmdbMachineLog
 from flyd.v1 import machine_pb2 as pb
+from flyd.validate import guest_disk_mib
 from runtime.clock import ManualClock
 from tests.flyd.support import (
     DEADLINE,
@@ -269,6 +270,7 @@ def check_invariants(
     assert w.reserved() == pb.Resources(
         cpu_millicores=sum(c.guest.cpu_millicores for c in live),
         memory_mib=sum(c.guest.memory_mib for c in live),
+        disk_mib=sum(guest_disk_mib(c.guest) for c in live),  # what their disks are made at
         machines=len(live),
     )
     ports = [p.host_port for r in w.rows.values() if r.state != DESTROYED for p in r.machine.ports]

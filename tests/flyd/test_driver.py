@@ -34,7 +34,7 @@ from tests.flyd.driver_support import (
     gone,
     log_lines,
     logged,
-    machine_file,
+    machine_wrote,
     needs_cgroups,
     pids_running,
     run_machine,
@@ -195,7 +195,7 @@ async def test_a_discarded_start_never_runs_and_says_so(make_driver, image: Path
     driver.discard("m1")  # flyd could not record the handle
     status = await exits.wait("m1")
     assert (status.released, status.describe()) == (False, "ended before it was released")
-    assert not machine_file(driver, "m1", "ran").exists()
+    assert not machine_wrote(driver, "m1", "ran")
     driver.release("m1")  # too late: a no-op
     assert not driver.is_running("m1")
 
@@ -206,12 +206,12 @@ async def test_start_holds_the_machine_until_released(make_driver, image: Path) 
     machine = spec("m1", sh("touch ran; sleep 1000"), image)
     handle = await first.start(machine)
     assert await first.start(machine) == handle  # the same process while watched
-    assert not machine_file(first, "m1", "ran").exists()  # held: it has run nothing yet
+    assert not machine_wrote(first, "m1", "ran")  # held: it has run nothing yet
 
     # flyd dies before releasing: the held machine exits without running anything.
     await first.close()
     await wait_until(lambda: gone(handle.pid), "the held machine to end")
-    assert not machine_file(first, "m1", "ran").exists()
+    assert not machine_wrote(first, "m1", "ran")
 
     second = make_driver(exits)
     # Its exit file says it was never released, so a later flyd does not count it as run.
@@ -219,7 +219,7 @@ async def test_start_holds_the_machine_until_released(make_driver, image: Path) 
     new = await second.start(machine)
     assert new != handle
     second.release("m1")
-    await wait_until(machine_file(second, "m1", "ran").exists, "the released machine to run")
+    await wait_until(lambda: machine_wrote(second, "m1", "ran"), "the released machine to run")
     await second.stop("m1", signal.SIGKILL, timeout=1)
 
 

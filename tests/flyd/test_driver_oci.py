@@ -47,6 +47,7 @@ from tests.flyd.driver_support import (
     run_machine,
     sh,
     spec,
+    upper_layer,
     wait_until,
 )
 
@@ -183,8 +184,8 @@ async def test_a_start_gets_the_namespaces_netd_made_ahead_for_it(
 async def test_a_first_start_from_a_spare_gets_its_mount_points_made_ahead_as_its_own(
     make_driver, tmp_path: Path
 ) -> None:
-    """A spare run dir holds the mount points crun would make in the upper layer of an image
-    that names no base: they become the machine's, owned by its root (it writes /etc as
+    """A writable layer is made holding the mount points crun would make in the upper layer of
+    an image that names no base: they become the machine's, owned by its root (it writes /etc as
     before), except where the image has its own, which stays as the image has it."""
     exits = Exits()
     driver = make_driver(exits)
@@ -206,10 +207,9 @@ async def test_a_first_start_from_a_spare_gets_its_mount_points_made_ahead_as_it
     own_lines = log_lines(driver, "m-own", 5)
     assert own_lines[0] == "0 750"  # the image's own /etc, not one made ahead
     assert "mine" in own_lines
-    upper = driver._run_dirs.path("m-plain") / "upper"
-    # Made ahead (crun makes its mount points 0700), and taken: none is left to take again.
+    upper = upper_layer(driver._run_dirs.path("m-plain"))
+    # Made ahead, in its disk file (crun makes its mount points 0700).
     assert (upper / "etc" / "hostname").stat().st_mode & 0o777 == 0o644
-    assert not (driver._run_dirs.path("m-plain") / "mountpoints").exists()
     for mid in ("warm", "m-plain", "m-own"):
         await driver.stop(mid, signal.SIGTERM, 5.0)
 

@@ -71,7 +71,7 @@ async def test_fake_logs() -> None:
     fake.write_log("m1", "after")
     assert await asyncio.wait_for(anext(lines), DEADLINE) == "after"
     tail = await asyncio.to_thread(fake.read_logs, "m1", 5, 1 << 20)
-    assert tail == LogTail(["before", "after"])
+    assert tail == LogTail(["before", "after"], follow_from=2)  # a line index, here
     shutdown.set()
     with pytest.raises(StopAsyncIteration):
         await asyncio.wait_for(anext(lines), DEADLINE)
@@ -80,12 +80,12 @@ async def test_fake_logs() -> None:
 @pytest.mark.parametrize(
     ("tail_lines", "max_bytes", "tail"),
     [
-        (5, 1 << 20, LogTail(["one", "two", "three"])),
-        (2, 1 << 20, LogTail(["two", "three"])),
-        (5, 10, LogTail(["two", "three"], truncated_bytes=4)),  # "one\n" is left out
-        (5, 9, LogTail(["three"], truncated_bytes=8)),
-        (5, 3, LogTail([], truncated_bytes=14)),
-        (0, 1 << 20, LogTail([])),
+        (5, 1 << 20, LogTail(["one", "two", "three"], follow_from=3)),
+        (2, 1 << 20, LogTail(["two", "three"], follow_from=3)),
+        (5, 10, LogTail(["two", "three"], 4, 3)),  # "one\n" is left out
+        (5, 9, LogTail(["three"], 8, 3)),
+        (5, 3, LogTail([], 14, 3)),
+        (0, 1 << 20, LogTail([], follow_from=3)),
     ],
 )
 async def test_fake_log_reads_keep_to_their_byte_budget(

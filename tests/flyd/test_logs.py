@@ -46,21 +46,22 @@ def lines(*texts: str) -> bytes:
 @pytest.mark.parametrize(
     ("files", "tail_lines", "max_bytes", "tail"),
     [
-        # The lines asked for, across the rotated files (a line a rotation cut in two is whole).
+        # The lines asked for, across the rotated files (a line a rotation cut in two is whole),
+        # and where a follow goes on from: the current file's end when it was read.
         (
             {LOG_NAME: b"ree\nfour\n", f"{LOG_NAME}.1": b"one\nth"},
             3,
             BUDGET,
-            LogTail(["one", "three", "four"]),
+            LogTail(["one", "three", "four"], follow_from=9),
         ),
-        ({LOG_NAME: lines("a", "b", "c")}, 2, BUDGET, LogTail(["b", "c"])),
-        ({LOG_NAME: b"a\nb\nno newline yet"}, 2, BUDGET, LogTail(["b", "no newline yet"])),
+        ({LOG_NAME: lines("a", "b", "c")}, 2, BUDGET, LogTail(["b", "c"], follow_from=6)),
+        ({LOG_NAME: b"a\nb\nno newline yet"}, 2, BUDGET, LogTail(["b", "no newline yet"], 0, 18)),
         # The budget cuts the oldest line: dropped, and counted with what came before it.
-        ({LOG_NAME: lines("first", "second", "third")}, 3, 10, LogTail(["third"], 13)),
-        ({LOG_NAME: b"x" * 100}, 5, 40, LogTail(["x" * 40], 60)),  # no newline in the budget
-        ({LOG_NAME: b""}, 5, BUDGET, LogTail([])),
-        ({}, 5, BUDGET, LogTail([])),
-        ({LOG_NAME: lines("a")}, 0, BUDGET, LogTail([])),
+        ({LOG_NAME: lines("first", "second", "third")}, 3, 10, LogTail(["third"], 13, 19)),
+        ({LOG_NAME: b"x" * 100}, 5, 40, LogTail(["x" * 40], 60, 100)),  # no newline in the budget
+        ({LOG_NAME: b""}, 5, BUDGET, LogTail([], follow_from=0)),
+        ({}, 5, BUDGET, LogTail([], follow_from=0)),  # a follow starts at 0
+        ({LOG_NAME: lines("a")}, 0, BUDGET, LogTail([], follow_from=2)),
     ],
 )
 def test_a_tail_reads_the_lines_asked_for_within_its_budget(
@@ -77,7 +78,7 @@ def test_a_long_line_is_cut_to_the_line_cap(tmp_path: Path) -> None:
     run_dir = tmp_path / "m1"
     write_log(run_dir, b"y" * (3 * MAX_LINE) + b"\nshort\n")
     tail = read_tail(run_dir, 2, backups=0, max_bytes=BUDGET)
-    assert tail == LogTail(["y" * MAX_LINE, "short"])
+    assert tail.lines == ["y" * MAX_LINE, "short"]
 
 
 def huge(run_dir: Path, size: int, data: bytes = b"") -> Path:
@@ -133,7 +134,7 @@ def test_a_log_that_is_not_a_regular_file_reads_as_empty(tmp_path: Path) -> None
     os.mkfifo(run_dir / LOG_NAME)  # a plain open would wait for a writer, forever
     (tmp_path / "secret").write_text("not the machine's\n")
     os.symlink(tmp_path / "secret", run_dir / f"{LOG_NAME}.1")
-    assert read_tail(run_dir, 10, backups=1, max_bytes=BUDGET) == LogTail([])
+    assert read_tail(run_dir, 10, backups=1, max_bytes=BUDGET).lines == []
 
 
 # -- from inside a machine -----------------------------------------------------------------------

@@ -23,6 +23,7 @@ from flyd.readiness import NO_SERVICES, Readiness, probe_host
 from flyd.settings import CapacitySettings
 from flyd.store import MemoryMachineLog
 from flyd.v1 import machine_pb2 as pb
+from flyd.validate import DEFAULT_DISK_MIB
 from runtime.clock import ManualClock
 from tests.flyd.driver_support import host_address
 from tests.flyd.support import (
@@ -242,7 +243,7 @@ async def test_a_change_to_one_machine_looks_at_that_machine_only(tmp_path: Path
     capacity = CapacitySettings(
         cpu_millicores=100 * (machines + 1),
         memory_mib=128 * (machines + 1),
-        disk_mib=0,
+        disk_mib=DEFAULT_DISK_MIB * (machines + 1),
         machines=machines + 1,
     )
     async with running(tmp_path, capacity=capacity, ports=range(20000, 21100)) as setup:

@@ -32,7 +32,7 @@ from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
 from tests.conftest import DEMO_APP
-from tests.flyd.driver_support import OCI_UNAVAILABLE, gone
+from tests.flyd.driver_support import OCI_UNAVAILABLE, gone, loops_under, upper_layer
 from tests.harness import ServiceProcess
 
 pytestmark = pytest.mark.skipif(
@@ -317,8 +317,8 @@ async def test_the_image_cache_is_byte_identical_after_a_machine_wrote_everywher
     await log_line(stub, second.id, "done scribbling")
 
     assert tree_digest(entry / "rootfs") == before
-    # What they wrote is theirs: each in its own upper layer.
-    upper = flyd_dir(tmp_path) / "machines" / first.id / "upper"
+    # What they wrote is theirs: each in its own upper layer (in its own disk file).
+    upper = upper_layer(flyd_dir(tmp_path) / "machines" / first.id)
     assert (upper / "planted").exists()
     assert (upper / "data" / "config.txt").read_text() == "the image's own file\nx\n"
     for machine in (first, second):
@@ -609,6 +609,7 @@ async def nothing_left(machines: Path, machine_id: str, prefix: str) -> None:
                 for c in ("memory", "cpu", "pids")
             ),
             "netns": netd_namespaces(machines) > 0,
+            "loop devices": bool(loops_under(machines)),  # so no mount of its disk, anywhere
         }
         if not any(left.values()):
             return

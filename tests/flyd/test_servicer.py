@@ -323,6 +323,25 @@ async def test_machine_logs_tail_then_follow(servicer_stub: Stub, flyd: Flyd) ->
         call.cancel()
 
 
+async def test_a_line_printed_while_the_tail_is_read_is_followed_not_lost(
+    servicer_stub: Stub, flyd: Flyd
+) -> None:
+    await create(servicer_stub)
+    flyd.driver.write_log("m1", "before")
+    hold = flyd.driver.host.hold_log_reads()
+    follow = w.GetMachineLogsRequest(machine_id="m1", follow=True)
+    call = servicer_stub.GetMachineLogs(follow, timeout=T)
+    try:
+        first = asyncio.ensure_future(call.read())
+        assert await asyncio.to_thread(hold.waiting.acquire, timeout=T)  # the tail is read
+        flyd.driver.write_log("m1", "meanwhile")  # after the read, before the follow starts
+        hold.let_go()
+        assert (await first).line == "before"
+        assert (await call.read()).line == "meanwhile"
+    finally:
+        call.cancel()
+
+
 @pytest.mark.parametrize("log_read_bytes", [20])
 async def test_a_log_tail_keeps_to_its_byte_cap_and_says_what_it_left_out(
     servicer_stub: Stub, flyd: Flyd

@@ -16,7 +16,7 @@ import pytest
 from google.protobuf.duration_pb2 import Duration
 
 from flyd.drivers.base import ProcessSpec, port_env
-from flyd.errors import FailedPrecondition, NotFound, ResourceExhausted
+from flyd.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from flyd.fakes import FakeDriver
 from flyd.images.build import build_image
 from flyd.images.cache import ImageCache
@@ -25,9 +25,11 @@ from flyd.store import LmdbMachineLog
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as wpb
 from flyd.v1 import worker_pb2_grpc
+from flyd.validate import DEFAULT_DISK_MIB
 from flyd.worker import Worker
 from runtime.clock import ManualClock
 from tests.flyd.support import (
+    CAPACITY,
     DEADLINE,
     PORTS,
     Flyd,
@@ -190,7 +192,47 @@ async def test_update_may_grow_into_its_own_reservation(flyd: Flyd) -> None:
     await create(w, "m1")
     machine = await w.update("m1", config(memory=1024 - 128, cpu=900), skip_launch=False)
     await w.wait("m1", STARTED, DEADLINE, instance_id=machine.instance_id)
-    assert w.capacity().free == pb.Resources(machines=8)
+    assert w.capacity().free == pb.Resources(
+        disk_mib=CAPACITY.disk_mib - 2 * DEFAULT_DISK_MIB, machines=8
+    )
+
+
+def with_disk(disk_mib: int) -> pb.MachineConfig:
+    cfg = config()
+    cfg.guest.disk_mib = disk_mib
+    return cfg
+
+
+@pytest.mark.parametrize(
+    ("created", "asked", "refused"),
+    [
+        (64, 128, False),  # grows: its disk file is grown at its next start
+        (64, 64, False),
+        (64, 32, True),
+        (512, 0, True),  # 0 is the default, 256: smaller too
+        (0, DEFAULT_DISK_MIB, False),  # the same size, said outright
+    ],
+)
+async def test_update_grows_a_disk_and_never_shrinks_one(
+    flyd: Flyd, created: int, asked: int, refused: bool
+) -> None:
+    """What a machine wrote stays: an update to a smaller disk is refused, naming the field,
+    and changes nothing; a larger one reserves the difference."""
+    w = flyd.worker
+    before = await create(w, "m1", with_disk(created))
+    seq, reserved = w.store.last_seq(), w.reserved()
+    if refused:
+        with pytest.raises(InvalidArgument, match="cannot shrink") as caught:
+            await w.update("m1", with_disk(asked), skip_launch=False)
+        assert caught.value.field == "config.guest.disk_mib"
+        assert (w.store.last_seq(), w.reserved()) == (seq, reserved)
+        assert w.get("m1").machine.instance_id == before.instance_id
+        return
+    machine = await w.update("m1", with_disk(asked), skip_launch=False)
+    await w.wait("m1", STARTED, DEADLINE, instance_id=machine.instance_id)
+    grown = (asked or DEFAULT_DISK_MIB) - (created or DEFAULT_DISK_MIB)
+    assert w.reserved().disk_mib == reserved.disk_mib + grown
+    assert flyd.driver.starts[-1].limits.disk_mib == (asked or DEFAULT_DISK_MIB)
 
 
 async def test_update_keeps_remaps_and_frees_ports(flyd: Flyd) -> None:

@@ -29,9 +29,11 @@ from flyd.settings import CapacitySettings
 from flyd.store import LmdbMachineLog, MachineLog, MemoryMachineLog
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
+from flyd.validate import DEFAULT_DISK_MIB
 from flyd.worker import MAX_KEY, Worker
 from runtime.clock import ManualClock
 from tests.flyd.support import (
+    CAPACITY,
     DEADLINE,
     PORTS,
     Flyd,
@@ -291,7 +293,9 @@ async def test_capacity_adds_up_exactly(start_flyd: Boot) -> None:
     w = start_flyd().worker
     for i in range(2):
         await create(w, f"m{i}", config(cpu=500, memory=512))
-    assert w.capacity().free == pb.Resources(cpu_millicores=0, memory_mib=0, disk_mib=0, machines=8)
+    # Each reserves the default disk (its config says 0): what its filesystem is made at.
+    disk = CAPACITY.disk_mib - 2 * DEFAULT_DISK_MIB
+    assert w.capacity().free == pb.Resources(disk_mib=disk, machines=8)
     assert dict(w.capacity().machines_by_state) == {"started": 2}
 
 
