@@ -120,7 +120,7 @@ def gone(pid: int) -> bool:
     """The process no longer runs (or is a zombie nobody reaped yet)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # reaped, or being reaped as it is read
         return True
     return stat[stat.rindex(b")") + 2 :].startswith(b"Z")
 

@@ -86,9 +86,13 @@ async def test_a_first_start_takes_a_spare_disk_and_spares_follow_the_sizes_aske
     await wait_until(lambda: len(spare_disks(run_root)) == SPARES, "the spares' disks")
     assert set(spare_disks(run_root).values()) == {DEFAULT_DISK_MIB}
     made_ahead = spare_disks(run_root)
-    # Mounted ahead too, by the driver (a loop device each).
-    spare_files = list((run_root / ".spare").glob(f"*/{DISK_FILE}"))
-    assert all(diskfile.loops_of(path) for path in spare_files)
+
+    # Mounted ahead too, by the driver (a loop device each), once each file is made.
+    def mounted() -> bool:
+        spare_files = list((run_root / ".spare").glob(f"*/{DISK_FILE}"))
+        return len(spare_files) == SPARES and all(map(diskfile.loops_of, spare_files))
+
+    await wait_until(mounted, "the spares' disks mounted")
 
     await run_machine(driver, spec("m-default", sh(f"{DF}; echo said; exec sleep 600"), image))
     disk = run_root / "m-default" / DISK_FILE
