@@ -263,6 +263,21 @@ async def until(worker: Worker, done: Callable[[], bool], timeout: float = DEADL
                 return
 
 
+async def until_past_backoffs(
+    clock: ManualClock, done: Callable[[], bool], timeout: float = 30.0
+) -> None:
+    """Return once `done()` holds, moving `clock` on past every sleep a machine waits in (a
+    restart's backoff) whenever one is waited in: a recovery may schedule one after the
+    test's last advance, later on a busy machine."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not done():
+        assert loop.time() < deadline, "the worker did not settle"
+        if clock.sleepers:
+            clock.advance(60.0)
+        await asyncio.sleep(0.005)
+
+
 def settled(worker: Worker, machine_id: str, state: int) -> Callable[[], bool]:
     """The machine is in `state` with no operation left in progress."""
 

@@ -43,6 +43,7 @@ from tests.flyd.support import (
     log_changes,
     settled,
     until,
+    until_past_backoffs,
 )
 
 S = pb.MachineState
@@ -299,8 +300,8 @@ async def test_flyd_dies_at_commit_k(world: World, op: Operation, k: int, durabl
 
     flyd = world.boot()
     flyd.worker.recover()
-    world.clock.advance(LATER)  # whatever backoff it was in is over
-    await until(flyd.worker, settled(flyd.worker, "m1", op.final))
+    # Whatever backoff it was in, or recovery put it in, is over.
+    await until_past_backoffs(world.clock, settled(flyd.worker, "m1", op.final))
 
     check_invariants(world, flyd, {"m0": STARTED, "m1": op.final}, {"m0": 1, "m1": op.runs})
     assert flyd.worker.get("m0").handle == m0
@@ -340,8 +341,7 @@ async def test_flyd_dies_before_a_lazy_step_is_committed(world: World, name: str
 
     flyd = world.boot()
     flyd.worker.recover()
-    world.clock.advance(LATER)
-    await until(flyd.worker, settled(flyd.worker, "m1", op.final))
+    await until_past_backoffs(world.clock, settled(flyd.worker, "m1", op.final))
     check_invariants(world, flyd, {"m0": STARTED, "m1": op.final}, {"m0": 1, "m1": op.runs})
     if op.final == STARTED and op.act is not send_signal:  # it ended with a release
         m1_op = lagging["m1"]
@@ -374,8 +374,7 @@ async def test_flyd_dies_again_while_recovering(
 
     flyd = world.boot()
     flyd.worker.recover()
-    world.clock.advance(LATER)
-    await until(flyd.worker, settled(flyd.worker, "m1", op.final))
+    await until_past_backoffs(world.clock, settled(flyd.worker, "m1", op.final))
     check_invariants(world, flyd, {"m0": STARTED, "m1": op.final}, {"m0": 1, "m1": op.runs})
     if op.check is not None:
         op.check(world, flyd)
