@@ -155,8 +155,7 @@ async def send_signal(flyd: Flyd, clock: ManualClock) -> None:
 async def policy_restart(flyd: Flyd, clock: ManualClock) -> None:
     flyd.driver.exit("m1", ExitStatus(exit_code=1, signal=None))  # the machine crashes
     await flyd.worker.wait("m1", RESTARTING, DEADLINE)
-    clock.advance(LATER)
-    await until(flyd.worker, settled(flyd.worker, "m1", STARTED))
+    await until_past_backoffs(clock, settled(flyd.worker, "m1", STARTED))
 
 
 async def update(flyd: Flyd, clock: ManualClock) -> None:
@@ -367,9 +366,8 @@ async def test_flyd_dies_again_while_recovering(
     log = world.crashing_log(flyd)
     log.arm(1)
     flyd.worker.recover()
-    world.clock.advance(LATER)
     # Recovery may have nothing left to commit (the first crash came after the last commit).
-    await run_or_crash(until(flyd.worker, settled(flyd.worker, "m1", op.final)), log)
+    await run_or_crash(until_past_backoffs(world.clock, settled(flyd.worker, "m1", op.final)), log)
     await flyd.kill()
 
     flyd = world.boot()
@@ -425,8 +423,7 @@ async def test_machines_that_exit_while_flyd_is_down(world: World) -> None:
     await until(flyd.worker, settled(flyd.worker, "m1", STOPPED))
     await flyd.worker.wait("m0", RESTARTING, DEADLINE)
     assert flyd.worker.get("m0").machine.last_exit.exit_code == 2
-    world.clock.advance(LATER)
-    await until(flyd.worker, settled(flyd.worker, "m0", STARTED))
+    await until_past_backoffs(world.clock, settled(flyd.worker, "m0", STARTED))
     check_invariants(world, flyd, {"m0": STARTED, "m1": STOPPED}, {"m0": 2, "m1": 1})
 
 
@@ -530,10 +527,9 @@ async def test_flyd_dies_at_a_transaction_of_several_creates(world: World, durab
 
     flyd = world.boot()
     flyd.worker.recover()
-    world.clock.advance(LATER)
     survivors = ["m0", "m1", *(BATCH if durable else [])]
     for mid in survivors:
-        await until(flyd.worker, settled(flyd.worker, mid, STARTED))
+        await until_past_backoffs(world.clock, settled(flyd.worker, mid, STARTED))
     check_invariants(world, flyd, dict.fromkeys(survivors, STARTED), dict.fromkeys(survivors, 1))
     if not durable:
         assert all(world.host.ran(mid) == 0 for mid in BATCH)
