@@ -25,7 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 from bench import report
@@ -331,10 +331,7 @@ async def _flaps_check_us(authorizer: Authorizer, token: str, rounds: int) -> fl
     request = machines_pb2.CreateMachineRequest(app="bench", region="ams", config=_config())
     context = _Context(None, token)
     assert await authorizer.check(method, request, context) is not None
-    t0 = time.perf_counter()
-    for _ in range(rounds):
-        await authorizer.check(method, request, context)
-    return (time.perf_counter() - t0) / rounds * 1e6
+    return await _us_per_call(lambda: authorizer.check(method, request, context), rounds)
 
 
 async def _pin_check_us(keys: Keyring, rounds: int) -> float:
@@ -349,9 +346,14 @@ async def _pin_check_us(keys: Keyring, rounds: int) -> float:
     check = pin_check(Grants(verify))
     token = keys.mint(caveats(apps=["bench"], ops=["read"])).encode()
     assert await check("bench", "m-1", token) is None  # flaps asked, once
+    return await _us_per_call(lambda: check("bench", "m-1", token), rounds)
+
+
+async def _us_per_call(call: Callable[[], Awaitable[object]], rounds: int) -> float:
+    """Microseconds per awaited `call()`, over `rounds` in a row."""
     t0 = time.perf_counter()
     for _ in range(rounds):
-        await check("bench", "m-1", token)
+        await call()
     return (time.perf_counter() - t0) / rounds * 1e6
 
 

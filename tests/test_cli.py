@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -84,7 +85,7 @@ def eventually_true(check: Callable[[], bool], deadline: float = 30.0) -> bool:
     return True
 
 
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
+class NoRedirect(urllib.request.HTTPRedirectHandler):
     def redirect_request(self, *args: Any, **kwargs: Any) -> None:
         return None
 
@@ -92,7 +93,7 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
 def console_login(url: str) -> str:
     """Open a one-time login URL as a browser does from the terminal (`Sec-Fetch-Site:
     none`); the session cookie it sets, as a Cookie header."""
-    opener = urllib.request.build_opener(_NoRedirect)
+    opener = urllib.request.build_opener(NoRedirect)
     ask = urllib.request.Request(url, headers={"Sec-Fetch-Site": "none"})
     with pytest.raises(urllib.error.HTTPError) as redirected:
         opener.open(ask, timeout=10)
@@ -105,43 +106,53 @@ def console_login(url: str) -> str:
     return session.partition(";")[0]
 
 
-def test_up_serves_the_demo_app_and_down_leaves_nothing_behind(tmp_path: Path) -> None:
-    state = tmp_path / "cluster"
+def up_demo(state: Path, base_port: int) -> tuple[subprocess.Popen[str], str]:
+    """`nonomad up --demo` of one region of two workers (the edge and the console on free
+    ports, machines' host ports from `base_port`), read until it says it is running: the
+    process (`stop_up` ends it) and what it printed."""
     up = subprocess.Popen(
         [
-            *NONOMAD,
-            "--state-dir",
-            str(state),
-            "up",
-            "--demo",
-            "--regions",
-            "ams",
-            "--workers-per-region",
-            "2",
-            "--proxy-port",
-            "0",
-            "--console-port",
-            "0",
-            "--base-port",
-            "24000",
+            *NONOMAD, "--state-dir", str(state), "up", "--demo", "--regions", "ams",
+            "--workers-per-region", "2", "--proxy-port", "0", "--console-port", "0",
+            "--base-port", str(base_port),
         ],
-        cwd=REPO_ROOT,
-        env=clean_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        cwd=REPO_ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True,
-    )
+    )  # fmt: skip
     assert up.stdout is not None
     out: list[str] = []
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            line = up.stdout.readline()
-            assert line, "".join(out)
-            out.append(line)
-            if line.startswith("running;"):
-                break
-        text = "".join(out)
+        deadline = time.monotonic() + 120
+        while not out or not out[-1].startswith("running;"):
+            assert time.monotonic() < deadline, "".join(out)
+            out.append(up.stdout.readline())
+            assert out[-1], "".join(out)
+    except BaseException:
+        stop_up(up)
+        raise
+    return up, "".join(out)
+
+
+def stop_up(up: subprocess.Popen[str], reader: threading.Thread | None = None) -> None:
+    """End an `up_demo` still running (SIGTERM, as Ctrl-C does), then let go of its output
+    (after `reader`, a thread reading the rest of it, has seen its end)."""
+    if up.poll() is None:
+        up.send_signal(signal.SIGTERM)
+        try:
+            up.wait(60)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            up.wait(30)
+    if reader is not None and reader.ident is not None:
+        reader.join(30)
+    assert up.stdout is not None
+    up.stdout.close()
+
+
+def test_up_serves_the_demo_app_and_down_leaves_nothing_behind(tmp_path: Path) -> None:
+    state = tmp_path / "cluster"
+    up, text = up_demo(state, 24000)
+    try:
         url = re.search(r"http://127\.0\.0\.1:\d+/", text)
         assert url, text
         with urllib.request.urlopen(url.group(0), timeout=10) as resp:
@@ -196,7 +207,7 @@ def test_up_serves_the_demo_app_and_down_leaves_nothing_behind(tmp_path: Path) -
         # commands `up` prints (TLS checked with its CA, the admin token) work as printed.
         for name in ("tls/ca.pem", "tls/ca.key", "tls/flaps.key", "token-keys", "admin.token"):
             assert (state / name).stat().st_mode & 0o777 == 0o600, name
-        printed = [line.strip() for line in out if "ListRegions" in line]
+        printed = [line.strip() for line in text.splitlines() if "ListRegions" in line]
         assert printed, text
         assert "-cacert" in printed[0]
         assert "authorization: Bearer" in printed[0]
@@ -310,10 +321,7 @@ def test_up_serves_the_demo_app_and_down_leaves_nothing_behind(tmp_path: Path) -
         assert left == []
         assert not any(worker_memory_cgroup(state, w["worker_id"]).exists() for w in workers)
     finally:
-        if up.poll() is None:
-            up.send_signal(signal.SIGTERM)
-            up.wait(30)
-        up.stdout.close()
+        stop_up(up)
 
 
 def in_limited_memory_cgroup(state: Path, worker_id: str, pid: int) -> bool:
@@ -377,23 +385,10 @@ def test_workers_pause_resume_and_a_host_death_fail_over_and_settle(tmp_path: Pa
     (a host death): each time the standby serves, and after the return the slot is back to
     one started primary and one stopped standby."""
     state = tmp_path / "cluster"
-    up = subprocess.Popen(
-        [
-            *NONOMAD, "--state-dir", str(state), "up", "--demo", "--regions", "ams",
-            "--workers-per-region", "2", "--proxy-port", "0", "--console-port", "0",
-            "--base-port", "24400",
-        ],
-        cwd=REPO_ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True,
-    )  # fmt: skip
+    up, text = up_demo(state, 24400)
     try:
-        assert up.stdout is not None
-        lines: list[str] = []
-        while not lines or not lines[-1].startswith("running;"):
-            lines.append(up.stdout.readline())
-            assert lines[-1], "".join(lines)
-        edge = re.search(r"-H 'Host: (demo\.[a-z.]+)' http://(127\.0\.0\.1:\d+)/", "".join(lines))
-        assert edge, "".join(lines)
+        edge = re.search(r"-H 'Host: (demo\.[a-z.]+)' http://(127\.0\.0\.1:\d+)/", text)
+        assert edge, text
         host, address = edge.group(1), edge.group(2)
         demo = listed_until(state, "demo", 2)
         [primary] = [str(m["id"]) for m in demo if m["state"] == "MACHINE_STATE_STARTED"]
@@ -436,8 +431,4 @@ def test_workers_pause_resume_and_a_host_death_fail_over_and_settle(tmp_path: Pa
         assert down.returncode == 0, down.stderr
         assert up.wait(30) == 0
     finally:
-        if up.poll() is None:
-            up.send_signal(signal.SIGTERM)
-            up.wait(30)
-        assert up.stdout is not None
-        up.stdout.close()
+        stop_up(up)

@@ -22,7 +22,6 @@ import json
 import os
 import re
 import socket
-import subprocess
 import threading
 import time
 import urllib.error
@@ -34,6 +33,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf.duration_pb2 import Duration
 
 from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc, platform_pb2_grpc
@@ -46,8 +46,8 @@ from proxy.v1 import proxy_pb2 as px
 from proxy.v1 import proxy_pb2_grpc
 from registry.v1 import registry_pb2 as r
 from registry.v1 import registry_pb2_grpc
-from tests.harness import REPO_ROOT, channel, clean_env
-from tests.test_cli import NONOMAD, console_login, nonomad
+from tests.harness import channel
+from tests.test_cli import NoRedirect, console_login, nonomad, stop_up, up_demo
 
 T = 30.0  # a deadline for every call, long enough for a loaded machine
 BASE_PORT = 23400  # machines' host ports: 23400-23599 (two workers), used by no other test
@@ -145,42 +145,10 @@ def edge_get(edge: str, host: str, path: str = "/") -> tuple[int, str]:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     state = tmp_path_factory.mktemp("tenants") / "cluster"
-    up = subprocess.Popen(
-        [
-            *NONOMAD,
-            "--state-dir",
-            str(state),
-            "up",
-            "--demo",
-            "--regions",
-            "ams",
-            "--workers-per-region",
-            "2",
-            "--proxy-port",
-            "0",
-            "--console-port",
-            "0",
-            "--base-port",
-            str(BASE_PORT),
-        ],
-        cwd=REPO_ROOT,
-        env=clean_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    up, text = up_demo(state, BASE_PORT)
     assert up.stdout is not None
     reader = threading.Thread(target=lambda: [None for _ in up.stdout or ()], daemon=True)
-    out: list[str] = []
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = up.stdout.readline()
-            assert line, "".join(out)
-            out.append(line)
-            if line.startswith("running;"):
-                break
-        text = "".join(out)
         edge = re.search(r"-H 'Host: (demo\.[a-z.]+)' http://(127\.0\.0\.1:\d+)/", text)
         console = re.search(r"^the web console: (http://127\.0\.0\.1:\d+/)$", text, re.M)
         login = re.search(r"(http://127\.0\.0\.1:\d+/login\?code=\S+)$", text, re.M)
@@ -201,7 +169,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         listed = nonomad("--state-dir", str(state), "machines", "list", "demo", "--json")
         assert listed.returncode == 0, listed.stderr
         rows = json.loads(listed.stdout)
-        demo = [x["id"] for x in sorted(rows, key=lambda x: x["state"] != "started")]
+        demo = [x["id"] for x in sorted(rows, key=lambda x: x["state"] != "MACHINE_STATE_STARTED")]
         watch = Watch(address, host)
         thread = threading.Thread(target=watch.run, daemon=True)
         thread.start()
@@ -220,15 +188,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         watch.stop.set()
         thread.join(T)
     finally:
-        up.terminate()
-        try:
-            up.wait(60)
-        except subprocess.TimeoutExpired:
-            up.kill()
-            up.wait(T)
-        if reader.ident is not None:
-            reader.join(T)
-        up.stdout.close()
+        stop_up(up, reader)
 
 
 @pytest.fixture(autouse=True)
@@ -404,7 +364,7 @@ def test_6_the_console_answers_only_its_own_name_and_only_after_a_login(cluster:
         ({"Accept": "application/json"}, 401),
     ]
     for headers, status in refusals:
-        opener = urllib.request.build_opener(_NoRedirect)
+        opener = urllib.request.build_opener(NoRedirect)
         ask = urllib.request.Request(cluster.console, headers=headers)
         with pytest.raises(urllib.error.HTTPError) as refused_:
             opener.open(ask, timeout=T)
@@ -412,11 +372,6 @@ def test_6_the_console_answers_only_its_own_name_and_only_after_a_login(cluster:
             body = reply.read().decode(errors="replace")
             assert reply.code == status, body
             assert not any(mid in body for mid in cluster.demo)
-
-
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, *args: object, **kwargs: object) -> None:
-        return None
 
 
 # -- 7: a certificate drains every worker at the edge ----------------------------------------
@@ -472,7 +427,9 @@ async def run_evil(
     )
     mid = made.machine.id
     await evil.WaitMachine(
-        m.WaitMachineRequest(machine_id=mid, state=pb.MACHINE_STATE_STOPPED, timeout=_seconds(60)),
+        m.WaitMachineRequest(
+            machine_id=mid, state=pb.MACHINE_STATE_STOPPED, timeout=Duration(seconds=60)
+        ),
         timeout=90,
     )
     lines = [
@@ -482,12 +439,6 @@ async def run_evil(
         )
     ]
     return mid, lines
-
-
-def _seconds(s: int) -> object:
-    from google.protobuf.duration_pb2 import Duration
-
-    return Duration(seconds=s)
 
 
 def _pid(cluster: Cluster, worker: str) -> int:
