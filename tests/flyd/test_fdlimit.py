@@ -15,6 +15,7 @@ from flyd.drivers.fdlimit import FDS_BASE, FDS_PER_MACHINE, machines_within
 
 CHILD = """
 import json, resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[2]), int(sys.argv[3])))
 from flyd.main import descriptor_budget
 from flyd.settings import FlydSettings
 settings = FlydSettings.model_validate({"capacity": {"machines": int(sys.argv[1])}})
@@ -24,12 +25,10 @@ print(json.dumps([resource.getrlimit(resource.RLIMIT_NOFILE)[0], settings.capaci
 
 
 def in_child(soft: int, hard: int, machines: int) -> subprocess.CompletedProcess[str]:
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-
+    # The child lowers its own limits before it imports anything: a preexec_fn would fork this
+    # process, whose gRPC threads' fork handlers can abort the child (seen once in CI).
     return subprocess.run(
-        [sys.executable, "-c", CHILD, str(machines)],
-        preexec_fn=limit,
+        [sys.executable, "-c", CHILD, str(machines), str(soft), str(hard)],
         capture_output=True,
         text=True,
         timeout=60,
