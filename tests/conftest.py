@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ from flyd.drivers.rundir import kill_all
 from flyd.images.build import build_image
 from flyd.v1 import worker_pb2_grpc
 from nonomad.security import ClusterSecurity, provision
+from tests import host_ports
 from tests.harness import ServiceProcess, clean_env, flyd_args
 
 
@@ -59,10 +59,6 @@ def security(tmp_path_factory: pytest.TempPathFactory) -> ClusterSecurity:
     return provision(tmp_path_factory.mktemp("security"), ["flaps", "proxy", "registry", "console"])
 
 
-# Each flyd in a test session gets its own host port range.
-_port_blocks = itertools.count(0)
-
-
 @pytest.fixture(scope="session")
 def image_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An image source with `demo:v1`: a tiny HTTP server on $PORT."""
@@ -95,8 +91,9 @@ def _kill_machines(data_dir: Path) -> None:
 
 
 @contextlib.contextmanager
-def one_flyd(tmp: Path, image_source: Path, ports: str) -> Iterator[ServiceProcess]:
-    """A flyd worker w1 in ams for a whole test module; its machines die with it."""
+def one_flyd(tmp: Path, image_source: Path) -> Iterator[ServiceProcess]:
+    """A flyd worker w1 in ams for a whole test module, on a block of host ports of its own;
+    its machines die with it."""
     prefix = f"nonomad-test-{uuid.uuid4().hex[:8]}"
     proc = ServiceProcess(
         "flyd",
@@ -106,7 +103,7 @@ def one_flyd(tmp: Path, image_source: Path, ports: str) -> Iterator[ServiceProce
             "w1",
             "ams",
             "--ports",
-            ports,
+            host_ports.flag(host_ports.block()),
             "--cgroup-prefix",
             prefix,
         ),
@@ -131,14 +128,13 @@ def flyd_factory(tmp_path: Path, image_source: Path) -> Iterator[Callable[..., S
     def start(*extra: str, worker_id: str = "w1", data_dir: Path | None = None) -> ServiceProcess:
         if data_dir is None:
             data_dir = tmp_path / f"flyd-{worker_id}"
-        block = 21000 + 50 * (next(_port_blocks) % 200)
         args = flyd_args(
             data_dir,
             image_source,
             worker_id,
             "ams",
             "--ports",
-            f"{block}-{block + 49}",
+            host_ports.flag(host_ports.block()),
             "--cgroup-prefix",
             prefix,
             "--heartbeat-interval",

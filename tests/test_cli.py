@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from nonomad.cli_local import cgroup_prefix, worker_memory_cgroup
+from tests import host_ports
 from tests.harness import REPO_ROOT, VENV_BIN, clean_env
 
 NONOMAD = [sys.executable, "-c", "from nonomad.cli import main; main()"]
@@ -123,7 +124,7 @@ def test_up_serves_the_demo_app_and_down_leaves_nothing_behind(tmp_path: Path) -
             "--console-port",
             "0",
             "--base-port",
-            "24000",
+            str(host_ports.block(200).start),  # 100 for each of its 2 workers
         ],
         cwd=REPO_ROOT,
         env=clean_env(),
@@ -370,7 +371,7 @@ def test_workers_pause_resume_and_a_host_death_fail_over_and_settle(tmp_path: Pa
         [
             *NONOMAD, "--state-dir", str(state), "up", "--demo", "--regions", "ams",
             "--workers-per-region", "2", "--proxy-port", "0", "--console-port", "0",
-            "--base-port", "24400",
+            "--base-port", str(host_ports.block(200).start),
         ],
         cwd=REPO_ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True,

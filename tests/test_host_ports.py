@@ -1,14 +1,17 @@
 """The tests' host ports (`tests/host_ports.py`): one window per xdist worker, none shared, none
-the kernel's."""
+the kernel's, and no test that picks its ports anywhere else."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
 from tests import host_ports
 from tests.host_ports import BLOCK, HIGH, LOW, Blocks, window
+
+TESTS = Path(__file__).resolve().parent
 
 
 def ephemeral_start() -> int:
@@ -72,3 +75,25 @@ def test_a_block_is_of_this_workers_window_and_flyd_reads_it_as_a_range() -> Non
     assert len(ports) == BLOCK
     assert set(ports) <= set(window(*host_ports.worker()))
     assert host_ports.flag(range(21000, 21050)) == "21000-21049"
+
+
+# What a test would write to pick host ports of its own: flyd's `--ports "LOW-HIGH"`, a literal
+# `--base-port`, or a literal range handed to a real driver's `hold_ports`. (The fakes' ports,
+# `tests/flyd/support.py`'s PORTS, are numbers a FakeHost keeps: nothing binds them.)
+CHOSEN_HERE = re.compile(
+    r"""["']\d{4,5}-\d{4,5}["']"""
+    r"""|["']--base-port["'],\s*["']\d+["']"""
+    r"""|hold_ports\([^)]*range\(\d"""
+)
+
+
+def test_every_test_takes_its_host_ports_from_host_ports() -> None:
+    chosen = []
+    for path in sorted(TESTS.rglob("*.py")):
+        if path.name == Path(__file__).name:
+            continue
+        text = path.read_text()
+        for found in CHOSEN_HERE.finditer(text):
+            line = text.count("\n", 0, found.start()) + 1
+            chosen.append(f"{path.relative_to(TESTS)}:{line}: {found.group(0)}")
+    assert chosen == []
