@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from flyd.drivers.procfs import read_proc_stat
 from nonomad.cli_local import cgroup_prefix, worker_memory_cgroup
 from tests import host_ports
 from tests.harness import REPO_ROOT, VENV_BIN, clean_env
@@ -37,12 +38,10 @@ def nonomad(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]
 
 
 def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie left to a non-reaping init is not alive.
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    """Whether pid runs: a zombie left to a non-reaping init does not. (Read as flyd reads it:
+    a process that dies while its stat is read fails the read with ESRCH, not ENOENT.)"""
+    stat = read_proc_stat(pid)
+    return stat is not None and stat.state != "Z"
 
 
 def through_proxy(address: str, host: str, served_by: str = "") -> str:
