@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import types
-from collections.abc import AsyncGenerator, Callable, Coroutine, Generator, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Generator, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
@@ -39,6 +39,8 @@ DESTROYED = S.MACHINE_STATE_DESTROYED
 IMAGE = "app:v1"
 # How long any test waits for a condition before it fails (never reached when things work).
 DEADLINE = 5.0
+# How often `until` looks again when no change is published.
+RECHECK = 0.01
 CAPACITY = CapacitySettings(cpu_millicores=1000, memory_mib=1024, disk_mib=0, machines=10)
 PORTS = range(20000, 20010)
 T = TypeVar("T")
@@ -247,14 +249,13 @@ def boot(
 
 
 async def until(worker: Worker, done: Callable[[], bool], timeout: float = DEADLINE) -> None:
-    """Return once `done()` holds, checking after every committed change; fail at the deadline."""
-    stop = asyncio.Event()
-    changes = worker.watch(worker.store.last_seq(), heartbeat_interval=timeout, stop=stop)
-    assert isinstance(changes, AsyncGenerator)
-    async with asyncio.timeout(timeout), contextlib.aclosing(changes):
-        async for _ in changes:  # the first item (a heartbeat) comes at once
-            if done():
-                return
+    """Return once `done()` holds; fail at the deadline. Checked at every committed change and
+    at least every `RECHECK` seconds between them: a lazy step (a start's release, riding along
+    with a later commit: fsm.Transition) changes a row and publishes nothing, so a machine can
+    settle after the last change there will be."""
+    async with asyncio.timeout(timeout):
+        while not done():
+            await worker.stream.changed(RECHECK)
 
 
 def settled(worker: Worker, machine_id: str, state: int) -> Callable[[], bool]:
