@@ -21,6 +21,9 @@ from nonomad.security import ClusterSecurity, provision
 from tests import host_ports
 from tests.harness import ServiceProcess, clean_env, flyd_args
 
+# Which tests `make test` runs together on one xdist worker.
+pytest_plugins = ["tests.xdist_groups"]
+
 
 @pytest.fixture(autouse=True)
 def _fresh_structlog() -> Iterator[None]:
