@@ -68,11 +68,13 @@ lint: env
 typecheck: env
 	$(VENV)/bin/mypy
 
-# Two pytest workers (pytest-xdist), each test file whole on one (its module fixtures, its
-# cluster): ~10 min on a 2-core machine instead of ~16. `make unit TEST_WORKERS=0` runs serially.
+# The tests on TEST_WORKERS pytest-xdist workers (two: this is a 2-core machine, as CI's is;
+# 0 runs them in this one process), each with host ports of its own (tests/host_ports.py); the
+# tests that share a module's fixture stay on one worker (tests/xdist_groups.py). The 20
+# slowest are listed at the end.
 TEST_WORKERS ?= 2
 unit: env
-	$(VENV)/bin/pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) --durations=20
+	$(VENV)/bin/pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup) --durations=20
 
 test: lint check-gen typecheck unit
 

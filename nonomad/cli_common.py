@@ -90,7 +90,7 @@ def pid_alive(pid: int) -> bool:
     """Whether pid runs; a zombie (exited, not yet reaped by its parent) does not."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # ESRCH: it died while being read
         return False
     return stat[stat.rindex(")") + 2] != "Z"
 

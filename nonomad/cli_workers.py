@@ -38,7 +38,7 @@ def process_state(pid: int) -> str:
     """The kernel's one-letter state of `pid` (R, S, T: stopped, Z, ...); "" when gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # ESRCH: it died while being read
         return ""
     return stat[stat.rindex(")") + 2]
 

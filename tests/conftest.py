@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -20,7 +19,11 @@ from flyd.images.build import build_image
 from flyd.images.owners import PUBLIC
 from flyd.v1 import worker_pb2_grpc
 from nonomad.security import ClusterSecurity, provision
+from tests import host_ports
 from tests.harness import ServiceProcess, clean_env, flyd_args
+
+# Which tests `make test` runs together on one xdist worker.
+pytest_plugins = ["tests.xdist_groups"]
 
 
 @pytest.fixture(autouse=True)
@@ -60,10 +63,6 @@ def security(tmp_path_factory: pytest.TempPathFactory) -> ClusterSecurity:
     return provision(tmp_path_factory.mktemp("security"), ["flaps", "proxy", "registry", "console"])
 
 
-# Each flyd in a test session gets its own host port range.
-_port_blocks = itertools.count(0)
-
-
 @pytest.fixture(scope="session")
 def image_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An image source with `demo:v1`: a tiny HTTP server on $PORT, public (every app of a
@@ -99,8 +98,9 @@ def _kill_machines(data_dir: Path) -> None:
 
 
 @contextlib.contextmanager
-def one_flyd(tmp: Path, image_source: Path, ports: str) -> Iterator[ServiceProcess]:
-    """A flyd worker w1 in ams for a whole test module; its machines die with it."""
+def one_flyd(tmp: Path, image_source: Path) -> Iterator[ServiceProcess]:
+    """A flyd worker w1 in ams for a whole test module, on a block of host ports of its own;
+    its machines die with it."""
     prefix = f"nonomad-test-{uuid.uuid4().hex[:8]}"
     proc = ServiceProcess(
         "flyd",
@@ -110,7 +110,7 @@ def one_flyd(tmp: Path, image_source: Path, ports: str) -> Iterator[ServiceProce
             "w1",
             "ams",
             "--ports",
-            ports,
+            host_ports.flag(host_ports.block()),
             "--cgroup-prefix",
             prefix,
         ),
@@ -135,14 +135,13 @@ def flyd_factory(tmp_path: Path, image_source: Path) -> Iterator[Callable[..., S
     def start(*extra: str, worker_id: str = "w1", data_dir: Path | None = None) -> ServiceProcess:
         if data_dir is None:
             data_dir = tmp_path / f"flyd-{worker_id}"
-        block = 21000 + 50 * (next(_port_blocks) % 200)
         args = flyd_args(
             data_dir,
             image_source,
             worker_id,
             "ams",
             "--ports",
-            f"{block}-{block + 49}",
+            host_ports.flag(host_ports.block()),
             "--cgroup-prefix",
             prefix,
             "--heartbeat-interval",

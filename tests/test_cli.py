@@ -18,7 +18,9 @@ from typing import Any
 
 import pytest
 
+from flyd.drivers.procfs import read_proc_stat
 from nonomad.cli_local import cgroup_prefix, worker_memory_cgroup
+from tests import host_ports
 from tests.harness import REPO_ROOT, VENV_BIN, clean_env
 
 NONOMAD = [sys.executable, "-c", "from nonomad.cli import main; main()"]
@@ -37,12 +39,10 @@ def nonomad(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]
 
 
 def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie left to a non-reaping init is not alive.
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    """Whether pid runs: a zombie left to a non-reaping init does not. (Read as flyd reads it:
+    a process that dies while its stat is read fails the read with ESRCH, not ENOENT.)"""
+    stat = read_proc_stat(pid)
+    return stat is not None and stat.state != "Z"
 
 
 def through_proxy(address: str, host: str, served_by: str = "") -> str:
@@ -106,10 +106,11 @@ def console_login(url: str) -> str:
     return session.partition(";")[0]
 
 
-def up_demo(state: Path, base_port: int) -> tuple[subprocess.Popen[str], str]:
+def up_demo(state: Path) -> tuple[subprocess.Popen[str], str]:
     """`nonomad up --demo` of one region of two workers (the edge and the console on free
-    ports, machines' host ports from `base_port`), read until it says it is running: the
-    process (`stop_up` ends it) and what it printed."""
+    ports, machines' host ports a block of this test worker's), read until it says it is
+    running: the process (`stop_up` ends it) and what it printed."""
+    base_port = host_ports.block(200).start  # 100 for each of its 2 workers
     up = subprocess.Popen(
         [
             *NONOMAD, "--state-dir", str(state), "up", "--demo", "--regions", "ams",
@@ -151,7 +152,7 @@ def stop_up(up: subprocess.Popen[str], reader: threading.Thread | None = None) -
 
 def test_up_serves_the_demo_app_and_down_leaves_nothing_behind(tmp_path: Path) -> None:
     state = tmp_path / "cluster"
-    up, text = up_demo(state, 24000)
+    up, text = up_demo(state)
     try:
         url = re.search(r"http://127\.0\.0\.1:\d+/", text)
         assert url, text
@@ -385,7 +386,7 @@ def test_workers_pause_resume_and_a_host_death_fail_over_and_settle(tmp_path: Pa
     (a host death): each time the standby serves, and after the return the slot is back to
     one started primary and one stopped standby."""
     state = tmp_path / "cluster"
-    up, text = up_demo(state, 24400)
+    up, text = up_demo(state)
     try:
         edge = re.search(r"-H 'Host: (demo\.[a-z.]+)' http://(127\.0\.0\.1:\d+)/", text)
         assert edge, text

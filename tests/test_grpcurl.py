@@ -22,7 +22,7 @@ from tests.harness import ServiceProcess, clean_env, grpcurl
 
 @pytest.fixture(scope="module")
 def flyd(tmp_path_factory: pytest.TempPathFactory, image_source: Path) -> Iterator[str]:
-    with one_flyd(tmp_path_factory.mktemp("grpcurl"), image_source, "23050-23099") as proc:
+    with one_flyd(tmp_path_factory.mktemp("grpcurl"), image_source) as proc:
         yield proc.address
         assert proc.terminate() == 0  # graceful shutdown exits 0
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import host_ports
 from tests.harness import REPO_ROOT, VENV_BIN, clean_env
 
 README = REPO_ROOT / "README.md"
@@ -168,7 +169,7 @@ def _start_cluster(workdir: Path) -> Cluster:
             "--console-port",
             "0",
             "--base-port",
-            "26000",
+            str(host_ports.block(400).start),  # 100 for each of its 4 workers
         ],
         cwd=workdir,
         env=clean_env(),

@@ -14,6 +14,7 @@ import pytest
 from flaps.tokens import read_token
 from nonomad.security import ClusterSecurity
 from runtime.pki import OPERATOR, CertPaths, ClusterCA
+from tests import host_ports
 from tests.conftest import _kill_machines
 from tests.harness import ServiceProcess, clean_env, flyd_args, grpcurl
 from tests.roles import legacy_certificate
@@ -28,7 +29,9 @@ def flyd(
     tmp_path_factory: pytest.TempPathFactory, image_source: Path, security: ClusterSecurity
 ) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("secure-flyd")
-    args = flyd_args(tmp / "data", image_source, "w1", "ams", "--ports", "23150-23199")
+    args = flyd_args(
+        tmp / "data", image_source, "w1", "ams", "--ports", host_ports.flag(host_ports.block())
+    )
     proc = ServiceProcess(
         "flyd", [*args, *security.worker_args("w1")], tmp / "flyd.log", env=clean_env()
     ).start()

@@ -49,7 +49,13 @@ DOMAIN = "nonomad.test"
 FAILOVER_TARGET = 10.0
 
 UNAVAILABLE = netns_unavailable()
-pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"hosts need: {UNAVAILABLE}")
+pytestmark = [
+    pytest.mark.skipif(UNAVAILABLE is not None, reason=f"hosts need: {UNAVAILABLE}"),
+    # Every test here on one worker, the crashed run's too (it shares no fixture): `Hosts.up()`
+    # sweeps whatever run's harness is gone, so the cluster's start, beside it on the other
+    # worker, would sweep the crashed run the test is about to look at.
+    pytest.mark.xdist_group("tests/e2e/test_hosts.py"),
+]
 
 
 @dataclass

@@ -50,7 +50,6 @@ from tests.harness import channel
 from tests.test_cli import NoRedirect, console_login, nonomad, stop_up, up_demo
 
 T = 30.0  # a deadline for every call, long enough for a loaded machine
-BASE_PORT = 23400  # machines' host ports: 23400-23599 (two workers), used by no other test
 SECRET = "tenant-secret-" + uuid.uuid4().hex  # nothing else could print it by chance
 DENIED = grpc.StatusCode.PERMISSION_DENIED
 # Most edge requests the watch makes (one every 50 ms: ~3 minutes), so it stops by itself.
@@ -145,7 +144,7 @@ def edge_get(edge: str, host: str, path: str = "/") -> tuple[int, str]:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     state = tmp_path_factory.mktemp("tenants") / "cluster"
-    up, text = up_demo(state, BASE_PORT)
+    up, text = up_demo(state)
     assert up.stdout is not None
     reader = threading.Thread(target=lambda: [None for _ in up.stdout or ()], daemon=True)
     try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -20,10 +19,9 @@ from flyd.v1 import worker_pb2_grpc
 from nonomad.client import Client
 from nonomad.security import ClusterSecurity
 from runtime import ChannelTLS
+from tests import host_ports
 from tests.conftest import _kill_machines, remove_cgroups
 from tests.harness import ServiceProcess, channel, clean_env, flyd_args
-
-_ports = itertools.count(0)
 
 
 @dataclass
@@ -51,8 +49,7 @@ class Fleet:
         """Start worker `worker_id`; `ports` ("LOW-HIGH") are its host ports for services
         (default: a block of 50 of its own)."""
         if not ports:
-            block = 25000 + 50 * (next(_ports) % 100)
-            ports = f"{block}-{block + 49}"
+            ports = host_ports.flag(host_ports.block())
         args = flyd_args(
             self.tmp / worker_id,
             self.image_source,

@@ -27,6 +27,7 @@ import pytest
 
 from flyd.drivers.base import Driver, ExitStatus, Handle, Limits, ProcessSpec
 from flyd.drivers.oci import probe as oci_probe
+from flyd.drivers.procfs import read_proc_stat
 from flyd.drivers.writable import DISK_FILE
 from flyd.storage import diskfile
 
@@ -117,12 +118,11 @@ async def logged(driver: Driver, machine_id: str, line: str) -> None:
 
 
 def gone(pid: int) -> bool:
-    """The process no longer runs (or is a zombie nobody reaped yet)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except (FileNotFoundError, ProcessLookupError):  # reaped, or being reaped as it is read
-        return True
-    return stat[stat.rindex(b")") + 2 :].startswith(b"Z")
+    """The process no longer runs (or is a zombie nobody reaped yet). Read as flyd reads it
+    (`read_proc_stat`): a process that dies while its stat is read fails the read with ESRCH,
+    not ENOENT."""
+    stat = read_proc_stat(pid)
+    return stat is None or stat.state == "Z"
 
 
 def pids_running(token: str) -> list[int]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import types
-from collections.abc import AsyncGenerator, Callable, Coroutine, Generator, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Generator, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
@@ -41,6 +41,8 @@ DESTROYED = S.MACHINE_STATE_DESTROYED
 IMAGE = "app:v1"
 # How long any test waits for a condition before it fails (never reached when things work).
 DEADLINE = 5.0
+# How often `until` looks again when no change is published.
+RECHECK = 0.01
 # Room for its 10 machines' disks at the default size (what a config's disk_mib 0 reserves).
 CAPACITY = CapacitySettings(
     cpu_millicores=1000, memory_mib=1024, disk_mib=10 * DEFAULT_DISK_MIB, machines=10
@@ -253,14 +255,13 @@ def boot(
 
 
 async def until(worker: Worker, done: Callable[[], bool], timeout: float = DEADLINE) -> None:
-    """Return once `done()` holds, checking after every committed change; fail at the deadline."""
-    stop = asyncio.Event()
-    changes = worker.watch(worker.store.last_seq(), heartbeat_interval=timeout, stop=stop)
-    assert isinstance(changes, AsyncGenerator)
-    async with asyncio.timeout(timeout), contextlib.aclosing(changes):
-        async for _ in changes:  # the first item (a heartbeat) comes at once
-            if done():
-                return
+    """Return once `done()` holds; fail at the deadline. Checked at every committed change and
+    at least every `RECHECK` seconds between them: a lazy step (a start's release, riding along
+    with a later commit: fsm.Transition) changes a row and publishes nothing, so a machine can
+    settle after the last change there will be."""
+    async with asyncio.timeout(timeout):
+        while not done():
+            await worker.stream.changed(RECHECK)
 
 
 async def until_past_backoffs(

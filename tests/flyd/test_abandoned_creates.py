@@ -30,6 +30,7 @@ from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
 from runtime.clock import ManualClock
+from tests import host_ports
 from tests.flyd.driver_support import (
     OCI_UNAVAILABLE,
     Exits,
@@ -80,7 +81,7 @@ async def oci_flyd(tmp_path: Path, make_driver: Callable[..., Any]) -> AsyncIter
         host=FakeHost(clock),
         clock=clock,
         images=images,
-        ports=range(24600, 24650),
+        ports=host_ports.block(),
         make_driver=make_driver,
     )
     flyd.worker.recover()

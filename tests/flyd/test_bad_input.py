@@ -425,7 +425,7 @@ CASES: list[tuple[str, str, Any, grpc.StatusCode, str]] = [
 
 @pytest.fixture(scope="module")
 def flyd(tmp_path_factory: pytest.TempPathFactory, image_source: Path) -> Iterator[str]:
-    with one_flyd(tmp_path_factory.mktemp("bad-input"), image_source, "23000-23049") as proc:
+    with one_flyd(tmp_path_factory.mktemp("bad-input"), image_source) as proc:
         yield proc.address
 
 

@@ -24,6 +24,7 @@ from flyd.drivers.base import ExitStatus, Handle, Limits, PortMapping
 from flyd.drivers.cgroups import cpu_shares
 from flyd.drivers.spares import SPARES
 from flyd.errors import CorruptLog, FailedPrecondition, InvalidArgument, NotFound
+from tests import host_ports
 from tests.flyd.driver_support import (
     CGROUP_ROOT,
     CONTROLLERS,
@@ -94,11 +95,12 @@ async def test_env_workdir_and_port_are_passed_exactly(make_driver, image: Path)
     driver = make_driver(exits)
     (image / "srv").mkdir()
     env = {"PATH": PATH, "GREETING": "hello world"}
-    port = PortMapping(host_port=21999, internal_port=8080)
+    (host_port,) = host_ports.block(1)
+    port = PortMapping(host_port=host_port, internal_port=8080)
     await run_machine(driver, spec("m1", ["env"], image, env=env, ports=(port,)))
     await exits.wait("m1")
     # The port a service listens on: the host's own, or its own port in its own namespace.
-    listen = "8080" if driver.name == "oci" else "21999"
+    listen = "8080" if driver.name == "oci" else str(host_port)
     expected = {**env, "PORT": listen, "PORT_8080": listen}
     if driver.name == "oci":
         expected["HOME"] = "/root"  # crun's, as any OCI runtime's, when the image sets none
@@ -590,7 +592,7 @@ async def test_a_published_port_is_held_for_its_machine_and_serves_only_it(
     make_driver, image: Path
 ) -> None:
     driver = make_driver(Exits())
-    (port,) = driver.hold_ports("m1", range(23000, 23100), 1)
+    (port,) = driver.hold_ports("m1", host_ports.block(100), 1)
     published = (PortMapping(port, 8080),)
     await driver.publish("m1", published)
     # Not running, as a stopped standby: nobody else can have its port; nothing answers.

@@ -35,6 +35,7 @@ from flyd.errors import InvalidArgument, Unavailable
 from flyd.main import make_driver as make_flyd_driver
 from flyd.settings import FlydSettings
 from runtime import load_settings
+from tests import host_ports
 from tests.flyd.driver_support import (
     DEADLINE,
     OCI_UNAVAILABLE,
@@ -299,7 +300,7 @@ async def test_a_dead_netd_is_replaced_and_running_machines_get_their_network_ba
 ) -> None:
     exits = Exits()
     driver = make_driver(exits)
-    (port,) = driver.hold_ports("m1", range(23200, 23300), 1)
+    (port,) = driver.hold_ports("m1", host_ports.block(100), 1)
     ports = (PortMapping(port, 8080),)
     await driver.publish("m1", ports)
     serve = "echo ready; exec python3 -m http.server 8080 --bind 127.0.0.1"
@@ -562,7 +563,7 @@ async def test_a_published_port_is_bound_on_machine_host_alone(make_driver, imag
         pytest.skip("this host has no address but loopback ones")
     exits = Exits()
     driver = make_driver(exits, machine_host=address)
-    (port,) = driver.hold_ports("m1", range(24900, 25000), 1)
+    (port,) = driver.hold_ports("m1", host_ports.block(100), 1)
     ports = (PortMapping(port, 8080),)
     await driver.publish("m1", ports)
     serve = "exec python3 -m http.server 8080 --bind 127.0.0.1"

@@ -22,6 +22,7 @@ from flyd.drivers.base import PortMapping
 from flyd.drivers.netclient import Netd, kill_netd
 from flyd.drivers.oci import OciDriver
 from flyd.errors import InvalidArgument, Unavailable
+from tests import host_ports
 from tests.flyd.driver_support import (
     DEADLINE,
     OCI_UNAVAILABLE,
@@ -131,7 +132,7 @@ async def test_a_flood_on_one_machine_leaves_netd_s_descriptors_to_the_others(
     assert hello["limits"] == {"nofile": soft, "connections_per_machine": BUDGET}
     ports = {}
     for mid, script in (("flooded", ["python3", "-c", HOLDER]), ("other", sh(SERVE))):
-        (port,) = driver.hold_ports(mid, range(24700, 24800), 1)
+        (port,) = driver.hold_ports(mid, host_ports.block(100), 1)
         ports[mid] = port
         await driver.publish(mid, (PortMapping(port, 8080),))
         await run_machine(driver, spec(mid, script, image, ports=(PortMapping(port, 8080),)))
@@ -223,7 +224,7 @@ async def test_a_connection_both_sides_have_half_closed_is_let_go_of(
     machine need never do (a leak of netd's descriptors at the machine's will)."""
     exits = Exits()
     driver = make_driver(exits)
-    (port,) = driver.hold_ports("m1", range(24800, 24900), 1)
+    (port,) = driver.hold_ports("m1", host_ports.block(100), 1)
     published = (PortMapping(port, 8080),)
     await driver.publish("m1", published)
     await run_machine(driver, spec("m1", ["python3", "-c", HALF_CLOSER], image, ports=published))

@@ -17,6 +17,7 @@ from flyd.drivers.rundir import kill_all
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
+from tests import host_ports
 from tests.conftest import remove_cgroups
 from tests.flyd.test_flyd_process import DEADLINE, config, wait_state
 from tests.harness import ServiceProcess, clean_env, flyd_args
@@ -85,7 +86,7 @@ async def test_a_traced_flyd_exports_operation_spans_under_the_rpc_spans(
     )
     args = flyd_args(
         tmp_path / "data", image_source, "w1", "ams", "--cgroup-prefix", prefix, "--ports",
-        "24900-24949",
+        host_ports.flag(host_ports.block()),
     )  # fmt: skip
     flyd = ServiceProcess("flyd", args, tmp_path / "flyd.log", env=env).start()
     try:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import os
 import secrets
 import socket
@@ -44,6 +43,7 @@ from proxy.v1 import proxy_pb2, proxy_pb2_grpc
 from registry.replica import RESYNC, ReplicaEvent, Subscription, WorkerView, event_key
 from registry.view import ALIVE, Status
 from runtime.clock import ManualClock
+from tests import host_ports
 from tests.conftest import _kill_machines, remove_cgroups
 from tests.harness import ServiceProcess, channel, clean_env, flyd_args
 
@@ -359,10 +359,8 @@ DEADLINE = 20.0  # any single wait in the process tests; never reached when thin
 T = 10.0  # gRPC deadline
 DOMAIN = "nonomad.test"
 
+
 # A tiny app that boots fast: answers every GET (and /healthz) with who served it.
-_ports = itertools.count(0)
-
-
 class ProxyProcess(ServiceProcess):
     """The proxy as a process: `address` is its gRPC address, `http` its HTTP address."""
 
@@ -391,14 +389,13 @@ class ProxyFleet:
     """Added to the environment of every process (e.g. OTEL_* to export spans)."""
 
     def _worker(self, worker_id: str, *extra: str, netns: str = "") -> ServiceProcess:
-        block = 27000 + 50 * (next(_ports) % 100)
         args = flyd_args(
             self.tmp / worker_id,
             self.image_source,
             worker_id,
             "ams",
             "--ports",
-            f"{block}-{block + 49}",
+            host_ports.flag(host_ports.block()),
             "--cgroup-prefix",
             self.prefix,
             "--heartbeat-interval",
