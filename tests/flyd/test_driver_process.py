@@ -23,7 +23,13 @@ async def test_without_cgroups_machines_run_with_one_warning(run_root, image, tm
         driver = ProcessDriver(run_root, on_exit=exits, cgroup_root=tmp_path / "no-cgroups")
     try:
         assert driver.limits_enforced is False
-        warnings = [e for e in logs if e["log_level"] == "warning"]
+        # (An xdist worker runs with SIGINT ignored, which the driver warns about too: that
+        # warning is the test runner's, not this driver's setup.)
+        warnings = [
+            e
+            for e in logs
+            if e["log_level"] == "warning" and e["event"] != "machines_inherit_ignored_signals"
+        ]
         assert len(warnings) == 1
         assert warnings[0]["event"] == "cgroup_limits_not_enforced"
         assert "no cgroup v1 memory controller" in warnings[0]["reason"]
