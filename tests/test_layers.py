@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-FLOORS = ["runtime", "flyd", "registry", "flaps", "proxy", "nonomad", "bench"]
+FLOORS = ["runtime", "model", "flyd", "registry", "flaps", "proxy", "nonomad", "bench"]
 """The allowed order, bottom to top: a package may import its own floor and those below it."""
 
 GENERATED = ("v1",)
