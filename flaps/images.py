@@ -20,10 +20,10 @@ import asyncio
 import structlog
 
 from flaps.errors import ImageDenied
-from flyd.errors import FlydError
 from flyd.images.owners import Owners
 from flyd.images.reference import ImageRef, parse_reference
 from flyd.images.source import ImageSource
+from model.errors import FlydError
 
 __all__ = ["ImageOwners"]
 

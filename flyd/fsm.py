@@ -41,7 +41,8 @@ from typing import Any, Literal
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from flyd import conditions, slots
-from flyd.errors import (
+from flyd.v1 import machine_pb2 as pb
+from model.errors import (
     BUSY,
     DESTROYED,
     LEASED,
@@ -50,7 +51,6 @@ from flyd.errors import (
     CorruptLog,
     FailedPrecondition,
 )
-from flyd.v1 import machine_pb2 as pb
 
 S = pb.MachineState
 STATE_NAMES: dict[int, str] = {

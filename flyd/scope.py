@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from flyd import slots
-from flyd.errors import InvalidArgument
 from flyd.v1 import machine_pb2 as pb
+from model.errors import InvalidArgument
 
 MACHINE = "machine"
 """The one kind of object a request names today."""

@@ -19,11 +19,11 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 from flyd import fsm
-from flyd.errors import InvalidArgument
 from flyd.pages import snapshot_parts
 from flyd.store import Compacted, MachineLog
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
+from model.errors import InvalidArgument
 
 # A subscriber further behind than this many changes catches up from the log instead.
 SUBSCRIBER_QUEUE = 4096

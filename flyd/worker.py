@@ -22,16 +22,6 @@ import structlog
 
 from flyd import fsm, scope
 from flyd.drivers.base import Driver, ExitStatus, Handle
-from flyd.errors import (
-    DESTROYED,
-    REPLACED,
-    AlreadyExists,
-    DeadlineExceeded,
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    Unavailable,
-)
 from flyd.fencing import Fencing, SlotPeers
 from flyd.images.cache import ImageCache
 from flyd.metrics import CREATE_SECONDS
@@ -47,6 +37,16 @@ from flyd.traces import OpSpan, OpTracer
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
 from flyd.validate import check_config, check_disk_change, check_network
+from model.errors import (
+    DESTROYED,
+    REPLACED,
+    AlreadyExists,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
 from runtime.clock import Clock
 from runtime.validate import check_name
 

@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, cast
 
-from flyd.errors import ImageError
 from flyd.images.oci import (
     GZIP_LAYER_TYPES,
     MEDIA_TYPE_LAYER_GZIP,
@@ -38,6 +37,7 @@ from flyd.images.oci import (
     load_json,
 )
 from flyd.images.source import CHUNK, ResolvedImage, open_layout
+from model.errors import ImageError
 
 __all__ = ["Base", "read_base"]
 

@@ -19,7 +19,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, cast
 
-from flyd.errors import ImageError, InvalidArgument
 from flyd.images.base import read_base
 from flyd.images.oci import (
     HOST_RUNTIME_LABEL,
@@ -35,6 +34,7 @@ from flyd.images.oci import (
 )
 from flyd.images.owners import NO_OWNER, Owners
 from flyd.images.reference import check_image_name, check_image_tag
+from model.errors import ImageError, InvalidArgument
 
 __all__ = ["build_image"]
 

@@ -24,13 +24,13 @@ from typing import Any, cast
 
 import structlog
 
-from flyd.errors import ImageDenied, ImageError, ImageNotFound
 from flyd.images import confine
 from flyd.images.oci import canonical_json, digest_hex, load_json, write_atomic
 from flyd.images.owners import Owners
 from flyd.images.reference import ImageRef, parse_reference
 from flyd.images.source import ImageSource, ResolvedImage, owners_of
 from flyd.images.unpack import Unpacker, rmtree
+from model.errors import ImageDenied, ImageError, ImageNotFound
 
 __all__ = ["CachedImage", "Image", "ImageCache"]
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flyd.errors import ImageError
+from model.errors import ImageError
 
 __all__ = [
     "DIGEST_RE",

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Protocol
 
-from flyd.errors import ImageError, ImageNotFound
 from flyd.images.oci import (
     INDEX_TYPES,
     MANIFEST_TYPES,
@@ -34,6 +33,7 @@ from flyd.images.oci import (
 )
 from flyd.images.owners import Owners
 from flyd.images.reference import ImageRef, check_image_name, parse_reference
+from model.errors import ImageError, ImageNotFound
 
 __all__ = ["CHUNK", "BlobReader", "ImageSource", "ResolvedImage", "open_layout", "owners_of"]
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from flyd.errors import DOMAIN
 from flyd.images.build import build_image
 from flyd.images.owners import NO_OWNER, PUBLIC, Owners
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
+from model.errors import DOMAIN
 from tests.flyd.support import STARTED, Flyd, config
 from tests.flyd.test_servicer import (  # the servicer tests' fixtures, used by name
     Stub,

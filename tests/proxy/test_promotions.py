@@ -17,8 +17,8 @@ import itertools
 import grpc
 
 from flyd import slots
-from flyd.errors import FailedPrecondition
 from flyd.v1 import machine_pb2 as pb
+from model.errors import FailedPrecondition
 from proxy.control import FlapsFailed, standby_candidates
 from registry.view import DEAD, SUSPECT
 from tests.proxy.support import (

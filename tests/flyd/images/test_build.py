@@ -15,10 +15,6 @@ from typing import Any
 
 import pytest
 
-from flyd.errors import (
-    InvalidArgument,
-    InvalidImageReference,
-)
 from flyd.images.build import build_image
 from flyd.images.oci import (
     MEDIA_TYPE_INDEX,
@@ -27,6 +23,10 @@ from flyd.images.oci import (
     REF_NAME_ANNOTATION,
 )
 from flyd.images.source import ImageSource
+from model.errors import (
+    InvalidArgument,
+    InvalidImageReference,
+)
 from tests.flyd.images.support import (
     blob_json,
     blob_path,

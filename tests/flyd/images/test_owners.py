@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from flyd.errors import ImageDenied, ImageError
 from flyd.images.build import build_image
 from flyd.images.cache import ImageCache
 from flyd.images.owners import (
@@ -22,6 +21,7 @@ from flyd.images.owners import (
     Owners,
 )
 from flyd.images.source import ImageSource
+from model.errors import ImageDenied, ImageError
 from tests.flyd.images.support import blob_json, images_dir_entries
 
 DEMO = Owners.of("demo")
