@@ -24,7 +24,6 @@ from flyd.drivers.oci import probe as oci_probe
 from flyd.drivers.process import ProcessDriver
 from flyd.fencing import GrpcPeers
 from flyd.images.cache import ImageCache
-from flyd.images.source import ImageSource
 from flyd.metrics import register_worker
 from flyd.secrets import SecretBox
 from flyd.service import LIMITS, WorkerServicer, map_error
@@ -36,6 +35,7 @@ from flyd.v1 import worker_pb2, worker_pb2_grpc
 from flyd.validate import CONFIG_LIMITS, DISK_LABEL, EGRESS_LABEL
 from flyd.worker import Identity, Worker
 from model.errors import InvalidArgument, Unavailable
+from model.images.source import ImageSource
 from registry.v1 import registry_pb2, registry_pb2_grpc
 from runtime import (
     Service,

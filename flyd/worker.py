@@ -331,7 +331,7 @@ class Worker:
                 f"{'cordoned' if self.cordoned else 'shutting down'}"
             )
         self.reservations.check_room(config.guest)  # fail fast, before pulling anything
-        # Only an image the app may run (flyd.images.owners), known before anything is pulled.
+        # Only an image the app may run (model.images.owners), known before anything is pulled.
         image = await self.images.pull(config.image, app=app)
         self.images.use(image.digest)  # at once, so the pulled image cannot be evicted
         mine = secrets.token_hex(8)  # the instance this call creates

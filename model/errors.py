@@ -117,7 +117,7 @@ class UnsafeImage(ImageError):
 
 
 class ImageDenied(FlydError):
-    """The machine's app may not run the image its config names (flyd.images.owners): not
+    """The machine's app may not run the image its config names (model.images.owners): not
     the app's own, not shared with it, not public. Sent as PERMISSION_DENIED with the reason
     IMAGE_DENIED, naming the field, the image and its owner."""
 

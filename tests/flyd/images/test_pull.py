@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 from flyd.images.cache import ImageCache
-from flyd.images.source import ImageSource
 from model.errors import (
     ImageError,
     ImageNotFound,
 )
+from model.images.source import ImageSource
 from tests.flyd.images.support import (
     DIGEST,
     blob_json,

@@ -120,7 +120,7 @@ class Manifest:
 
     config: Descriptor
     layers: tuple[Descriptor, ...]
-    # Who may run the image is recorded here (flyd.images.owners), among whatever else.
+    # Who may run the image is recorded here (model.images.owners), among whatever else.
     annotations: Mapping[str, str] = field(default_factory=dict)
 
 
