@@ -491,7 +491,7 @@ class Worker:
         self, machine_id: str, generation: int, primary: str, primary_app: str
     ) -> pb.Machine:
         """`primary` (of `primary_app`) serves the machine's slot at `generation`: if that
-        outranks the machine's claim, it stops and stands by (flyd.slots). Not held up by a
+        outranks the machine's claim, it stops and stands by (model.slots). Not held up by a
         lease. Only a member of the machine's own app's slot may (flyd.scope)."""
         if generation < 1:
             raise InvalidArgument("generation", "must be at least 1")

@@ -41,9 +41,10 @@ from typing import Any
 
 import structlog
 
-from flyd import checks, slots
+from flyd import checks
 from flyd.v1 import machine_pb2 as pb
 from flyd.validate import REDACTED
+from model import slots
 from nonomad.client import (
     MAX_WAIT,
     ApiError,

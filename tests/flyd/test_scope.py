@@ -21,9 +21,10 @@ from typing import Any
 import grpc
 import pytest
 
-from flyd import scope, slots
+from flyd import scope
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
+from model import slots
 from tests.flyd.support import CREATED, STARTED, STOPPED, Flyd, config
 from tests.flyd.test_servicer import (
     Stub,

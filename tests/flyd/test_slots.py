@@ -8,9 +8,10 @@ import signal
 
 import pytest
 
-from flyd import fsm, slots
+from flyd import fsm
 from flyd.fsm import Confirm, Fence, Kill, Op, Spawn, StartRequested, Supersede, UpdateRequested
 from flyd.v1 import machine_pb2 as pb
+from model import slots
 from model.errors import BUSY, STANDBY, SUPERSEDED, FailedPrecondition
 
 S = pb.MachineState
