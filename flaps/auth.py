@@ -19,7 +19,7 @@ call carry the token's id, never the token.
 
 A rule also names every other object the request names (a `Need` with a `ref`: the machines
 a create stands by for, its secrets' source, a supersede's primary): the token must allow
-touching each, and, whoever calls, each must be of the app the call is about (flyd.scope).
+touching each, and, whoever calls, each must be of the app the call is about (model.scope).
 `scoped` puts that second check in front of every handler, guarded or not, so it holds on a
 flaps that checks no tokens too.
 """
@@ -45,8 +45,8 @@ from opentelemetry import trace
 from flaps.errors import NotFound, Upstream
 from flaps.tokens import Denied, Grant, InvalidToken, Keyring, KeysError, parse_revoked
 from flaps.v1 import machines_pb2, platform_pb2
-from flyd import scope
-from flyd.scope import Ref
+from model import scope
+from model.scope import Ref
 from runtime import abort_with_details, access
 from runtime.access import NOBODY, allow
 from runtime.pki import OPERATOR, ClusterMembers
@@ -196,7 +196,7 @@ async def owner_app(ref: Ref, app_of: Callable[[str], Awaitable[str]]) -> str:
 
 async def check_scope(method: str, request: Any, app_of: Callable[[str], Awaitable[str]]) -> None:
     """Every other object the request names (its rule's needs with a `ref`) is of the app the
-    call is about (flyd.scope), whoever calls; INVALID_ARGUMENT naming the field otherwise.
+    call is about (model.scope), whoever calls; INVALID_ARGUMENT naming the field otherwise.
     `app_of`: a machine's app (NotFound when there is none)."""
     rule = RULES.get(method)
     if rule is None:

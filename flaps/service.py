@@ -284,7 +284,7 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
     def __init__(self, exchange: Exchange, *, streams_per_caller: int = STREAMS_PER_CALLER) -> None:
         self.x = exchange
         self._rollbacks: set[asyncio.Task[None]] = set()
-        # Every object a call names is of its app (flyd.scope), on every path to a handler.
+        # Every object a call names is of its app (model.scope), on every path to a handler.
         auth.scoped(self, m.DESCRIPTOR.services_by_name["MachinesService"], exchange.app_of)
         self.streams = CallerCaps(
             limit=streams_per_caller, setting="--streams-per-caller", domain=REASON_DOMAIN

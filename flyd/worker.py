@@ -20,7 +20,7 @@ from pathlib import Path
 
 import structlog
 
-from flyd import fsm, scope
+from flyd import fsm
 from flyd.drivers.base import Driver, ExitStatus, Handle
 from flyd.fencing import Fencing, SlotPeers
 from flyd.images.cache import ImageCache
@@ -37,6 +37,7 @@ from flyd.traces import OpSpan, OpTracer
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
 from flyd.validate import check_config, check_disk_change, check_network
+from model import scope
 from model.errors import (
     DESTROYED,
     REPLACED,
@@ -196,7 +197,7 @@ class Worker:
         return row
 
     def _held(self, machine_id: str) -> pb.Machine | None:
-        """The row of a machine a call names, when this worker holds it (flyd.scope)."""
+        """The row of a machine a call names, when this worker holds it (model.scope)."""
         row = self.rows.get(machine_id)
         return None if row is None else row.machine
 
@@ -492,7 +493,7 @@ class Worker:
     ) -> pb.Machine:
         """`primary` (of `primary_app`) serves the machine's slot at `generation`: if that
         outranks the machine's claim, it stops and stands by (model.slots). Not held up by a
-        lease. Only a member of the machine's own app's slot may (flyd.scope)."""
+        lease. Only a member of the machine's own app's slot may (model.scope)."""
         if generation < 1:
             raise InvalidArgument("generation", "must be at least 1")
         check_name("primary", primary)

@@ -21,10 +21,9 @@ from typing import Any
 import grpc
 import pytest
 
-from flyd import scope
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
-from model import slots
+from model import scope, slots
 from tests.flyd.support import CREATED, STARTED, STOPPED, Flyd, config
 from tests.flyd.test_servicer import (
     Stub,
