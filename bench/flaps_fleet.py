@@ -51,7 +51,7 @@ FOLLOW_QUEUE = 8192
 # Snapshot items sent between two yields to the simulation's own loop.
 SNAPSHOT_CHUNK = 50
 # Follow items in one message at most (a follower asks for up to this many: max_batch), and
-# about the most bytes of them (a registry's bound: flyd.pages.PAGE_BYTES).
+# about the most bytes of them (a registry's bound: model.pages.PAGE_BYTES).
 MAX_BATCH = 256
 BATCH_BYTES = 1 << 20
 # FollowResponse.batch (field 5, length-delimited): the tag before each item of a batch.

@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator
 import grpc
 from google.rpc.error_details_pb2 import ErrorInfo
 
-from flyd.pages import page
 from flyd.settings import LOG_READ_BYTES, STREAMS_PER_CALLER
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
@@ -28,6 +27,7 @@ from model.errors import (
     Unavailable,
     UnsafeImage,
 )
+from model.pages import page
 from runtime import Mapped
 from runtime.limits import DEFAULT_LIMITS, Limits
 from runtime.streams import CallerCaps, caller_name
