@@ -37,7 +37,7 @@ import grpc.aio
 
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
-from flyd.validate import DEFAULT_DISK_MIB, guest_disk_mib
+from model.validate import DEFAULT_DISK_MIB, guest_disk_mib
 from nonomad.spec import load_spec
 from registry.v1 import registry_pb2 as r
 

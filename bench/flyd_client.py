@@ -20,8 +20,8 @@ from flyd.images.build import build_image
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
-from flyd.validate import DEFAULT_DISK_MIB
 from model.images.owners import PUBLIC
+from model.validate import DEFAULT_DISK_MIB
 
 S = pb.MachineState
 STARTED = S.MACHINE_STATE_STARTED

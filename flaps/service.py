@@ -41,9 +41,9 @@ from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
-from flyd.validate import CONFIG_LIMITS, EGRESS_LABEL, REDACTED, check_config, guest_disk_mib
 from model import slots
 from model.pages import checked_page_size
+from model.validate import CONFIG_LIMITS, EGRESS_LABEL, REDACTED, check_config, guest_disk_mib
 from registry.replica import Replica
 from registry.rows import MachineQuery
 from registry.supply import Pool

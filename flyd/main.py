@@ -32,10 +32,10 @@ from flyd.store import LmdbMachineLog
 from flyd.traces import OpTracer
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2, worker_pb2_grpc
-from flyd.validate import CONFIG_LIMITS, DISK_LABEL, EGRESS_LABEL
 from flyd.worker import Identity, Worker
 from model.errors import InvalidArgument, Unavailable
 from model.images.source import ImageSource
+from model.validate import CONFIG_LIMITS, DISK_LABEL, EGRESS_LABEL
 from registry.v1 import registry_pb2, registry_pb2_grpc
 from runtime import (
     Service,

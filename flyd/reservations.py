@@ -17,8 +17,8 @@ from flyd import fsm
 from flyd.images.cache import CachedImage
 from flyd.settings import CapacitySettings
 from flyd.v1 import machine_pb2 as pb
-from flyd.validate import guest_disk_mib
 from model.errors import ResourceExhausted
+from model.validate import guest_disk_mib
 
 S = pb.MachineState
 

@@ -23,8 +23,8 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from flyd.v1 import machine_pb2 as pb
-from flyd.validate import REDACTED
 from model.errors import InvalidArgument
+from model.validate import REDACTED
 
 __all__ = ["REDACTED", "SecretBox", "SecretsUnreadable"]
 

@@ -12,7 +12,6 @@ from google.rpc.error_details_pb2 import ErrorInfo
 from flyd.settings import LOG_READ_BYTES, STREAMS_PER_CALLER
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
-from flyd.validate import CONFIG_LIMITS, PLACEMENT_LIMITS
 from flyd.worker import Worker
 from model.errors import (
     DOMAIN,
@@ -28,6 +27,7 @@ from model.errors import (
     UnsafeImage,
 )
 from model.pages import page
+from model.validate import CONFIG_LIMITS, PLACEMENT_LIMITS
 from runtime import Mapped
 from runtime.limits import DEFAULT_LIMITS, Limits
 from runtime.streams import CallerCaps, caller_name

@@ -36,7 +36,6 @@ from flyd.stream import EventStream
 from flyd.traces import OpSpan, OpTracer
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
-from flyd.validate import check_config, check_disk_change, check_network
 from model import scope
 from model.errors import (
     DESTROYED,
@@ -48,6 +47,7 @@ from model.errors import (
     NotFound,
     Unavailable,
 )
+from model.validate import check_config, check_disk_change, check_network
 from runtime.clock import Clock
 from runtime.validate import check_name
 

@@ -43,8 +43,8 @@ import structlog
 
 from flyd import checks
 from flyd.v1 import machine_pb2 as pb
-from flyd.validate import REDACTED
 from model import slots
+from model.validate import REDACTED
 from nonomad.client import (
     MAX_WAIT,
     ApiError,

@@ -53,9 +53,9 @@ from google.protobuf import json_format
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from flyd.v1 import machine_pb2 as pb
-from flyd.validate import MAX_ENV, MAX_VALUE_BYTES, check_config
 from model.errors import InvalidArgument
 from model.images.reference import parse_reference
+from model.validate import MAX_ENV, MAX_VALUE_BYTES, check_config
 from runtime.validate import is_env_key, is_name
 
 __all__ = [

@@ -33,7 +33,7 @@ from flaps.v1 import platform_pb2, platform_pb2_grpc
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
-from flyd.validate import REDACTED
+from model.validate import REDACTED
 from proxy.v1 import proxy_pb2 as p
 from registry.v1 import registry_pb2, registry_pb2_grpc
 from tests.e2e.otlp import OtlpReceiver

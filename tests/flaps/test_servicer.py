@@ -25,8 +25,8 @@ from flaps.service import LIMITS, Exchange, MachinesServicer, PlatformServicer, 
 from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
 from flyd.v1 import machine_pb2 as pb
-from flyd.validate import DEFAULT_DISK_MIB, EGRESS_LABEL
 from model.errors import DOMAIN as FLYD
+from model.validate import DEFAULT_DISK_MIB, EGRESS_LABEL
 from tests.flaps.support import FakeFleet, fake_fleet
 from tests.flyd.support import CREATED, DESTROYED, STARTED, STOPPED, config
 from tests.servicers import (

@@ -27,10 +27,10 @@ from flyd.store import MachineLog, NewRecord, Record, Snapshot
 from flyd.traces import OpTracer
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
-from flyd.validate import DEFAULT_DISK_MIB
 from flyd.worker import Identity, Worker
 from model.images.owners import PUBLIC
 from model.images.source import ImageSource
+from model.validate import DEFAULT_DISK_MIB
 from runtime.clock import ManualClock
 
 S = pb.MachineState

@@ -22,8 +22,8 @@ from flyd.readiness import NO_SERVICES, Readiness, probe_host
 from flyd.settings import CapacitySettings
 from flyd.store import MemoryMachineLog
 from flyd.v1 import machine_pb2 as pb
-from flyd.validate import DEFAULT_DISK_MIB
 from model.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
+from model.validate import DEFAULT_DISK_MIB
 from runtime.clock import ManualClock
 from tests.flyd.driver_support import host_address
 from tests.flyd.support import (

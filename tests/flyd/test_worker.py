@@ -20,7 +20,6 @@ from flyd.settings import CapacitySettings
 from flyd.store import LmdbMachineLog, MachineLog, MemoryMachineLog
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
-from flyd.validate import DEFAULT_DISK_MIB
 from flyd.worker import MAX_KEY, Worker
 from model.errors import (
     AlreadyExists,
@@ -31,6 +30,7 @@ from model.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from model.validate import DEFAULT_DISK_MIB
 from runtime.clock import ManualClock
 from tests.flyd.support import (
     CAPACITY,
