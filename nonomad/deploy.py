@@ -41,9 +41,8 @@ from typing import Any
 
 import structlog
 
-from flyd import checks
 from flyd.v1 import machine_pb2 as pb
-from model import slots
+from model import checks, slots
 from model.validate import REDACTED
 from nonomad.client import (
     MAX_WAIT,

@@ -8,7 +8,7 @@ router only as the Protocols `RouteTable` and `MachineRoute` (it never imports p
   (is a worker's flyd answering, does a machine's port accept, does its HTTP check pass:
   `NetProbes`);
 - the decisions, as pure functions over the table: `checks_of` (what to check on a machine:
-  flyd.checks, which flyd's readiness runs too),
+  model.checks, which flyd's readiness runs too),
   `autostop_victims` (which idle machines to stop without going below min_machines_running),
   `standby_candidates` (which standby takes over a lost primary, at which generation: the same
   on every proxy, and each generation one member's own: `model.slots.promotion_generation`);
@@ -32,10 +32,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.trace import SpanKind, Tracer
 
 from flaps.v1 import machines_pb2, machines_pb2_grpc, tokens_pb2, tokens_pb2_grpc
-from flyd import checks
-from flyd.checks import DEFAULT_CHECK_TIMEOUT, CheckSpec, checks_of
 from flyd.v1 import machine_pb2 as pb
-from model import slots
+from model import checks, slots
+from model.checks import DEFAULT_CHECK_TIMEOUT, CheckSpec, checks_of
 from proxy.errors import ProxyError
 from registry.replica import WorkerView
 from registry.view import Status
