@@ -1,4 +1,7 @@
-"""flyd's error hierarchy, translated to gRPC status codes in one place (flyd.service)."""
+"""The machine API's errors: what flyd answers a call with, and what the rules of this floor
+raise (a config that does not validate, an image reference that does not parse, a claim
+that lost). flyd translates them to gRPC status codes in one place (flyd.service); flaps and
+the CLI catch them where they apply the same rules."""
 
 from __future__ import annotations
 

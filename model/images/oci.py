@@ -1,5 +1,5 @@
-"""The OCI image format as flyd reads and writes it: media types, digests, descriptors, and
-the index, manifest and config JSON.
+"""The OCI image format as nonomad reads and writes it (flyd, flaps and the CLI): media types,
+digests, descriptors, and the index, manifest and config JSON.
 
 Parsing checks every field flyd relies on and names the offending blob in its ImageError;
 digests are sha256 only, since a digest becomes a file name under `blobs/`. JSON flyd writes
