@@ -35,7 +35,6 @@ from flaps import auth, placement
 from flaps.auth import Authorizer, TokenVerifier
 from flaps.errors import map_error
 from flaps.service import Exchange, MachinesServicer, Workers
-from flaps.tokens import Keyring, caveats
 from flaps.v1 import machines_pb2, machines_pb2_grpc, tokens_pb2
 from flaps.verify import TokenServicer
 from flyd import fsm
@@ -43,8 +42,6 @@ from flyd.access import WORKER_ACCESS
 from flyd.fakes import FakeDriver, FakeHost
 from flyd.images.build import build_image
 from flyd.images.cache import ImageCache
-from flyd.images.owners import PUBLIC
-from flyd.images.source import ImageSource
 from flyd.service import WorkerServicer
 from flyd.service import map_error as flyd_map_error
 from flyd.settings import CapacitySettings
@@ -52,6 +49,9 @@ from flyd.store import MemoryMachineLog
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2, worker_pb2_grpc
 from flyd.worker import Identity, Worker
+from model.images.owners import PUBLIC
+from model.images.source import ImageSource
+from model.tokens import Keyring, caveats
 from nonomad.client import Client, GuestConfig, MachineConfig
 from nonomad.security import ClusterSecurity, provision
 from proxy.pins import Grants, pin_check

@@ -53,11 +53,11 @@ from bench import browser, procs, report
 from bench.procs import progress
 from bench.proxy_control_bench import Fleet, Service
 from bench.report import Results, percentile
-from flaps.tokens import read_token
 from flaps.v1.platform_pb2 import WORKER_STATUS_ALIVE
-from flyd.images.owners import PUBLIC
 from flyd.v1 import machine_pb2 as pb
-from flyd.validate import DEFAULT_DISK_MIB
+from model.images.owners import PUBLIC
+from model.tokens import read_token
+from model.validate import DEFAULT_DISK_MIB
 from nonomad.cli_local import build_demo
 from nonomad.client import Client
 from nonomad.console.login import login_url

@@ -52,9 +52,9 @@ from bench.report import Results, percentile
 from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
 from flyd.images.build import build_image
-from flyd.images.owners import PUBLIC
 from flyd.v1 import machine_pb2 as pb
-from flyd.validate import DEFAULT_DISK_MIB, MAX_DISK_MIB
+from model.images.owners import PUBLIC
+from model.validate import DEFAULT_DISK_MIB, MAX_DISK_MIB
 from nonomad.spec import load_spec
 from runtime import METRICS_PREFIX, READY_PREFIX, read_announcements
 

@@ -37,7 +37,7 @@ import grpc.aio
 
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
-from flyd.validate import DEFAULT_DISK_MIB, guest_disk_mib
+from model.validate import DEFAULT_DISK_MIB, guest_disk_mib
 from nonomad.spec import load_spec
 from registry.v1 import registry_pb2 as r
 
@@ -51,7 +51,7 @@ FOLLOW_QUEUE = 8192
 # Snapshot items sent between two yields to the simulation's own loop.
 SNAPSHOT_CHUNK = 50
 # Follow items in one message at most (a follower asks for up to this many: max_batch), and
-# about the most bytes of them (a registry's bound: flyd.pages.PAGE_BYTES).
+# about the most bytes of them (a registry's bound: model.pages.PAGE_BYTES).
 MAX_BATCH = 256
 BATCH_BYTES = 1 << 20
 # FollowResponse.batch (field 5, length-delimited): the tag before each item of a batch.

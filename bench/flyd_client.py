@@ -17,11 +17,11 @@ from google.protobuf.duration_pb2 import Duration
 
 from bench.procs import progress
 from flyd.images.build import build_image
-from flyd.images.owners import PUBLIC
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
-from flyd.validate import DEFAULT_DISK_MIB
+from model.images.owners import PUBLIC
+from model.validate import DEFAULT_DISK_MIB
 
 S = pb.MachineState
 STARTED = S.MACHINE_STATE_STARTED

@@ -36,10 +36,10 @@ from flyd.drivers.oci import OciDriver
 from flyd.drivers.process import ProcessDriver
 from flyd.drivers.rundir import kill_all
 from flyd.images.cache import ImageCache
-from flyd.images.source import ImageSource
 from flyd.settings import CapacitySettings
 from flyd.store import LmdbMachineLog
 from flyd.worker import Identity, Worker
+from model.images.source import ImageSource
 from runtime import configure_logging
 from runtime.clock import SystemClock
 

@@ -45,8 +45,8 @@ from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc
 from flyd.drivers.oci import probe as oci_probe
 from flyd.drivers.rundir import kill_all
-from flyd.images.owners import PUBLIC
 from flyd.v1 import machine_pb2 as pb
+from model.images.owners import PUBLIC
 from nonomad.cli_local import build_demo
 from proxy.v1 import proxy_pb2, proxy_pb2_grpc
 from runtime import READY_PREFIX, read_announcements

@@ -43,10 +43,10 @@ from bench import procs, report
 from bench.procs import FlydProcess, progress
 from bench.report import Results, percentile
 from flyd.images.build import build_image
-from flyd.images.owners import PUBLIC
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
+from model.images.owners import PUBLIC
 from registry.replica import Replica, ReplicaEvent, Subscription
 from registry.service import RegistryServicer
 from registry.v1 import registry_pb2_grpc

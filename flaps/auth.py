@@ -5,7 +5,7 @@ A call comes either from a part of the cluster, with a certificate the cluster C
 the calls its role may (`PEER_ACCESS`, runtime.access: the proxy starts, promotes and stops
 machines, nothing else; the registry flaps embeds has its own table, registry.access); or from
 a client (the CLI, the SDK, grpcurl) with `authorization: Bearer <token>`, a macaroon
-(flaps.tokens) that flaps verifies in constant time against its root keys, its expiry and the
+(model.tokens) that flaps verifies in constant time against its root keys, its expiry and the
 revocation list (`TokenVerifier`). A missing, malformed, tampered, expired, revoked or
 unknown-key token gets UNAUTHENTICATED; a valid one whose caveats do not allow the call gets
 PERMISSION_DENIED naming the caveat, and a certificate whose role may not make the call gets
@@ -19,7 +19,7 @@ call carry the token's id, never the token.
 
 A rule also names every other object the request names (a `Need` with a `ref`: the machines
 a create stands by for, its secrets' source, a supersede's primary): the token must allow
-touching each, and, whoever calls, each must be of the app the call is about (flyd.scope).
+touching each, and, whoever calls, each must be of the app the call is about (model.scope).
 `scoped` puts that second check in front of every handler, guarded or not, so it holds on a
 flaps that checks no tokens too.
 """
@@ -43,10 +43,10 @@ from google.rpc import error_details_pb2
 from opentelemetry import trace
 
 from flaps.errors import NotFound, Upstream
-from flaps.tokens import Denied, Grant, InvalidToken, Keyring, KeysError, parse_revoked
 from flaps.v1 import machines_pb2, platform_pb2
-from flyd import scope
-from flyd.scope import Ref
+from model import scope
+from model.scope import Ref
+from model.tokens import Denied, Grant, InvalidToken, Keyring, KeysError, parse_revoked
 from runtime import abort_with_details, access
 from runtime.access import NOBODY, allow
 from runtime.pki import OPERATOR, ClusterMembers
@@ -83,7 +83,7 @@ def current_grant() -> Grant | None:
 @dataclass(frozen=True)
 class Need:
     """What a call needs: every one of `ops`, on `app` or on `machine` (whose app is looked
-    up) when it is about one, or on the `fleet` (an operator token, flaps.tokens). With `ref`,
+    up) when it is about one, or on the `fleet` (an operator token, model.tokens). With `ref`,
     the machine is another object the request names (in the field `ref.field`) than the one
     the call is about, its subject (the rule's first need): it must be of the subject's app
     too."""
@@ -163,7 +163,7 @@ RULES: dict[str, Rule] = {
     "/flaps.v1.MachinesService/GetMachineLogs": _machine("read"),
     "/flaps.v1.MachinesService/SupersedeMachine": _supersede,
     "/flaps.v1.MachinesService/GetPlacement": _machine("read"),
-    # The fleet, not an app's: an operator token (flaps.tokens).
+    # The fleet, not an app's: an operator token (model.tokens).
     "/flaps.v1.PlatformService/ListRegions": _fleet("regions"),
     "/flaps.v1.PlatformService/ListWorkers": _fleet("workers"),
     # Placing away from the machines it would stand by for says where they are: read them.
@@ -196,7 +196,7 @@ async def owner_app(ref: Ref, app_of: Callable[[str], Awaitable[str]]) -> str:
 
 async def check_scope(method: str, request: Any, app_of: Callable[[str], Awaitable[str]]) -> None:
     """Every other object the request names (its rule's needs with a `ref`) is of the app the
-    call is about (flyd.scope), whoever calls; INVALID_ARGUMENT naming the field otherwise.
+    call is about (model.scope), whoever calls; INVALID_ARGUMENT naming the field otherwise.
     `app_of`: a machine's app (NotFound when there is none)."""
     rule = RULES.get(method)
     if rule is None:

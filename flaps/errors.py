@@ -60,7 +60,7 @@ class NoCapacity(FlapsError):
 
 
 class ImageDenied(FlapsError):
-    """The machine's app may not run the image its config names (flyd.images.owners), as
+    """The machine's app may not run the image its config names (model.images.owners), as
     flaps' view of the image source says: refused before any worker is claimed on, as the
     worker would refuse it (reason IMAGE_DENIED, naming the field, the image and its owner)."""
 

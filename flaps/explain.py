@@ -5,7 +5,7 @@ flaps is stateless, so it hands each decision on the moment it is made:
 - to the worker, with the create (`flyd.v1.CreateMachineRequest.placement`): the worker keeps
   it with the machine's row for the machine's whole life, and `GetPlacement` reads it back
   (`nonomad machines why`, the console). `record()` builds it, trimmed to what the worker
-  accepts (`flyd.validate.PLACEMENT_LIMITS`): per region the best candidates and the named
+  accepts (`model.validate.PLACEMENT_LIMITS`): per region the best candidates and the named
   rejections, claim refusals first; the counts by reason always cover every worker.
 - to whoever watches this flaps (`PlatformService.WatchPlacements`): `Watchers` fans each
   region's outcome out to bounded queues, and costs nothing while nobody watches.
@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from flaps.placement import Candidate, Decision
 from flaps.v1 import platform_pb2
 from flyd.v1 import machine_pb2 as pb
-from flyd.validate import MAX_PLACEMENT_DETAIL, MAX_PLACEMENT_NAMED, MAX_PLACEMENT_REGIONS
+from model.validate import MAX_PLACEMENT_DETAIL, MAX_PLACEMENT_NAMED, MAX_PLACEMENT_REGIONS
 from registry.replica import Subscription
 
 __all__ = ["DROPPED", "Watchers", "record", "region_record"]

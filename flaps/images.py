@@ -1,6 +1,6 @@
 """Who may run an image, as flaps can tell before it claims on any worker.
 
-The workers check every create and update against the image's owners (flyd.images.owners),
+The workers check every create and update against the image's owners (model.images.owners),
 and they are the commit point. flaps refuses earlier what it knows for sure: given the
 workers' image source (`flaps --image-source`, the same directory or a copy of it), it reads
 an image's owners from its manifest, as a worker would, and a create, an update or a
@@ -20,10 +20,10 @@ import asyncio
 import structlog
 
 from flaps.errors import ImageDenied
-from flyd.errors import FlydError
-from flyd.images.owners import Owners
-from flyd.images.reference import ImageRef, parse_reference
-from flyd.images.source import ImageSource
+from model.errors import FlydError
+from model.images.owners import Owners
+from model.images.reference import ImageRef, parse_reference
+from model.images.source import ImageSource
 
 __all__ = ["ImageOwners"]
 

@@ -25,7 +25,7 @@ from flaps.v1 import (
     tokens_pb2_grpc,
 )
 from flaps.verify import TOKEN_ACCESS, TokenServicer
-from flyd.images.source import ImageSource
+from model.images.source import ImageSource
 from registry.service import serve_replica
 from runtime import (
     Service,

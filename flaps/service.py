@@ -38,12 +38,12 @@ from flaps.errors import (
 from flaps.images import ImageOwners
 from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
-from flyd import slots
-from flyd.pages import checked_page_size
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
-from flyd.validate import CONFIG_LIMITS, EGRESS_LABEL, REDACTED, check_config, guest_disk_mib
+from model import slots
+from model.pages import checked_page_size
+from model.validate import CONFIG_LIMITS, EGRESS_LABEL, REDACTED, check_config, guest_disk_mib
 from registry.replica import Replica
 from registry.rows import MachineQuery
 from registry.supply import Pool
@@ -284,7 +284,7 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
     def __init__(self, exchange: Exchange, *, streams_per_caller: int = STREAMS_PER_CALLER) -> None:
         self.x = exchange
         self._rollbacks: set[asyncio.Task[None]] = set()
-        # Every object a call names is of its app (flyd.scope), on every path to a handler.
+        # Every object a call names is of its app (model.scope), on every path to a handler.
         auth.scoped(self, m.DESCRIPTOR.services_by_name["MachinesService"], exchange.app_of)
         self.streams = CallerCaps(
             limit=streams_per_caller, setting="--streams-per-caller", domain=REASON_DOMAIN
@@ -612,7 +612,7 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
         if not request.generation:
             known = self.x.replica.machine(request.machine_id)
             if known is not None and not slots.is_primary(known):
-                # Starting a standby is promoting it: at its own next generation (flyd.slots).
+                # Starting a standby is promoting it: at its own next generation (model.slots).
                 members = self.x.replica.machines(app=known.app)
                 request.generation = slots.promotion_generation(known, members)
         return await self._forward("StartMachine", request)

@@ -10,7 +10,7 @@ from pydantic_settings import SettingsConfigDict
 
 from flaps.placement import DEFAULT_CURVE, Curve
 from flaps.service import STREAMS_PER_CALLER
-from flaps.tokens import REVOKED_FILE, Keyring, parse_revoked
+from model.tokens import REVOKED_FILE, Keyring, parse_revoked
 from registry.settings import ReplicaSettings
 
 

@@ -17,9 +17,9 @@ import structlog
 
 from flaps.auth import TokenVerifier
 from flaps.errors import InvalidArgument
-from flaps.tokens import InvalidToken
 from flaps.v1 import tokens_pb2 as t
 from flaps.v1 import tokens_pb2_grpc
+from model.tokens import InvalidToken
 from runtime.access import allow, table
 
 __all__ = ["MAX_TOKEN_BYTES", "TOKEN_ACCESS", "TokenServicer"]

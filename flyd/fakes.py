@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from flyd.drivers.base import Driver, ExitStatus, Handle, LogTail, PortMapping, ProcessSpec
-from flyd.errors import (
+from model.errors import (
     FailedPrecondition,
     FlydError,
     InvalidArgument,

@@ -23,11 +23,12 @@ import grpc
 import grpc.aio
 import structlog
 
-from flyd import fsm, slots
+from flyd import fsm
 from flyd.metrics import FENCED, SUPERSEDED
 from flyd.runner import Runner
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2, worker_pb2_grpc
+from model import slots
 from registry.v1 import registry_pb2, registry_pb2_grpc
 from runtime.clock import Clock
 

@@ -40,8 +40,10 @@ from typing import Any, Literal
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from flyd import conditions, slots
-from flyd.errors import (
+from flyd import conditions
+from flyd.v1 import machine_pb2 as pb
+from model import slots
+from model.errors import (
     BUSY,
     DESTROYED,
     LEASED,
@@ -50,7 +52,6 @@ from flyd.errors import (
     CorruptLog,
     FailedPrecondition,
 )
-from flyd.v1 import machine_pb2 as pb
 
 S = pb.MachineState
 STATE_NAMES: dict[int, str] = {
@@ -116,7 +117,7 @@ class Row:
 
 @dataclass(frozen=True)
 class StartRequested:
-    generation: int = 0  # > 0: a promotion to this slot generation (see flyd.slots)
+    generation: int = 0  # > 0: a promotion to this slot generation (see model.slots)
 
 
 @dataclass(frozen=True)
@@ -460,7 +461,7 @@ def step(row: Row, event: Event, *, now: float, policy: Policy) -> Transition | 
 
 
 def _start(row: Row, now: float, generation: int) -> Transition | None:
-    """A plain start, or a promotion naming a generation (flyd.slots.promotion)."""
+    """A plain start, or a promotion naming a generation (model.slots.promotion)."""
     promoted = slots.promotion(row.machine, generation)
     if promoted is None:
         return _start_plain(row, now)

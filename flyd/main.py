@@ -22,10 +22,8 @@ from flyd.drivers.fdlimit import machines_within, raise_nofile
 from flyd.drivers.oci import OciDriver
 from flyd.drivers.oci import probe as oci_probe
 from flyd.drivers.process import ProcessDriver
-from flyd.errors import InvalidArgument, Unavailable
 from flyd.fencing import GrpcPeers
 from flyd.images.cache import ImageCache
-from flyd.images.source import ImageSource
 from flyd.metrics import register_worker
 from flyd.secrets import SecretBox
 from flyd.service import LIMITS, WorkerServicer, map_error
@@ -34,8 +32,10 @@ from flyd.store import LmdbMachineLog
 from flyd.traces import OpTracer
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2, worker_pb2_grpc
-from flyd.validate import CONFIG_LIMITS, DISK_LABEL, EGRESS_LABEL
 from flyd.worker import Identity, Worker
+from model.errors import InvalidArgument, Unavailable
+from model.images.source import ImageSource
+from model.validate import CONFIG_LIMITS, DISK_LABEL, EGRESS_LABEL
 from registry.v1 import registry_pb2, registry_pb2_grpc
 from runtime import (
     Service,

@@ -1,7 +1,7 @@
 """Whether each started machine serves: flyd probes it and keeps the answer in its row.
 
 A started machine is ready once every service's host port accepts a TCP connection and every
-configured check passes (flyd.checks: the same checks the proxy runs); a machine with neither
+configured check passes (model.checks: the same checks the proxy runs); a machine with neither
 is ready once its process has kept running for `settle` seconds. Until then its condition
 (Machine.ready, set by flyd.conditions as it starts) says what it waits for; a probe that still
 fails `grace` seconds after the start says why ("nothing listening on 8080 after 10s"). Once
@@ -30,11 +30,12 @@ from typing import Any
 
 import structlog
 
-from flyd import checks, conditions, fsm
-from flyd.checks import CheckSpec
+from flyd import conditions, fsm
 from flyd.drivers.ports import local_address
 from flyd.runner import Runner
 from flyd.v1 import machine_pb2 as pb
+from model import checks
+from model.checks import CheckSpec
 from runtime.clock import Clock
 
 log = structlog.get_logger("flyd.readiness")
@@ -97,7 +98,7 @@ class Readiness:
         loop which rows changed); `grace`: seconds after a start before a failing probe is
         reported; `settle`: seconds a machine with nothing to probe must keep running; `host`:
         where the machines' host ports are (an address of this host); `probe`: runs one check
-        (flyd.checks.run; tests give a fake)."""
+        (model.checks.run; tests give a fake)."""
         if local_address(host) != host:
             raise ValueError(f"readiness probes only addresses of this host, not {host}")
         if grace < 0 or settle < 0 or concurrency < 1:

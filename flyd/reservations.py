@@ -14,11 +14,11 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from flyd import fsm
-from flyd.errors import ResourceExhausted
 from flyd.images.cache import CachedImage
 from flyd.settings import CapacitySettings
 from flyd.v1 import machine_pb2 as pb
-from flyd.validate import guest_disk_mib
+from model.errors import ResourceExhausted
+from model.validate import guest_disk_mib
 
 S = pb.MachineState
 

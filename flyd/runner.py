@@ -24,7 +24,6 @@ import structlog
 from flyd import fsm
 from flyd.commits import GroupCommit, durable
 from flyd.drivers.base import Driver, ExitStatus, Handle, LogTail
-from flyd.errors import DeadlineExceeded, FailedPrecondition, NotFound
 from flyd.images.cache import ImageCache
 from flyd.metrics import CLEANUP_FAILURES, count_transition
 from flyd.reservations import Reservations
@@ -35,6 +34,7 @@ from flyd.stream import EventStream
 from flyd.traces import OpSpan, OpTracer
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
+from model.errors import DeadlineExceeded, FailedPrecondition, NotFound
 from runtime.clock import Clock
 
 # The worker's one log: its lines carry the same logger name, whichever module writes them.

@@ -22,9 +22,9 @@ from pathlib import Path
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from flyd.errors import InvalidArgument
 from flyd.v1 import machine_pb2 as pb
-from flyd.validate import REDACTED
+from model.errors import InvalidArgument
+from model.validate import REDACTED
 
 __all__ = ["REDACTED", "SecretBox", "SecretsUnreadable"]
 

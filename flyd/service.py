@@ -9,7 +9,11 @@ from collections.abc import AsyncIterator
 import grpc
 from google.rpc.error_details_pb2 import ErrorInfo
 
-from flyd.errors import (
+from flyd.settings import LOG_READ_BYTES, STREAMS_PER_CALLER
+from flyd.v1 import worker_pb2 as w
+from flyd.v1 import worker_pb2_grpc
+from flyd.worker import Worker
+from model.errors import (
     DOMAIN,
     AlreadyExists,
     DeadlineExceeded,
@@ -22,12 +26,8 @@ from flyd.errors import (
     Unavailable,
     UnsafeImage,
 )
-from flyd.pages import page
-from flyd.settings import LOG_READ_BYTES, STREAMS_PER_CALLER
-from flyd.v1 import worker_pb2 as w
-from flyd.v1 import worker_pb2_grpc
-from flyd.validate import CONFIG_LIMITS, PLACEMENT_LIMITS
-from flyd.worker import Worker
+from model.pages import page
+from model.validate import CONFIG_LIMITS, PLACEMENT_LIMITS
 from runtime import Mapped
 from runtime.limits import DEFAULT_LIMITS, Limits
 from runtime.streams import CallerCaps, caller_name

@@ -187,7 +187,7 @@ class FlydSettings(ServiceSettings):
     @field_validator("labels")
     @classmethod
     def _labels(cls, value: dict[str, str]) -> dict[str, str]:
-        from flyd.validate import DISK_LABEL, EGRESS_LABEL
+        from model.validate import DISK_LABEL, EGRESS_LABEL
 
         if EGRESS_LABEL in value:
             raise ValueError(

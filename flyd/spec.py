@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from flyd import fsm
 from flyd.drivers.base import DEFAULT_PIDS, Limits, PortMapping, ProcessSpec
-from flyd.errors import NotFound
 from flyd.images.cache import Image, ImageCache
 from flyd.secrets import SecretBox
 from flyd.v1 import machine_pb2 as pb
-from flyd.validate import guest_disk_mib
+from model.errors import NotFound
+from model.validate import guest_disk_mib
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 

@@ -22,7 +22,7 @@ from typing import Protocol
 
 import lmdb
 
-from flyd.errors import CorruptLog
+from model.errors import CorruptLog
 
 
 class RecordType(IntEnum):

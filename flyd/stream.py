@@ -3,7 +3,7 @@
 The runner publishes every committed MachineChange here. A watcher replays the log from its
 position (or starts from a snapshot), then follows live changes through a bounded queue,
 with heartbeats between them; one that falls too far behind, or behind a compaction, catches
-up from the log or a new snapshot (in parts: flyd.pages). Waiters (WaitMachine) wake on each
+up from the log or a new snapshot (in parts: model.pages). Waiters (WaitMachine) wake on each
 published change.
 
 Before each heartbeat the worker may commit changes of its own (`before_heartbeat`: the fences
@@ -19,11 +19,11 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 from flyd import fsm
-from flyd.errors import InvalidArgument
-from flyd.pages import snapshot_parts
 from flyd.store import Compacted, MachineLog
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
+from model.errors import InvalidArgument
+from model.pages import snapshot_parts
 
 # A subscriber further behind than this many changes catches up from the log instead.
 SUBSCRIBER_QUEUE = 4096

@@ -20,18 +20,8 @@ from pathlib import Path
 
 import structlog
 
-from flyd import fsm, scope
+from flyd import fsm
 from flyd.drivers.base import Driver, ExitStatus, Handle
-from flyd.errors import (
-    DESTROYED,
-    REPLACED,
-    AlreadyExists,
-    DeadlineExceeded,
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    Unavailable,
-)
 from flyd.fencing import Fencing, SlotPeers
 from flyd.images.cache import ImageCache
 from flyd.metrics import CREATE_SECONDS
@@ -46,7 +36,18 @@ from flyd.stream import EventStream
 from flyd.traces import OpSpan, OpTracer
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
-from flyd.validate import check_config, check_disk_change, check_network
+from model import scope
+from model.errors import (
+    DESTROYED,
+    REPLACED,
+    AlreadyExists,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
+from model.validate import check_config, check_disk_change, check_network
 from runtime.clock import Clock
 from runtime.validate import check_name
 
@@ -196,7 +197,7 @@ class Worker:
         return row
 
     def _held(self, machine_id: str) -> pb.Machine | None:
-        """The row of a machine a call names, when this worker holds it (flyd.scope)."""
+        """The row of a machine a call names, when this worker holds it (model.scope)."""
         row = self.rows.get(machine_id)
         return None if row is None else row.machine
 
@@ -331,7 +332,7 @@ class Worker:
                 f"{'cordoned' if self.cordoned else 'shutting down'}"
             )
         self.reservations.check_room(config.guest)  # fail fast, before pulling anything
-        # Only an image the app may run (flyd.images.owners), known before anything is pulled.
+        # Only an image the app may run (model.images.owners), known before anything is pulled.
         image = await self.images.pull(config.image, app=app)
         self.images.use(image.digest)  # at once, so the pulled image cannot be evicted
         mine = secrets.token_hex(8)  # the instance this call creates
@@ -491,8 +492,8 @@ class Worker:
         self, machine_id: str, generation: int, primary: str, primary_app: str
     ) -> pb.Machine:
         """`primary` (of `primary_app`) serves the machine's slot at `generation`: if that
-        outranks the machine's claim, it stops and stands by (flyd.slots). Not held up by a
-        lease. Only a member of the machine's own app's slot may (flyd.scope)."""
+        outranks the machine's claim, it stops and stands by (model.slots). Not held up by a
+        lease. Only a member of the machine's own app's slot may (model.scope)."""
         if generation < 1:
             raise InvalidArgument("generation", "must be at least 1")
         check_name("primary", primary)

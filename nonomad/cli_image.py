@@ -11,12 +11,12 @@ import sys
 import time
 from pathlib import Path
 
-from flyd.errors import FlydError, ImageError
-from flyd.errors import InvalidArgument as FlydInvalidArgument
 from flyd.images.build import build_image
-from flyd.images.owners import Owners
-from flyd.images.reference import parse_reference
-from flyd.images.source import ImageSource
+from model.errors import FlydError, ImageError
+from model.errors import InvalidArgument as FlydInvalidArgument
+from model.images.owners import Owners
+from model.images.reference import parse_reference
+from model.images.source import ImageSource
 from nonomad.cli_common import CliError, UsageError, emit, local_cluster, state_dir, table
 
 

@@ -26,15 +26,15 @@ from pathlib import Path
 import grpc
 import structlog
 
-from flaps.tokens import read_token
 from flaps.v1 import platform_pb2
 from flyd.drivers.cgroups import CONTROLLERS, joining, limit_memory, remove_tree
 from flyd.drivers.rundir import kill_all
 from flyd.images.build import build_image
-from flyd.images.owners import Owners
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
+from model.images.owners import Owners
+from model.tokens import read_token
 from nonomad.cli_common import (
     CLUSTER_FILE,
     DEFAULT_STATE_DIR,

@@ -12,10 +12,10 @@ import shlex
 import signal
 from pathlib import Path
 
-from flyd.errors import FlydError
-from flyd.images.source import ImageSource
-from flyd.slots import slot_of
-from flyd.validate import DISK_LABEL, guest_disk_mib
+from model.errors import FlydError
+from model.images.source import ImageSource
+from model.slots import slot_of
+from model.validate import DISK_LABEL, guest_disk_mib
 from nonomad.cli_common import (
     FLAPS_ENV,
     CliError,

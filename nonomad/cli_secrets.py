@@ -19,7 +19,7 @@ import asyncio
 from collections.abc import Callable
 
 from flyd.v1 import machine_pb2 as pb
-from flyd.validate import REDACTED
+from model.validate import REDACTED
 from nonomad.cli_common import CliError, describe, emit, run, table, wait_budget, wait_state
 from nonomad.client import ApiError, Client, Machine, MachineConfig, state_name
 

@@ -3,7 +3,7 @@
 A token goes to stdout alone on a line (`> file` keeps it), or in `--json` with its id and
 caveats. Keys files are written mode 0600, the new key first: flaps re-reads the file, so a
 rotation is `keygen`, hand out new tokens, then `retire` the old key. A minted token expires
-(flaps.tokens.DEFAULT_TTL unless --expires); `revoke` adds a token's id to the revocation
+(model.tokens.DEFAULT_TTL unless --expires); `revoke` adds a token's id to the revocation
 list beside the keys, which flaps re-reads too.
 """
 
@@ -15,7 +15,7 @@ import os
 import time
 from pathlib import Path
 
-from flaps.tokens import (
+from model.tokens import (
     GROUPS,
     REVOKED_FILE,
     InvalidToken,

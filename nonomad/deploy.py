@@ -41,9 +41,9 @@ from typing import Any
 
 import structlog
 
-from flyd import checks, slots
 from flyd.v1 import machine_pb2 as pb
-from flyd.validate import REDACTED
+from model import checks, slots
+from model.validate import REDACTED
 from nonomad.client import (
     MAX_WAIT,
     ApiError,

@@ -8,7 +8,7 @@ mutual TLS with its own certificate, check tokens, and call the others over the 
     tls/ca.pem, tls/ca.key        the cluster CA (runtime.pki)
     tls/<part>.pem, tls/<part>.key  one certificate per part (flaps, proxy, flyd-ams-1, cli),
                                   each naming its role (runtime.pki.part_role)
-    token-keys                    token root keys (flaps.tokens), the first mints
+    token-keys                    token root keys (model.tokens), the first mints
     revoked-tokens                ids of revoked tokens (`nonomad tokens revoke`), if any
     admin.token                   an operator token that may do everything
     console.token                 a read-only token for the web console (read, workers, regions)
@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from flaps.tokens import (
+from model.tokens import (
     DEFAULT_TTL,
     REVOKED_FILE,
     InvalidToken,

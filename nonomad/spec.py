@@ -52,10 +52,10 @@ import pydantic
 from google.protobuf import json_format
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
-from flyd.errors import InvalidArgument
-from flyd.images.reference import parse_reference
 from flyd.v1 import machine_pb2 as pb
-from flyd.validate import MAX_ENV, MAX_VALUE_BYTES, check_config
+from model.errors import InvalidArgument
+from model.images.reference import parse_reference
+from model.validate import MAX_ENV, MAX_VALUE_BYTES, check_config
 from runtime.validate import is_env_key, is_name
 
 __all__ = [

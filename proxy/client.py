@@ -74,7 +74,7 @@ _IDEMPOTENT: Final = frozenset({b"GET", b"HEAD"})
 NAMESPACE: Final = b"nonomad-"
 """Request headers whose names start so are the proxy's: read by it, never sent to a machine."""
 TOKEN_HEADER: Final = b"nonomad-token"
-"""A token (flaps.tokens) that lets a request pin a machine of an app it may read."""
+"""A token (model.tokens) that lets a request pin a machine of an app it may read."""
 
 # Client connection phases (what its deadline is for).
 C_BUSY: Final = 0  # a request is complete and being answered: no read deadline

@@ -8,10 +8,10 @@ router only as the Protocols `RouteTable` and `MachineRoute` (it never imports p
   (is a worker's flyd answering, does a machine's port accept, does its HTTP check pass:
   `NetProbes`);
 - the decisions, as pure functions over the table: `checks_of` (what to check on a machine:
-  flyd.checks, which flyd's readiness runs too),
+  model.checks, which flyd's readiness runs too),
   `autostop_victims` (which idle machines to stop without going below min_machines_running),
   `standby_candidates` (which standby takes over a lost primary, at which generation: the same
-  on every proxy, and each generation one member's own: `flyd.slots.promotion_generation`);
+  on every proxy, and each generation one member's own: `model.slots.promotion_generation`);
 - the loops that act on them: `HealthChecks.watch` (one per started machine), `WorkerWatch`
   (probe a silent worker, declare it dead, promote one standby per lost primary).
 
@@ -32,9 +32,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.trace import SpanKind, Tracer
 
 from flaps.v1 import machines_pb2, machines_pb2_grpc, tokens_pb2, tokens_pb2_grpc
-from flyd import checks, slots
-from flyd.checks import DEFAULT_CHECK_TIMEOUT, CheckSpec, checks_of
 from flyd.v1 import machine_pb2 as pb
+from model import checks, slots
+from model.checks import DEFAULT_CHECK_TIMEOUT, CheckSpec, checks_of
 from proxy.errors import ProxyError
 from registry.replica import WorkerView
 from registry.view import Status
@@ -88,7 +88,7 @@ class Flaps(Protocol):
 
     async def start(self, machine_id: str, generation: int = 0) -> pb.Machine:
         """Start a stopped or created machine (a started one: no-op); with a generation,
-        promote it in its slot (flyd.slots). Raises FlapsFailed."""
+        promote it in its slot (model.slots). Raises FlapsFailed."""
         ...
 
     async def stop(self, machine_id: str) -> pb.Machine:
@@ -554,7 +554,7 @@ class WorkerWatch:
     def plan(self, worker_id: str) -> list[Takeover]:
         """For each slot the lost worker served (a running member holding the slot's top claim)
         with no other member running: the stopped members to promote, best first, each with
-        its own generation (flyd.slots.promotion_generation). Synchronous, so the router can
+        its own generation (model.slots.promotion_generation). Synchronous, so the router can
         mark the chosen standbys as starting before any request looks."""
         registry = self.router.registry
         # A slot's members are machines of one app: the cost is the app's, not the fleet's.
@@ -670,7 +670,7 @@ def _serves(machine: pb.Machine, members: list[pb.Machine]) -> bool:
 @dataclass(frozen=True)
 class Takeover:
     """A lost primary, the members of its slot to promote in its place (best first), and the
-    generation each is promoted to (its own: flyd.slots.promotion_generation)."""
+    generation each is promoted to (its own: model.slots.promotion_generation)."""
 
     primary: pb.Machine
     standbys: list[str]

@@ -1,6 +1,6 @@
 """The edge's side of fencing (docs/fencing.md): which member of each slot gets requests.
 
-A slot's members are the routes of one app whose rows name the same slot (`flyd.slots.key`:
+A slot's members are the routes of one app whose rows name the same slot (`model.slots.key`:
 another app's machine naming the slot's id is in a slot of its own app's, and its claims never
 count here, however high). Only the member whose own row holds the slot's top claim, the
 serving one, is routed to; the others are standbys or outranked copies. `SlotIndex` keeps
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from flyd import slots
 from flyd.v1 import machine_pb2 as pb
+from model import slots
 from proxy.control import RUNNING
 from proxy.routes import Route
 
@@ -70,7 +70,7 @@ class SlotIndex:
         return list(self._members.get(slot, {}).values())
 
     def promotion_generation(self, r: Route) -> int:
-        """The generation `r` is promoted to, its own (flyd.slots.promotion_generation)."""
+        """The generation `r` is promoted to, its own (model.slots.promotion_generation)."""
         return slots.promotion_generation(r.machine, [o.machine for o in self.members(r.slot)])
 
     def slots_of(self, routes: list[Route]) -> set[slots.SlotKey]:

@@ -20,8 +20,8 @@ from typing import Any
 
 import structlog
 
-from flyd import slots
 from flyd.v1 import machine_pb2 as pb
+from model import slots
 from proxy.control import Counters, Flaps, FlapsFailed
 from proxy.errors import NoBackend
 from proxy.routes import (

@@ -1,5 +1,5 @@
 """Who may pin a request to one machine (`nonomad-force-instance-id`): whoever sends, in
-`nonomad-token`, a token (flaps.tokens) that may read the app and that machine.
+`nonomad-token`, a token (model.tokens) that may read the app and that machine.
 
 The proxy holds no root keys: with macaroons, a key that verifies also mints, and the edge is
 the part most exposed. It asks flaps instead (flaps.v1.TokenService, on flaps' cluster port,
@@ -19,8 +19,8 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
-from flaps.tokens import Caveat, Denied, Grant
 from flaps.v1 import tokens_pb2
+from model.tokens import Caveat, Denied, Grant
 from proxy.control import FlapsFailed
 from runtime.clock import Clock, SystemClock
 

@@ -30,8 +30,8 @@ from typing import Any
 import structlog
 from opentelemetry.trace import Tracer
 
-from flyd.slots import SlotKey
 from flyd.v1 import machine_pb2 as pb
+from model.slots import SlotKey
 from proxy.control import (
     Counters,
     Flaps,

@@ -13,8 +13,8 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from flyd import slots
 from flyd.v1 import machine_pb2 as pb
+from model import slots
 from proxy.errors import ProxyError
 from proxy.routing import Backend
 from registry.replica import ReplicaEvent, Subscription, WorkerView

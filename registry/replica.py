@@ -23,9 +23,9 @@ import grpc.aio
 import structlog
 from google.protobuf.message import DecodeError
 
-from flyd.slots import slot_of
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2, worker_pb2_grpc
+from model.slots import slot_of
 from registry import metrics
 from registry.errors import InvalidArgument, LogRestarted, RegistryError, Unavailable
 from registry.rows import MachineQuery

@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator, Iterable, Iterator
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from flyd.pages import PAGE_BYTES
+from model.pages import PAGE_BYTES
 from registry.access import REGISTRY_ACCESS
 from registry.errors import InvalidArgument, RegistryError, Unavailable
 from registry.replica import (

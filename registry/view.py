@@ -7,7 +7,7 @@ step and the runtime (`registry.replica`) only has to move bytes and publish eve
 Every row has one writer, the worker that owns it, so applying is simple: a worker's stream is
 applied in its own sequence order (a change at or below the applied seq is a repeat and is
 ignored; a change that skips one is a `SequenceGap`), a snapshot replaces the worker's rows
-once its last part has arrived (a large one comes in parts: flyd.pages), and nothing from one
+once its last part has arrived (a large one comes in parts: model.pages), and nothing from one
 worker ever touches another worker's rows. A worker whose log starts over (its data dir was
 wiped: a heartbeat names another log epoch, or a new boot with a lower sequence) is reset and
 followed from a new snapshot (`LogRestarted`): its rows are replaced, never merged. A worker
@@ -35,10 +35,10 @@ from typing import Literal, TypeAlias
 
 import structlog
 
-from flyd import pages
-from flyd.pages import snapshot_parts
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
+from model import pages
+from model.pages import snapshot_parts
 from registry.errors import (
     BrokenSnapshot,
     InvalidArgument,
@@ -707,7 +707,7 @@ class View:
 
     def machine_page(self, query: MachineQuery) -> tuple[list[pb.Machine], str]:
         """The page `query` asks for, at most `PAGE_BYTES` of it, and the token of the next
-        page ("" after the last): `flyd.pages.page`'s contract, read off the index. Only the
+        page ("" after the last): `model.pages.page`'s contract, read off the index. Only the
         page's rows are parsed, and it is found without a pass over the app's machines."""
         ids = self._index.ids(query.app)
         out: list[pb.Machine] = []

@@ -1,5 +1,5 @@
-"""The ground floor every service stands on (flyd, registry, flaps, proxy; nonomad and bench
-above them); it imports none of them.
+"""The ground floor every service stands on (the machine model, `model`, above it; flyd,
+registry, flaps, proxy above that; nonomad and bench on top); it imports none of them.
 
 Its modules: server bootstrap and lifecycle, where each service's errors become statuses
 through its own `map_error` (`server`), settings (`settings`), JSON logs (`logs`), tracing and

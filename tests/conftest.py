@@ -16,8 +16,8 @@ from pytest_grpc_aio.plugin import GrpcContext
 from flyd.drivers.cgroups import remove_tree
 from flyd.drivers.rundir import kill_all
 from flyd.images.build import build_image
-from flyd.images.owners import PUBLIC
 from flyd.v1 import worker_pb2_grpc
+from model.images.owners import PUBLIC
 from nonomad.security import ClusterSecurity, provision
 from tests import host_ports
 from tests.harness import ServiceProcess, clean_env, flyd_args

@@ -77,7 +77,7 @@ def valid(descriptor: Descriptor, known: Known) -> Message:
         "worker_id": known.worker_id,
         "signal": "SIGTERM",
         "primary": known.fresh_id,
-        "primary_app": known.app,  # a supersede names its primary's app (flyd.scope)
+        "primary_app": known.app,  # a supersede names its primary's app (model.scope)
     }
     if not names["machine_id"]:
         names["machine_id"] = known.machine_id

@@ -1,4 +1,5 @@
-"""The house has floors and imports only go down; no two modules import each other.
+"""The house has floors and imports only go down; the services on one floor do not import each
+other; no two modules import each other.
 
 Read from the source with `ast`, so every import counts: at the top of a module, inside a
 function, or under `if TYPE_CHECKING:` (a type-only import is still an arrow of knowledge).
@@ -15,14 +16,40 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-FLOORS = ["runtime", "flyd", "registry", "flaps", "proxy", "nonomad", "bench"]
-"""The allowed order, bottom to top: a package may import its own floor and those below it."""
+LEVELS = [
+    ("runtime",),
+    ("model",),
+    ("flyd", "registry", "flaps", "proxy"),
+    ("nonomad",),
+    ("bench",),
+]
+"""The floors, bottom to top: a package may import its own floor's modules and those below it.
+The ground (`runtime`), the machine model (`model`: the rules of the machine contract every
+service applies), the services side by side, what users touch (`nonomad`), the benchmarks."""
+
+FLOORS = [package for level in LEVELS for package in level]
+"""Every package of the house, bottom to top."""
+
+REPLICA: dict[str, frozenset[str] | None] = {
+    "registry.replica": None,
+    "registry.view": None,
+    "registry.rows": None,
+    "registry.supply": None,
+    "registry.settings": None,
+    "registry.service": frozenset({"serve_replica"}),
+}
+"""The registry's replica, a library that flaps and the proxy embed by design (each keeps a
+copy of every worker's rows and serves it): the one thing a service takes of a sibling. Each
+module with the names they may take of it (None: any); of `registry.service`, only the call
+that serves an embedded replica, not the standalone registry's servicer."""
+
+EMBEDS_REPLICA = ("flaps", "proxy")
 
 GENERATED = ("v1",)
 """Generated gRPC code (flyd/v1, ...) is the wire contract, not a floor: any floor may import
-any service's messages and stubs (flyd announces itself with the registry's API), so the
-generated modules import nothing of the project but other generated modules, and the package
-that holds them imports nothing on load."""
+any service's messages and stubs (flyd announces itself with the registry's API, the model
+reads flyd's machine messages), so the generated modules import nothing of the project but
+other generated modules, and the package that holds them imports nothing on load."""
 
 
 def module_name(root: Path, path: Path) -> str:
@@ -76,8 +103,13 @@ def graph(sources: Mapping[str, str]) -> dict[str, set[str]]:
     return {name: imports_of(name, source, modules) for name, source in sources.items()}
 
 
+def package_of(module: str) -> str:
+    return module.split(".")[0]
+
+
 def floor_of(module: str) -> int:
-    return FLOORS.index(module.split(".")[0])
+    package = package_of(module)
+    return next(i for i, level in enumerate(LEVELS) if package in level)
 
 
 def is_generated(module: str) -> bool:
@@ -86,11 +118,56 @@ def is_generated(module: str) -> bool:
 
 def upward_imports(edges: Mapping[str, set[str]]) -> list[str]:
     return sorted(
-        f"{src} -> {dst} ({FLOORS[floor_of(src)]} is below {FLOORS[floor_of(dst)]})"
+        f"{src} -> {dst} ({package_of(src)} is below {package_of(dst)})"
         for src, targets in edges.items()
         for dst in targets
         if floor_of(dst) > floor_of(src) and not is_generated(dst)
     )
+
+
+def names_taken(source: str, module: str) -> set[str]:
+    """What `source` takes of `module` by name; "*" when it takes the module itself (`import
+    registry.service`, `from registry import service`), which gives it every name."""
+    parent, _, leaf = module.rpartition(".")
+    taken: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and not node.level:
+            if node.module == module:
+                taken |= {alias.name for alias in node.names}
+            elif node.module == parent and any(alias.name == leaf for alias in node.names):
+                taken.add("*")
+        elif isinstance(node, ast.Import) and any(
+            alias.name == module or alias.name.startswith(module + ".") for alias in node.names
+        ):
+            taken.add("*")
+    return taken
+
+
+def sideways_imports(edges: Mapping[str, set[str]], sources: Mapping[str, str]) -> list[str]:
+    """Imports between two services of one floor: each stands on the model, the ground and the
+    generated contracts, and talks to the others over gRPC; flaps and the proxy may take of
+    the registry only its replica (REPLICA)."""
+    found = []
+    for src, targets in edges.items():
+        for dst in targets:
+            mine, theirs = package_of(src), package_of(dst)
+            if mine == theirs or floor_of(src) != floor_of(dst) or is_generated(dst):
+                continue
+            if mine in EMBEDS_REPLICA and dst in REPLICA:
+                allowed = REPLICA[dst]
+                extra = set() if allowed is None else names_taken(sources[src], dst) - allowed
+                if not extra:
+                    continue
+                found.append(
+                    f"{src} -> {dst} ({', '.join(sorted(extra))}: of {dst} {mine} may take "
+                    f"only {', '.join(sorted(allowed or ()))}, what serves its embedded replica)"
+                )
+                continue
+            found.append(
+                f"{src} -> {dst} ({mine} and {theirs} are sibling services: they share model, "
+                "runtime and the generated contracts, and talk over gRPC)"
+            )
+    return sorted(found)
 
 
 def cycles(edges: Mapping[str, set[str]]) -> list[list[str]]:
@@ -148,6 +225,21 @@ def test_imports_only_go_down() -> None:
     assert upward_imports(graph(read_tree(ROOT))) == []
 
 
+def test_services_do_not_import_each_other() -> None:
+    sources = read_tree(ROOT)
+    assert sideways_imports(graph(sources), sources) == []
+
+
+def test_the_replica_exception_names_only_what_flaps_and_the_proxy_embed() -> None:
+    """Each module of REPLICA exists and flaps or the proxy imports it: the exception is no
+    wider than what they embed."""
+    edges = graph(read_tree(ROOT))
+    embedders = [m for m in edges if package_of(m) in EMBEDS_REPLICA]
+    for module in REPLICA:
+        assert module in edges, module
+        assert any(module in edges[src] for src in embedders), module
+
+
 def test_no_module_imports_itself_in_a_circle() -> None:
     assert cycles(graph(read_tree(ROOT))) == []
 
@@ -170,46 +262,139 @@ def test_importing_a_stub_loads_no_service_code() -> None:
             assert edges[owner] == set(), owner
 
 
+@pytest.fixture(scope="module")
+def house() -> tuple[dict[str, str], dict[str, set[str]]]:
+    """The real tree's sources and imports, read once; a test plants an import in a copy."""
+    sources = read_tree(ROOT)
+    return sources, graph(sources)
+
+
+def plant(house: tuple[dict[str, str], dict[str, set[str]]], module: str, line: str) -> list[str]:
+    """What the checkers report of the house with `line` added at the end of `module`."""
+    sources, edges = dict(house[0]), dict(house[1])
+    sources[module] += "\n" + line + "\n"
+    edges[module] = imports_of(module, sources[module], set(sources))
+    return upward_imports(edges) + sideways_imports(edges, sources)
+
+
 @pytest.mark.parametrize(
-    ("planted_in", "line", "expected"),
+    ("planted_in", "line", "expected", "why"),
     [
         # a service reaching into the CLI (the roof) from the ground floor
-        ("runtime/settings.py", "from nonomad import cli\n", "runtime.settings -> nonomad.cli"),
-        # the worker daemon knowing about the broker above it, type-only
+        ("runtime.settings", "from nonomad import cli", "runtime.settings -> nonomad.cli", "below"),
+        # the model knowing a service that stands on it
+        ("model.slots", "from flyd import fsm", "model.slots -> flyd.fsm", "model is below flyd"),
+        # the worker daemon knowing about the broker beside it, type-only
         (
-            "flyd/worker.py",
-            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from flaps import service\n",
+            "flyd.worker",
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from flaps import service",
             "flyd.worker -> flaps.service",
+            "flyd and flaps are sibling services",
         ),
+        # the edge standing on the worker again
+        ("proxy.routes", "from flyd import fsm", "proxy.routes -> flyd.fsm", "sibling"),
+        # ... by a rule's old name: it no longer exists, the arrow to flyd still counts
+        ("proxy.routes", "from flyd.slots import key", "proxy.routes -> flyd ", "sibling"),
+        # the proxy checks a token's caveats with model.tokens, not with flaps' authorizer
+        ("proxy.pins", "from flaps import auth", "proxy.pins -> flaps.auth", "sibling"),
         # a lazy import inside a function counts too
         (
-            "registry/view.py",
-            "def _f() -> None:\n    import proxy.router\n",
+            "registry.view",
+            "def _f() -> None:\n    import proxy.router",
             "registry.view -> proxy.router",
+            "registry and proxy are sibling services",
+        ),
+        # the registry's fakes are not its replica
+        (
+            "flaps.service",
+            "from registry import fakes",
+            "flaps.service -> registry.fakes",
+            "sibling",
+        ),
+        # only flaps and the proxy embed the replica; a worker reads no view of the fleet
+        (
+            "flyd.worker",
+            "from registry.view import View",
+            "flyd.worker -> registry.view",
+            "sibling",
+        ),
+        # of registry.service, what serves a replica; not the standalone registry's servicer
+        (
+            "proxy.main",
+            "from registry.service import RegistryServicer",
+            "proxy.main -> registry.service",
+            "RegistryServicer: of registry.service proxy may take only serve_replica",
+        ),
+        (
+            "flaps.main",
+            "from registry import service",
+            "flaps.main -> registry.service",
+            "*: of registry.service flaps may take only serve_replica",
         ),
     ],
 )
-def test_a_planted_upward_import_is_caught(
-    tmp_path: Path, planted_in: str, line: str, expected: str
+def test_a_planted_import_is_caught(
+    house: tuple[dict[str, str], dict[str, set[str]]],
+    planted_in: str,
+    line: str,
+    expected: str,
+    why: str,
 ) -> None:
-    for floor in FLOORS:
-        shutil.copytree(
-            ROOT / floor, tmp_path / floor, ignore=shutil.ignore_patterns("__pycache__")
-        )
-    target = tmp_path / planted_in
-    target.write_text(target.read_text() + "\n" + line)
-    found = upward_imports(graph(read_tree(tmp_path)))
-    assert len(found) == 1
+    found = plant(house, planted_in, line)
+    assert len(found) == 1, found
     assert found[0].startswith(expected)
+    assert why in found[0]
+
+
+@pytest.mark.parametrize(
+    ("planted_in", "line"),
+    [
+        ("proxy.pins", "from registry.view import View"),
+        ("flaps.explain", "from registry import rows"),
+        ("proxy.control", "from registry.service import serve_replica"),
+        # the generated contracts are anyone's
+        ("proxy.pins", "from flyd.v1 import worker_pb2"),
+    ],
+)
+def test_a_planted_import_of_the_replica_or_a_contract_is_allowed(
+    house: tuple[dict[str, str], dict[str, set[str]]], planted_in: str, line: str
+) -> None:
+    assert plant(house, planted_in, line) == []
+
+
+def test_a_tree_written_with_a_cross_import_is_caught(tmp_path: Path) -> None:
+    """The whole path, from files: a proxy module that takes the slot rule from flyd (as
+    proxy.routes did before the rule moved to model; a re-export left behind in flyd is the
+    same arrow) is refused, naming both modules."""
+    tree = {
+        "runtime/__init__.py": "",
+        "model/__init__.py": "",
+        "model/slots.py": "from flyd.v1 import machine_pb2\n",
+        "flyd/__init__.py": "",
+        "flyd/slots.py": "from model import slots\n",
+        "flyd/v1/__init__.py": "",
+        "flyd/v1/machine_pb2.py": "",
+        "proxy/__init__.py": "",
+        "proxy/routes.py": "from model import slots\nfrom flyd import slots as flyd_slots\n",
+    }
+    for name, text in tree.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    sources = read_tree(tmp_path, ["runtime", "model", "flyd", "proxy"])
+    edges = graph(sources)
+    assert edges["proxy.routes"] == {"model.slots", "flyd.slots"}
+    assert upward_imports(edges) == []
+    [found] = sideways_imports(edges, sources)
+    assert found.startswith("proxy.routes -> flyd.slots (proxy and flyd are sibling services")
 
 
 def test_a_planted_circle_is_caught(tmp_path: Path) -> None:
-    for floor in ("runtime", "flyd"):
+    for floor in ("runtime", "model", "flyd"):
         shutil.copytree(
             ROOT / floor, tmp_path / floor, ignore=shutil.ignore_patterns("__pycache__")
         )
     # flyd.fsm is imported by flyd.worker; fsm importing worker back closes a circle.
     fsm = tmp_path / "flyd/fsm.py"
     fsm.write_text(fsm.read_text() + "\nfrom flyd import worker\n")
-    found = cycles(graph(read_tree(tmp_path, ["runtime", "flyd"])))
+    found = cycles(graph(read_tree(tmp_path, ["runtime", "model", "flyd"])))
     assert any({"flyd.fsm", "flyd.worker"} <= set(component) for component in found)

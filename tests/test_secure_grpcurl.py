@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from flaps.tokens import read_token
+from model.tokens import read_token
 from nonomad.security import ClusterSecurity
 from runtime.pki import OPERATOR, CertPaths, ClusterCA
 from tests import host_ports

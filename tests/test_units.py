@@ -18,7 +18,7 @@ import pytest
 
 from flyd.drivers.fdlimit import machines_within
 from flyd.settings import CapacitySettings
-from flyd.validate import CONFIG_LIMITS
+from model.validate import CONFIG_LIMITS
 from nonomad.hosts import (
     DEPLOY,
     UNITS,

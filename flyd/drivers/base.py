@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from flyd.errors import CorruptLog
-from flyd.validate import DEFAULT_DISK_MIB
+from model.errors import CorruptLog
+from model.validate import DEFAULT_DISK_MIB
 
 __all__ = [
     "DEFAULT_PIDS",

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from flyd.drivers.seccomp import profile
-from flyd.errors import InvalidArgument
+from model.errors import InvalidArgument
 
 __all__ = [
     "ETC_FILES",

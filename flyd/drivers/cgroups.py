@@ -24,7 +24,7 @@ import structlog
 
 from flyd.drivers import namespaces
 from flyd.drivers.base import ExitStatus, Limits
-from flyd.errors import Unavailable
+from model.errors import Unavailable
 
 __all__ = [
     "CONTROLLERS",

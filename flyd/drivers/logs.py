@@ -53,7 +53,7 @@ import structlog
 
 from flyd.drivers.base import Handle, LogTail
 from flyd.drivers.procfs import open_pidfd, read_proc_stat
-from flyd.errors import CorruptLog
+from model.errors import CorruptLog
 
 __all__ = [
     "COPIER_HANDLE",

@@ -40,7 +40,7 @@ import structlog
 from flyd.drivers.base import Handle
 from flyd.drivers.netd import MAX_MESSAGE, PROTOCOL, unix_address
 from flyd.drivers.procfs import open_pidfd, read_boot_id
-from flyd.errors import CorruptLog, Unavailable
+from model.errors import CorruptLog, Unavailable
 
 __all__ = ["NETD_HANDLE", "NETD_SOCKET", "Netd", "NetdGone", "NetdMachines", "kill_netd"]
 

@@ -86,8 +86,8 @@ from flyd.drivers.procfs import read_proc_stat
 from flyd.drivers.wrapped import Watched, WrappedDriver
 from flyd.drivers.wrapper import oci_wrapper_script
 from flyd.drivers.writable import WritableLayers, overlay_options
-from flyd.errors import InvalidArgument, ResourceExhausted, Unavailable
 from flyd.storage import diskfile
+from model.errors import InvalidArgument, ResourceExhausted, Unavailable
 
 __all__ = ["UIDS_PER_MACHINE", "OciDriver", "probe"]
 

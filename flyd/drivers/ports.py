@@ -16,7 +16,7 @@ import ipaddress
 import socket
 from collections.abc import Iterable
 
-from flyd.errors import ResourceExhausted
+from model.errors import ResourceExhausted
 
 __all__ = ["HeldPorts", "bind_address", "bind_port", "local_address"]
 

@@ -38,8 +38,8 @@ from flyd.drivers.base import Driver, ExitStatus, Handle, ProcessSpec, port_env
 from flyd.drivers.procfs import open_child_pidfd, read_proc_stat, readable
 from flyd.drivers.wrapped import Watched, WrappedDriver, resolve_user
 from flyd.drivers.wrapper import FORWARDED_SIGNALS, wrapper_script
-from flyd.errors import InvalidArgument, Unavailable, UnsafeImage
 from flyd.images import confine
+from model.errors import InvalidArgument, Unavailable, UnsafeImage
 
 __all__ = ["ProcessDriver"]
 

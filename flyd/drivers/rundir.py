@@ -34,7 +34,7 @@ from flyd.drivers.base import ExitStatus, Handle
 from flyd.drivers.cgroups import OomCounters
 from flyd.drivers.procfs import read_boot_id, read_proc_stat
 from flyd.drivers.wrapper import exit_record, read_exit_file
-from flyd.errors import CorruptLog, InvalidArgument, NotFound
+from model.errors import CorruptLog, InvalidArgument, NotFound
 
 __all__ = ["RunDirs", "kill_all", "validate_machine_id"]
 

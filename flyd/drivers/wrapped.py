@@ -52,7 +52,7 @@ from flyd.drivers.procfs import open_pidfd, read_boot_id, readable, unreaped_chi
 from flyd.drivers.rundir import RunDirs, validate_machine_id
 from flyd.drivers.spares import Spares
 from flyd.drivers.wrapper import WRAPPER_PREFIX, from_wait_status, from_waitid
-from flyd.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from model.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 
 __all__ = ["KILL_GRACE_S", "Watched", "WrappedDriver", "resolve_user", "validate_signal"]
 

@@ -44,7 +44,7 @@ import structlog
 
 from flyd.drivers.base import ProcessSpec
 from flyd.storage import diskfile
-from flyd.validate import DEFAULT_DISK_MIB
+from model.validate import DEFAULT_DISK_MIB
 
 __all__ = ["DISK_FILE", "WritableLayers", "overlay_options"]
 

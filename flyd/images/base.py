@@ -29,15 +29,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, cast
 
-from flyd.errors import ImageError
-from flyd.images.oci import (
+from model.errors import ImageError
+from model.images.oci import (
     GZIP_LAYER_TYPES,
     MEDIA_TYPE_LAYER_GZIP,
     MEDIA_TYPE_LAYER_TAR,
     Descriptor,
     load_json,
 )
-from flyd.images.source import CHUNK, ResolvedImage, open_layout
+from model.images.source import CHUNK, ResolvedImage, open_layout
 
 __all__ = ["Base", "read_base"]
 

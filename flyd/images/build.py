@@ -19,9 +19,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, cast
 
-from flyd.errors import ImageError, InvalidArgument
 from flyd.images.base import read_base
-from flyd.images.oci import (
+from model.errors import ImageError, InvalidArgument
+from model.images.oci import (
     HOST_RUNTIME_LABEL,
     MEDIA_TYPE_CONFIG,
     MEDIA_TYPE_INDEX,
@@ -33,8 +33,8 @@ from flyd.images.oci import (
     parse_index,
     write_atomic,
 )
-from flyd.images.owners import NO_OWNER, Owners
-from flyd.images.reference import check_image_name, check_image_tag
+from model.images.owners import NO_OWNER, Owners
+from model.images.reference import check_image_name, check_image_tag
 
 __all__ = ["build_image"]
 
@@ -89,7 +89,7 @@ def build_image(
     own rootfs. `ports` are the TCP ports its command serves on: they become ExposedPorts, and
     the first is the image's `PORT` unless `env` sets one (a worker sets PORT itself when it
     starts a machine: the service's port, or with the process driver the host port).
-    `owners` say which apps may run it (flyd.images.owners): recorded in its manifest, so
+    `owners` say which apps may run it (model.images.owners): recorded in its manifest, so
     the same tree built for another app is another image, of another digest. By default it
     records none, and no app may run it.
 

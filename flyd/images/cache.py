@@ -1,7 +1,7 @@
 """The worker's content-addressed image cache, shared by its machines.
 
 A pull resolves a reference in the image source, checks that the app asking may run the image
-(flyd.images.owners), verifies every blob against its digest and unpacks the layers (in a
+(model.images.owners), verifies every blob against its digest and unpacks the layers (in a
 scratch directory, renamed into place only when complete) into a rootfs that machines share.
 Machines hold references to the images they use; the least recently used images nobody holds
 are evicted when the cache grows past its bound.
@@ -24,13 +24,13 @@ from typing import Any, cast
 
 import structlog
 
-from flyd.errors import ImageDenied, ImageError, ImageNotFound
 from flyd.images import confine
-from flyd.images.oci import canonical_json, digest_hex, load_json, write_atomic
-from flyd.images.owners import Owners
-from flyd.images.reference import ImageRef, parse_reference
-from flyd.images.source import ImageSource, ResolvedImage, owners_of
 from flyd.images.unpack import Unpacker, rmtree
+from model.errors import ImageDenied, ImageError, ImageNotFound
+from model.images.oci import canonical_json, digest_hex, load_json, write_atomic
+from model.images.owners import Owners
+from model.images.reference import ImageRef, parse_reference
+from model.images.source import ImageSource, ResolvedImage, owners_of
 
 __all__ = ["CachedImage", "Image", "ImageCache"]
 
@@ -62,7 +62,7 @@ class Image:
     size_bytes: int
     pulled: bool
     user: str = ""
-    host_runtime: bool = False  # it names no base (see flyd.images.oci.HOST_RUNTIME_LABEL)
+    host_runtime: bool = False  # it names no base (see model.images.oci.HOST_RUNTIME_LABEL)
     # Who may run it, from its manifest; None for an entry cached before owners were kept,
     # read from the source the next time an app asks for it.
     owners: Owners | None = None

@@ -17,9 +17,9 @@ import os
 import re
 from pathlib import Path
 
-from flyd.errors import ImageError, UnsafeImage
-from flyd.images.oci import ImageConfig
 from flyd.images.unpack import Escape, resolve
+from model.errors import ImageError, UnsafeImage
+from model.images.oci import ImageConfig
 
 __all__ = ["DEFAULT_PATH", "check_config", "host_path", "host_program", "inside"]
 

@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Protocol, Self, cast
 
-from flyd.errors import ImageError, UnsafeImage
-from flyd.images.oci import GZIP_LAYER_TYPES, Descriptor
-from flyd.images.source import CHUNK, BlobReader
+from model.errors import ImageError, UnsafeImage
+from model.images.oci import GZIP_LAYER_TYPES, Descriptor
+from model.images.source import CHUNK, BlobReader
 
 __all__ = ["Escape", "Unpacker", "resolve", "rmtree"]
 

@@ -10,7 +10,7 @@ itself; the caveats it then reads from the token are the ones flaps just verifie
 caveat breaks the signature).
 
 `Scope` is what the session may see, from those caveats, checked as flaps checks a call
-(`flaps.tokens.Grant`): an app only if the token may read it, a machine only if it may read
+(`model.tokens.Grant`): an app only if the token may read it, a machine only if it may read
 that machine, and the fleet (workers, regions, their feed items) only with a token that is not
 limited to some apps and may do the fleet's reads (`workers`, `regions`). Every page, stream
 and feed item goes through it; the calls the console makes to flaps for a session carry the
@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from flaps.tokens import Caveat, Denied, Grant, InvalidToken, inspect
+from model.tokens import Caveat, Denied, Grant, InvalidToken, inspect
 from nonomad.client import (
     ApiError,
     Client,

@@ -17,10 +17,10 @@ from google.protobuf import json_format
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from flaps.v1 import platform_pb2
-from flyd.slots import Claim, claim, outranks, slot_of
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
-from flyd.validate import REDACTED
+from model.slots import Claim, claim, outranks, slot_of
+from model.validate import REDACTED
 from nonomad.client import state_name
 from proxy.v1 import proxy_pb2
 from registry.replica import WorkerView, status_name

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from cryptography import x509
 
-from flaps.tokens import DEFAULT_TTL, inspect, read_token
+from model.tokens import DEFAULT_TTL, inspect, read_token
 from nonomad.security import RENEW_WITHIN, provision
 from runtime.pki import Identity
 from tests.roles import legacy_certificate

@@ -14,10 +14,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from flaps.tokens import DEFAULT_TTL, new_key_line
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
+from model.tokens import DEFAULT_TTL, new_key_line
 from nonomad.security import CONSOLE_PART
 from runtime.pki import part_role, write_private
 from tests.cli.conftest import CliFleet, Result, nonomad

@@ -14,10 +14,10 @@ from typing import Any, cast
 import grpc
 import httpx
 
-from flaps.tokens import Denied, InvalidToken, Keyring, caveats
 from flaps.v1 import platform_pb2
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
+from model.tokens import Denied, InvalidToken, Keyring, caveats
 from nonomad.client import NotFound, PermissionDenied, Unauthenticated, Unavailable
 from nonomad.console.access import TokenCheck
 from nonomad.console.app import build

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from flaps.tokens import caveats
 from flaps.v1 import machines_pb2 as m
 from flyd.v1 import machine_pb2 as pb
+from model.tokens import caveats
 from tests.console.cluster import ConsoleProcess, Reply
 from tests.harness import ServiceProcess, clean_env
 from tests.proxy.support import ProxyFleet, T, eventually

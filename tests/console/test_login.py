@@ -22,7 +22,7 @@ import pytest
 from pymacaroons import Macaroon
 from structlog.testing import capture_logs
 
-from flaps.tokens import Grant, Keyring, attenuate, caveats
+from model.tokens import Grant, Keyring, attenuate, caveats
 from nonomad.console.access import Scope
 from nonomad.console.app import build
 from nonomad.console.guard import CSP, Door, Served

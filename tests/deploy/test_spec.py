@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from flyd import checks
 from flyd.v1 import machine_pb2 as pb
+from model import checks
 from nonomad.spec import (
     META_APP,
     META_DIGEST,

@@ -27,13 +27,13 @@ import pytest
 from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import Message
 
-from flaps.tokens import inspect, read_token
 from flaps.v1 import machines_pb2 as m
 from flaps.v1 import platform_pb2, platform_pb2_grpc
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
-from flyd.validate import REDACTED
+from model.tokens import inspect, read_token
+from model.validate import REDACTED
 from proxy.v1 import proxy_pb2 as p
 from registry.v1 import registry_pb2, registry_pb2_grpc
 from tests.e2e.otlp import OtlpReceiver

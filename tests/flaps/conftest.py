@@ -13,9 +13,9 @@ from typing import Any
 import grpc
 import pytest
 
-from flaps.tokens import read_token
 from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
 from flyd.v1 import worker_pb2_grpc
+from model.tokens import read_token
 from nonomad.client import Client
 from nonomad.security import ClusterSecurity
 from runtime import ChannelTLS

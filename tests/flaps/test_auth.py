@@ -27,12 +27,12 @@ from flaps import auth, placement
 from flaps.auth import Authorizer, KeySource, RevocationList, TokenVerifier
 from flaps.errors import map_error
 from flaps.service import Exchange, MachinesServicer, PlatformServicer, Workers
-from flaps.tokens import DEFAULT_TTL, InvalidToken, Keyring, attenuate, caveats, new_key_line
-from flaps.tokens import inspect as inspect_token
 from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc, tokens_pb2, tokens_pb2_grpc
 from flaps.verify import TOKEN_ACCESS, TokenServicer
 from flyd.v1 import machine_pb2 as pb
+from model.tokens import DEFAULT_TTL, InvalidToken, Keyring, attenuate, caveats, new_key_line
+from model.tokens import inspect as inspect_token
 from nonomad.security import ClusterSecurity
 from registry.replica import Replica
 from registry.service import serve_replica
@@ -332,7 +332,7 @@ def unexpiring(keys: str) -> str:
 
 
 def with_caveat(token: str, text: str) -> str:
-    """Add any caveat, as pymacaroons lets a holder do (flaps.tokens.attenuate checks them)."""
+    """Add any caveat, as pymacaroons lets a holder do (model.tokens.attenuate checks them)."""
     macaroon = Macaroon.deserialize(token)
     macaroon.add_first_party_caveat(text)
     return str(macaroon.serialize())

@@ -13,7 +13,7 @@ import pytest
 
 from flaps.v1 import machines_pb2 as m
 from flyd import fsm
-from flyd.errors import Unavailable
+from model.errors import Unavailable
 from tests.flaps import test_servicer as machines_tests
 from tests.flaps.support import FakeFleet
 from tests.flaps.test_servicer import Machines, bid, exchange, fleet

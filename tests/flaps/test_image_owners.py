@@ -25,11 +25,11 @@ from flaps.images import ImageOwners
 from flaps.service import LIMITS, Exchange, MachinesServicer, PlatformServicer, Workers
 from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
-from flyd.errors import DOMAIN as FLYD
 from flyd.images.build import build_image
-from flyd.images.owners import PUBLIC, Owners
-from flyd.images.source import ImageSource
 from flyd.v1 import machine_pb2 as pb
+from model.errors import DOMAIN as FLYD
+from model.images.owners import PUBLIC, Owners
+from model.images.source import ImageSource
 from tests.flaps.support import FakeFleet, fake_fleet
 from tests.flyd.support import config
 from tests.servicers import T, info_of, refused, registered

@@ -15,10 +15,10 @@ import grpc
 import pytest
 
 from flyd.images.build import build_image
-from flyd.images.owners import PUBLIC, Owners
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
+from model.images.owners import PUBLIC, Owners
 from nonomad.client import PermissionDenied, state_name
 from nonomad.deploy import deploy
 from nonomad.security import ClusterSecurity

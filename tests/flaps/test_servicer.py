@@ -24,9 +24,9 @@ from flaps.errors import map_error
 from flaps.service import LIMITS, Exchange, MachinesServicer, PlatformServicer, Workers
 from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
-from flyd.errors import DOMAIN as FLYD
 from flyd.v1 import machine_pb2 as pb
-from flyd.validate import DEFAULT_DISK_MIB, EGRESS_LABEL
+from model.errors import DOMAIN as FLYD
+from model.validate import DEFAULT_DISK_MIB, EGRESS_LABEL
 from tests.flaps.support import FakeFleet, fake_fleet
 from tests.flyd.support import CREATED, DESTROYED, STARTED, STOPPED, config
 from tests.servicers import (

@@ -21,10 +21,10 @@ from flaps.auth import REASON_DOMAIN, Authorizer, TokenVerifier
 from flaps.errors import map_error
 from flaps.service import Exchange, MachinesServicer, Workers
 from flaps.settings import FlapsSettings
-from flaps.tokens import Keyring, new_key_line
 from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc
 from flyd.v1 import machine_pb2 as pb
+from model.tokens import Keyring, new_key_line
 from proxy.settings import ProxySettings
 from registry.settings import ReplicaSettings
 from runtime import Service, ServiceSettings, SettingsError, load_settings

@@ -21,16 +21,16 @@ from flyd.fakes import FakeDriver, FakeHost, FakeScript, _FakeProcess
 from flyd.fencing import SlotPeers
 from flyd.images.build import build_image
 from flyd.images.cache import ImageCache
-from flyd.images.owners import PUBLIC
-from flyd.images.source import ImageSource
 from flyd.secrets import SecretBox
 from flyd.settings import CapacitySettings
 from flyd.store import MachineLog, NewRecord, Record, Snapshot
 from flyd.traces import OpTracer
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
-from flyd.validate import DEFAULT_DISK_MIB
 from flyd.worker import Identity, Worker
+from model.images.owners import PUBLIC
+from model.images.source import ImageSource
+from model.validate import DEFAULT_DISK_MIB
 from runtime.clock import ManualClock
 
 S = pb.MachineState

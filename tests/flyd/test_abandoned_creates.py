@@ -23,12 +23,12 @@ import pytest
 from flyd.fakes import FakeHost
 from flyd.images.build import build_image
 from flyd.images.cache import ImageCache
-from flyd.images.owners import PUBLIC
-from flyd.images.source import ImageSource
 from flyd.store import LmdbMachineLog
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
+from model.images.owners import PUBLIC
+from model.images.source import ImageSource
 from runtime.clock import ManualClock
 from tests import host_ports
 from tests.flyd.driver_support import (

@@ -14,7 +14,7 @@ from google.protobuf.duration_pb2 import Duration
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
-from flyd.validate import MAX_DISK_MIB, MIN_DISK_MIB
+from model.validate import MAX_DISK_MIB, MIN_DISK_MIB
 from tests.conftest import one_flyd
 from tests.harness import error_info, grpcurl
 

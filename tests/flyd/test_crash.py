@@ -25,10 +25,10 @@ import pytest
 
 from flyd import fsm
 from flyd.drivers.base import ExitStatus
-from flyd.images.source import ImageSource
 from flyd.store import LmdbMachineLog
 from flyd.v1 import machine_pb2 as pb
-from flyd.validate import guest_disk_mib
+from model.images.source import ImageSource
+from model.validate import guest_disk_mib
 from runtime.clock import ManualClock
 from tests.flyd.support import (
     DEADLINE,

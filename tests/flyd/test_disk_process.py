@@ -23,11 +23,11 @@ import pytest
 
 from flyd.drivers.writable import DISK_FILE
 from flyd.images.build import build_image
-from flyd.images.owners import PUBLIC
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
-from flyd.validate import DEFAULT_DISK_MIB, DISK_LABEL
+from model.images.owners import PUBLIC
+from model.validate import DEFAULT_DISK_MIB, DISK_LABEL
 from tests.flyd.driver_support import OCI_UNAVAILABLE, gone, loops_under
 from tests.flyd.test_flyd_process import wait_state
 from tests.harness import ServiceProcess

@@ -23,7 +23,7 @@ import pytest
 from flyd.drivers.base import ExitStatus, Handle, Limits, PortMapping
 from flyd.drivers.cgroups import cpu_shares
 from flyd.drivers.spares import SPARES
-from flyd.errors import CorruptLog, FailedPrecondition, InvalidArgument, NotFound
+from model.errors import CorruptLog, FailedPrecondition, InvalidArgument, NotFound
 from tests import host_ports
 from tests.flyd.driver_support import (
     CGROUP_ROOT,

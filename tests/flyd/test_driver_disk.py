@@ -20,7 +20,7 @@ from flyd.drivers.oci import UIDS_PER_MACHINE
 from flyd.drivers.spares import SPARES
 from flyd.drivers.writable import DISK_FILE
 from flyd.storage import diskfile
-from flyd.validate import DEFAULT_DISK_MIB
+from model.validate import DEFAULT_DISK_MIB
 from tests.flyd.driver_support import (
     LIMITS,
     OCI_UNAVAILABLE,

@@ -31,9 +31,9 @@ from flyd.drivers.oci import UIDS_PER_MACHINE, OciDriver
 from flyd.drivers.oci import probe as oci_probe
 from flyd.drivers.ports import local_address
 from flyd.drivers.rundir import kill_all
-from flyd.errors import InvalidArgument, Unavailable
 from flyd.main import make_driver as make_flyd_driver
 from flyd.settings import FlydSettings
+from model.errors import InvalidArgument, Unavailable
 from runtime import load_settings
 from tests import host_ports
 from tests.flyd.driver_support import (

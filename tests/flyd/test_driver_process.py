@@ -13,7 +13,7 @@ import structlog
 
 from flyd.drivers.base import ExitStatus
 from flyd.drivers.process import ProcessDriver
-from flyd.errors import UnsafeImage
+from model.errors import UnsafeImage
 from tests.flyd.driver_support import Exits, log_lines, run_machine, sh, spec
 
 

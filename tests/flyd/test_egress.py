@@ -30,12 +30,12 @@ import pytest
 
 from flyd.drivers.namespaces import CLONE_NEWNET, setns
 from flyd.images.build import build_image
-from flyd.images.owners import PUBLIC
 from flyd.settings import FlydSettings
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
-from flyd.validate import EGRESS_LABEL
+from model.images.owners import PUBLIC
+from model.validate import EGRESS_LABEL
 from runtime import SettingsError, load_settings
 from tests.flyd.driver_support import OCI_UNAVAILABLE
 from tests.flyd.test_sandbox import machine_address

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from flyd.drivers.base import ExitStatus, LogTail
-from flyd.errors import Unavailable
 from flyd.fakes import FakeDriver, FakeHost, FakeScript
+from model.errors import Unavailable
 from runtime.clock import ManualClock
 from tests.flyd.driver_support import DEADLINE, Exits, run_machine, spec
 

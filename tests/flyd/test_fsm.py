@@ -12,8 +12,6 @@ from typing import Any
 import pytest
 
 from flyd import fsm
-from flyd.errors import BUSY, WRONG_STATE, CorruptLog, FailedPrecondition
-from flyd.errors import DESTROYED as GONE
 from flyd.fsm import (
     CleanedUp,
     Cleanup,
@@ -38,6 +36,8 @@ from flyd.fsm import (
     UpdateRequested,
 )
 from flyd.v1 import machine_pb2 as pb
+from model.errors import BUSY, WRONG_STATE, CorruptLog, FailedPrecondition
+from model.errors import DESTROYED as GONE
 
 S = pb.MachineState
 CREATED = S.MACHINE_STATE_CREATED

@@ -24,14 +24,15 @@ from typing import Any
 import grpc
 import pytest
 
-from flyd import fsm, pages
+from flyd import fsm
 from flyd import worker as worker_module
-from flyd.errors import DeadlineExceeded, Unavailable
 from flyd.fakes import FakeHost
 from flyd.runner import Runner
 from flyd.store import LmdbMachineLog
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
+from model import pages
+from model.errors import DeadlineExceeded, Unavailable
 from registry.view import View
 from runtime.clock import ManualClock
 from tests.flyd.support import (

@@ -1,4 +1,4 @@
-"""flyd runs a machine only of an image its app may run (flyd.images.owners): a create or an
+"""flyd runs a machine only of an image its app may run (model.images.owners): a create or an
 update naming another app's image is PERMISSION_DENIED naming `config.image`, before anything
 is pulled or reserved, and changes nothing. flyd is the commit point: whatever flaps checked,
 this is what holds for any caller of the worker (the attack: a token for app `bapp` runs
@@ -14,11 +14,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from flyd.errors import DOMAIN
 from flyd.images.build import build_image
-from flyd.images.owners import NO_OWNER, PUBLIC, Owners
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
+from model.errors import DOMAIN
+from model.images.owners import NO_OWNER, PUBLIC, Owners
 from tests.flyd.support import STARTED, Flyd, config
 from tests.flyd.test_servicer import (  # the servicer tests' fixtures, used by name
     Stub,

@@ -21,7 +21,7 @@ import pytest
 from flyd.drivers.base import PortMapping
 from flyd.drivers.netclient import Netd, kill_netd
 from flyd.drivers.oci import OciDriver
-from flyd.errors import InvalidArgument, Unavailable
+from model.errors import InvalidArgument, Unavailable
 from tests import host_ports
 from tests.flyd.driver_support import (
     DEADLINE,

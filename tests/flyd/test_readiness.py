@@ -16,14 +16,14 @@ import pytest
 from google.protobuf.duration_pb2 import Duration
 
 from flyd import conditions
-from flyd.checks import CheckSpec
 from flyd.drivers.base import ExitStatus
-from flyd.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 from flyd.readiness import NO_SERVICES, Readiness, probe_host
 from flyd.settings import CapacitySettings
 from flyd.store import MemoryMachineLog
 from flyd.v1 import machine_pb2 as pb
-from flyd.validate import DEFAULT_DISK_MIB
+from model.checks import CheckSpec
+from model.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
+from model.validate import DEFAULT_DISK_MIB
 from runtime.clock import ManualClock
 from tests.flyd.driver_support import host_address
 from tests.flyd.support import (

@@ -27,10 +27,10 @@ import pytest
 from google.protobuf.duration_pb2 import Duration
 
 from flyd.images.build import build_image
-from flyd.images.owners import PUBLIC
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
+from model.images.owners import PUBLIC
 from tests.conftest import DEMO_APP
 from tests.flyd.driver_support import OCI_UNAVAILABLE, gone, loops_under, upper_layer
 from tests.harness import ServiceProcess

@@ -21,9 +21,9 @@ from typing import Any
 import grpc
 import pytest
 
-from flyd import scope, slots
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
+from model import scope, slots
 from tests.flyd.support import CREATED, STARTED, STOPPED, Flyd, config
 from tests.flyd.test_servicer import (
     Stub,

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from flyd.errors import AlreadyExists, InvalidArgument, NotFound
 from flyd.secrets import REDACTED, SecretBox
 from flyd.store import LmdbMachineLog
 from flyd.v1 import machine_pb2 as pb
-from flyd.validate import check_config
+from model.errors import AlreadyExists, InvalidArgument, NotFound
+from model.validate import check_config
 from runtime.clock import ManualClock
 from tests.flyd.support import (
     STARTED,

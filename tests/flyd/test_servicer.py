@@ -20,7 +20,6 @@ import grpc
 import pytest
 from google.protobuf.duration_pb2 import Duration
 
-from flyd.errors import DOMAIN
 from flyd.fakes import FakeHost
 from flyd.secrets import SecretBox
 from flyd.service import LIMITS, WorkerServicer, map_error
@@ -29,6 +28,7 @@ from flyd.store import MemoryMachineLog
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
+from model.errors import DOMAIN
 from runtime.clock import ManualClock
 from tests.flyd.support import (
     CAPACITY,

@@ -8,10 +8,11 @@ import signal
 
 import pytest
 
-from flyd import fsm, slots
-from flyd.errors import BUSY, STANDBY, SUPERSEDED, FailedPrecondition
+from flyd import fsm
 from flyd.fsm import Confirm, Fence, Kill, Op, Spawn, StartRequested, Supersede, UpdateRequested
 from flyd.v1 import machine_pb2 as pb
+from model import slots
+from model.errors import BUSY, STANDBY, SUPERSEDED, FailedPrecondition
 
 S = pb.MachineState
 CREATED, STARTED, STOPPED = (

@@ -9,7 +9,6 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from flyd.errors import CorruptLog
 from flyd.store import (
     Compacted,
     LmdbMachineLog,
@@ -18,6 +17,7 @@ from flyd.store import (
     NewRecord,
     RecordType,
 )
+from model.errors import CorruptLog
 
 Factory = Callable[[], MachineLog]
 

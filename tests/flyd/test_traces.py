@@ -17,11 +17,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import Span, StatusCode, Tracer
 
 from flyd import fsm
-from flyd.errors import FailedPrecondition
 from flyd.runner import Runner
 from flyd.store import LmdbMachineLog
 from flyd.traces import OpTracer
 from flyd.v1 import machine_pb2 as pb
+from model.errors import FailedPrecondition
 from runtime.clock import ManualClock
 from tests.flyd.support import (
     DEADLINE,

@@ -16,17 +16,17 @@ import pytest
 from google.protobuf.duration_pb2 import Duration
 
 from flyd.drivers.base import ProcessSpec, port_env
-from flyd.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from flyd.fakes import FakeDriver
 from flyd.images.build import build_image
 from flyd.images.cache import ImageCache
-from flyd.images.owners import PUBLIC
 from flyd.store import LmdbMachineLog
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as wpb
 from flyd.v1 import worker_pb2_grpc
-from flyd.validate import DEFAULT_DISK_MIB
 from flyd.worker import Worker
+from model.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from model.images.owners import PUBLIC
+from model.validate import DEFAULT_DISK_MIB
 from runtime.clock import ManualClock
 from tests.flyd.support import (
     CAPACITY,

@@ -15,7 +15,13 @@ import pytest
 
 from flyd import stream as stream_module
 from flyd.drivers.base import ExitStatus, PortMapping
-from flyd.errors import (
+from flyd.images.cache import ImageCache
+from flyd.settings import CapacitySettings
+from flyd.store import LmdbMachineLog, MachineLog, MemoryMachineLog
+from flyd.v1 import machine_pb2 as pb
+from flyd.v1 import worker_pb2
+from flyd.worker import MAX_KEY, Worker
+from model.errors import (
     AlreadyExists,
     DeadlineExceeded,
     FailedPrecondition,
@@ -24,13 +30,7 @@ from flyd.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from flyd.images.cache import ImageCache
-from flyd.settings import CapacitySettings
-from flyd.store import LmdbMachineLog, MachineLog, MemoryMachineLog
-from flyd.v1 import machine_pb2 as pb
-from flyd.v1 import worker_pb2
-from flyd.validate import DEFAULT_DISK_MIB
-from flyd.worker import MAX_KEY, Worker
+from model.validate import DEFAULT_DISK_MIB
 from runtime.clock import ManualClock
 from tests.flyd.support import (
     CAPACITY,

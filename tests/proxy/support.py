@@ -26,14 +26,14 @@ from google.protobuf.duration_pb2 import Duration
 from opentelemetry.trace import Tracer
 
 from flaps.auth import TokenVerifier
-from flaps.tokens import Keyring, read_token
 from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc, tokens_pb2
 from flaps.verify import TokenServicer
-from flyd import slots
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
+from model import slots
+from model.tokens import Keyring, read_token
 from nonomad.security import ClusterSecurity, provision
 from proxy.control import Flaps, FlapsFailed
 from proxy.router import Router

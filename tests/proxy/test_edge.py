@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from flaps.tokens import Keyring, new_key_line
+from model.tokens import Keyring, new_key_line
 from proxy.errors import NoBackend
 from proxy.http import HttpProxy
 from proxy.pins import Grants, pin_check

@@ -13,8 +13,8 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from flaps.tokens import Grant, Keyring, inspect, new_key_line
 from flaps.v1 import tokens_pb2
+from model.tokens import Grant, Keyring, inspect, new_key_line
 from proxy.control import FlapsFailed
 from proxy.pins import Grants, pin_check
 from runtime.clock import ManualClock

@@ -5,7 +5,7 @@ it declared the old primary's worker dead; a slot whose serving member was stopp
 its worker died is taken over by a standby on the next request.
 
 Routers over fakes on a ManualClock (tests/proxy/support.py). `Workers` stands for the workers
-behind flaps: it keeps the true rows, applies flyd's own rule to each start (flyd.slots), and
+behind flaps: it keeps the true rows, applies flyd's own rule to each start (model.slots), and
 replicates every change to the registries of the proxies that follow it.
 """
 
@@ -16,9 +16,9 @@ import itertools
 
 import grpc
 
-from flyd import slots
-from flyd.errors import FailedPrecondition
 from flyd.v1 import machine_pb2 as pb
+from model import slots
+from model.errors import FailedPrecondition
 from proxy.control import FlapsFailed, standby_candidates
 from registry.view import DEAD, SUSPECT
 from tests.proxy.support import (

@@ -11,8 +11,8 @@ import asyncio
 import grpc
 import pytest
 
-from flyd import slots
 from flyd.v1 import machine_pb2 as pb
+from model import slots
 from proxy.control import FlapsFailed
 from proxy.errors import NoBackend
 from registry.view import DEAD, SUSPECT
@@ -179,7 +179,7 @@ async def test_a_fenced_primary_alone_with_dead_members_is_promoted_in_place() -
         w.probes.dead_workers.add("w2.test:7000")
         await settle()
         assert w.router.is_dead("w2")
-        # Generation 1 is s's own (flyd.slots.promotion_generation): p's next is 2.
+        # Generation 1 is s's own (model.slots.promotion_generation): p's next is 2.
         assert (w.flaps.starts, w.flaps.generations) == (["p"], [2])
         row = w.registry.machine("p")
         assert row is not None

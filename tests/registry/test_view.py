@@ -7,9 +7,9 @@ from collections import Counter
 
 import pytest
 
-from flyd.pages import page
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
+from model.pages import page
 from registry.errors import (
     BrokenSnapshot,
     InvalidArgument,
@@ -197,7 +197,7 @@ def test_machines_by_app_follow_an_app_change() -> None:
 @pytest.mark.parametrize("size", [1, 2, 3, 500])
 def test_a_page_of_machines_is_the_page_of_every_machine(size: int) -> None:
     """machine_page reads the page off the index: the same pages, in the same order, as
-    flyd.pages.page over every machine, whatever the filters."""
+    model.pages.page over every machine, whatever the filters."""
     view = view_with(info("w1", "ams"), info("w2", "syd"))
     states = [S.MACHINE_STATE_STARTED, S.MACHINE_STATE_STOPPED, S.MACHINE_STATE_DESTROYED]
     for worker in ["w1", "w2"]:

@@ -9,7 +9,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
-from flyd.validate import CONFIG_LIMITS
+from model.validate import CONFIG_LIMITS
 from runtime.errors import InvalidArgument
 from runtime.limits import DEFAULT_LIMITS, Limits, check
 

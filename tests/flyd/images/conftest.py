@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from flyd.images.cache import ImageCache
-from flyd.images.source import ImageSource
+from model.images.source import ImageSource
 
 
 @pytest.fixture

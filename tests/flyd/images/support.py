@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from flyd.images.build import build_image
-from flyd.images.oci import (
+from model.images.oci import (
     MEDIA_TYPE_CONFIG,
     MEDIA_TYPE_INDEX,
     MEDIA_TYPE_LAYER_GZIP,

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from flyd.errors import ImageError
 from flyd.images.build import build_image
 from flyd.images.cache import ImageCache
+from model.errors import ImageError
 from tests.flyd.images.support import blob_json, file, tar_bytes
 
 

@@ -15,18 +15,18 @@ from typing import Any
 
 import pytest
 
-from flyd.errors import (
+from flyd.images.build import build_image
+from model.errors import (
     InvalidArgument,
     InvalidImageReference,
 )
-from flyd.images.build import build_image
-from flyd.images.oci import (
+from model.images.oci import (
     MEDIA_TYPE_INDEX,
     MEDIA_TYPE_LAYER_GZIP,
     MEDIA_TYPE_MANIFEST,
     REF_NAME_ANNOTATION,
 )
-from flyd.images.source import ImageSource
+from model.images.source import ImageSource
 from tests.flyd.images.support import (
     blob_json,
     blob_path,

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import structlog
 
-from flyd.errors import ImageNotFound
 from flyd.images.build import build_image
 from flyd.images.cache import ImageCache
-from flyd.images.source import ImageSource
+from model.errors import ImageNotFound
+from model.images.source import ImageSource
 from tests.flyd.images.support import (
     DIGEST,
     HEX,

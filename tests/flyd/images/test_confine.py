@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 
 from flyd import fsm
-from flyd.errors import UnsafeImage
 from flyd.images import confine
 from flyd.images.cache import ImageCache
 from flyd.spec import process_spec
 from flyd.v1 import machine_pb2 as pb
+from model.errors import UnsafeImage
 from tests.flyd.images.support import directory, file, images_dir_entries, symlink, write_layout
 
 APP = [directory("bin"), file("bin/app", b"#!/bin/sh\n", 0o755)]

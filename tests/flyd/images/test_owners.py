@@ -1,4 +1,4 @@
-"""Who may run an image: the rule (flyd.images.owners), what a build records, and the cache
+"""Who may run an image: the rule (model.images.owners), what a build records, and the cache
 applying it before it unpacks anything."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from flyd.errors import ImageDenied, ImageError
 from flyd.images.build import build_image
 from flyd.images.cache import ImageCache
-from flyd.images.owners import (
+from model.errors import ImageDenied, ImageError
+from model.images.owners import (
     NO_OWNER,
     OWNER_ANNOTATION,
     PUBLIC,
@@ -21,7 +21,7 @@ from flyd.images.owners import (
     SHARED_ANNOTATION,
     Owners,
 )
-from flyd.images.source import ImageSource
+from model.images.source import ImageSource
 from tests.flyd.images.support import blob_json, images_dir_entries
 
 DEMO = Owners.of("demo")

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from flyd.errors import (
+from flyd.images.cache import ImageCache
+from model.errors import (
     ImageError,
     ImageNotFound,
 )
-from flyd.images.cache import ImageCache
-from flyd.images.source import ImageSource
+from model.images.source import ImageSource
 from tests.flyd.images.support import (
     DIGEST,
     blob_json,

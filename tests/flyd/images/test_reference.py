@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from flyd.errors import (
+from model.errors import (
     InvalidArgument,
     InvalidImageReference,
 )
-from flyd.images.reference import ImageRef, parse_reference
+from model.images.reference import ImageRef, parse_reference
 from tests.flyd.images.support import (
     DIGEST,
     HEX,

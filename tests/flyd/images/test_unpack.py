@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from flyd.errors import UnsafeImage
 from flyd.images.cache import ImageCache
+from model.errors import UnsafeImage
 from tests.flyd.images.support import (
     Member,
     directory,

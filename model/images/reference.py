@@ -9,8 +9,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from flyd.errors import InvalidImageReference
-from flyd.images.oci import DIGEST_RE
+from model.errors import InvalidImageReference
+from model.images.oci import DIGEST_RE
 
 __all__ = ["ImageRef", "check_image_name", "check_image_tag", "parse_reference"]
 

@@ -1,4 +1,7 @@
-"""flyd's error hierarchy, translated to gRPC status codes in one place (flyd.service)."""
+"""The machine API's errors: what flyd answers a call with, and what the rules of this floor
+raise (a config that does not validate, an image reference that does not parse, a claim
+that lost). flyd translates them to gRPC status codes in one place (flyd.service); flaps and
+the CLI catch them where they apply the same rules."""
 
 from __future__ import annotations
 
@@ -117,7 +120,7 @@ class UnsafeImage(ImageError):
 
 
 class ImageDenied(FlydError):
-    """The machine's app may not run the image its config names (flyd.images.owners): not
+    """The machine's app may not run the image its config names (model.images.owners): not
     the app's own, not shared with it, not public. Sent as PERMISSION_DENIED with the reason
     IMAGE_DENIED, naming the field, the image and its owner."""
 

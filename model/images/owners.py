@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from flyd.errors import ImageError
+from model.errors import ImageError
 from runtime.validate import is_name, quote
 
 __all__ = [

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from flyd.errors import STANDBY, SUPERSEDED, FailedPrecondition
 from flyd.v1 import machine_pb2 as pb
+from model.errors import STANDBY, SUPERSEDED, FailedPrecondition
 
 Claim = tuple[int, str]
 """(generation, primary): who serves the slot at which generation, as one row knows it."""

@@ -23,9 +23,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from flyd import slots
-from flyd.errors import InvalidArgument
 from flyd.v1 import machine_pb2 as pb
+from model import slots
+from model.errors import InvalidArgument
 
 MACHINE = "machine"
 """The one kind of object a request names today."""
@@ -69,7 +69,7 @@ def missing(ref: Ref) -> InvalidArgument:
 def check_held(app: str, refs: Iterable[Ref], held: Callable[[str], pb.Machine | None]) -> None:
     """Refuse any of `refs` whose machine this worker holds (`held`: its row, or None) and is
     of another app than `app`. A worker knows only its own rows: the others are flaps' to
-    check, and a slot is keyed by app (`flyd.slots.key`), so one it cannot see is harmless."""
+    check, and a slot is keyed by app (`model.slots.key`), so one it cannot see is harmless."""
     for ref in refs:
         row = held(ref.id) if ref.kind == MACHINE else None
         if row is not None:

@@ -8,9 +8,9 @@ no tenant can make a row, a snapshot or a list answer grow without bound.
 
 from __future__ import annotations
 
-from flyd.errors import InvalidArgument
-from flyd.images.reference import parse_reference
 from flyd.v1 import machine_pb2 as pb
+from model.errors import InvalidArgument
+from model.images.reference import parse_reference
 from runtime.limits import Limits
 from runtime.validate import check_name, duration_seconds, is_env_key, parse_signal, quote
 

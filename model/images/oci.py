@@ -1,5 +1,5 @@
-"""The OCI image format as flyd reads and writes it: media types, digests, descriptors, and
-the index, manifest and config JSON.
+"""The OCI image format as nonomad reads and writes it (flyd, flaps and the CLI): media types,
+digests, descriptors, and the index, manifest and config JSON.
 
 Parsing checks every field flyd relies on and names the offending blob in its ImageError;
 digests are sha256 only, since a digest becomes a file name under `blobs/`. JSON flyd writes
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flyd.errors import ImageError
+from model.errors import ImageError
 
 __all__ = [
     "DIGEST_RE",
@@ -120,7 +120,7 @@ class Manifest:
 
     config: Descriptor
     layers: tuple[Descriptor, ...]
-    # Who may run the image is recorded here (flyd.images.owners), among whatever else.
+    # Who may run the image is recorded here (model.images.owners), among whatever else.
     annotations: Mapping[str, str] = field(default_factory=dict)
 
 

@@ -4,7 +4,7 @@ An image named `n` lives in the source root as an OCI image layout directory `n/
 `oci-layout`, `index.json` and `blobs/sha256/...`) or as a tar of one, `n.tar`, read in place.
 A reference resolves to a manifest by tag annotation or digest; each blob read is checked
 against its descriptor's size and sha256 digest. Who may run an image is in its manifest
-(`ResolvedImage.owners`, flyd.images.owners).
+(`ResolvedImage.owners`, model.images.owners).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Protocol
 
-from flyd.errors import ImageError, ImageNotFound
-from flyd.images.oci import (
+from model.errors import ImageError, ImageNotFound
+from model.images.oci import (
     INDEX_TYPES,
     MANIFEST_TYPES,
     REF_NAME_ANNOTATION,
@@ -32,8 +32,8 @@ from flyd.images.oci import (
     parse_index,
     parse_manifest,
 )
-from flyd.images.owners import Owners
-from flyd.images.reference import ImageRef, check_image_name, parse_reference
+from model.images.owners import Owners
+from model.images.reference import ImageRef, check_image_name, parse_reference
 
 __all__ = ["CHUNK", "BlobReader", "ImageSource", "ResolvedImage", "open_layout", "owners_of"]
 
@@ -234,7 +234,7 @@ class ResolvedImage:
         return parse_manifest(self.read_blob(self.manifest), self.manifest)
 
     def owners(self) -> Owners:
-        """Who may run the image, as its manifest records (flyd.images.owners): read and
+        """Who may run the image, as its manifest records (model.images.owners): read and
         verified, as every blob is, so an image cannot claim owners its digest does not name."""
         return owners_of(self.read_manifest(), self.manifest.digest)
 
