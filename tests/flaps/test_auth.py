@@ -565,6 +565,9 @@ class _Context:
     def auth_context(self) -> dict[str, list[bytes]]:
         return self._auth
 
+    def peer_identity_key(self) -> str | None:
+        return "x509_common_name" if self._auth else None
+
 
 def test_only_the_cluster_cas_certificates_make_a_part_of_the_cluster(
     security: ClusterSecurity, tmp_path: Path

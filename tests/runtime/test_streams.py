@@ -35,6 +35,9 @@ class Context:
     def auth_context(self) -> dict[str, list[bytes]]:
         return self._auth
 
+    def peer_identity_key(self) -> str | None:
+        return "x509_common_name" if self._auth else None
+
 
 def error_info(aborted: Aborted) -> error_details_pb2.ErrorInfo:
     (binary,) = [v for k, v in aborted.metadata if k == "grpc-status-details-bin"]
