@@ -8,11 +8,12 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 BUF := node_modules/.bin/buf
 PROTOS := $(shell find protos -name '*.proto' | sort)
 
-.PHONY: help env system gen check-gen lint typecheck unit test up bench clean base-image
+.PHONY: help env system gen check-gen lint typecheck unit test test-under-load up bench clean base-image
 
 help:
 	@echo "make up     start a local cluster serving a demo app (Ctrl-C stops it)"
 	@echo "make test   lint, type-check, check generated code, run the tests"
+	@echo "make test-under-load  the process-level tests 3 times beside a CPU hog on every core"
 	@echo "make gen    regenerate gRPC code from protos/"
 	@echo "make bench  run the benchmarks and print tables"
 	@echo "make base-image  build a small Debian base for directory images (mmdebstrap)"
@@ -77,6 +78,12 @@ unit: env
 	$(VENV)/bin/pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup) --durations=20
 
 test: lint check-gen typecheck unit
+
+# The tests that wait on real processes (end-to-end, *_process.py, the CLI's, the README's),
+# RUNS times in a row beside a busy process on every core (tests/under_load.py).
+RUNS ?= 3
+test-under-load: env
+	$(PY) -m tests.under_load --runs $(RUNS) --workers $(TEST_WORKERS)
 
 # A small Debian (bookworm, minbase, python3-minimal) as a rootfs tar, built from Debian's
 # packages by mmdebstrap (installed with apt-get when missing and root; no device nodes, which
