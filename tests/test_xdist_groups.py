@@ -74,9 +74,11 @@ def test_shared_fixtures_and_named_groups_keep_their_tests_on_one_worker(tmp_pat
         (suite / name).write_text(text)
     # The inner run is a controller of its own, not one of this run's workers.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "NONOMAD_"))}
-    env.update(PYTHONPATH=str(REPO_ROOT), RAN_DIR=str(ran))
+    # Only xdist: the plugins installed beside it (hypothesis, timeout, grpc, ...) would cost
+    # each of the three interpreters their imports and are not what is tested.
+    env.update(PYTHONPATH=str(REPO_ROOT), RAN_DIR=str(ran), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     run = subprocess.run(
-        [*PYTEST, "-n", "2", "--dist", "loadgroup", str(suite)],
+        [*PYTEST, "-p", "xdist.plugin", "-n", "2", "--dist", "loadgroup", str(suite)],
         cwd=suite,
         env=env,
         capture_output=True,
