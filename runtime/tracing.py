@@ -15,15 +15,15 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import grpc.aio
 import structlog
 from opentelemetry import trace
-from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
 
 __all__ = [
     "CLUSTER_NAME",
@@ -107,6 +107,13 @@ def setup_tracing(service: str, **resource_attrs: str) -> bool:
                 # Only the gRPC exporter is a dependency; say so rather than fail silently.
                 _log.warning("otlp_protocol_unsupported", variable=var, protocol=protocol)
                 break
+
+        # Imported here: the SDK and the exporter cost a process with tracing off (every CLI
+        # command) about half a second of imports.
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
         # Explicit attributes win over OTEL_RESOURCE_ATTRIBUTES, which Resource.create merges.
         resource = Resource.create({**resource_attrs, SERVICE_NAME: service})

@@ -34,9 +34,6 @@ class Result:
 
 async def nonomad(*args: str, env: dict[str, str] | None = None, timeout: float = 90) -> Result:
     """Run `python -m nonomad.cli ARGS` to its end and collect what it printed."""
-    import time
-
-    t0 = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
         *NONOMAD,
         *args,
@@ -53,7 +50,6 @@ async def nonomad(*args: str, env: dict[str, str] | None = None, timeout: float 
         await proc.wait()
         raise
     assert proc.returncode is not None
-    print(f"TIMING {time.monotonic() - t0:.2f} {args[:4]}")
     return Result(proc.returncode, out.decode(), err.decode())
 
 
