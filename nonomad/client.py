@@ -31,7 +31,7 @@ from google.protobuf.duration_pb2 import Duration
 from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
 from flyd.v1 import machine_pb2 as pb
-from runtime.server import error_info
+from runtime.status import error_info
 from runtime.tracing import ChannelTLS, aio_channel
 
 __all__ = [

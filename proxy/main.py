@@ -35,7 +35,7 @@ from runtime import (
     use_event_loop,
 )
 from runtime.heap import no_full_collections
-from runtime.settings import parse_host_port
+from runtime.validate import parse_host_port
 
 HTTP_PREFIX = "NONOMAD_HTTP"
 """First word of the stdout line with the bound HTTP address: `NONOMAD_HTTP proxy host:port`."""

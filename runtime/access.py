@@ -30,7 +30,8 @@ from google.rpc import error_details_pb2
 
 from runtime.limits import DEFAULT_LIMITS, Limits
 from runtime.pki import ROLES, ClusterMembers, Identity
-from runtime.server import ErrorMapper, Service, abort_with_details
+from runtime.server import ErrorMapper, Service
+from runtime.status import abort_with_details
 
 __all__ = [
     "NOBODY",

@@ -13,6 +13,8 @@ from typing import Any
 
 from prometheus_client import start_http_server
 
+from runtime.validate import parse_host_port
+
 __all__ = ["METRICS_PREFIX", "MetricsEndpoint", "cluster_peer"]
 
 METRICS_PREFIX = "NONOMAD_METRICS"
@@ -36,8 +38,6 @@ class MetricsEndpoint:
     """Prometheus text format at `http://<address>/metrics`, served from a daemon thread."""
 
     def __init__(self, listen: str) -> None:
-        from runtime.settings import parse_host_port
-
         host, port = parse_host_port(listen)
         self._server, self._thread = start_http_server(port, addr=host)
         bound = self._server.server_port

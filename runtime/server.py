@@ -31,13 +31,10 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 import grpc.aio
 import structlog
-from google.protobuf import any_pb2
 from google.protobuf.descriptor import ServiceDescriptor
-from google.protobuf.message import Message
-from google.rpc import error_details_pb2, status_pb2
+from google.rpc import error_details_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
-from grpc_status import rpc_status
 
 from runtime import tracing
 from runtime.endpoints import METRICS_PREFIX, MetricsEndpoint
@@ -45,6 +42,7 @@ from runtime.errors import InvalidArgument
 from runtime.limits import DEFAULT_LIMITS, Limits, check
 from runtime.looplag import watch_loop
 from runtime.settings import ServiceSettings, SettingsError, parse_host_port
+from runtime.status import abort_with_details
 
 __all__ = [
     "CLUSTER_PREFIX",
@@ -52,9 +50,7 @@ __all__ = [
     "ErrorMapper",
     "Mapped",
     "Service",
-    "abort_with_details",
     "add_health_and_reflection",
-    "error_info",
     "main_entry",
     "read_announcements",
     "register",
@@ -287,34 +283,6 @@ async def _abort_with_mapped(
         code, message, info = mapped
         _log.debug("rpc_error", method=method, code=code.name, message=message, reason=info.reason)
         await abort_with_details(context, code, message, info)
-    raise AssertionError("context.abort returned")  # pragma: no cover - abort always raises
-
-
-def error_info(err: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo | None:
-    """The google.rpc.ErrorInfo a failed call's status carries (the reason), or None."""
-    status = rpc_status.from_call(err)
-    for detail in status.details if status is not None else ():
-        info = error_details_pb2.ErrorInfo()
-        if detail.Unpack(info):
-            return info
-    return None
-
-
-async def abort_with_details(
-    context: Any, code: grpc.StatusCode, message: str, *details: Message
-) -> NoReturn:
-    """End the call with `code` and `message`, and `details` (google.rpc messages such as
-    ErrorInfo) in the standard `grpc-status-details-bin` trailer. Through `context.abort`, not
-    `abort_with_status`: interceptors (tracing) see the code only from `abort`."""
-    packed = []
-    for detail in details:
-        any_detail = any_pb2.Any()
-        any_detail.Pack(detail)
-        packed.append(any_detail)
-    status = rpc_status.to_status(
-        status_pb2.Status(code=code.value[0], message=message, details=packed)
-    )
-    await context.abort(status.code, status.details, status.trailing_metadata)
     raise AssertionError("context.abort returned")  # pragma: no cover - abort always raises
 
 

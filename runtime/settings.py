@@ -39,13 +39,12 @@ from pydantic_settings import (
 )
 
 from runtime.tracing import CLUSTER_NAME, ChannelTLS
-from runtime.validate import quote
+from runtime.validate import parse_host_port
 
 __all__ = [
     "ServiceSettings",
     "SettingsError",
     "load_settings",
-    "parse_host_port",
     "settings_or_exit",
 ]
 
@@ -68,29 +67,6 @@ _load: ContextVar[_Load | None] = ContextVar("nonomad_settings_load", default=No
 
 class SettingsError(pydantic_settings.SettingsError):
     """Settings could not be loaded; the message names each bad setting and why, one per line."""
-
-
-def parse_host_port(value: str) -> tuple[str, int]:
-    """Split `host:port` (IPv6 hosts in brackets: `[::1]:50051`) into host and port.
-
-    Raises ValueError when the value does not parse or the port is outside 0..65535.
-    """
-    host, sep, port_text = value.rpartition(":")
-    if not sep or not host:
-        raise ValueError(f"expected host:port, got {quote(value)}")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    elif ":" in host:
-        raise ValueError(f"IPv6 addresses need brackets, as in [::1]:50051, got {quote(value)}")
-    if not host:
-        raise ValueError(f"expected host:port, got {quote(value)}")
-    if not port_text.isdigit():
-        raise ValueError(f"port must be a number, got {quote(port_text)}")
-    # (A digit string of any length would be parsed, and echoed, in full.)
-    port = int(port_text) if len(port_text) <= 5 else -1
-    if not 0 <= port <= 65535:
-        raise ValueError(f"port must be in 0..65535, got {quote(port_text)}")
-    return host, port
 
 
 def _existing_file(path: Path | None) -> Path | None:

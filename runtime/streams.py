@@ -23,7 +23,7 @@ import grpc
 from google.rpc import error_details_pb2
 
 from runtime.endpoints import cluster_peer
-from runtime.server import abort_with_details
+from runtime.status import abort_with_details
 
 __all__ = ["STREAM_CAP", "CallerCaps", "caller_name", "peer_host"]
 

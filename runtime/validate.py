@@ -45,6 +45,29 @@ def is_boot_id(value: str) -> bool:
     return BOOT_ID_RE.fullmatch(value) is not None
 
 
+def parse_host_port(value: str) -> tuple[str, int]:
+    """Split `host:port` (IPv6 hosts in brackets: `[::1]:50051`) into host and port.
+
+    Raises ValueError when the value does not parse or the port is outside 0..65535.
+    """
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"expected host:port, got {quote(value)}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ValueError(f"IPv6 addresses need brackets, as in [::1]:50051, got {quote(value)}")
+    if not host:
+        raise ValueError(f"expected host:port, got {quote(value)}")
+    if not port_text.isdigit():
+        raise ValueError(f"port must be a number, got {quote(port_text)}")
+    # (A digit string of any length would be parsed, and echoed, in full.)
+    port = int(port_text) if len(port_text) <= 5 else -1
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port must be in 0..65535, got {quote(port_text)}")
+    return host, port
+
+
 def check_name(field: str, value: str, *, required: bool = True) -> None:
     if not value:
         if required:

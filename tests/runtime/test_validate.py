@@ -10,8 +10,7 @@ from flyd.v1 import machine_pb2 as pb
 from registry.errors import InvalidArgument as RegistryInvalid
 from registry.view import check_worker_info
 from runtime.errors import InvalidArgument
-from runtime.settings import parse_host_port
-from runtime.validate import check_name, is_boot_id, is_name, quote
+from runtime.validate import check_name, is_boot_id, is_name, parse_host_port, quote
 
 
 @pytest.mark.parametrize(
