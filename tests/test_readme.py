@@ -6,7 +6,8 @@ block's last create printed, else the demo's primary in ams), a lease's `NONCE`,
 addresses `make up` would have had on a machine of its own (the edge on 127.0.0.1:8080, the
 console on :8090; here on free ports). `$F` (flaps) and `$A` (a worker) are set as the README
 says to set them. A command that runs until Ctrl-C says so in its comment ("Ctrl-C ends it"):
-it runs for a few seconds, is stopped as Ctrl-C would stop it, and must have printed something.
+it runs until it has printed something (15 s at most), is stopped as Ctrl-C would stop it, and
+must have printed something.
 A block the README marks `<!-- readme-test: skip: WHY -->` is not run, and says why.
 
 A command fails the test when it exits non-zero or writes an error to stderr; the Python
@@ -40,7 +41,7 @@ JSON_ID = re.compile(r'"id": "([a-z0-9-]+)"')
 NONCE = re.compile(r'"nonce": "([^"]+)"')
 ERROR = re.compile(r"(?i)\berror\b|traceback|\bfailed\b")
 UNTIL_CTRL_C = "Ctrl-C ends it"
-RUN_FOR = 3.0  # seconds a command that runs until Ctrl-C is given
+RUN_FOR = 15.0  # the most seconds a command that runs until Ctrl-C is given to print something
 COMMAND_DEADLINE = 120.0
 
 
@@ -243,10 +244,14 @@ class Shell:
         out, err = self.workdir / ".readme.out", self.workdir / ".readme.err"
         redirect = f'> "{out}" 2> "{err}" < /dev/null'
         if until_ctrl_c:
+            # It runs until it has printed something (or ended, or RUN_FOR passed), then
             # Ctrl-C: SIGINT to its process group. A background job ignores SIGINT, so the
             # stop is SIGTERM to the group, which every command here ends on too.
+            polls = int(RUN_FOR / 0.1)
             script = (
-                f"{{ {command}\n}} {redirect} & __job=$!; sleep {RUN_FOR:g}; "
+                f': > "{out}"; {{ {command}\n}} {redirect} & __job=$!; __n=0; '
+                f'until [ -s "{out}" ] || [ $__n -ge {polls} ] || ! kill -0 $__job 2>/dev/null; '
+                "do sleep 0.1; __n=$((__n+1)); done; "
                 "kill -TERM -- -$__job 2>/dev/null; wait $__job; (exit 0)"
             )
         else:
