@@ -39,6 +39,8 @@ def clean_env(**extra: str) -> dict[str, str]:
 class ServiceProcess:
     """One service started as `python -m <module>.main`; `address` is where it listens.
 
+    `start()` spawns it and waits until it says it is ready; `spawn()` only spawns it, so
+    several can boot side by side, and the first read of `address` (or `announced`) waits.
     `netns` runs it inside that network namespace. `announced` holds the other `NONOMAD_*`
     lines it printed before it was ready, by kind (the proxy's `NONOMAD_HTTP` address).
     """
@@ -49,10 +51,14 @@ class ServiceProcess:
     env: dict[str, str] = field(default_factory=clean_env)
     netns: str = ""
     proc: subprocess.Popen[bytes] | None = None
-    address: str = ""
-    announced: dict[str, str] = field(default_factory=dict)
+    _address: str = field(default="", repr=False)
+    _announced: dict[str, str] = field(default_factory=dict, repr=False)
 
     def start(self) -> ServiceProcess:
+        return self.spawn().wait_ready()
+
+    def spawn(self) -> ServiceProcess:
+        """Start the process without waiting for it to be ready."""
         self.stderr_path.parent.mkdir(parents=True, exist_ok=True)
         enter = ["nsenter", f"--net=/var/run/netns/{self.netns}", "--"] if self.netns else []
         code = f"from {self.name}.main import main; main()"
@@ -65,11 +71,24 @@ class ServiceProcess:
                 stdout=subprocess.PIPE,
                 stderr=err,
             )
-        self.address = self._read_ready()
         return self
 
+    def wait_ready(self) -> ServiceProcess:
+        """Wait until it announced its address (at once if it already has)."""
+        if not self._address:
+            self._address = self._read_ready()
+        return self
+
+    @property
+    def address(self) -> str:
+        return self.wait_ready()._address
+
+    @property
+    def announced(self) -> dict[str, str]:
+        return self.wait_ready()._announced
+
     def _read_ready(self) -> str:
-        assert self.proc is not None
+        assert self.proc is not None, f"{self.name} was never spawned"
         try:
             announced = read_announcements(self.proc, READY_DEADLINE)
         except RuntimeError as err:
@@ -78,7 +97,7 @@ class ServiceProcess:
                 f"{self.name} did not become ready: {err}; stderr tail:\n{self.stderr_tail()}"
             ) from None
         address = announced.pop(READY_PREFIX)
-        self.announced.update(announced)  # the others: the proxy's NONOMAD_HTTP
+        self._announced.update(announced)  # the others: the proxy's NONOMAD_HTTP
         return address
 
     @property

@@ -46,8 +46,9 @@ class Fleet:
     def add_worker(
         self, worker_id: str, region: str, *extra: str, ports: str = ""
     ) -> ServiceProcess:
-        """Start worker `worker_id`; `ports` ("LOW-HIGH") are its host ports for services
-        (default: a block of 50 of its own)."""
+        """Spawn worker `worker_id`; `ports` ("LOW-HIGH") are its host ports for services
+        (default: a block of 50 of its own). Workers added one after another boot side by
+        side: reading one's `address` (as `add_flaps` does) waits until it is ready."""
         if not ports:
             ports = host_ports.flag(host_ports.block())
         args = flyd_args(
@@ -67,7 +68,7 @@ class Fleet:
         proc = ServiceProcess(
             "flyd", args, self.tmp / f"{worker_id}.log", env=clean_env(**self.env)
         )
-        self.workers[worker_id] = proc.start()
+        self.workers[worker_id] = proc.spawn()
         return proc
 
     def add_flaps(self, *extra: str) -> ServiceProcess:

@@ -408,8 +408,10 @@ class ProxyFleet:
         )
 
     def add_worker(self, worker_id: str, *extra: str, netns: str = "") -> ServiceProcess:
+        """Spawn a worker: reading its `address` waits until it is ready, so workers added
+        one after another boot side by side."""
         proc = self._worker(worker_id, *extra, netns=netns)
-        self.workers[worker_id] = proc.start()
+        self.workers[worker_id] = proc.spawn()
         return proc
 
     def restart(self, worker_id: str) -> ServiceProcess:
@@ -430,8 +432,8 @@ class ProxyFleet:
 
     async def add_workers(self, *worker_ids: str) -> None:
         """Start workers side by side (each takes a second or so to boot)."""
-        procs = [self._worker(worker_id) for worker_id in worker_ids]
-        await asyncio.gather(*(asyncio.to_thread(proc.start) for proc in procs))
+        procs = [self._worker(worker_id).spawn() for worker_id in worker_ids]
+        await asyncio.gather(*(asyncio.to_thread(proc.wait_ready) for proc in procs))
         for worker_id, proc in zip(worker_ids, procs, strict=True):
             self.workers[worker_id] = proc
 
