@@ -33,6 +33,10 @@ class SystemClock:
             await asyncio.sleep(delay)
 
 
+SYSTEM_CLOCK: Clock = SystemClock()
+"""The real clock, for a default argument."""
+
+
 class ManualClock:
     """A clock that moves only when a test calls advance()."""
 
