@@ -13,7 +13,6 @@ flaps is stateless, so it hands each decision on the moment it is made:
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 from flaps.placement import Candidate, Decision
@@ -21,6 +20,7 @@ from flaps.v1 import platform_pb2
 from flyd.v1 import machine_pb2 as pb
 from model.validate import MAX_PLACEMENT_DETAIL, MAX_PLACEMENT_NAMED, MAX_PLACEMENT_REGIONS
 from registry.replica import Subscription
+from runtime.clock import SYSTEM_CLOCK, Clock
 
 __all__ = ["DROPPED", "Watchers", "record", "region_record"]
 
@@ -62,11 +62,12 @@ def record(
     decision: Decision,
     winner: Candidate,
     sample_size: int,
+    now: float,
 ) -> pb.PlacementDecision:
     """The whole decision for a claim on `winner`: the regions `tried` before (exhausted), then
-    this one, placed on `winner`."""
+    this one, placed on `winner` at `now` (epoch seconds)."""
     out = pb.PlacementDecision(sample_size=sample_size, worker_id=winner.worker_id)
-    out.decided_at.FromNanoseconds(time.time_ns())
+    out.decided_at.FromNanoseconds(round(now * 1e9))
     out.regions.extend(tried[: MAX_PLACEMENT_REGIONS - 1])
     out.regions.append(region_record(decision, "placed", winner))
     return out
@@ -79,8 +80,10 @@ DROPPED = platform_pb2.PlacementEvent()
 class Watchers:
     """The watchers of this flaps' placement decisions, each with a bounded queue."""
 
-    def __init__(self, maxsize: int = WATCH_QUEUE) -> None:
+    def __init__(self, maxsize: int = WATCH_QUEUE, *, clock: Clock = SYSTEM_CLOCK) -> None:
+        """`clock` stamps each event."""
         self.maxsize = maxsize
+        self.clock = clock
         self._subs: set[Subscription[platform_pb2.PlacementEvent]] = set()
 
     def publish(
@@ -107,7 +110,7 @@ class Watchers:
             rejections_by_reason=dict(decision.counts()),
             fallback=fallback,
         )
-        event.time.FromNanoseconds(time.time_ns())
+        event.time.FromNanoseconds(round(self.clock.now() * 1e9))
         for sub in list(self._subs):
             sub.put(event)
 

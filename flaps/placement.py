@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from flyd.v1 import machine_pb2 as pb
 from registry.supply import Fit, Pool, Supplier, Supply, key_point
 from registry.view import ALIVE, status_name
+from runtime.entropy import SYSTEM
 
 # How many candidates a simulation ranks per region.
 SIMULATE_SAMPLE = 64
@@ -218,9 +219,6 @@ def rendezvous(app: str, key: str, worker_id: str) -> bytes:
     return hashlib.blake2b(f"{app}\0{key}\0{worker_id}".encode(), digest_size=8).digest()
 
 
-_RNG = random.Random()
-
-
 @dataclass(frozen=True)
 class Pipeline:
     """The stages for one request; cheap to build, so built per request."""
@@ -229,6 +227,8 @@ class Pipeline:
     curve: Curve = DEFAULT_CURVE
     weights: Weights = Weights()
     sample_size: int = 8
+    rng: random.Random = field(default_factory=SYSTEM.rng, compare=False, repr=False)
+    """The draws of a request without a seed (a simulated flaps' is seeded: runtime.entropy)."""
 
     def decide(self, supply: Supply, request: Request, region: str) -> Decision:
         """Rank a random sample of the region's workers that can take the machine."""
@@ -249,7 +249,7 @@ class Pipeline:
         feasible = [] if home is None else [home]
         decision.keyed = "" if home is None else home.id
         seed = request.seed
-        rng = random.Random(f"{request.app}/{seed}") if seed else _RNG
+        rng = random.Random(f"{request.app}/{seed}") if seed else self.rng
         wanted = min(self.sample_size, feasible_count)
         unnamed = Counter(reason for reason, _ in excluded.values())
         if len(feasible) < wanted:

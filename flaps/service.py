@@ -13,7 +13,6 @@ import asyncio
 import contextvars
 import dataclasses
 import hashlib
-import secrets
 from collections import Counter
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
@@ -50,6 +49,8 @@ from registry.supply import Pool
 from registry.v1 import registry_pb2
 from registry.view import ALIVE
 from runtime import ChannelTLS, abort_with_details, aio_channel, time_left
+from runtime.clock import SYSTEM_CLOCK, Clock
+from runtime.entropy import SYSTEM, Entropy
 from runtime.limits import DEFAULT_LIMITS, Limits
 from runtime.streams import CallerCaps, caller_name
 from runtime.validate import check_name, duration_seconds, quote
@@ -98,10 +99,11 @@ REFUSALS: dict[grpc.StatusCode, metrics.Claim] = {
 _GAVE_UP = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
-def machine_suffix(app: str, idempotency_key: str) -> str:
-    """The machine id's tail: derived from the key, so every retry names the same machine."""
+def machine_suffix(app: str, idempotency_key: str, entropy: Entropy = SYSTEM) -> str:
+    """The machine id's tail: derived from the key, so every retry names the same machine
+    (random, from `entropy`, without one)."""
     if not idempotency_key:
-        return secrets.token_hex(6)
+        return entropy.token_hex(6)
     return hashlib.sha256(f"{app}\0{idempotency_key}".encode()).hexdigest()[:12]
 
 
@@ -184,12 +186,19 @@ class Exchange:
         workers: Workers,
         pipeline: placement.Pipeline,
         images: ImageOwners | None = None,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+        entropy: Entropy = SYSTEM,
     ) -> None:
+        """`clock` stamps placement decisions; `entropy` names the machines created without an
+        idempotency key (a simulated flaps' are seeded: runtime.entropy)."""
         self.replica = replica
         self.workers = workers
         self.pipeline = pipeline
         self.images = images
-        self.watchers = explain.Watchers()
+        self.clock = clock
+        self.entropy = entropy
+        self.watchers = explain.Watchers(clock=clock)
 
     async def check_image(
         self, config: pb.MachineConfig, *, app: str = "", machine_id: str = ""
@@ -317,7 +326,7 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
             maximum=MAX_LEASE,
             present=request.HasField("lease_ttl"),
         )
-        suffix = machine_suffix(request.app, request.idempotency_key)
+        suffix = machine_suffix(request.app, request.idempotency_key, self.x.entropy)
         if request.idempotency_key:
             existing = await self._existing(request.app, request.idempotency_key)
             if existing is not None:
@@ -477,7 +486,9 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
         for i, candidate in enumerate(decision.candidates):
             if i:
                 metrics.fell_back("next_worker")
-            why = explain.record(tried, decision, candidate, self.x.pipeline.sample_size)
+            why = explain.record(
+                tried, decision, candidate, self.x.pipeline.sample_size, self.x.clock.now()
+            )
             machine = await self._claim(
                 candidate, suffix, request, config, skip_launch, decision, why
             )

@@ -12,7 +12,6 @@ for unit tests, and one test suite runs against both.
 
 from __future__ import annotations
 
-import secrets
 import struct
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from typing import Protocol
 import lmdb
 
 from model.errors import CorruptLog
+from runtime.entropy import SYSTEM, Entropy
 
 
 class RecordType(IntEnum):
@@ -153,8 +153,9 @@ class MemoryMachineLog:
 
     blocking = False
 
-    def __init__(self) -> None:
-        self._epoch = secrets.token_hex(8)
+    def __init__(self, *, entropy: Entropy = SYSTEM) -> None:
+        """`entropy`: where a new log's epoch comes from (runtime.entropy)."""
+        self._epoch = entropy.token_hex(8)
         self._log: dict[int, bytes] = {}
         self._rows: dict[str, bytes] = {}
         self._first = 1
@@ -229,7 +230,8 @@ class LmdbMachineLog:
 
     blocking = True
 
-    def __init__(self, path: Path, *, map_size: int = 1 << 30) -> None:
+    def __init__(self, path: Path, *, map_size: int = 1 << 30, entropy: Entropy = SYSTEM) -> None:
+        """`entropy`: where a new log's epoch comes from (runtime.entropy)."""
         path.mkdir(parents=True, exist_ok=True)
         self._env = lmdb.open(str(path), map_size=map_size, max_dbs=4, subdir=True)
         self._log = self._env.open_db(b"log")
@@ -244,7 +246,7 @@ class LmdbMachineLog:
                 raise CorruptLog(f"{path}: unknown store format {fmt!r}")
             epoch = txn.get(_META_EPOCH, db=self._meta)
             if epoch is None:  # a new log (or one from before epochs: it gets one now)
-                epoch = secrets.token_hex(8).encode()
+                epoch = entropy.token_hex(8).encode()
                 txn.put(_META_EPOCH, epoch, db=self._meta)
             self._epoch = bytes(epoch).decode()
             self._last = self._read_last(txn)

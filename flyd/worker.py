@@ -12,7 +12,6 @@ and what the worker reports of itself (info, capacity, heartbeats). The gRPC ser
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -49,6 +48,7 @@ from model.errors import (
 )
 from model.validate import check_config, check_disk_change, check_network
 from runtime.clock import Clock
+from runtime.entropy import SYSTEM, Entropy
 from runtime.validate import check_name
 
 log = structlog.get_logger("flyd.worker")
@@ -92,13 +92,16 @@ class Worker:
         secret_box: SecretBox | None = None,
         ready_grace: float = 10.0,
         ready_settle: float = 1.0,
+        entropy: Entropy = SYSTEM,
     ) -> None:
         """`op_tracer`: spans of machine operations; None (tracing off) costs nothing.
         `peers`: how a returning worker confirms its slots (flyd.fencing); `fence_after`: how
         long away (frozen, starved) counts as having been away. `secret_box`: seals machine
         secrets (flyd.main's is the worker's key file; without one, a key of this Worker's own
         that is never stored). `ready_grace`, `ready_settle`: see flyd.readiness (its loop is
-        `readiness.run`, which flyd.main runs)."""
+        `readiness.run`, which flyd.main runs). `entropy`: where machine ids, instance ids and
+        lease nonces come from (runtime.entropy; a simulated worker's is seeded)."""
+        self.entropy = entropy
         self.identity = identity
         self.store = store
         self.driver = driver
@@ -254,7 +257,7 @@ class Worker:
             raise InvalidArgument("idempotency_key", f"must be at most {MAX_KEY} characters")
         # Named for its worker, as flaps names the machines it places: a call on it can be
         # routed by its id alone, wherever it was created.
-        mid = machine_id or f"{self.identity.worker_id}-{secrets.token_hex(6)}"
+        mid = machine_id or f"{self.identity.worker_id}-{self.entropy.token_hex(6)}"
         if idempotency_key:
             mid = self.reservations.keys.get((app, idempotency_key), mid)
         machine = await self._traced(
@@ -335,7 +338,7 @@ class Worker:
         # Only an image the app may run (model.images.owners), known before anything is pulled.
         image = await self.images.pull(config.image, app=app)
         self.images.use(image.digest)  # at once, so the pulled image cannot be evicted
-        mine = secrets.token_hex(8)  # the instance this call creates
+        mine = self.entropy.token_hex(8)  # the instance this call creates
         reached_driver = False
         try:
             if not argv(config, image):
@@ -562,7 +565,7 @@ class Worker:
         # The new instance's image is checked as a create's is, whether or not it changed.
         image = await self.images.pull(config.image, app=row.machine.app)
         self.images.use(image.digest)
-        instance_id = secrets.token_hex(8)
+        instance_id = self.entropy.token_hex(8)
         old_digest = row.image_digest
         try:
             if not argv(config, image):
@@ -607,7 +610,7 @@ class Worker:
         async with self.runner.lock(machine_id):
             t = fsm.acquire_lease(
                 self.rows[machine_id],
-                new_nonce=secrets.token_hex(16),
+                new_nonce=self.entropy.token_hex(16),
                 nonce=nonce,
                 ttl=ttl,
                 owner=owner,

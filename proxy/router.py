@@ -60,6 +60,7 @@ from proxy.routing import Backend
 from registry.replica import RESYNC, ReplicaEvent, Subscription
 from registry.view import ALIVE, DEAD, SUSPECT, Status
 from runtime.clock import Clock, SystemClock
+from runtime.entropy import SYSTEM
 
 log = structlog.get_logger("proxy.router")
 S = pb.MachineState
@@ -110,7 +111,7 @@ class Router:
             stats=stats,
             config=self.config,
             clock=self.clock,
-            rng=rng if rng is not None else random.Random(),
+            rng=rng if rng is not None else SYSTEM.rng(),
             spawn=self._spawn,
             members=self.slots.members,
         )
