@@ -12,7 +12,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from flyd.fakes import FakeHost
+from flyd.store import MemoryMachineLog
+from runtime.clock import ManualClock
 from runtime.entropy import SeededEntropy, SystemEntropy
+from tests.flyd.support import boot, config, image_cache, image_source
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -157,3 +161,41 @@ def test_the_system_draws_are_hex_of_the_size_asked_and_differ() -> None:
     assert len(drawn) == 20
     assert all(len(t) == 16 and int(t, 16) >= 0 for t in drawn)
     assert system.rng().random() != system.rng().random()
+
+
+async def _seeded_run(root: Path, seed: int) -> list[str]:
+    """Boot a worker whose log and worker draw from `seed`; create two machines and take a
+    lease: what it drew."""
+
+    entropy = SeededEntropy(seed)
+    store = MemoryMachineLog(entropy=entropy.child("log"))
+    flyd = boot(
+        store=store,
+        host=FakeHost(),
+        clock=ManualClock(),
+        images=image_cache(root, image_source(root)),
+    )
+    flyd.worker.entropy = entropy.child("worker")
+    try:
+        flyd.worker.recover()
+        drawn = [store.epoch()]
+        for _ in range(2):
+            made = await flyd.worker.create(
+                machine_id="", name="", app="a", config=config(), skip_launch=True
+            )
+            drawn += [made.id, made.instance_id]
+        lease = await flyd.worker.acquire_lease(
+            drawn[1], ttl=10, owner="t", description="", nonce=""
+        )
+        return [*drawn, lease.nonce]
+    finally:
+        await flyd.kill()
+
+
+async def test_a_seeded_worker_draws_the_same_ids_every_run(tmp_path: Path) -> None:
+    first = await _seeded_run(tmp_path / "1", seed=3)
+    again = await _seeded_run(tmp_path / "2", seed=3)
+    other = await _seeded_run(tmp_path / "3", seed=4)
+    assert first == again
+    assert len(set(first)) == len(first)  # an epoch, 2 machine and instance ids, a nonce
+    assert not set(first) & set(other)
