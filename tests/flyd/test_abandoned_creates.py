@@ -41,8 +41,8 @@ from tests.flyd.driver_support import (
     spec,
     wait_until,
 )
+from tests.flyd.process_support import http_get_soon
 from tests.flyd.support import STARTED, Flyd, boot, cancel_at_step
-from tests.flyd.test_flyd_process import http_get_soon
 from tests.harness import ServiceProcess
 
 pytestmark = pytest.mark.skipif(

@@ -38,7 +38,7 @@ from model.images.owners import PUBLIC
 from model.validate import EGRESS_LABEL
 from runtime import SettingsError, load_settings
 from tests.flyd.driver_support import OCI_UNAVAILABLE
-from tests.flyd.test_sandbox import machine_address
+from tests.flyd.process_support import machine_address
 from tests.harness import ServiceProcess
 
 S = pb.MachineState

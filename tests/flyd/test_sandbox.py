@@ -33,6 +33,7 @@ from flyd.v1 import worker_pb2_grpc
 from model.images.owners import PUBLIC
 from tests.conftest import DEMO_APP
 from tests.flyd.driver_support import OCI_UNAVAILABLE, gone, loops_under, upper_layer
+from tests.flyd.process_support import machine_address
 from tests.harness import ServiceProcess
 
 pytestmark = pytest.mark.skipif(
@@ -281,15 +282,6 @@ async def test_a_probe_machine_reaches_nothing_of_the_host(
 
 def flyd_dir(tmp_path: Path, worker_id: str = "w1") -> Path:
     return tmp_path / f"flyd-{worker_id}"
-
-
-def machine_address(machines: Path, machine_id: str) -> str:
-    """The machine's own address, as its run dir's /etc/hosts names it."""
-    for line in (machines / machine_id / "etc" / "hosts").read_text().splitlines():
-        address, _, name = line.partition("\t")
-        if name == machine_id:
-            return address
-    raise AssertionError(f"{machine_id} has no address in its /etc/hosts")
 
 
 async def test_the_image_cache_is_byte_identical_after_a_machine_wrote_everywhere(
