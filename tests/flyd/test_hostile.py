@@ -11,7 +11,7 @@ hostile run found, as its repro.
 And: SIGSTOP froze a machine that still showed as started.
 """
 
-# ruff: noqa: F811 - the servicer fixtures are imported from test_servicer, then asked for by name
+# ruff: noqa: F811 - the servicer fixtures are imported from servicer_support, then asked for by name
 
 from __future__ import annotations
 
@@ -35,19 +35,7 @@ from model import pages
 from model.errors import DeadlineExceeded, Unavailable
 from registry.view import View
 from runtime.clock import ManualClock
-from tests.flyd.support import (
-    CREATED,
-    DESTROYED,
-    IMAGE,
-    STARTED,
-    Flyd,
-    boot,
-    config,
-    image_cache,
-    image_source,
-    until,
-)
-from tests.flyd.test_servicer import (  # noqa: F401 - the servicer fixtures
+from tests.flyd.servicer_support import (  # noqa: F401 - the servicer fixtures
     Stub,
     clock,
     create,
@@ -60,6 +48,18 @@ from tests.flyd.test_servicer import (  # noqa: F401 - the servicer fixtures
     log_read_bytes,
     streams_per_caller,
     wait,
+)
+from tests.flyd.support import (
+    CREATED,
+    DESTROYED,
+    IMAGE,
+    STARTED,
+    Flyd,
+    boot,
+    config,
+    image_cache,
+    image_source,
+    until,
 )
 from tests.servicers import INVALID, T, refused
 

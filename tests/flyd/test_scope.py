@@ -24,8 +24,7 @@ import pytest
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from model import scope, slots
-from tests.flyd.support import CREATED, STARTED, STOPPED, Flyd, config
-from tests.flyd.test_servicer import (
+from tests.flyd.servicer_support import (
     Stub,
     clock,
     draining,
@@ -37,6 +36,7 @@ from tests.flyd.test_servicer import (
     log_read_bytes,
     streams_per_caller,
 )
+from tests.flyd.support import CREATED, STARTED, STOPPED, Flyd, config
 from tests.scope import (
     NOTHING,
     REFERENCE,
