@@ -1,4 +1,5 @@
-"""Fixtures for the driver tests: real drivers of both kinds, on a run root of the test's own."""
+"""Fixtures for the driver tests: real drivers of both kinds, on a run root of the test's own;
+and for the worker tests: a flyd in-process on a fake host and clock, over both stores."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import signal
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,8 +19,12 @@ from flyd.drivers.oci import OciDriver
 from flyd.drivers.process import ProcessDriver
 from flyd.drivers.rundir import kill_all
 from flyd.drivers.wrapped import WrappedDriver
+from flyd.images.cache import ImageCache
+from flyd.store import LmdbMachineLog, MachineLog, MemoryMachineLog
+from runtime.clock import ManualClock
 from tests.conftest import remove_cgroups
 from tests.flyd.driver_support import KINDS, OCI_UNAVAILABLE
+from tests.flyd.support import Boot, Flyd, RecordingHost, boot, image_cache, image_source
 
 
 @pytest.fixture
@@ -82,3 +88,51 @@ def _kill_and_reap(run_root: Path) -> None:
             os.killpg(handle.pid, signal.SIGKILL)
         with contextlib.suppress(ChildProcessError):
             os.waitpid(handle.pid, 0)
+
+
+@pytest.fixture(params=["memory", "lmdb"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[MachineLog]:
+    log: MachineLog = (
+        MemoryMachineLog() if request.param == "memory" else LmdbMachineLog(tmp_path / "log")
+    )
+    yield log
+    log.close()
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+@pytest.fixture
+def host(clock: ManualClock) -> RecordingHost:
+    return RecordingHost(clock)
+
+
+@pytest.fixture
+def images(tmp_path: Path) -> ImageCache:
+    return image_cache(tmp_path, image_source(tmp_path))
+
+
+@pytest.fixture
+async def start_flyd(
+    store: MachineLog, host: RecordingHost, clock: ManualClock, images: ImageCache
+) -> AsyncIterator[Boot]:
+    """Boots a recovered flyd on the test's store and host; settings can be overridden."""
+    booted: list[Flyd] = []
+
+    def start(**overrides: Any) -> Flyd:
+        flyd = boot(store=store, host=host, clock=clock, images=images, **overrides)
+        flyd.worker.recover()
+        booted.append(flyd)
+        return flyd
+
+    yield start
+    for flyd in booted:
+        await flyd.worker.close()
+        await flyd.driver.close()
+
+
+@pytest.fixture
+def flyd(start_flyd: Boot) -> Flyd:
+    return start_flyd()

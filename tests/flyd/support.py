@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import types
-from collections.abc import Callable, Coroutine, Generator, Iterable, Mapping
+from collections.abc import AsyncGenerator, Callable, Coroutine, Generator, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
@@ -343,3 +343,77 @@ def _stepped(
             sent = yield yielded
         except BaseException as e:  # passed on to the coroutine, as a task does
             thrown = e
+
+
+# --- what the worker tests and the update and lease tests share --------------------------------
+
+
+Boot = Callable[..., Flyd]
+
+
+async def create(
+    worker: Worker,
+    machine_id: str,
+    cfg: pb.MachineConfig | None = None,
+    *,
+    app: str = "web",
+    skip_launch: bool = False,
+    key: str = "",
+) -> pb.Machine:
+    return await worker.create(
+        machine_id=machine_id,
+        name="",
+        app=app,
+        config=cfg if cfg is not None else config(),
+        skip_launch=skip_launch,
+        idempotency_key=key,
+    )
+
+
+def history(events: Any) -> list[tuple[str, str, str]]:
+    """(type, from state, to state) of each event."""
+    name = {v: k.removeprefix("MACHINE_STATE_").lower() for k, v in S.items()}
+    return [(e.type, name[e.from_state], name[e.to_state]) for e in events]
+
+
+def image_refs(images: ImageCache) -> int:
+    return sum(img.refs for img in images.cached())
+
+
+class Stream:
+    """A WatchEvents subscription read one item at a time, each with a deadline."""
+
+    def __init__(
+        self, worker: Worker, from_seq: int, heartbeat_interval: float = 3600, log_epoch: str = ""
+    ) -> None:
+        self.stop = asyncio.Event()
+        items = worker.watch(
+            from_seq, heartbeat_interval=heartbeat_interval, stop=self.stop, log_epoch=log_epoch
+        )
+        assert isinstance(items, AsyncGenerator)
+        self._items = items
+
+    async def next(self) -> worker_pb2.WatchEventsResponse:
+        async with asyncio.timeout(DEADLINE):
+            return await anext(self._items)
+
+    async def next_kind(self) -> str:
+        return (await self.next()).WhichOneof("item") or ""
+
+    async def changes_until(self, seq: int) -> list[worker_pb2.MachineChange]:
+        """Changes up to and including `seq`, skipping heartbeats."""
+        out: list[worker_pb2.MachineChange] = []
+        while not out or out[-1].event.seq < seq:
+            item = await self.next()
+            assert item.WhichOneof("item") != "snapshot"
+            if item.HasField("change"):
+                out.append(item.change)
+        return out
+
+    async def rest(self) -> list[str]:
+        """The kinds of all items until the stream ends."""
+        async with asyncio.timeout(DEADLINE):
+            return [item.WhichOneof("item") or "" async for item in self._items]
+
+    async def close(self) -> None:
+        await self._items.aclose()

@@ -32,30 +32,20 @@ from tests.flyd.support import (
     CAPACITY,
     DEADLINE,
     PORTS,
+    Boot,
     Flyd,
     RecordingHost,
+    Stream,
     boot,
     config,
+    create,
+    history,
     image_cache,
+    image_refs,
     image_source,
     log_changes,
 )
-from tests.flyd.test_worker import (  # the worker tests' fixtures: both stores, one fake host
-    Boot,
-    Stream,
-    clock,
-    create,
-    flyd,
-    history,
-    host,
-    image_refs,
-    images,
-    start_flyd,
-    store,
-)
 from tests.harness import ServiceProcess, error_info
-
-__all__ = ["clock", "flyd", "host", "images", "start_flyd", "store"]  # fixtures, used by name
 
 S = pb.MachineState
 CREATED = S.MACHINE_STATE_CREATED
