@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -136,3 +137,14 @@ async def start_flyd(
 @pytest.fixture
 def flyd(start_flyd: Boot) -> Flyd:
     return start_flyd()
+
+
+@pytest.fixture
+def host_listener() -> Iterator[int]:
+    """A stand-in for flaps, the registry or the proxy: a socket listening on the host's
+    loopback, as they do (no real flaps runs here; flyd's own port is the real service probed).
+    """
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]

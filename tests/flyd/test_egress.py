@@ -187,15 +187,6 @@ def image_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-@pytest.fixture
-def host_listener() -> Iterator[int]:
-    """A service on the host's loopback, as flaps or the registry are."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield s.getsockname()[1]
-
-
 def probe_config(
     uplink: Uplink, host_ports: list[int], *, egress: bool, others: tuple[str, ...] = ()
 ) -> pb.MachineConfig:
