@@ -1,5 +1,6 @@
 """Fixtures for the driver tests: real drivers of both kinds, on a run root of the test's own;
-and for the worker tests: a flyd in-process on a fake host and clock, over both stores."""
+and for the worker tests: flyds in-process on a `Node` (a fake host and clock, an image source,
+the log on the test's tmp_path), and `start_flyd`'s over both stores."""
 
 from __future__ import annotations
 
@@ -22,10 +23,11 @@ from flyd.drivers.rundir import kill_all
 from flyd.drivers.wrapped import WrappedDriver
 from flyd.images.cache import ImageCache
 from flyd.store import LmdbMachineLog, MachineLog, MemoryMachineLog
+from model.images.source import ImageSource
 from runtime.clock import ManualClock
 from tests.conftest import remove_cgroups
 from tests.flyd.driver_support import KINDS, OCI_UNAVAILABLE
-from tests.flyd.support import Boot, Flyd, RecordingHost, boot, image_cache, image_source
+from tests.flyd.support import Boot, Flyd, Node, RecordingHost, image_cache, image_source
 
 
 @pytest.fixture
@@ -111,27 +113,37 @@ def host(clock: ManualClock) -> RecordingHost:
 
 
 @pytest.fixture
-def images(tmp_path: Path) -> ImageCache:
-    return image_cache(tmp_path, image_source(tmp_path))
+def source(tmp_path: Path) -> ImageSource:
+    """The image source of the test's flyds: `app:v1` (support.image_source)."""
+    return image_source(tmp_path)
 
 
 @pytest.fixture
-async def start_flyd(
-    store: MachineLog, host: RecordingHost, clock: ManualClock, images: ImageCache
-) -> AsyncIterator[Boot]:
+async def node(
+    tmp_path: Path, clock: ManualClock, host: RecordingHost, source: ImageSource
+) -> AsyncIterator[Node]:
+    """Where the test boots (and reboots) flyds in-process, on its tmp_path; afterwards every
+    flyd still alive is killed."""
+    node = Node(tmp_path, clock, host, source)
+    yield node
+    await node.kill_all()
+
+
+@pytest.fixture
+def images(node: Node) -> ImageCache:
+    """The image cache every flyd of `start_flyd` shares."""
+    return image_cache(node.root, node.source)
+
+
+@pytest.fixture
+async def start_flyd(store: MachineLog, node: Node, images: ImageCache) -> AsyncIterator[Boot]:
     """Boots a recovered flyd on the test's store and host; settings can be overridden."""
-    booted: list[Flyd] = []
 
     def start(**overrides: Any) -> Flyd:
-        flyd = boot(store=store, host=host, clock=clock, images=images, **overrides)
-        flyd.worker.recover()
-        booted.append(flyd)
-        return flyd
+        return node.boot(store=store, images=images, **overrides)
 
     yield start
-    for flyd in booted:
-        await flyd.worker.close()
-        await flyd.driver.close()
+    await node.kill_all()  # before the store closes
 
 
 @pytest.fixture

@@ -5,21 +5,18 @@ flyd.main registers it, its settings; and the calls most tests make."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from flyd.fakes import FakeHost
 from flyd.service import LIMITS, WorkerServicer, map_error
 from flyd.settings import LOG_READ_BYTES, STREAMS_PER_CALLER
 from flyd.store import MemoryMachineLog
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
-from runtime.clock import ManualClock
-from tests.flyd.support import Flyd, boot, config, image_cache, image_source
+from tests.flyd.support import Flyd, Node, config
 from tests.servicers import T, registered
 
 Stub = worker_pb2_grpc.WorkerServiceStub
@@ -41,18 +38,9 @@ def grpc_stub_cls() -> type[Stub]:
 
 
 @pytest.fixture
-def clock() -> ManualClock:
-    return ManualClock()
-
-
-@pytest.fixture
-async def flyd(tmp_path: Path, clock: ManualClock) -> AsyncIterator[Flyd]:
-    """Worker w1 (ams) with an in-memory log, its machines on a fake host."""
-    images = image_cache(tmp_path, image_source(tmp_path))
-    flyd = boot(store=MemoryMachineLog(), host=FakeHost(clock), clock=clock, images=images)
-    flyd.worker.recover()
-    yield flyd
-    await flyd.kill()
+def flyd(node: Node) -> Flyd:
+    """Worker w1 (ams) with an in-memory log, its machines on the node's fake host."""
+    return node.boot(store=MemoryMachineLog())
 
 
 @pytest.fixture

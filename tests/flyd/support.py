@@ -1,8 +1,8 @@
 """What the worker and crash tests share: a tiny image, machine configs, one flyd on a fake host.
 
 A `Flyd` is what one flyd process owns: a Worker, its FakeDriver and its store. The FakeHost and
-the ManualClock belong to the test: they outlive every Flyd, the way machines and time outlive
-a killed flyd. `CrashingLog` kills a flyd right after a chosen commit.
+the ManualClock belong to the test (its `Node`): they outlive every Flyd, the way machines and
+time outlive a killed flyd. `CrashingLog` kills a flyd right after a chosen commit.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import types
 from collections.abc import AsyncGenerator, Callable, Coroutine, Generator, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -23,7 +23,7 @@ from flyd.images.build import build_image
 from flyd.images.cache import ImageCache
 from flyd.secrets import SecretBox
 from flyd.settings import CapacitySettings
-from flyd.store import MachineLog, NewRecord, Record, Snapshot
+from flyd.store import LmdbMachineLog, MachineLog, NewRecord, Record, Snapshot
 from flyd.traces import OpTracer
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
@@ -199,6 +199,51 @@ class Flyd:
         await self.worker.close()
         await self.driver.close()
         self.store.close()
+
+
+@dataclass
+class Node:
+    """What outlives every flyd a test boots on its root, as a host's machines, its clock and
+    its disk outlive a killed flyd: the FakeHost, the ManualClock, the image source, the log
+    at root/log. `kill_all` kills whichever of its flyds are still alive."""
+
+    root: Path
+    clock: ManualClock
+    host: RecordingHost
+    source: ImageSource
+    booted: list[Flyd] = field(default_factory=list)
+
+    def open_log(self) -> LmdbMachineLog:
+        """The node's log, opened again (as each flyd process does)."""
+        return LmdbMachineLog(self.root / "log")
+
+    def boot(
+        self,
+        *,
+        store: MachineLog | None = None,
+        images: ImageCache | None = None,
+        recover: bool = True,
+        **overrides: Any,
+    ) -> Flyd:
+        """A flyd on this node, recovered unless `recover` is False: on `store` (else the
+        node's log, opened again) and `images` (else a new cache on the root); `overrides` go
+        to `boot`."""
+        flyd = boot(
+            store=self.open_log() if store is None else store,
+            host=self.host,
+            clock=self.clock,
+            images=image_cache(self.root, self.source) if images is None else images,
+            **overrides,
+        )
+        self.booted.append(flyd)
+        if recover:
+            flyd.worker.recover()
+        return flyd
+
+    async def kill_all(self) -> None:
+        for flyd in self.booted:
+            if not flyd.worker.closing:
+                await flyd.kill()
 
 
 class _ExitRelay:

@@ -21,7 +21,6 @@ from model.errors import DOMAIN
 from model.images.owners import NO_OWNER, PUBLIC, Owners
 from tests.flyd.servicer_support import (  # the servicer tests' fixtures, used by name
     Stub,
-    clock,
     create,
     draining,
     flyd,
@@ -36,7 +35,6 @@ from tests.flyd.support import STARTED, Flyd, config
 from tests.servicers import T, info_of, refused
 
 __all__ = [
-    "clock",
     "draining",
     "flyd",
     "grpc_add_to_server",

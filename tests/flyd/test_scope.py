@@ -26,7 +26,6 @@ from flyd.v1 import worker_pb2 as w
 from model import scope, slots
 from tests.flyd.servicer_support import (
     Stub,
-    clock,
     draining,
     flyd,
     grpc_add_to_server,
@@ -49,7 +48,6 @@ from tests.scope import (
 from tests.servicers import INVALID, T, answer, refused
 
 __all__ = [
-    "clock",
     "draining",
     "flyd",
     "grpc_add_to_server",

@@ -26,7 +26,6 @@ from model.errors import DOMAIN
 from runtime.clock import ManualClock
 from tests.flyd.servicer_support import (  # the servicer fixtures, asked for by name
     Stub,
-    clock,
     create,
     draining,
     flyd,
@@ -62,7 +61,6 @@ from tests.servicers import (
 )
 
 __all__ = [
-    "clock",
     "draining",
     "flyd",
     "grpc_add_to_server",
