@@ -1,8 +1,8 @@
 """What the worker and crash tests share: a tiny image, machine configs, one flyd on a fake host.
 
 A `Flyd` is what one flyd process owns: a Worker, its FakeDriver and its store. The FakeHost and
-the ManualClock belong to the test: they outlive every Flyd, the way machines and time outlive
-a killed flyd. `CrashingLog` kills a flyd right after a chosen commit.
+the ManualClock belong to the test (its `Node`): they outlive every Flyd, the way machines and
+time outlive a killed flyd. `CrashingLog` kills a flyd right after a chosen commit.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import types
-from collections.abc import Callable, Coroutine, Generator, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Callable, Coroutine, Generator, Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -23,7 +23,7 @@ from flyd.images.build import build_image
 from flyd.images.cache import ImageCache
 from flyd.secrets import SecretBox
 from flyd.settings import CapacitySettings
-from flyd.store import MachineLog, NewRecord, Record, Snapshot
+from flyd.store import LmdbMachineLog, MachineLog, NewRecord, Record, Snapshot
 from flyd.traces import OpTracer
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
@@ -201,6 +201,51 @@ class Flyd:
         self.store.close()
 
 
+@dataclass
+class Node:
+    """What outlives every flyd a test boots on its root, as a host's machines, its clock and
+    its disk outlive a killed flyd: the FakeHost, the ManualClock, the image source, the log
+    at root/log. `kill_all` kills whichever of its flyds are still alive."""
+
+    root: Path
+    clock: ManualClock
+    host: RecordingHost
+    source: ImageSource
+    booted: list[Flyd] = field(default_factory=list)
+
+    def open_log(self) -> LmdbMachineLog:
+        """The node's log, opened again (as each flyd process does)."""
+        return LmdbMachineLog(self.root / "log")
+
+    def boot(
+        self,
+        *,
+        store: MachineLog | None = None,
+        images: ImageCache | None = None,
+        recover: bool = True,
+        **overrides: Any,
+    ) -> Flyd:
+        """A flyd on this node, recovered unless `recover` is False: on `store` (else the
+        node's log, opened again) and `images` (else a new cache on the root); `overrides` go
+        to `boot`."""
+        flyd = boot(
+            store=self.open_log() if store is None else store,
+            host=self.host,
+            clock=self.clock,
+            images=image_cache(self.root, self.source) if images is None else images,
+            **overrides,
+        )
+        self.booted.append(flyd)
+        if recover:
+            flyd.worker.recover()
+        return flyd
+
+    async def kill_all(self) -> None:
+        for flyd in self.booted:
+            if not flyd.worker.closing:
+                await flyd.kill()
+
+
 class _ExitRelay:
     """The driver's on_exit, wired to a worker that is built after the driver."""
 
@@ -343,3 +388,77 @@ def _stepped(
             sent = yield yielded
         except BaseException as e:  # passed on to the coroutine, as a task does
             thrown = e
+
+
+# --- what the worker tests and the update and lease tests share --------------------------------
+
+
+Boot = Callable[..., Flyd]
+
+
+async def create(
+    worker: Worker,
+    machine_id: str,
+    cfg: pb.MachineConfig | None = None,
+    *,
+    app: str = "web",
+    skip_launch: bool = False,
+    key: str = "",
+) -> pb.Machine:
+    return await worker.create(
+        machine_id=machine_id,
+        name="",
+        app=app,
+        config=cfg if cfg is not None else config(),
+        skip_launch=skip_launch,
+        idempotency_key=key,
+    )
+
+
+def history(events: Any) -> list[tuple[str, str, str]]:
+    """(type, from state, to state) of each event."""
+    name = {v: k.removeprefix("MACHINE_STATE_").lower() for k, v in S.items()}
+    return [(e.type, name[e.from_state], name[e.to_state]) for e in events]
+
+
+def image_refs(images: ImageCache) -> int:
+    return sum(img.refs for img in images.cached())
+
+
+class Stream:
+    """A WatchEvents subscription read one item at a time, each with a deadline."""
+
+    def __init__(
+        self, worker: Worker, from_seq: int, heartbeat_interval: float = 3600, log_epoch: str = ""
+    ) -> None:
+        self.stop = asyncio.Event()
+        items = worker.watch(
+            from_seq, heartbeat_interval=heartbeat_interval, stop=self.stop, log_epoch=log_epoch
+        )
+        assert isinstance(items, AsyncGenerator)
+        self._items = items
+
+    async def next(self) -> worker_pb2.WatchEventsResponse:
+        async with asyncio.timeout(DEADLINE):
+            return await anext(self._items)
+
+    async def next_kind(self) -> str:
+        return (await self.next()).WhichOneof("item") or ""
+
+    async def changes_until(self, seq: int) -> list[worker_pb2.MachineChange]:
+        """Changes up to and including `seq`, skipping heartbeats."""
+        out: list[worker_pb2.MachineChange] = []
+        while not out or out[-1].event.seq < seq:
+            item = await self.next()
+            assert item.WhichOneof("item") != "snapshot"
+            if item.HasField("change"):
+                out.append(item.change)
+        return out
+
+    async def rest(self) -> list[str]:
+        """The kinds of all items until the stream ends."""
+        async with asyncio.timeout(DEADLINE):
+            return [item.WhichOneof("item") or "" async for item in self._items]
+
+    async def close(self) -> None:
+        await self._items.aclose()

@@ -20,16 +20,12 @@ from typing import Any
 import grpc
 import pytest
 
-from flyd.fakes import FakeHost
 from flyd.images.build import build_image
-from flyd.images.cache import ImageCache
-from flyd.store import LmdbMachineLog
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
 from model.images.owners import PUBLIC
 from model.images.source import ImageSource
-from runtime.clock import ManualClock
 from tests import host_ports
 from tests.flyd.driver_support import (
     OCI_UNAVAILABLE,
@@ -41,8 +37,8 @@ from tests.flyd.driver_support import (
     spec,
     wait_until,
 )
-from tests.flyd.support import STARTED, Flyd, boot, cancel_at_step
-from tests.flyd.test_flyd_process import http_get_soon
+from tests.flyd.process_support import http_get_soon
+from tests.flyd.support import STARTED, Flyd, Node, cancel_at_step
 from tests.harness import ServiceProcess
 
 pytestmark = pytest.mark.skipif(
@@ -64,8 +60,8 @@ def kind() -> str:
 
 
 @pytest.fixture
-async def oci_flyd(tmp_path: Path, make_driver: Callable[..., Any]) -> AsyncIterator[Flyd]:
-    """A recovered worker in-process, on the OCI driver (its run root the fixture's)."""
+def source(tmp_path: Path) -> ImageSource:
+    """`sleeper:v1`, a machine that sleeps."""
     src = tmp_path / "sleeper-src"
     src.mkdir()
     (src / "README").write_text("a machine that sleeps\n")
@@ -73,21 +69,14 @@ async def oci_flyd(tmp_path: Path, make_driver: Callable[..., Any]) -> AsyncIter
         src, tmp_path / "source", name="sleeper", tag="v1",
         entrypoint=["sh", "-c", "echo up; exec sleep 600"], owners=PUBLIC,
     )  # fmt: skip
-    images = ImageCache(tmp_path / "cache", ImageSource(tmp_path / "source"), max_bytes=1 << 30)
-    store = LmdbMachineLog(tmp_path / "log")
-    clock = ManualClock()
-    flyd = boot(
-        store=store,
-        host=FakeHost(clock),
-        clock=clock,
-        images=images,
-        ports=host_ports.block(),
-        make_driver=make_driver,
-    )
-    flyd.worker.recover()
-    yield flyd
-    await flyd.worker.close()
-    store.close()  # (the driver closes with make_driver's fixture)
+    return ImageSource(tmp_path / "source")
+
+
+@pytest.fixture
+async def oci_flyd(make_driver: Callable[..., Any], node: Node) -> AsyncIterator[Flyd]:
+    """A recovered worker in-process, on the OCI driver (its run root the fixture's)."""
+    yield node.boot(ports=host_ports.block(), make_driver=make_driver)
+    await node.kill_all()  # before make_driver's fixture kills what is left on its run root
 
 
 def worker_state(flyd: Flyd) -> dict[str, object]:

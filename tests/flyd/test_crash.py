@@ -17,15 +17,13 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
 from flyd import fsm
 from flyd.drivers.base import ExitStatus
-from flyd.store import LmdbMachineLog
 from flyd.v1 import machine_pb2 as pb
 from model.images.source import ImageSource
 from model.validate import guest_disk_mib
@@ -35,10 +33,8 @@ from tests.flyd.support import (
     Crash,
     CrashingLog,
     Flyd,
-    RecordingHost,
-    boot,
+    Node,
     config,
-    image_cache,
     image_source,
     log_changes,
     settled,
@@ -73,14 +69,13 @@ UPDATED.env["GREETING"] = "v2"
 
 
 class World:
-    """What outlives flyd: the host and its machines, the clock, the disk."""
+    """What outlives flyd: its node (the host and its machines, the clock, the disk)."""
 
-    def __init__(self, root: Path, source: ImageSource) -> None:
-        self.root = root
-        self.source = source
-        self.clock = ManualClock()
-        self.host = RecordingHost(self.clock)
-        self.flyds: list[Flyd] = []
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.clock = node.clock
+        self.host = node.host
+        self.flyds = node.booted
         # m1 as the operation found it
         self.m1_instance = ""
         self.m1_port = 0
@@ -88,11 +83,7 @@ class World:
 
     def boot(self) -> Flyd:
         """A flyd process: the store reopened from disk, a new image cache, driver and worker."""
-        store = CrashingLog(LmdbMachineLog(self.root / "log"))
-        images = image_cache(self.root, self.source)
-        flyd = boot(store=store, host=self.host, clock=self.clock, images=images)
-        self.flyds.append(flyd)
-        return flyd
+        return self.node.boot(store=CrashingLog(self.node.open_log()), recover=False)
 
     def crashing_log(self, flyd: Flyd) -> CrashingLog:
         assert isinstance(flyd.store, CrashingLog)
@@ -104,16 +95,13 @@ class World:
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory: pytest.TempPathFactory) -> ImageSource:
+    """One image source for the module's many worlds."""
     return image_source(tmp_path_factory.mktemp("images"))
 
 
 @pytest.fixture
-async def world(tmp_path: Path, source: ImageSource) -> AsyncIterator[World]:
-    world = World(tmp_path, source)
-    yield world
-    for flyd in world.flyds:
-        if not flyd.worker.closing:
-            await flyd.kill()
+def world(node: Node) -> World:
+    return World(node)
 
 
 async def create(flyd: Flyd, machine_id: str) -> pb.Machine:

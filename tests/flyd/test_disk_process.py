@@ -29,7 +29,7 @@ from flyd.v1 import worker_pb2_grpc
 from model.images.owners import PUBLIC
 from model.validate import DEFAULT_DISK_MIB, DISK_LABEL
 from tests.flyd.driver_support import OCI_UNAVAILABLE, gone, loops_under
-from tests.flyd.test_flyd_process import wait_state
+from tests.flyd.process_support import wait_state
 from tests.harness import ServiceProcess
 
 pytestmark = pytest.mark.skipif(

@@ -38,7 +38,7 @@ from model.images.owners import PUBLIC
 from model.validate import EGRESS_LABEL
 from runtime import SettingsError, load_settings
 from tests.flyd.driver_support import OCI_UNAVAILABLE
-from tests.flyd.test_sandbox import machine_address
+from tests.flyd.process_support import machine_address
 from tests.harness import ServiceProcess
 
 S = pb.MachineState
@@ -185,15 +185,6 @@ def image_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
         src, root, name="probe", tag="v1", entrypoint=["python3", "-u", "probe.py"], owners=PUBLIC
     )
     return root
-
-
-@pytest.fixture
-def host_listener() -> Iterator[int]:
-    """A service on the host's loopback, as flaps or the registry are."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield s.getsockname()[1]
 
 
 def probe_config(

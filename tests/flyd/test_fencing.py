@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 
@@ -17,15 +15,11 @@ from flyd.images.cache import ImageCache
 from flyd.store import MemoryMachineLog
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2
-from runtime.clock import ManualClock
 from tests.flyd.support import (
     DEADLINE,
     Flyd,
-    RecordingHost,
-    boot,
+    Node,
     config,
-    image_cache,
-    image_source,
     until,
 )
 
@@ -70,27 +64,23 @@ class Away:
 
 @dataclass
 class Host:
-    store: MemoryMachineLog
-    host: RecordingHost
-    clock: ManualClock
+    """The worker's node and its log, which outlive each flyd here; the other members fencing
+    asks, and the time away it measures."""
+
+    node: Node
     images: ImageCache
-    peers: FakePeers
-    away: Away
-    booted: list[Flyd] = field(default_factory=list)
+    store: MemoryMachineLog = field(default_factory=MemoryMachineLog)
+    peers: FakePeers = field(default_factory=FakePeers)
+    away: Away = field(default_factory=Away)
 
     def boot(self, *, recover: bool = True, peers: bool = True) -> Flyd:
-        flyd = boot(
+        return self.node.boot(
             store=self.store,
-            host=self.host,
-            clock=self.clock,
             images=self.images,
+            recover=recover,
             peers=self.peers if peers else None,
             monotonic=self.away,
         )
-        if recover:
-            flyd.worker.recover()
-        self.booted.append(flyd)
-        return flyd
 
     async def restart(self, flyd: Flyd) -> Flyd:
         """flyd dies (its machines run on) and starts again on the same store."""
@@ -100,20 +90,8 @@ class Host:
 
 
 @pytest.fixture
-async def world(tmp_path: Path) -> AsyncIterator[Host]:
-    clock = ManualClock()
-    w = Host(
-        MemoryMachineLog(),
-        RecordingHost(clock),
-        clock,
-        image_cache(tmp_path, image_source(tmp_path)),
-        FakePeers(),
-        Away(),
-    )
-    yield w
-    for flyd in w.booted:
-        await flyd.worker.close()
-        await flyd.driver.close()
+def world(node: Node, images: ImageCache) -> Host:
+    return Host(node, images)
 
 
 def standby_row(primary: pb.Machine, generation: int, serving: str) -> pb.Machine:
@@ -222,7 +200,7 @@ async def test_a_fence_stays_on_until_the_members_can_be_asked(world: Host) -> N
         assert tries >= 1
         assert flyd.worker.get("w1-p").machine.slot.fenced
         world.peers.down = False
-        world.clock.advance(5.0)  # past any backoff
+        world.node.clock.advance(5.0)  # past any backoff
         await until(flyd.worker, lambda: not flyd.worker.get("w1-p").machine.slot.fenced)
         assert world.peers.asked > tries
     finally:

@@ -11,14 +11,13 @@ hostile run found, as its repro.
 And: SIGSTOP froze a machine that still showed as started.
 """
 
-# ruff: noqa: F811 - the servicer fixtures are imported from test_servicer, then asked for by name
+# ruff: noqa: F811 - the servicer fixtures are imported from servicer_support, then asked for by name
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -26,30 +25,15 @@ import pytest
 
 from flyd import fsm
 from flyd import worker as worker_module
-from flyd.fakes import FakeHost
 from flyd.runner import Runner
-from flyd.store import LmdbMachineLog
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from model import pages
 from model.errors import DeadlineExceeded, Unavailable
 from registry.view import View
 from runtime.clock import ManualClock
-from tests.flyd.support import (
-    CREATED,
-    DESTROYED,
-    IMAGE,
-    STARTED,
-    Flyd,
-    boot,
-    config,
-    image_cache,
-    image_source,
-    until,
-)
-from tests.flyd.test_servicer import (  # noqa: F401 - the servicer fixtures
+from tests.flyd.servicer_support import (  # noqa: F401 - the servicer fixtures
     Stub,
-    clock,
     create,
     draining,
     flyd,
@@ -60,6 +44,16 @@ from tests.flyd.test_servicer import (  # noqa: F401 - the servicer fixtures
     log_read_bytes,
     streams_per_caller,
     wait,
+)
+from tests.flyd.support import (
+    CREATED,
+    DESTROYED,
+    IMAGE,
+    STARTED,
+    Flyd,
+    Node,
+    config,
+    until,
 )
 from tests.servicers import INVALID, T, refused
 
@@ -263,21 +257,11 @@ async def test_a_row_accepted_before_the_fix_can_be_destroyed(
     assert flyd.worker.reserved().machines == 1  # m1 only
 
 
-async def test_a_destroyed_row_from_an_older_flyd_is_stripped_on_recovery(tmp_path: Path) -> None:
+async def test_a_destroyed_row_from_an_older_flyd_is_stripped_on_recovery(node: Node) -> None:
     """Defect 1 in a log written before destroyed rows were stripped: such a row keeps its
     whole config. The next flyd strips it as it recovers, in memory and in the log, so it no
     longer weighs on every snapshot."""
-    clock = ManualClock()
-    host = FakeHost(clock)
-    source = image_source(tmp_path / "images")
-
-    def start() -> Flyd:
-        store = LmdbMachineLog(tmp_path / "log")
-        flyd = boot(store=store, host=host, clock=clock, images=image_cache(tmp_path, source))
-        flyd.worker.recover()
-        return flyd
-
-    first = start()
+    first = node.boot()
     heavy = big(config(), cmd=["a" * 4000] * 10, env={"K": "v" * 4000})
     await first.worker.create(machine_id="m1", name="", app="web", config=heavy, skip_launch=True)
     row = first.worker.rows["m1"]
@@ -287,17 +271,17 @@ async def test_a_destroyed_row_from_an_older_flyd_is_stripped_on_recovery(tmp_pa
     machine.CopyFrom(row.machine)
     machine.state = DESTROYED
     old = fsm.encode_row(dataclasses.replace(row, machine=machine, op=None, lease=None))
-    store = LmdbMachineLog(tmp_path / "log")
+    store = node.open_log()
     store.commit([], {"m1": old})
     store.close()
 
-    second = start()
+    second = node.boot()
     kept = second.worker.rows["m1"].machine
     assert kept.state == DESTROYED
     assert (kept.config.image, list(kept.config.cmd), dict(kept.config.env)) == (IMAGE, [], {})
     assert kept.config.guest == heavy.guest
     await second.kill()
-    store = LmdbMachineLog(tmp_path / "log")
+    store = node.open_log()
     try:
         stored = store.row("m1")
         assert stored is not None
@@ -305,9 +289,8 @@ async def test_a_destroyed_row_from_an_older_flyd_is_stripped_on_recovery(tmp_pa
         assert fsm.decode_row(stored).machine == kept
     finally:
         store.close()
-    third = start()  # a stripped row is left as it is
+    third = node.boot()  # a stripped row is left as it is
     assert third.worker.rows["m1"].machine == kept
-    await third.kill()
 
 
 # -- cleanup that fails ------------------------------------------------------------------------

@@ -19,10 +19,8 @@ from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from model.errors import DOMAIN
 from model.images.owners import NO_OWNER, PUBLIC, Owners
-from tests.flyd.support import STARTED, Flyd, config
-from tests.flyd.test_servicer import (  # the servicer tests' fixtures, used by name
+from tests.flyd.servicer_support import (  # the servicer tests' fixtures, used by name
     Stub,
-    clock,
     create,
     draining,
     flyd,
@@ -33,10 +31,10 @@ from tests.flyd.test_servicer import (  # the servicer tests' fixtures, used by 
     log_read_bytes,
     streams_per_caller,
 )
+from tests.flyd.support import STARTED, Flyd, config
 from tests.servicers import T, info_of, refused
 
 __all__ = [
-    "clock",
     "draining",
     "flyd",
     "grpc_add_to_server",

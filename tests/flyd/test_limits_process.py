@@ -16,7 +16,7 @@ import pytest
 from flyd.drivers.netclient import NETD_HANDLE
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
-from tests.flyd.test_flyd_process import DEADLINE, config, wait_log
+from tests.flyd.process_support import DEADLINE, config, wait_log
 from tests.harness import ServiceProcess
 
 Stub = worker_pb2_grpc.WorkerServiceStub

@@ -20,7 +20,7 @@ from flyd.settings import LOG_READ_BYTES
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
-from tests.flyd.test_flyd_process import (
+from tests.flyd.process_support import (
     DEADLINE,
     config,
     exits_on_usr1,

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
-from tests.flyd.test_flyd_process import DEADLINE, config, wait_state
+from tests.flyd.process_support import DEADLINE, config, wait_state
 from tests.harness import ServiceProcess
 
 S = pb.MachineState

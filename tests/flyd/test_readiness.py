@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,11 +29,8 @@ from tests.flyd.support import (
     DEADLINE,
     STARTED,
     Flyd,
-    RecordingHost,
-    boot,
+    Node,
     config,
-    image_cache,
-    image_source,
     until,
 )
 
@@ -57,18 +53,10 @@ class Probes:
 
 
 @contextlib.asynccontextmanager
-async def running(
-    tmp_path: Path, **boot_args: Any
-) -> AsyncIterator[tuple[Flyd, ManualClock, Probes]]:
+async def running(node: Node, **boot_args: Any) -> AsyncIterator[tuple[Flyd, ManualClock, Probes]]:
     """A recovered flyd on a fake host whose readiness loop runs with scripted probes."""
-    clock = ManualClock()
-    flyd = boot(
-        store=MemoryMachineLog(),
-        host=RecordingHost(clock),
-        clock=clock,
-        images=image_cache(tmp_path, image_source(tmp_path)),
-        **boot_args,
-    )
+    clock = node.clock
+    flyd = node.boot(store=MemoryMachineLog(), recover=False, **boot_args)
     probes = Probes()
     worker = flyd.worker
     worker.readiness = Readiness(
@@ -91,8 +79,8 @@ async def running(
 
 
 @pytest.fixture
-async def setup(tmp_path: Path) -> AsyncIterator[tuple[Flyd, ManualClock, Probes]]:
-    async with running(tmp_path) as started:
+async def setup(node: Node) -> AsyncIterator[tuple[Flyd, ManualClock, Probes]]:
+    async with running(node) as started:
         yield started
 
 
@@ -237,7 +225,7 @@ async def test_ready_is_only_for_waiting_for_started(
     assert flyd.worker.store.last_seq() == seq  # changed nothing
 
 
-async def test_a_change_to_one_machine_looks_at_that_machine_only(tmp_path: Path) -> None:
+async def test_a_change_to_one_machine_looks_at_that_machine_only(node: Node) -> None:
     # A worker with 1,000 ready machines, each checked every 5s.
     machines = 1000
     capacity = CapacitySettings(
@@ -246,7 +234,7 @@ async def test_a_change_to_one_machine_looks_at_that_machine_only(tmp_path: Path
         disk_mib=DEFAULT_DISK_MIB * (machines + 1),
         machines=machines + 1,
     )
-    async with running(tmp_path, capacity=capacity, ports=range(20000, 21100)) as setup:
+    async with running(node, capacity=capacity, ports=range(20000, 21100)) as setup:
         flyd, clock, probes = setup
         readiness = flyd.worker.readiness
         cfg = config(services=1)

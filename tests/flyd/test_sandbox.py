@@ -17,9 +17,8 @@ import socket
 import stat
 import subprocess
 import tarfile
-import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -33,6 +32,7 @@ from flyd.v1 import worker_pb2_grpc
 from model.images.owners import PUBLIC
 from tests.conftest import DEMO_APP
 from tests.flyd.driver_support import OCI_UNAVAILABLE, gone, loops_under, upper_layer
+from tests.flyd.process_support import http_get, machine_address, wait_state
 from tests.harness import ServiceProcess
 
 pytestmark = pytest.mark.skipif(
@@ -128,18 +128,6 @@ def guest(memory_mib: int = 64) -> pb.GuestConfig:
     return pb.GuestConfig(cpu_millicores=200, memory_mib=memory_mib)
 
 
-async def wait_state(stub: Stub, machine_id: str, state: int) -> pb.Machine:
-    resp = await stub.WaitMachine(
-        w.WaitMachineRequest(
-            machine_id=machine_id,
-            state=state,  # type: ignore[arg-type]
-            timeout=Duration(seconds=int(DEADLINE)),
-        ),
-        timeout=DEADLINE + 5,
-    )
-    return resp.machine
-
-
 async def log_line(stub: Stub, machine_id: str, prefix: str) -> str:
     """The first line the machine printed that starts with `prefix` (waiting for it)."""
     loop = asyncio.get_running_loop()
@@ -195,17 +183,6 @@ def port_free_on_host(port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-@pytest.fixture
-def host_listener() -> Iterator[int]:
-    """A stand-in for flaps, the registry or the proxy: a socket listening on the host's
-    loopback, as they do (no real flaps runs here; flyd's own port is the real service probed).
-    """
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield s.getsockname()[1]
 
 
 async def test_a_probe_machine_reaches_nothing_of_the_host(
@@ -281,15 +258,6 @@ async def test_a_probe_machine_reaches_nothing_of_the_host(
 
 def flyd_dir(tmp_path: Path, worker_id: str = "w1") -> Path:
     return tmp_path / f"flyd-{worker_id}"
-
-
-def machine_address(machines: Path, machine_id: str) -> str:
-    """The machine's own address, as its run dir's /etc/hosts names it."""
-    for line in (machines / machine_id / "etc" / "hosts").read_text().splitlines():
-        address, _, name = line.partition("\t")
-        if name == machine_id:
-            return address
-    raise AssertionError(f"{machine_id} has no address in its /etc/hosts")
 
 
 async def test_the_image_cache_is_byte_identical_after_a_machine_wrote_everywhere(
@@ -550,11 +518,6 @@ async def test_no_machine_can_hold_a_host_port_it_was_not_given(
             assert loop.time() < deadline
             await asyncio.sleep(0.05)
     assert body == f"hello from {standby.id}\n"
-
-
-def http_get(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5) as resp:
-        return str(resp.read().decode())
 
 
 # -- flyd killed mid-operation -------------------------------------------------------------------

@@ -24,10 +24,8 @@ import pytest
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from model import scope, slots
-from tests.flyd.support import CREATED, STARTED, STOPPED, Flyd, config
-from tests.flyd.test_servicer import (
+from tests.flyd.servicer_support import (
     Stub,
-    clock,
     draining,
     flyd,
     grpc_add_to_server,
@@ -37,6 +35,7 @@ from tests.flyd.test_servicer import (
     log_read_bytes,
     streams_per_caller,
 )
+from tests.flyd.support import CREATED, STARTED, STOPPED, Flyd, config
 from tests.scope import (
     NOTHING,
     REFERENCE,
@@ -49,7 +48,6 @@ from tests.scope import (
 from tests.servicers import INVALID, T, answer, refused
 
 __all__ = [
-    "clock",
     "draining",
     "flyd",
     "grpc_add_to_server",

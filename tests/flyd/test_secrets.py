@@ -8,25 +8,19 @@ worker's key; the process is spawned with the values; updates keep, replace and 
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from flyd.secrets import REDACTED, SecretBox
-from flyd.store import LmdbMachineLog
 from flyd.v1 import machine_pb2 as pb
 from model.errors import AlreadyExists, InvalidArgument, NotFound
 from model.validate import check_config
-from runtime.clock import ManualClock
 from tests.flyd.support import (
     STARTED,
     Flyd,
-    RecordingHost,
-    boot,
+    Node,
     config,
-    image_cache,
-    image_source,
     log_changes,
     settled,
     until,
@@ -47,18 +41,8 @@ def box() -> SecretBox:
 
 
 @pytest.fixture
-async def flyd(tmp_path: Path, box: SecretBox) -> AsyncIterator[Flyd]:
-    clock = ManualClock()
-    f = boot(
-        store=LmdbMachineLog(tmp_path / "log"),
-        host=RecordingHost(clock),
-        clock=clock,
-        images=image_cache(tmp_path, image_source(tmp_path)),
-        secret_box=box,
-    )
-    f.worker.recover()
-    yield f
-    await f.kill()
+def flyd(node: Node, box: SecretBox) -> Flyd:
+    return node.boot(secret_box=box)
 
 
 def spawned_env(f: Flyd) -> dict[str, str]:
@@ -134,44 +118,26 @@ async def test_a_retried_create_matches_its_secrets_in_constant_time(flyd: Flyd)
 
 
 async def test_a_restarted_worker_opens_its_secrets_with_its_key(
-    tmp_path: Path, box: SecretBox
+    node: Node, box: SecretBox
 ) -> None:
-    clock = ManualClock()
-    host = RecordingHost(clock)
-    images = image_cache(tmp_path, image_source(tmp_path))
-
-    def start(secret_box: SecretBox) -> Flyd:
-        f = boot(
-            store=LmdbMachineLog(tmp_path / "log"),
-            host=host,
-            clock=clock,
-            images=images,
-            secret_box=secret_box,
-        )
-        f.worker.recover()
-        return f
-
-    f = start(box)
+    f = node.boot(secret_box=box)
     await f.worker.create(
         machine_id="m1", name="", app="web", config=with_secrets(K=SECRET), skip_launch=True
     )
     await f.kill()
-    f = start(box)
+    f = node.boot(secret_box=box)
     await f.worker.start("m1")
     assert spawned_env(f)["K"] == SECRET
     await f.worker.stop("m1", None, None)
     await until(f.worker, settled(f.worker, "m1", pb.MACHINE_STATE_STOPPED))
     await f.kill()
     # Another key opens nothing: the start fails, saying which secret, never its value.
-    f = start(SecretBox.ephemeral())
-    try:
-        await f.worker.start("m1")
-        await until(f.worker, lambda: f.worker.get("m1").state == pb.MACHINE_STATE_FAILED)
-        reasons = " ".join(e.reason for e in f.worker.events("m1"))
-        assert "secret K of machine m1 does not open" in reasons
-        assert SECRET not in reasons
-    finally:
-        await f.kill()
+    f = node.boot(secret_box=SecretBox.ephemeral())
+    await f.worker.start("m1")
+    await until(f.worker, lambda: f.worker.get("m1").state == pb.MACHINE_STATE_FAILED)
+    reasons = " ".join(e.reason for e in f.worker.events("m1"))
+    assert "secret K of machine m1 does not open" in reasons
+    assert SECRET not in reasons
 
 
 def test_the_key_file_is_made_once_and_private(tmp_path: Path) -> None:

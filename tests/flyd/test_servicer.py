@@ -12,24 +12,31 @@ import os
 import re
 import signal
 import sys
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 from google.protobuf.duration_pb2 import Duration
 
-from flyd.fakes import FakeHost
 from flyd.secrets import SecretBox
-from flyd.service import LIMITS, WorkerServicer, map_error
-from flyd.settings import LOG_READ_BYTES, STREAMS_PER_CALLER
-from flyd.store import MemoryMachineLog
+from flyd.service import WorkerServicer
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
-from flyd.v1 import worker_pb2_grpc
 from model.errors import DOMAIN
 from runtime.clock import ManualClock
+from tests.flyd.servicer_support import (  # the servicer fixtures, asked for by name
+    Stub,
+    create,
+    draining,
+    flyd,
+    grpc_add_to_server,
+    grpc_servicer,
+    grpc_stub_cls,
+    heartbeat_interval,
+    log_read_bytes,
+    streams_per_caller,
+    wait,
+)
 from tests.flyd.support import (
     CAPACITY,
     CREATED,
@@ -38,10 +45,7 @@ from tests.flyd.support import (
     STARTED,
     STOPPED,
     Flyd,
-    boot,
     config,
-    image_cache,
-    image_source,
 )
 from tests.servicers import (
     INVALID,
@@ -52,103 +56,22 @@ from tests.servicers import (
     bring,
     info_of,
     refused,
-    registered,
     seconds,
     untested,
 )
 
-Stub = worker_pb2_grpc.WorkerServiceStub
+__all__ = [
+    "draining",
+    "flyd",
+    "grpc_add_to_server",
+    "grpc_servicer",
+    "grpc_stub_cls",
+    "heartbeat_interval",
+    "log_read_bytes",
+    "streams_per_caller",
+]
+
 SECRET = "s3cret-" + os.urandom(8).hex()  # a value nothing else could contain by chance
-
-
-@pytest.fixture
-def grpc_add_to_server() -> Callable[[Any, Any], None]:
-    return registered(
-        worker_pb2_grpc.add_WorkerServiceServicer_to_server,
-        w.DESCRIPTOR.services_by_name["WorkerService"],
-        map_error,
-        LIMITS,
-    )
-
-
-@pytest.fixture
-def grpc_stub_cls() -> type[Stub]:
-    return Stub
-
-
-@pytest.fixture
-def clock() -> ManualClock:
-    return ManualClock()
-
-
-@pytest.fixture
-async def flyd(tmp_path: Path, clock: ManualClock) -> AsyncIterator[Flyd]:
-    """Worker w1 (ams) with an in-memory log, its machines on a fake host."""
-    images = image_cache(tmp_path, image_source(tmp_path))
-    flyd = boot(store=MemoryMachineLog(), host=FakeHost(clock), clock=clock, images=images)
-    flyd.worker.recover()
-    yield flyd
-    await flyd.kill()
-
-
-@pytest.fixture
-def draining() -> asyncio.Event:
-    """flyd's Service.draining: set when shutdown begins, ending streams."""
-    return asyncio.Event()
-
-
-@pytest.fixture
-def heartbeat_interval() -> float:
-    """Seconds between WatchEvents heartbeats (real time: the stream's own loop timer)."""
-    return 60.0
-
-
-@pytest.fixture
-def log_read_bytes() -> int:
-    """The most of a log one GetMachineLogs reads (flyd --log-read-bytes)."""
-    return LOG_READ_BYTES
-
-
-@pytest.fixture
-def streams_per_caller() -> int:
-    """Follow streams (and waits, event streams) one caller may hold (--streams-per-caller)."""
-    return STREAMS_PER_CALLER
-
-
-@pytest.fixture
-def grpc_servicer(
-    flyd: Flyd,
-    draining: asyncio.Event,
-    heartbeat_interval: float,
-    log_read_bytes: int,
-    streams_per_caller: int,
-) -> WorkerServicer:
-    return WorkerServicer(
-        flyd.worker,
-        heartbeat_interval=heartbeat_interval,
-        draining=draining,
-        log_read_bytes=log_read_bytes,
-        streams_per_caller=streams_per_caller,
-    )
-
-
-async def create(
-    stub: Stub,
-    machine_id: str = "m1",
-    cfg: pb.MachineConfig | None = None,
-    *,
-    app: str = "web",
-    **fields: Any,
-) -> pb.Machine:
-    request = w.CreateMachineRequest(
-        machine_id=machine_id, app=app, config=cfg if cfg is not None else config(), **fields
-    )
-    return (await stub.CreateMachine(request, timeout=T)).machine
-
-
-async def wait(stub: Stub, state: int, machine_id: str = "m1") -> pb.Machine:
-    request = w.WaitMachineRequest(machine_id=machine_id, state=state)  # type: ignore[arg-type]
-    return (await stub.WaitMachine(request, timeout=T)).machine
 
 
 async def machine_in(stub: Stub, state: str) -> str:

@@ -6,8 +6,7 @@ opens a span standing for the RPC's server span and checks the operation's span 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 
 import pytest
 from opentelemetry import trace
@@ -18,19 +17,14 @@ from opentelemetry.trace import Span, StatusCode, Tracer
 
 from flyd import fsm
 from flyd.runner import Runner
-from flyd.store import LmdbMachineLog
 from flyd.traces import OpTracer
 from flyd.v1 import machine_pb2 as pb
 from model.errors import FailedPrecondition
-from runtime.clock import ManualClock
 from tests.flyd.support import (
     DEADLINE,
     Flyd,
-    RecordingHost,
-    boot,
+    Node,
     config,
-    image_cache,
-    image_source,
     settled,
     until,
 )
@@ -52,20 +46,8 @@ def tracer(exporter: InMemorySpanExporter) -> Iterator[Tracer]:
 
 
 @pytest.fixture
-async def flyd(tmp_path: Path, tracer: Tracer) -> AsyncIterator[Flyd]:
-    store = LmdbMachineLog(tmp_path / "log")
-    clock = ManualClock()
-    images = image_cache(tmp_path, image_source(tmp_path))
-    flyd = boot(
-        store=store,
-        host=RecordingHost(clock),
-        clock=clock,
-        images=images,
-        op_tracer=OpTracer(tracer, "w1"),
-    )
-    flyd.worker.recover()
-    yield flyd
-    await flyd.kill()
+def flyd(node: Node, tracer: Tracer) -> Flyd:
+    return node.boot(op_tracer=OpTracer(tracer, "w1"))
 
 
 def spans_named(exporter: InMemorySpanExporter, name: str) -> list[ReadableSpan]:
@@ -228,16 +210,9 @@ async def test_an_update_span_spans_the_old_process_stop_and_the_new_start(
 
 
 async def test_without_a_tracer_no_span_is_made(
-    tmp_path: Path, tracer: Tracer, exporter: InMemorySpanExporter
+    node: Node, tracer: Tracer, exporter: InMemorySpanExporter
 ) -> None:
-    clock = ManualClock()
-    flyd = boot(
-        store=LmdbMachineLog(tmp_path / "log"),
-        host=RecordingHost(clock),
-        clock=clock,
-        images=image_cache(tmp_path, image_source(tmp_path)),
-    )
-    flyd.worker.recover()
+    flyd = node.boot()
     try:
         with tracer.start_as_current_span("rpc CreateMachine"):
             await flyd.worker.create(

@@ -19,7 +19,7 @@ from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
 from tests import host_ports
 from tests.conftest import remove_cgroups
-from tests.flyd.test_flyd_process import DEADLINE, config, wait_state
+from tests.flyd.process_support import DEADLINE, config, wait_state
 from tests.harness import ServiceProcess, clean_env, flyd_args
 
 S = pb.MachineState

@@ -19,7 +19,6 @@ from flyd.drivers.base import ProcessSpec, port_env
 from flyd.fakes import FakeDriver
 from flyd.images.build import build_image
 from flyd.images.cache import ImageCache
-from flyd.store import LmdbMachineLog
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as wpb
 from flyd.v1 import worker_pb2_grpc
@@ -32,30 +31,18 @@ from tests.flyd.support import (
     CAPACITY,
     DEADLINE,
     PORTS,
+    Boot,
     Flyd,
+    Node,
     RecordingHost,
-    boot,
+    Stream,
     config,
-    image_cache,
-    image_source,
+    create,
+    history,
+    image_refs,
     log_changes,
 )
-from tests.flyd.test_worker import (  # the worker tests' fixtures: both stores, one fake host
-    Boot,
-    Stream,
-    clock,
-    create,
-    flyd,
-    history,
-    host,
-    image_refs,
-    images,
-    start_flyd,
-    store,
-)
 from tests.harness import ServiceProcess, error_info
-
-__all__ = ["clock", "flyd", "host", "images", "start_flyd", "store"]  # fixtures, used by name
 
 S = pb.MachineState
 CREATED = S.MACHINE_STATE_CREATED
@@ -524,18 +511,8 @@ async def test_lease_changes_are_in_the_log_and_the_event_stream(flyd: Flyd) -> 
     assert "lease" not in {e.type for e in w.get("m1").machine.events}
 
 
-async def test_a_lease_survives_a_flyd_restart(tmp_path: Path) -> None:
-    clock = ManualClock()
-    host = RecordingHost(clock)
-    source = image_source(tmp_path)
-
-    def start() -> Flyd:
-        store = LmdbMachineLog(tmp_path / "log")
-        flyd = boot(store=store, host=host, clock=clock, images=image_cache(tmp_path, source))
-        flyd.worker.recover()
-        return flyd
-
-    flyd = start()
+async def test_a_lease_survives_a_flyd_restart(node: Node) -> None:
+    flyd = node.boot()
     await create(flyd.worker, "m1")
     lease = await flyd.worker.acquire_lease(
         "m1", ttl=60, owner="deployer", description="", nonce=""
@@ -543,18 +520,14 @@ async def test_a_lease_survives_a_flyd_restart(tmp_path: Path) -> None:
     row = flyd.worker.get("m1")
     await flyd.kill()
 
-    flyd = start()
-    try:
-        w = flyd.worker
-        assert w.get("m1").lease == row.lease
-        assert w.get("m1").machine.lease == row.machine.lease
-        with pytest.raises(FailedPrecondition, match="leased by deployer"):
-            await w.stop("m1", None, None)
-        assert w.get("m1").handle == row.handle == host.live_handle("m1")
-        await w.stop("m1", None, None, lease_nonce=lease.nonce)
-        await w.wait("m1", STOPPED, DEADLINE)
-    finally:
-        await flyd.kill()
+    w = node.boot().worker
+    assert w.get("m1").lease == row.lease
+    assert w.get("m1").machine.lease == row.machine.lease
+    with pytest.raises(FailedPrecondition, match="leased by deployer"):
+        await w.stop("m1", None, None)
+    assert w.get("m1").handle == row.handle == node.host.live_handle("m1")
+    await w.stop("m1", None, None, lease_nonce=lease.nonce)
+    await w.wait("m1", STOPPED, DEADLINE)
 
 
 # --- a real flyd -------------------------------------------------------------------------------

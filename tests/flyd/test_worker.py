@@ -7,19 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from flyd import stream as stream_module
 from flyd.drivers.base import ExitStatus, PortMapping
-from flyd.images.cache import ImageCache
 from flyd.settings import CapacitySettings
-from flyd.store import LmdbMachineLog, MachineLog, MemoryMachineLog
 from flyd.v1 import machine_pb2 as pb
-from flyd.v1 import worker_pb2
 from flyd.worker import MAX_KEY, Worker
 from model.errors import (
     AlreadyExists,
@@ -36,12 +32,14 @@ from tests.flyd.support import (
     CAPACITY,
     DEADLINE,
     PORTS,
+    Boot,
     Flyd,
     RecordingHost,
-    boot,
+    Stream,
     config,
-    image_cache,
-    image_source,
+    create,
+    history,
+    image_refs,
     log_changes,
 )
 
@@ -55,85 +53,6 @@ STOPPED = S.MACHINE_STATE_STOPPED
 RESTARTING = S.MACHINE_STATE_RESTARTING
 DESTROYED = S.MACHINE_STATE_DESTROYED
 FAILED = S.MACHINE_STATE_FAILED
-
-Boot = Callable[..., Flyd]
-
-
-@pytest.fixture(params=["memory", "lmdb"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[MachineLog]:
-    log: MachineLog = (
-        MemoryMachineLog() if request.param == "memory" else LmdbMachineLog(tmp_path / "log")
-    )
-    yield log
-    log.close()
-
-
-@pytest.fixture
-def clock() -> ManualClock:
-    return ManualClock()
-
-
-@pytest.fixture
-def host(clock: ManualClock) -> RecordingHost:
-    return RecordingHost(clock)
-
-
-@pytest.fixture
-def images(tmp_path: Path) -> ImageCache:
-    return image_cache(tmp_path, image_source(tmp_path))
-
-
-@pytest.fixture
-async def start_flyd(
-    store: MachineLog, host: RecordingHost, clock: ManualClock, images: ImageCache
-) -> AsyncIterator[Boot]:
-    """Boots a recovered flyd on the test's store and host; settings can be overridden."""
-    booted: list[Flyd] = []
-
-    def start(**overrides: Any) -> Flyd:
-        flyd = boot(store=store, host=host, clock=clock, images=images, **overrides)
-        flyd.worker.recover()
-        booted.append(flyd)
-        return flyd
-
-    yield start
-    for flyd in booted:
-        await flyd.worker.close()
-        await flyd.driver.close()
-
-
-@pytest.fixture
-def flyd(start_flyd: Boot) -> Flyd:
-    return start_flyd()
-
-
-async def create(
-    worker: Worker,
-    machine_id: str,
-    cfg: pb.MachineConfig | None = None,
-    *,
-    app: str = "web",
-    skip_launch: bool = False,
-    key: str = "",
-) -> pb.Machine:
-    return await worker.create(
-        machine_id=machine_id,
-        name="",
-        app=app,
-        config=cfg if cfg is not None else config(),
-        skip_launch=skip_launch,
-        idempotency_key=key,
-    )
-
-
-def history(events: Any) -> list[tuple[str, str, str]]:
-    """(type, from state, to state) of each event."""
-    name = {v: k.removeprefix("MACHINE_STATE_").lower() for k, v in S.items()}
-    return [(e.type, name[e.from_state], name[e.to_state]) for e in events]
-
-
-def image_refs(images: ImageCache) -> int:
-    return sum(img.refs for img in images.cached())
 
 
 # --- the lifecycle ---------------------------------------------------------------------------
@@ -480,45 +399,6 @@ async def test_wait_refuses(
 
 
 # --- the event stream --------------------------------------------------------------------------
-
-
-class Stream:
-    """A WatchEvents subscription read one item at a time, each with a deadline."""
-
-    def __init__(
-        self, worker: Worker, from_seq: int, heartbeat_interval: float = 3600, log_epoch: str = ""
-    ) -> None:
-        self.stop = asyncio.Event()
-        items = worker.watch(
-            from_seq, heartbeat_interval=heartbeat_interval, stop=self.stop, log_epoch=log_epoch
-        )
-        assert isinstance(items, AsyncGenerator)
-        self._items = items
-
-    async def next(self) -> worker_pb2.WatchEventsResponse:
-        async with asyncio.timeout(DEADLINE):
-            return await anext(self._items)
-
-    async def next_kind(self) -> str:
-        return (await self.next()).WhichOneof("item") or ""
-
-    async def changes_until(self, seq: int) -> list[worker_pb2.MachineChange]:
-        """Changes up to and including `seq`, skipping heartbeats."""
-        out: list[worker_pb2.MachineChange] = []
-        while not out or out[-1].event.seq < seq:
-            item = await self.next()
-            assert item.WhichOneof("item") != "snapshot"
-            if item.HasField("change"):
-                out.append(item.change)
-        return out
-
-    async def rest(self) -> list[str]:
-        """The kinds of all items until the stream ends."""
-        async with asyncio.timeout(DEADLINE):
-            return [item.WhichOneof("item") or "" async for item in self._items]
-
-    async def close(self) -> None:
-        await self._items.aclose()
 
 
 @pytest.fixture
