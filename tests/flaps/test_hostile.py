@@ -15,8 +15,8 @@ from flaps.v1 import machines_pb2 as m
 from flyd import fsm
 from model.errors import Unavailable
 from tests.flaps import test_servicer as machines_tests
+from tests.flaps.servicer_support import Machines, bid, exchange, fleet
 from tests.flaps.support import FakeFleet
-from tests.flaps.test_servicer import Machines, bid, exchange, fleet
 from tests.flyd.support import DESTROYED, config
 from tests.servicers import DEADLINE, T, seconds
 
