@@ -25,7 +25,7 @@ from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
 from flyd.v1 import machine_pb2 as pb
 from model.errors import DOMAIN as FLYD
 from model.validate import DEFAULT_DISK_MIB
-from tests.flaps.servicer_support import Machines, bid, exchange, fleet
+from tests.flaps.servicer_support import Machines, MachinesServer, bid, exchange, fleet
 from tests.flaps.support import FakeFleet
 from tests.flyd.support import CREATED, DESTROYED, STARTED, STOPPED, config
 from tests.servicers import (
@@ -63,24 +63,7 @@ BAD_BIDS: list[tuple[dict[str, Any], str]] = [
 ]
 
 
-class TestMachinesService:
-    @pytest.fixture
-    def grpc_add_to_server(self) -> Callable[[Any, Any], None]:
-        return registered(
-            machines_pb2_grpc.add_MachinesServiceServicer_to_server,
-            m.DESCRIPTOR.services_by_name["MachinesService"],
-            map_error,
-            LIMITS,
-        )
-
-    @pytest.fixture
-    def grpc_stub_cls(self) -> type[Machines]:
-        return Machines
-
-    @pytest.fixture
-    def grpc_servicer(self, exchange: Exchange) -> MachinesServicer:
-        return MachinesServicer(exchange)
-
+class TestMachinesService(MachinesServer):
     # -- CreateMachine ----------------------------------------------------------------------
 
     async def test_create_claims_on_a_worker_of_the_region(
