@@ -75,7 +75,7 @@ TABLES: list[tuple[ServiceDescriptor, access.Table]] = [
 
 
 def test_every_rpc_of_every_service_has_a_row_in_its_table() -> None:
-    from tests.test_contract import SERVICES
+    from tests.contract import SERVICES
 
     assert {s.full_name for s, _ in TABLES} == {s.full_name for s in SERVICES}
     for service, rows in TABLES:

@@ -8,21 +8,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from google.protobuf.descriptor import FileDescriptor, ServiceDescriptor
+from google.protobuf.descriptor import ServiceDescriptor
 
-from flaps.v1 import machines_pb2, platform_pb2, tokens_pb2
-from flyd.v1 import worker_pb2
-from proxy.v1 import proxy_pb2
-from registry.v1 import registry_pb2
-
-PROTO_FILES: list[FileDescriptor] = [
-    worker_pb2.DESCRIPTOR,
-    machines_pb2.DESCRIPTOR,
-    platform_pb2.DESCRIPTOR,
-    tokens_pb2.DESCRIPTOR,
-    proxy_pb2.DESCRIPTOR,
-    registry_pb2.DESCRIPTOR,
-]
+from tests.contract import SERVICES
 
 # Each service's servicer, as "module:Class".
 SERVICERS = {
@@ -36,10 +24,6 @@ SERVICERS = {
 # Services whose servicers are still to be written (the proxy issue). This list only
 # shrinks: the test below fails when one appears without being moved.
 NOT_YET_SERVED: set[str] = set()
-
-SERVICES: list[ServiceDescriptor] = [
-    service for file in PROTO_FILES for service in file.services_by_name.values()
-]
 
 
 def servicer_class(path: str) -> type:

@@ -1,5 +1,5 @@
 """The house has floors and imports only go down; the services on one floor do not import each
-other; no two modules import each other.
+other; no two modules import each other; no test module imports another.
 
 Read from the source with `ast`, so every import counts: at the top of a module, inside a
 function, or under `if TYPE_CHECKING:` (a type-only import is still an arrow of knowledge).
@@ -216,6 +216,28 @@ def cycles(edges: Mapping[str, set[str]]) -> list[list[str]]:
     return found
 
 
+TESTS = "tests"
+"""The tests' package: what its test modules share lives in support modules (conftest.py,
+support.py, ...), never in another test module."""
+
+
+def is_test_module(module: str) -> bool:
+    return module.rpartition(".")[2].startswith("test_")
+
+
+def cross_test_imports(edges: Mapping[str, set[str]]) -> list[str]:
+    """Imports of a test module by another. What two test modules share goes to a support
+    module both import (or a conftest.py): then a test module can change, move or go without
+    breaking another, and no test is collected a second time under a name imported with it."""
+    return sorted(
+        f"{src} -> {dst} (a test module imports another: move what they share to a support module)"
+        for src, targets in edges.items()
+        if is_test_module(src)
+        for dst in targets
+        if is_test_module(dst)
+    )
+
+
 def test_every_floor_is_a_package() -> None:
     for floor in FLOORS:
         assert (ROOT / floor / "__init__.py").is_file(), floor
@@ -398,3 +420,64 @@ def test_a_planted_circle_is_caught(tmp_path: Path) -> None:
     fsm.write_text(fsm.read_text() + "\nfrom flyd import worker\n")
     found = cycles(graph(read_tree(tmp_path, ["runtime", "model", "flyd"])))
     assert any({"flyd.fsm", "flyd.worker"} <= set(component) for component in found)
+
+
+def test_no_test_module_imports_another() -> None:
+    assert cross_test_imports(graph(read_tree(ROOT, [TESTS]))) == []
+
+
+@pytest.fixture(scope="module")
+def tests_house() -> dict[str, str]:
+    """The real tests' sources, read once; a test plants an import in a copy of one."""
+    return read_tree(ROOT, [TESTS])
+
+
+@pytest.mark.parametrize(
+    ("planted_in", "line", "expected"),
+    [
+        ("tests.test_access", "from tests.test_contract import SERVICES", "tests.test_contract"),
+        ("tests.test_access", "import tests.test_contract", "tests.test_contract"),
+        (
+            "tests.flaps.test_hostile",
+            "from tests.flaps import test_servicer as machines_tests",
+            "tests.flaps.test_servicer",
+        ),
+        (
+            "tests.flaps.test_hostile",
+            "from .test_servicer import BAD_BIDS",
+            "tests.flaps.test_servicer",
+        ),
+        ("tests.flaps.test_hostile", "from . import test_servicer", "tests.flaps.test_servicer"),
+        ("tests.e2e.test_tenants", "from ..test_cli import alive", "tests.test_cli"),
+        # a lazy import inside a test counts too
+        (
+            "tests.cli.test_usage",
+            "def _f() -> None:\n    from tests.cli.test_machines import listed",
+            "tests.cli.test_machines",
+        ),
+    ],
+)
+def test_a_planted_import_of_a_test_module_is_caught(
+    tests_house: dict[str, str], planted_in: str, line: str, expected: str
+) -> None:
+    source = tests_house[planted_in] + "\n" + line + "\n"
+    found = cross_test_imports({planted_in: imports_of(planted_in, source, set(tests_house))})
+    assert len(found) == 1, found
+    assert found[0].startswith(f"{planted_in} -> {expected} (a test module imports another")
+
+
+@pytest.mark.parametrize(
+    ("planted_in", "line"),
+    [
+        # what test modules share: support modules and conftest.py
+        ("tests.flaps.test_hostile", "from tests.flaps.servicer_support import bid"),
+        ("tests.flaps.test_hostile", "from .conftest import Fleet"),
+        ("tests.e2e.test_tenants", "from tests import host_ports"),
+        ("tests.runtime.test_endpoints", "from tests.runtime import _echo"),
+    ],
+)
+def test_a_planted_import_of_a_support_module_is_allowed(
+    tests_house: dict[str, str], planted_in: str, line: str
+) -> None:
+    source = tests_house[planted_in] + "\n" + line + "\n"
+    assert cross_test_imports({planted_in: imports_of(planted_in, source, set(tests_house))}) == []

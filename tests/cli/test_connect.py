@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from tests.cli.conftest import nonomad
-from tests.cli.test_machines import one_line_error
+from tests.cli.support import one_line_error
 from tests.flaps.conftest import Fleet
 
 

@@ -8,7 +8,8 @@ import re
 import signal
 
 from nonomad.client import Client
-from tests.cli.conftest import NONOMAD, CliFleet, Result, nonomad
+from tests.cli.conftest import NONOMAD, CliFleet, nonomad
+from tests.cli.support import one_line_error
 from tests.flaps.conftest import eventually
 from tests.harness import REPO_ROOT
 
@@ -17,16 +18,6 @@ TICKER = (
     "python3 -m http.server --bind 127.0.0.1 $PORT >/dev/null 2>&1 & "
     "echo hello-$GREETING; i=0; while true; do i=$((i+1)); echo tick-$i; sleep 0.2; done"
 )
-
-
-def one_line_error(result: Result, code: int, *fragments: str) -> None:
-    """A failed command: the exit code, one line on stderr naming the problem, no traceback."""
-    assert result.code == code, (result.out, result.err)
-    assert result.err.count("\n") == 1, result.err
-    assert result.err.startswith("nonomad"), result.err
-    assert "Traceback" not in result.err
-    for fragment in fragments:
-        assert fragment in result.err, result.err
 
 
 async def listed(flaps: Client, app: str, ids: set[str], include_destroyed: bool = False) -> bool:

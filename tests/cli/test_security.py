@@ -21,7 +21,7 @@ from model.tokens import DEFAULT_TTL, new_key_line
 from nonomad.security import CONSOLE_PART
 from runtime.pki import part_role, write_private
 from tests.cli.conftest import CliFleet, Result, nonomad
-from tests.cli.test_machines import one_line_error
+from tests.cli.support import one_line_error
 from tests.flaps.conftest import eventually
 from tests.harness import channel, clean_env
 

@@ -11,7 +11,7 @@ import grpc
 from nonomad.cli_common import describe
 from nonomad.client import ResourceExhausted
 from tests.cli.conftest import Result, nonomad
-from tests.cli.test_machines import one_line_error
+from tests.cli.support import one_line_error
 
 
 def free_port() -> int:

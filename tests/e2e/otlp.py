@@ -27,7 +27,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-__all__ = ["Event", "OtlpReceiver", "Span", "SpanKind"]
+__all__ = ["Event", "OtlpReceiver", "Span", "SpanKind", "child"]
 
 SpanKind = trace_pb2.Span.SpanKind
 
@@ -240,3 +240,16 @@ def _span(span: trace_pb2.Span, resource: Mapping[str, Any], scope: str) -> Span
         start_ns=span.start_time_unix_nano,
         end_ns=span.end_time_unix_nano,
     )
+
+
+async def child(otlp: OtlpReceiver, parent: Span, name: str, kind: int, service: str) -> Span:
+    """The one span called `name` under `parent`, waiting for it to be exported."""
+
+    def match(span: Span) -> bool:
+        return span.parent_span_id == parent.span_id and span.name == name and span.kind == kind
+
+    found = await otlp.until(match, what=f"{service} {name} under {parent}")
+    assert len(otlp.find(match)) == 1, [str(s) for s in otlp.find(match)]
+    assert found.trace_id == parent.trace_id
+    assert found.service == service, found.resource
+    return found

@@ -8,8 +8,7 @@ from __future__ import annotations
 import secrets
 from pathlib import Path
 
-from tests.e2e.otlp import OtlpReceiver, Span, SpanKind
-from tests.e2e.test_trace import child
+from tests.e2e.otlp import OtlpReceiver, Span, SpanKind, child
 from tests.proxy.support import get, proxy_fleet
 
 SERVER, CLIENT = SpanKind.SPAN_KIND_SERVER, SpanKind.SPAN_KIND_CLIENT

@@ -46,8 +46,8 @@ from proxy.v1 import proxy_pb2 as px
 from proxy.v1 import proxy_pb2_grpc
 from registry.v1 import registry_pb2 as r
 from registry.v1 import registry_pb2_grpc
+from tests.cli_support import NoRedirect, console_login, nonomad, stop_up, up_demo
 from tests.harness import channel
-from tests.test_cli import NoRedirect, console_login, nonomad, stop_up, up_demo
 
 T = 30.0  # a deadline for every call, long enough for a loaded machine
 SECRET = "tenant-secret-" + uuid.uuid4().hex  # nothing else could print it by chance

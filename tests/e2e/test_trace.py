@@ -11,7 +11,7 @@ from typing import Any
 
 import grpc
 
-from tests.e2e.otlp import OtlpReceiver, Span, SpanKind
+from tests.e2e.otlp import OtlpReceiver, SpanKind, child
 from tests.flaps.conftest import Fleet
 from tests.harness import REPO_ROOT, clean_env, grpcurl
 
@@ -40,19 +40,6 @@ async def run_client(address: str, env: dict[str, str]) -> dict[str, str]:
     assert proc.returncode == 0, stderr.decode()
     answer: dict[str, str] = json.loads(stdout.decode().splitlines()[-1])
     return answer
-
-
-async def child(otlp: OtlpReceiver, parent: Span, name: str, kind: int, service: str) -> Span:
-    """The one span called `name` under `parent`, waiting for it to be exported."""
-
-    def match(span: Span) -> bool:
-        return span.parent_span_id == parent.span_id and span.name == name and span.kind == kind
-
-    found = await otlp.until(match, what=f"{service} {name} under {parent}")
-    assert len(otlp.find(match)) == 1, [str(s) for s in otlp.find(match)]
-    assert found.trace_id == parent.trace_id
-    assert found.service == service, found.resource
-    return found
 
 
 def log_lines(path: Any) -> list[dict[str, Any]]:

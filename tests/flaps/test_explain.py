@@ -12,7 +12,7 @@ from flaps.v1 import platform_pb2 as p
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from tests.flaps.conftest import Fleet, eventually
-from tests.flaps.test_flaps_process import T, ams_and_syd, config
+from tests.flaps.process_support import T, ams_and_syd, config
 
 
 def ranked(candidates: object) -> dict[str, tuple[float, dict[str, float]]]:

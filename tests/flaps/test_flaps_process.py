@@ -16,33 +16,11 @@ from flaps.v1 import platform_pb2 as p
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from tests.flaps.conftest import Fleet, eventually
+from tests.flaps.process_support import T, ams_and_syd, config
 from tests.harness import error_info
 
 S = pb.MachineState
 C = grpc.StatusCode
-T = 30  # RPC deadline, s
-
-
-def config(memory_mib: int = 64, **changes: Any) -> pb.MachineConfig:
-    cfg = pb.MachineConfig(
-        image="demo:v1",
-        guest=pb.GuestConfig(cpu_millicores=100, memory_mib=memory_mib),
-        entrypoint=["sleep"],
-        cmd=["1000"],
-    )
-    for key, value in changes.items():
-        setattr(cfg, key, value)
-    return cfg
-
-
-async def ams_and_syd(fleet: Fleet, flaps: int = 1) -> None:
-    fleet.add_worker("ams-1", "ams", "--capacity.memory-mib", "512")
-    fleet.add_worker("ams-2", "ams", "--capacity.memory-mib", "512")
-    fleet.add_worker("syd-1", "syd", "--capacity.memory-mib", "512")
-    for _ in range(flaps):
-        fleet.add_flaps()
-    for i in range(flaps):
-        await fleet.until_alive(i)
 
 
 def rpc_error(err: pytest.ExceptionInfo[grpc.aio.AioRpcError]) -> tuple[C, str]:

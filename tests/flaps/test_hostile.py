@@ -14,9 +14,8 @@ import pytest
 from flaps.v1 import machines_pb2 as m
 from flyd import fsm
 from model.errors import Unavailable
-from tests.flaps import test_servicer as machines_tests
+from tests.flaps.servicer_support import Machines, MachinesServer, bid, exchange, fleet
 from tests.flaps.support import FakeFleet
-from tests.flaps.test_servicer import Machines, bid, exchange, fleet
 from tests.flyd.support import DESTROYED, config
 from tests.servicers import DEADLINE, T, seconds
 
@@ -39,11 +38,7 @@ def gone(fleet: FakeFleet) -> bool:
     )
 
 
-class TestDeadlines:
-    grpc_add_to_server = machines_tests.TestMachinesService.grpc_add_to_server
-    grpc_stub_cls = machines_tests.TestMachinesService.grpc_stub_cls
-    grpc_servicer = machines_tests.TestMachinesService.grpc_servicer
-
+class TestDeadlines(MachinesServer):
     async def test_a_create_whose_caller_gave_up_leaves_no_machine(
         self, servicer_stub: Machines, fleet: FakeFleet, monkeypatch: pytest.MonkeyPatch
     ) -> None:
@@ -164,11 +159,7 @@ class TestDeadlines:
         await holds(lambda: bool(fleet.machine_ids()) and gone(fleet))
 
 
-class TestNames:
-    grpc_add_to_server = machines_tests.TestMachinesService.grpc_add_to_server
-    grpc_stub_cls = machines_tests.TestMachinesService.grpc_stub_cls
-    grpc_servicer = machines_tests.TestMachinesService.grpc_servicer
-
+class TestNames(MachinesServer):
     async def test_a_row_accepted_before_the_fix_is_destroyed_through_flaps(
         self, servicer_stub: Machines, fleet: FakeFleet
     ) -> None:

@@ -22,7 +22,7 @@ from flaps import placement
 from flaps.errors import DOMAIN as FLAPS
 from flaps.errors import map_error
 from flaps.images import ImageOwners
-from flaps.service import LIMITS, Exchange, MachinesServicer, PlatformServicer, Workers
+from flaps.service import LIMITS, Exchange, PlatformServicer, Workers
 from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
 from flyd.images.build import build_image
@@ -30,6 +30,7 @@ from flyd.v1 import machine_pb2 as pb
 from model.errors import DOMAIN as FLYD
 from model.images.owners import PUBLIC, Owners
 from model.images.source import ImageSource
+from tests.flaps.servicer_support import MachinesServer
 from tests.flaps.support import FakeFleet, fake_fleet
 from tests.flyd.support import config
 from tests.servicers import T, info_of, refused, registered
@@ -81,24 +82,7 @@ def bid(app: str, image: str) -> m.CreateMachineRequest:
     return m.CreateMachineRequest(app=app, region="ams", config=cfg)
 
 
-class TestMachinesService:
-    @pytest.fixture
-    def grpc_add_to_server(self) -> Callable[[Any, Any], None]:
-        return registered(
-            machines_pb2_grpc.add_MachinesServiceServicer_to_server,
-            m.DESCRIPTOR.services_by_name["MachinesService"],
-            map_error,
-            LIMITS,
-        )
-
-    @pytest.fixture
-    def grpc_stub_cls(self) -> type[Machines]:
-        return Machines
-
-    @pytest.fixture
-    def grpc_servicer(self, exchange: Exchange) -> MachinesServicer:
-        return MachinesServicer(exchange)
-
+class TestMachinesService(MachinesServer):
     @pytest.mark.parametrize(
         ("app", "image", "owner"),
         [

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -26,15 +25,12 @@ from flaps.placement import (
     Weights,
     score,
 )
-from flyd.v1 import machine_pb2 as pb
 from registry import supply as supply_module
-from registry.supply import Resources, Supplier, Supply
-from registry.view import ALIVE, DEAD, SUSPECT
+from registry.supply import Resources, Supplier
+from registry.view import ALIVE
+from tests.flaps.placement_support import IMAGE, REGION, Worker, request, supply_of, worker
 
-REGION = "ord"
-IMAGE = "registry.local/web:1"
 DIGEST = "sha256:" + "ab" * 32
-STATUS = {"alive": ALIVE, "dead": DEAD, "suspect": SUSPECT}
 
 
 def apps(**counts: int) -> dict[str, str]:
@@ -42,103 +38,10 @@ def apps(**counts: int) -> dict[str, str]:
     return {f"{app}-{i}": app for app, n in counts.items() for i in range(n)}
 
 
-@dataclass(frozen=True)
-class Worker:
-    """A worker as the registry view would describe it; `machines` maps machine id to app."""
-
-    id: str
-    region: str
-    status: str
-    cordoned: bool
-    total: Resources
-    free: Resources
-    labels: dict[str, str]
-    images: frozenset[str]
-    machines: dict[str, str] = field(default_factory=dict)
-
-
-def worker(
-    id: str = "w1",
-    *,
-    region: str = REGION,
-    status: str = "alive",
-    cordoned: bool = False,
-    cpu: int = 4000,
-    memory: int = 8192,
-    disk: int = 20480,
-    slots: int = 16,
-    used_cpu: int = 0,
-    used_memory: int = 0,
-    used_disk: int = 0,
-    used_slots: int = 0,
-    labels: dict[str, str] | None = None,
-    images: Iterable[str] = (),
-    machines: dict[str, str] | None = None,
-) -> Worker:
-    return Worker(
-        id=id,
-        region=region,
-        status=status,
-        cordoned=cordoned,
-        total=Resources(cpu, memory, disk, slots),
-        free=Resources(cpu - used_cpu, memory - used_memory, disk - used_disk, slots - used_slots),
-        labels=dict(labels or {}),
-        images=frozenset(images),
-        machines=dict(machines or {}),
-    )
-
-
-def supply_of(workers: Iterable[Worker]) -> Supply:
-    supply = Supply()
-    for w in workers:
-        supply.update(
-            w.id,
-            region=w.region,
-            labels=w.labels,
-            status=STATUS[w.status],
-            cordoned=w.cordoned,
-            total=w.total,
-            free=w.free,
-            images=w.images,
-        )
-        for app in w.machines.values():
-            supply.count(w.id, app, 1)
-    return supply
-
-
 def supplier(w: Worker) -> Supplier:
     s = supply_of([w]).supplier(w.id)
     assert s is not None
     return s
-
-
-def request(
-    *,
-    app: str = "web",
-    cpu: int = 1000,
-    memory: int = 1024,
-    disk: int = 0,
-    image: str = IMAGE,
-    labels: dict[str, str] | None = None,
-    max_per_worker: int = 0,
-    spread: bool = False,
-    standby_for: dict[str, str] | None = None,
-    seed: str | None = None,
-) -> Request:
-    """`standby_for` maps each primary to the worker that holds it."""
-    primaries = standby_for or {}
-    return Request(
-        app=app,
-        regions=(REGION,),
-        guest=pb.GuestConfig(cpu_millicores=cpu, memory_mib=memory, disk_mib=disk),
-        image=image,
-        placement=pb.PlacementConfig(
-            required_labels=labels or {}, max_per_worker=max_per_worker, spread=spread
-        ),
-        standby_for=frozenset(primaries),
-        seed=seed,
-        primaries={owner: primary for primary, owner in primaries.items()},
-    )
 
 
 def decide(workers: Iterable[Worker], r: Request, region: str = REGION, **kw: Any) -> Decision:

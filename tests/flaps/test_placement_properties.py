@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flaps.placement import Decision, Pipeline, Request
-from tests.flaps.test_placement import REGION, Worker, request, supply_of, worker
+from tests.flaps.placement_support import REGION, Worker, request, supply_of, worker
 
 SETTINGS = settings(max_examples=150, deadline=None)
 STATUSES = ("alive", "alive", "alive", "dead", "suspect")

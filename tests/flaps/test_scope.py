@@ -32,8 +32,8 @@ from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
 from flyd.v1 import machine_pb2 as pb
 from runtime.errors import InvalidArgument
+from tests.flaps.auth_support import CALLS, DENIED, STUBS, Flaps, flaps
 from tests.flaps.support import FakeFleet
-from tests.flaps.test_auth import CALLS, DENIED, STUBS, Flaps, flaps
 from tests.flyd.support import config
 from tests.harness import channel, error_info
 from tests.scope import (

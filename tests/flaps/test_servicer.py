@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import re
 import signal
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -19,15 +18,15 @@ import pytest
 from google.protobuf.duration_pb2 import Duration
 from pytest_grpc_aio.plugin import GrpcContext
 
-from flaps import placement
 from flaps.errors import map_error
-from flaps.service import LIMITS, Exchange, MachinesServicer, PlatformServicer, Workers
+from flaps.service import LIMITS, Exchange, MachinesServicer, PlatformServicer
 from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
 from flyd.v1 import machine_pb2 as pb
 from model.errors import DOMAIN as FLYD
-from model.validate import DEFAULT_DISK_MIB, EGRESS_LABEL
-from tests.flaps.support import FakeFleet, fake_fleet
+from model.validate import DEFAULT_DISK_MIB
+from tests.flaps.servicer_support import Machines, MachinesServer, bid, exchange, fleet
+from tests.flaps.support import FakeFleet
 from tests.flyd.support import CREATED, DESTROYED, STARTED, STOPPED, config
 from tests.servicers import (
     INVALID,
@@ -43,24 +42,9 @@ from tests.servicers import (
     untested,
 )
 
-REGIONS = {"w1": "ams", "w2": "ams", "s1": "syd"}
-LABELS = {"w1": {EGRESS_LABEL: "true"}}  # as flyd labels a worker whose machines can get out
-Machines = machines_pb2_grpc.MachinesServiceStub
+__all__ = ["exchange", "fleet"]
+
 Platform = platform_pb2_grpc.PlatformServiceStub
-
-
-@pytest.fixture
-async def fleet(tmp_path: Path) -> AsyncIterator[FakeFleet]:
-    async with fake_fleet(tmp_path, REGIONS, LABELS) as fleet:
-        yield fleet
-
-
-@pytest.fixture
-async def exchange(fleet: FakeFleet) -> AsyncIterator[Exchange]:
-    """What flaps.main builds: the replica, channels to the workers, the default placement."""
-    workers = Workers(fleet.replica)
-    yield Exchange(fleet.replica, workers, placement.Pipeline())
-    await workers.close()
 
 
 # Requests that INVALID_ARGUMENT refuses, as CreateMachine and SimulatePlacement fields, with
@@ -79,28 +63,7 @@ BAD_BIDS: list[tuple[dict[str, Any], str]] = [
 ]
 
 
-def bid(**fields: Any) -> dict[str, Any]:
-    return {"app": "web", "region": "ams", "config": config(), **fields}
-
-
-class TestMachinesService:
-    @pytest.fixture
-    def grpc_add_to_server(self) -> Callable[[Any, Any], None]:
-        return registered(
-            machines_pb2_grpc.add_MachinesServiceServicer_to_server,
-            m.DESCRIPTOR.services_by_name["MachinesService"],
-            map_error,
-            LIMITS,
-        )
-
-    @pytest.fixture
-    def grpc_stub_cls(self) -> type[Machines]:
-        return Machines
-
-    @pytest.fixture
-    def grpc_servicer(self, exchange: Exchange) -> MachinesServicer:
-        return MachinesServicer(exchange)
-
+class TestMachinesService(MachinesServer):
     # -- CreateMachine ----------------------------------------------------------------------
 
     async def test_create_claims_on_a_worker_of_the_region(

@@ -25,9 +25,8 @@ from runtime import (
 from runtime.pki import OPERATOR, ClusterCA, Identity, part_role
 from tests.roles import legacy_certificate
 from tests.runtime import _echo
-from tests.runtime._support import running
+from tests.runtime._support import SERVING, echo_service, health_status, running
 from tests.runtime.conftest import Certs
-from tests.runtime.test_server import SERVING, echo_service, health_status
 
 
 async def test_cluster_listener_serves_only_the_clusters_certificates(

@@ -8,7 +8,6 @@ import subprocess
 import sys
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from pathlib import Path
-from typing import Any
 
 import grpc
 import grpc.aio
@@ -19,35 +18,18 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from runtime import (
     ChannelTLS,
     Service,
-    ServiceSettings,
     aio_channel,
     read_announcements,
     wrap_servicer,
 )
 from tests.harness import error_info
 from tests.runtime import _echo
-from tests.runtime._support import running
+from tests.runtime._support import SERVING, echo_service, health_status, running
 from tests.runtime.conftest import Certs
 
-SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 HEALTH = "grpc.health.v1.Health"
 REFLECTION = "grpc.reflection.v1alpha.ServerReflection"
-
-
-def echo_service(name: str = "test", **settings: Any) -> tuple[Service, _echo.EchoServicer]:
-    service = Service(name, ServiceSettings(**settings))
-    servicer = _echo.EchoServicer()
-    service.add(
-        servicer, _echo.add_EchoServiceServicer_to_server, _echo.DESCRIPTOR, _echo.map_error
-    )
-    return service, servicer
-
-
-async def health_status(channel: grpc.aio.Channel, service: str = "") -> int:
-    stub = health_pb2_grpc.HealthStub(channel)
-    response = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
-    return int(response.status)
 
 
 @pytest.fixture
