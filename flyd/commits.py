@@ -15,7 +15,8 @@ transaction failed fails every commit queued so far (their numbers followed the 
 and none of them is told anything but the error.
 
 A store whose commits do not wait on a disk (`MachineLog.blocking` False: the in-memory log
-of the unit tests) is written on the loop, in the same batches.
+of the unit tests) is written on the loop, in the same batches. A simulated disk (sim.disk)
+brings a `Writer` of its own, which syncs each batch on the loop after a time it draws.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import queue
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from flyd.metrics import LOG_TRANSACTION_COMMITS
 from flyd.store import MachineLog, NewRecord
@@ -36,6 +37,19 @@ T = TypeVar("T")
 # What the writer is asked: a call, its arguments, and what the loop runs with its outcome.
 Then = Callable[[Any, BaseException | None], None]
 _Call = tuple[Callable[..., Any], tuple[Any, ...], asyncio.AbstractEventLoop, Then]
+
+
+class Writer(Protocol):
+    """Who writes a blocking store's transactions, one after another, off the loop's turn."""
+
+    def call(self, fn: Callable[..., Any], args: tuple[Any, ...], then: Then) -> None:
+        """`fn(*args)`, later; then `then(result, None)` or `then(None, error)` on the loop
+        that called."""
+        ...
+
+    def stop(self) -> None:
+        """Let the calls queued finish, then stop."""
+        ...
 
 
 @dataclass(slots=True)
@@ -50,12 +64,15 @@ class _Commit:
 class GroupCommit:
     """The one writer of a machine log: batches of commits, each batch one transaction."""
 
-    def __init__(self, store: MachineLog) -> None:
+    def __init__(self, store: MachineLog, writer: Writer | None = None) -> None:
+        """`writer`: who writes a blocking store's batches (default: a thread of its own)."""
         self.store = store
         self._assigned = store.last_seq()
         self._queue: list[_Commit] = []
         self._busy = False  # a batch is being written, or one is about to start
-        self._writer = _Writer() if store.blocking else None
+        self._writer: Writer | None = None
+        if store.blocking:
+            self._writer = writer if writer is not None else _Writer()
         self._closed = False
         self._idle: asyncio.Event | None = None
         self._waiting = 0  # calls of `run` waiting for the writer

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 import structlog
 
 from flyd import fsm
-from flyd.commits import GroupCommit, durable
+from flyd.commits import GroupCommit, Writer, durable
 from flyd.drivers.base import Driver, ExitStatus, Handle, LogTail
 from flyd.images.cache import ImageCache
 from flyd.metrics import CLEANUP_FAILURES, count_transition
@@ -70,9 +70,11 @@ class Runner:
         log_keep: int,
         op_tracer: OpTracer | None,
         secret_box: SecretBox,
+        commit_writer: Writer | None = None,
     ) -> None:
         """`rows`: the worker's rows, empty until `recover` loads them from the store;
-        `secret_box` opens their secrets for the processes' environment."""
+        `secret_box` opens their secrets for the processes' environment; `commit_writer`:
+        who writes the store's transactions (flyd.commits; a simulated disk's)."""
         self.store = store
         self.driver = driver
         self.images = images
@@ -83,7 +85,7 @@ class Runner:
         self.log_keep = log_keep
         self.secret_box = secret_box
         self.rows = rows
-        self.commits = GroupCommit(store)
+        self.commits = GroupCommit(store, commit_writer)
         # Machines whose durable row lags behind `rows` by a lazy step (see fsm.Transition).
         self._dirty: set[str] = set()
         self._compacting = False

@@ -20,6 +20,7 @@ from pathlib import Path
 import structlog
 
 from flyd import fsm
+from flyd.commits import Writer
 from flyd.drivers.base import Driver, ExitStatus, Handle
 from flyd.fencing import Fencing, SlotPeers
 from flyd.images.cache import ImageCache
@@ -93,6 +94,7 @@ class Worker:
         ready_grace: float = 10.0,
         ready_settle: float = 1.0,
         entropy: Entropy = SYSTEM,
+        commit_writer: Writer | None = None,
     ) -> None:
         """`op_tracer`: spans of machine operations; None (tracing off) costs nothing.
         `peers`: how a returning worker confirms its slots (flyd.fencing); `fence_after`: how
@@ -100,7 +102,9 @@ class Worker:
         secrets (flyd.main's is the worker's key file; without one, a key of this Worker's own
         that is never stored). `ready_grace`, `ready_settle`: see flyd.readiness (its loop is
         `readiness.run`, which flyd.main runs). `entropy`: where machine ids, instance ids and
-        lease nonces come from (runtime.entropy; a simulated worker's is seeded)."""
+        lease nonces come from (runtime.entropy; a simulated worker's is seeded).
+        `commit_writer`: who writes the store's transactions (flyd.commits: by default a
+        thread of its own for a blocking store; a simulated disk brings its own)."""
         self.entropy = entropy
         self.identity = identity
         self.store = store
@@ -134,6 +138,7 @@ class Worker:
             log_keep=log_keep,
             op_tracer=op_tracer,
             secret_box=self.secret_box,
+            commit_writer=commit_writer,
         )
         self.readiness = Readiness(
             rows=self.rows,

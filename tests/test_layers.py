@@ -21,11 +21,14 @@ LEVELS = [
     ("model",),
     ("flyd", "registry", "flaps", "proxy"),
     ("nonomad",),
+    ("sim",),
     ("bench",),
 ]
 """The floors, bottom to top: a package may import its own floor's modules and those below it.
 The ground (`runtime`), the machine model (`model`: the rules of the machine contract every
-service applies), the services side by side, what users touch (`nonomad`), the benchmarks."""
+service applies), the services side by side, what users touch (`nonomad`), the simulated
+cluster that runs the services' own code in virtual time (`sim`: nothing below imports it),
+the benchmarks."""
 
 FLOORS = [package for level in LEVELS for package in level]
 """Every package of the house, bottom to top."""
