@@ -36,7 +36,7 @@ from google.rpc import error_details_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
-from runtime import tracing
+from runtime import tracing, transport
 from runtime.endpoints import METRICS_PREFIX, MetricsEndpoint
 from runtime.errors import InvalidArgument
 from runtime.limits import DEFAULT_LIMITS, Limits, check
@@ -627,7 +627,7 @@ class Service:
     def _server(self) -> Any:
         """A gRPC server with every registered service, health and reflection."""
         interceptors: list[Any] = tracing.server_interceptors()
-        server = grpc.aio.server(
+        server = transport.current().server(
             interceptors=interceptors or None,
             options=server_options(self.settings),
         )
