@@ -298,12 +298,13 @@ def time_left(cap: float) -> float:
     deadline = _deadline.get()
     if deadline is None:
         return cap
-    return max(0.0, min(cap, deadline - time.monotonic()))
+    return max(0.0, min(cap, deadline - asyncio.get_running_loop().time()))
 
 
 def _caller_deadline(context: Any) -> float | None:
     remaining = context.time_remaining()
-    return None if remaining is None else time.monotonic() + remaining
+    # On the loop's clock (time.monotonic on a real loop; virtual time on a simulated node's).
+    return None if remaining is None else asyncio.get_running_loop().time() + remaining
 
 
 def _wrap_unary(
