@@ -38,7 +38,7 @@ from model.checks import DEFAULT_CHECK_TIMEOUT, CheckSpec, checks_of
 from proxy.errors import ProxyError
 from registry.replica import WorkerView
 from registry.view import Status
-from runtime import ChannelTLS, aio_channel, error_info
+from runtime import ChannelTLS, aio_channel, error_info, transport
 from runtime.clock import Clock
 
 log = structlog.get_logger("proxy.control")
@@ -214,10 +214,9 @@ class NetProbes:
     async def worker(self, address: str, timeout: float) -> bool:
         # A fresh channel each time: a reused one may sit in reconnect backoff and fail a
         # worker that is back, or keep a half-open connection to one that is gone.
-        if self._credentials is None:
-            channel = grpc.aio.insecure_channel(address)
-        else:
-            channel = grpc.aio.secure_channel(address, self._credentials, options=self._options)
+        channel = transport.current().channel(
+            address, credentials=self._credentials, options=self._options, interceptors=None
+        )
         try:
             resp = await health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=timeout

@@ -36,7 +36,7 @@ from google.rpc import error_details_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
-from runtime import tracing
+from runtime import tracing, transport
 from runtime.endpoints import METRICS_PREFIX, MetricsEndpoint
 from runtime.errors import InvalidArgument
 from runtime.limits import DEFAULT_LIMITS, Limits, check
@@ -298,12 +298,13 @@ def time_left(cap: float) -> float:
     deadline = _deadline.get()
     if deadline is None:
         return cap
-    return max(0.0, min(cap, deadline - time.monotonic()))
+    return max(0.0, min(cap, deadline - asyncio.get_running_loop().time()))
 
 
 def _caller_deadline(context: Any) -> float | None:
     remaining = context.time_remaining()
-    return None if remaining is None else time.monotonic() + remaining
+    # On the loop's clock (time.monotonic on a real loop; virtual time on a simulated node's).
+    return None if remaining is None else asyncio.get_running_loop().time() + remaining
 
 
 def _wrap_unary(
@@ -627,7 +628,7 @@ class Service:
     def _server(self) -> Any:
         """A gRPC server with every registered service, health and reflection."""
         interceptors: list[Any] = tracing.server_interceptors()
-        server = grpc.aio.server(
+        server = transport.current().server(
             interceptors=interceptors or None,
             options=server_options(self.settings),
         )

@@ -22,6 +22,8 @@ import grpc.aio
 import structlog
 from opentelemetry import trace
 
+from runtime import transport
+
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
 
@@ -215,7 +217,8 @@ def aio_channel(
 
     Every client in the project builds its channels here so trace context flows across all
     hops when tracing is on. `options` are added to (and override) DEFAULT_CHANNEL_OPTIONS.
-    Plaintext unless `tls` is given.
+    Plaintext unless `tls` is given. The channel is the running task's transport's
+    (runtime.transport: real gRPC unless a simulated node's).
     """
     merged = dict(DEFAULT_CHANNEL_OPTIONS)
     if tls is not None and tls.server_name:
@@ -224,8 +227,9 @@ def aio_channel(
     channel_options = list(merged.items())
     # None rather than [] documents that nothing sits on the call path when tracing is off.
     interceptors = client_interceptors() or None
-    if tls is None:
-        return grpc.aio.insecure_channel(target, options=channel_options, interceptors=interceptors)
-    return grpc.aio.secure_channel(
-        target, tls.credentials(), options=channel_options, interceptors=interceptors
+    return transport.current().channel(
+        target,
+        credentials=None if tls is None else tls.credentials(),
+        options=channel_options,
+        interceptors=interceptors,
     )

@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import hashlib
 import heapq
 import threading
 from collections.abc import Callable, Coroutine, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from runtime.entropy import SeededEntropy
@@ -185,13 +186,16 @@ class Node:
     alive: bool = True
     paused_until: float | None = None  # world time; None when not paused
     steps: int = 0
+    context: contextvars.Context = field(default_factory=contextvars.Context, repr=False)
+    """What every task and callback of the node runs in (a copy each): its transport
+    (runtime.transport), and whatever else is the process's."""
 
     def spawn(self, coro: Coroutine[Any, Any, T], name: str | None = None) -> asyncio.Task[T]:
         """Start `coro` as a task of this node (it first runs when the world steps it)."""
         if not self.alive:
             coro.close()
             raise SimulationError(f"node {self.name} is dead: it runs nothing")
-        return self.loop.create_task(coro, name=name)
+        return self.loop.create_task(coro, name=name, context=self.context.copy())
 
     def wall(self) -> float:
         """The node's wall clock: seconds since 1970, skew included."""
@@ -274,10 +278,11 @@ class World:
         node = self.nodes.get(name)
         if node is None:
             return False
+        context = node.context.copy()
         if delay > 0:
-            node.loop.call_at(node.loop.time() + delay, callback)
+            node.loop.call_at(node.loop.time() + delay, callback, context=context)
         else:
-            node.loop.call_soon(callback)
+            node.loop.call_soon(callback, context=context)
         return True
 
     def _live(self, name: str) -> Node:

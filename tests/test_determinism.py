@@ -35,10 +35,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("runtime/clock.py", "time.time"): "SystemClock is the real clock",
     ("runtime/entropy.py", "secrets.token_hex"): "SystemEntropy is the real randomness",
     ("runtime/entropy.py", "random.Random()"): "SystemEntropy's generators (os.urandom seeds)",
-    ("runtime/server.py", "time.monotonic"): (
-        "a gRPC call's deadline (time_left) and a child's readiness wait; the simulated "
-        "transport carries deadlines itself"
-    ),
+    ("runtime/server.py", "time.monotonic"): "waits on a real child process's readiness",
     ("model/tokens.py", "secrets.token_bytes"): "key material: unpredictable in every run",
     ("model/tokens.py", "secrets.token_hex"): "a token's id, minted by the operator's CLI",
     ("model/tokens.py", "time.time"): "the default of `now=` (the CLI's; services pass theirs)",

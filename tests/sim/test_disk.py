@@ -197,7 +197,7 @@ def boot(world: World, host: Host, cache: Path) -> tuple[Node, Worker]:
             worker.on_exit(machine_id, handle, status)
 
     async def start() -> Worker:
-        return Worker(
+        started = Worker(
             identity=Identity("w1", "ams", "sim:w1", {}, "boot"),
             store=host.disk.open_log(),
             driver=FakeDriver(on_exit=on_exit, host=host.machines),
@@ -211,9 +211,10 @@ def boot(world: World, host: Host, cache: Path) -> tuple[Node, Worker]:
             entropy=node.entropy,
             commit_writer=host.disk.writer(node.loop),
         )
+        started.recover()  # (on the node: what it resumes are the node's tasks)
+        return started
 
     worker = world.run(node, start())
-    worker.recover()
     return node, worker
 
 

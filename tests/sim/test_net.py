@@ -1,0 +1,282 @@
+"""The simulated network's faults (partitions one-way and both, lost answers after the work was
+done, a process's death resetting its connections, a host's death answering nothing) and a
+real `runtime.server.Service` serving on it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import grpc.aio
+import pytest
+from google.protobuf.wrappers_pb2 import StringValue
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from runtime import transport
+from runtime.server import Service, register, time_left
+from runtime.settings import ServiceSettings
+from sim.net import UNREACHABLE_AFTER, LinkFaults, Network
+from sim.world import Node, World
+
+SERVICE = "simnet.v1.Work"
+
+
+@dataclass
+class Worker:
+    """A handler that records every request it did, and can be held."""
+
+    done: list[str] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+    hold: asyncio.Event | None = None
+
+    async def work(self, request: StringValue, context: Any) -> StringValue:
+        try:
+            if self.hold is not None:
+                await self.hold.wait()
+        except asyncio.CancelledError:
+            self.cancelled.append(request.value)
+            raise
+        self.done.append(request.value)
+        return StringValue(value=f"did {request.value}")
+
+    async def count(self, request: StringValue, context: Any) -> Any:
+        for i in range(int(request.value)):
+            yield StringValue(value=str(i))
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        decode, encode = StringValue.FromString, StringValue.SerializeToString
+        return grpc.method_handlers_generic_handler(
+            SERVICE,
+            {
+                "Work": grpc.unary_unary_rpc_method_handler(self.work, decode, encode),
+                "Count": grpc.unary_stream_rpc_method_handler(self.count, decode, encode),
+            },
+        )
+
+
+@dataclass
+class Cluster:
+    world: World
+    net: Network
+    server: Node
+    client: Node
+    address: str
+    worker: Worker
+
+    def call(self, word: str, timeout: float | None = 5.0) -> StringValue | grpc.StatusCode:
+        """One Work call from the client: its answer, or the status it failed with."""
+
+        async def call() -> StringValue | grpc.StatusCode:
+            channel = transport.current().channel(
+                self.address, credentials=None, options=(), interceptors=None
+            )
+            work = channel.unary_unary(
+                f"/{SERVICE}/Work", StringValue.SerializeToString, StringValue.FromString
+            )
+            try:
+                answer: StringValue = await work(StringValue(value=word), timeout=timeout)
+                return answer
+            except grpc.aio.AioRpcError as err:
+                return err.code()
+
+        return self.world.run(self.client, call())
+
+
+async def serve(worker: Worker, ip: str) -> int:
+    """Serve `worker` on the node this runs on, at its address; the port."""
+    server = transport.current().server(interceptors=None, options=())
+    server.add_generic_rpc_handlers((worker.handler(),))
+    port: int = server.add_insecure_port(f"{ip}:0")
+    await server.start()
+    return port
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    world = World(seed=4)
+    net = Network(world)
+    server, client = world.add("server"), world.add("client")
+    ip = net.join(server)
+    net.join(client)
+    worker = Worker()
+    port = world.run(server, serve(worker, ip))
+    yield Cluster(world, net, server, client, f"{ip}:{port}", worker)
+    world.close()
+
+
+def test_a_call_takes_the_drawn_latency_there_and_back(cluster: Cluster) -> None:
+    before = cluster.world.now
+    assert cluster.call("a") == StringValue(value="did a")
+    took = cluster.world.now - before
+    low, high = cluster.net.faults.latency
+    assert 2 * low <= took <= 2 * high
+
+
+def test_across_a_partition_a_call_fails_at_its_deadline_or_when_keepalive_gives_up(
+    cluster: Cluster,
+) -> None:
+    cluster.net.block("client", "server")
+    start = cluster.world.now
+    assert cluster.call("a", timeout=2.0) == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert cluster.world.now - start == pytest.approx(2.0)
+    start = cluster.world.now
+    assert cluster.call("b", timeout=None) == grpc.StatusCode.UNAVAILABLE
+    assert cluster.world.now - start == pytest.approx(UNREACHABLE_AFTER)
+    assert cluster.worker.done == []  # nothing reached it
+    cluster.net.heal()
+    assert cluster.call("c") == StringValue(value="did c")
+
+
+def test_a_one_way_partition_loses_the_answer_after_the_work_was_done(cluster: Cluster) -> None:
+    cluster.net.block("server", "client", both=False)
+    assert cluster.call("a", timeout=1.0) == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert cluster.worker.done == ["a"]  # the work happened; the caller cannot know
+
+
+def test_a_dead_process_resets_its_connections_a_dead_host_answers_nothing(
+    cluster: Cluster,
+) -> None:
+    world, net = cluster.world, cluster.net
+    cluster.worker.hold = asyncio.Event()
+    # The server process dies with a call in flight: its caller hears of it at once.
+    task = cluster.client.spawn(_call(cluster, "a", timeout=30.0))
+    world.run_for(0.1)
+    world.kill("server")
+    net.crash("server")
+    start = world.now
+    world.run_until(start + 1.0, task.done)
+    assert task.result() == grpc.StatusCode.UNAVAILABLE
+    assert world.now - start < 0.01
+    # Nobody listens there now: refused at once.
+    assert cluster.call("b") == grpc.StatusCode.UNAVAILABLE
+    # A server that dies with its host (no reset): a call in flight waits out its deadline.
+    host = world.add("host")
+    ip = net.join(host)
+    cluster.address = f"{ip}:{world.run(host, serve(Worker(hold=asyncio.Event()), ip))}"
+    sent = world.now
+    task = cluster.client.spawn(_call(cluster, "c", timeout=3.0))
+    world.run_for(0.1)
+    world.kill("host")
+    net.crash("host", reset=False)
+    world.run_until(world.now + 10.0, task.done)
+    assert task.result() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert world.now - sent == pytest.approx(3.0, abs=0.01)
+
+
+def test_a_dead_client_cancels_the_handlers_of_its_calls(cluster: Cluster) -> None:
+    cluster.worker.hold = asyncio.Event()
+    cluster.client.spawn(_call(cluster, "a", timeout=30.0))
+    cluster.world.run_for(0.1)
+    cluster.world.kill("client")
+    cluster.net.crash("client")
+    cluster.world.run_for(0.1)
+    assert cluster.worker.cancelled == ["a"]
+
+
+def test_a_streams_messages_arrive_in_order_whatever_latency_each_drew(cluster: Cluster) -> None:
+    cluster.net.faults = LinkFaults(latency=(0.0, 0.2))
+
+    async def count() -> list[str]:
+        channel = transport.current().channel(
+            cluster.address, credentials=None, options=(), interceptors=None
+        )
+        stream = channel.unary_stream(
+            f"/{SERVICE}/Count", StringValue.SerializeToString, StringValue.FromString
+        )
+        return [m.value async for m in stream(StringValue(value="200"), timeout=60.0)]
+
+    assert cluster.world.run(cluster.client, count()) == [str(i) for i in range(200)]
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [({"drop_p": 2.0}, "drop_p must be within 0..1"), ({"latency": (1.0, 0.5)}, "latency")],
+)
+def test_link_faults_out_of_range_are_refused(fields: dict, message: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(ValueError, match=message):
+        LinkFaults(**fields)
+
+
+async def _call(cluster: Cluster, word: str, timeout: float) -> Any:
+    channel = transport.current().channel(
+        cluster.address, credentials=None, options=(), interceptors=None
+    )
+    work = channel.unary_unary(
+        f"/{SERVICE}/Work", StringValue.SerializeToString, StringValue.FromString
+    )
+    try:
+        return await work(StringValue(value=word), timeout=timeout)
+    except grpc.aio.AioRpcError as err:
+        return err.code()
+
+
+def test_a_real_service_serves_its_health_on_the_simulated_network_and_stops_cleanly() -> None:
+    world = World(seed=9)
+    try:
+        net = Network(world)
+        node, client = world.add("svc"), world.add("client")
+        ip = net.join(node)
+        net.join(client)
+        service = Service("svc", ServiceSettings(listen=f"{ip}:0", grace_period=1.0))
+        running = node.spawn(service.run(handle_signals=False))
+        address = world.run(node, service.wait_ready())
+        assert address.startswith(f"{ip}:")
+
+        async def check() -> int:
+            channel = transport.current().channel(
+                address, credentials=None, options=(), interceptors=None
+            )
+            answer = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=5.0
+            )
+            return int(answer.status)
+
+        assert world.run(client, check()) == health_pb2.HealthCheckResponse.SERVING
+        service.request_shutdown()
+        world.run_until(world.now + 10.0, running.done)
+        assert running.result() == 0
+    finally:
+        world.close()
+
+
+def test_time_left_in_a_handler_counts_down_in_virtual_time(cluster: Cluster) -> None:
+    """What a handler passes on to the calls it makes for its caller (runtime.server.time_left)
+    is the caller's deadline on the node's own clock: here, virtual time."""
+    seen: list[float] = []
+
+    class Slow(health_pb2_grpc.HealthServicer):
+        async def Check(self, request: Any, context: Any) -> Any:
+            await asyncio.sleep(3.0)
+            seen.append(time_left(100.0))
+            return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+    ip = cluster.net.ip("server")
+
+    async def serve_slow() -> int:
+        server = transport.current().server(interceptors=None, options=())
+        register(
+            server,
+            Slow(),
+            health_pb2_grpc.add_HealthServicer_to_server,
+            health_pb2.DESCRIPTOR.services_by_name["Health"],
+            lambda err: None,
+        )
+        port: int = server.add_insecure_port(f"{ip}:0")
+        await server.start()
+        return port
+
+    address = f"{ip}:{cluster.world.run(cluster.server, serve_slow())}"
+
+    async def check() -> None:
+        channel = transport.current().channel(
+            address, credentials=None, options=(), interceptors=None
+        )
+        await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=10.0
+        )
+
+    cluster.world.run(cluster.client, check())
+    assert seen == [pytest.approx(7.0, abs=0.01)]
