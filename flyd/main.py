@@ -264,11 +264,15 @@ def compose(settings: FlydSettings, parts: Parts) -> tuple[Service, Worker]:
         LIMITS,
     )
 
+    # Recovered before the server serves: a call answered from rows not loaded yet would
+    # miss a machine the log holds (a create under its idempotency key made again, capacity
+    # reserved twice). The simulator found that window (sim, tests/sim/test_cluster.py).
+    worker.recover()
+
     async def run_worker(shutdown: asyncio.Event) -> None:
         assert worker is not None
         if not identity.address:
             identity.address = await service.wait_ready()
-        worker.recover()
         while not shutdown.is_set():
             await worker.flush()
             await asyncio.to_thread(driver.rotate_logs)  # it lists every run dir
