@@ -6,6 +6,7 @@ import asyncio
 import functools
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import structlog
 from google.protobuf.descriptor import ServiceDescriptor
@@ -35,6 +36,8 @@ from runtime import (
     settings_or_exit,
     setup_tracing,
 )
+from runtime.clock import SYSTEM_CLOCK, Clock
+from runtime.entropy import SYSTEM, Entropy
 from runtime.heap import no_full_collections
 from runtime.pki import ClusterMembers
 from runtime.server import use_event_loop
@@ -42,19 +45,38 @@ from runtime.server import use_event_loop
 log = structlog.get_logger("flaps")
 
 
+@dataclass(frozen=True)
+class Parts:
+    """What a flaps takes besides its settings: the system's clock and randomness in
+    production (`build`); a simulated node's clock and seeded draws (sim)."""
+
+    clock: Clock = SYSTEM_CLOCK
+    entropy: Entropy = SYSTEM
+
+
 async def build(argv: list[str]) -> Service:
+    """The flaps of this process: its settings, logging and tracing."""
     settings = settings_or_exit(FlapsSettings, argv, "flaps")
     configure_logging("flaps", settings.log_level)
     setup_tracing("flaps")
-    replica = settings.replica()
+    return compose(settings, Parts())
+
+
+def compose(settings: FlapsSettings, parts: Parts) -> Service:
+    """The exchange and its gRPC services: the one wiring the production flaps and a simulated
+    one share."""
+    replica = settings.replica(parts.clock)
     workers = Workers(replica, tls=settings.cluster_tls)
     pipeline = placement.Pipeline(
         curve=placement.Curve(tuple(settings.curve)),
         weights=placement.Weights(**settings.weights.model_dump()),
         sample_size=settings.sample_size,
+        rng=parts.entropy.rng(),
     )
     images = ImageOwners(ImageSource(settings.image_source)) if settings.image_source else None
-    exchange = Exchange(replica, workers, pipeline, images)
+    exchange = Exchange(
+        replica, workers, pipeline, images, clock=parts.clock, entropy=parts.entropy
+    )
     service = Service("flaps", settings)
     guard: Callable[[object, ServiceDescriptor], None] | None = None
     tokens: TokenVerifier | None = None

@@ -560,7 +560,16 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
         machine = self.x.replica.by_key(app, key)
         if machine is None:
             return None
-        got = await self._call(machine.id, "GetMachine", w.GetMachineRequest(machine_id=machine.id))
+        try:
+            got = await self._call(
+                machine.id, "GetMachine", w.GetMachineRequest(machine_id=machine.id)
+            )
+        except Upstream as err:
+            if err.code == grpc.StatusCode.NOT_FOUND:
+                # Its worker dropped it (a create rolled back once its caller was gone): the
+                # replica's row is the last one it streamed, but the key holds nothing now.
+                return None
+            raise
         assert isinstance(got, w.GetMachineResponse)
         return got.machine
 

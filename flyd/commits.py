@@ -180,24 +180,28 @@ class GroupCommit:
             )
 
     def _written(self, batch: list[_Commit], seq: int, error: BaseException | None) -> None:
-        if error is not None:
-            # Numbers were handed out past the failed ones: whatever is queued fails too.
-            failed, self._queue = batch + self._queue, []
-            self._assigned = self.store.last_seq()
-            for c in failed:
-                if not c.done.done():
-                    c.done.set_exception(error)
-        else:
-            for c in batch:
-                try:
-                    if c.then is not None:
-                        c.then(c.last_seq)
-                except BaseException as err:  # its committer hears of it
-                    c.done.set_exception(err)
-                else:
-                    c.done.set_result(c.last_seq)
-        self._busy = False
-        self._next_or_idle()
+        try:
+            if error is not None:
+                # Numbers were handed out past the failed ones: whatever is queued fails
+                # too. Its committers hear of it first: a store whose reads fail as well (a
+                # closed or broken one) must not leave them, or close(), waiting for ever.
+                failed, self._queue = batch + self._queue, []
+                for c in failed:
+                    if not c.done.done():
+                        c.done.set_exception(error)
+                self._assigned = self.store.last_seq()
+            else:
+                for c in batch:
+                    try:
+                        if c.then is not None:
+                            c.then(c.last_seq)
+                    except BaseException as err:  # its committer hears of it
+                        c.done.set_exception(err)
+                    else:
+                        c.done.set_result(c.last_seq)
+        finally:
+            self._busy = False
+            self._next_or_idle()
 
     def _next_or_idle(self) -> None:
         if self._busy:

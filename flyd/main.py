@@ -7,7 +7,9 @@ import contextlib
 import secrets
 import signal
 import sys
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -17,6 +19,7 @@ from opentelemetry import trace
 
 from flyd import fsm
 from flyd.access import WORKER_ACCESS
+from flyd.commits import Writer
 from flyd.drivers.base import Driver, ExitStatus, Handle
 from flyd.drivers.fdlimit import machines_within, raise_nofile
 from flyd.drivers.oci import OciDriver
@@ -28,7 +31,7 @@ from flyd.metrics import register_worker
 from flyd.secrets import SecretBox
 from flyd.service import LIMITS, WorkerServicer, map_error
 from flyd.settings import FlydSettings
-from flyd.store import LmdbMachineLog
+from flyd.store import LmdbMachineLog, MachineLog
 from flyd.traces import OpTracer
 from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2, worker_pb2_grpc
@@ -48,7 +51,8 @@ from runtime import (
     tracing_enabled,
     use_event_loop,
 )
-from runtime.clock import SystemClock
+from runtime.clock import SYSTEM_CLOCK, Clock
+from runtime.entropy import SYSTEM, Entropy
 from runtime.heap import no_full_collections
 
 log = structlog.get_logger("flyd")
@@ -140,8 +144,26 @@ def descriptor_budget(settings: FlydSettings) -> None:
     log.info("descriptors", nofile=limit, machines=settings.capacity.machines)
 
 
+@dataclass
+class Parts:
+    """What a flyd is built of besides its settings. The production wiring (`build`) opens
+    the real ones: the LMDB log in its data dir, the image cache, the host's driver, the system
+    clock and randomness. A simulated worker (sim) brings its own: a log on a simulated disk,
+    a fake driver on a fake host, its node's clock and seeded draws."""
+
+    store: MachineLog
+    images: ImageCache
+    make_driver: Callable[[Callable[[str, Handle, ExitStatus], None]], Driver]
+    secret_box: SecretBox
+    boot_id: str
+    clock: Clock = SYSTEM_CLOCK
+    entropy: Entropy = SYSTEM
+    monotonic: Callable[[], float] = time.monotonic
+    commit_writer: Writer | None = None
+
+
 async def build(argv: list[str]) -> Service:
-    """Open the log, recover every machine, and wire the gRPC service."""
+    """The flyd of this process: its settings, logging and tracing, the host's parts."""
     settings = settings_or_exit(FlydSettings, argv, "flyd")
     configure_logging("flyd", settings.log_level, worker=settings.worker_id, region=settings.region)
     setup_tracing("flyd", **{"nonomad.worker": settings.worker_id, "cloud.region": settings.region})
@@ -153,17 +175,34 @@ async def build(argv: list[str]) -> Service:
     descriptor_budget(settings)
     data = settings.data_dir
     data.mkdir(parents=True, exist_ok=True)
-    store = LmdbMachineLog(data / "log")
-    images = ImageCache(
-        data / "images", ImageSource(settings.image_source), max_bytes=settings.image_cache_bytes
+    parts = Parts(
+        store=LmdbMachineLog(data / "log"),
+        images=ImageCache(
+            data / "images",
+            ImageSource(settings.image_source),
+            max_bytes=settings.image_cache_bytes,
+        ),
+        make_driver=partial(make_driver, settings),
+        # Machine secrets stay sealed in the log with this worker's own key.
+        secret_box=SecretBox.load(data / "secrets.key"),
+        boot_id=secrets.token_hex(8),
     )
+    service, worker = compose(settings, parts)
+    register_worker(worker)  # gauges read at scrape time (one worker per process)
+    return service
+
+
+def compose(settings: FlydSettings, parts: Parts) -> tuple[Service, Worker]:
+    """Open the log, recover every machine, and wire the gRPC service: the one wiring the
+    production flyd and a simulated one share."""
+    store, images = parts.store, parts.images
     service = Service("flyd", settings)
     identity = Identity(
         worker_id=settings.worker_id,
         region=settings.region,
         address=settings.advertise or "",
         labels=dict(settings.labels),
-        boot_id=secrets.token_hex(8),
+        boot_id=parts.boot_id,
     )
     worker: Worker | None = None
 
@@ -171,7 +210,7 @@ async def build(argv: list[str]) -> Service:
         if worker is not None:
             worker.on_exit(machine_id, handle, status)
 
-    driver = make_driver(settings, on_exit)
+    driver = parts.make_driver(on_exit)
     log.info("driver", driver=driver.name, limits_enforced=driver.limits_enforced)
     if driver.egress_refusal is None:  # flaps sends machines that ask for egress only here
         identity.labels[EGRESS_LABEL] = "true"
@@ -185,12 +224,12 @@ async def build(argv: list[str]) -> Service:
         capacity=settings.capacity,
         ports=settings.port_range(),
         machine_host=settings.machine_host,
-        clock=SystemClock(),
+        clock=parts.clock,
         policy=fsm.Policy(
             window=settings.restart_window, default_max_retries=settings.restart_max_retries
         ),
         log_keep=settings.log_keep,
-        state_dir=data,
+        state_dir=settings.data_dir,
         # Spans of machine operations only while tracing is on: off, the steps run none of it.
         op_tracer=OpTracer(trace.get_tracer("flyd"), settings.worker_id)
         if tracing_enabled()
@@ -202,10 +241,11 @@ async def build(argv: list[str]) -> Service:
         fence_after=settings.fence_after,
         ready_grace=settings.ready_grace,
         ready_settle=settings.ready_settle,
-        # Machine secrets stay sealed in the log with this worker's own key.
-        secret_box=SecretBox.load(data / "secrets.key"),
+        secret_box=parts.secret_box,
+        monotonic=parts.monotonic,
+        entropy=parts.entropy,
+        commit_writer=parts.commit_writer,
     )
-    register_worker(worker)  # gauges read at scrape time: nothing on the create path
     servicer = WorkerServicer(
         worker,
         heartbeat_interval=settings.heartbeat_interval,
@@ -224,11 +264,15 @@ async def build(argv: list[str]) -> Service:
         LIMITS,
     )
 
+    # Recovered before the server serves: a call answered from rows not loaded yet would
+    # miss a machine the log holds (a create under its idempotency key made again, capacity
+    # reserved twice). The simulator found that window (sim, tests/sim/test_cluster.py).
+    worker.recover()
+
     async def run_worker(shutdown: asyncio.Event) -> None:
         assert worker is not None
         if not identity.address:
             identity.address = await service.wait_ready()
-        worker.recover()
         while not shutdown.is_set():
             await worker.flush()
             await asyncio.to_thread(driver.rotate_logs)  # it lists every run dir
@@ -285,7 +329,7 @@ async def build(argv: list[str]) -> Service:
     if settings.announce:
         service.spawn("announce", announce)
     service.on_shutdown(close)
-    return service
+    return service, worker
 
 
 def main() -> None:

@@ -158,6 +158,13 @@ class Worker:
         )
         self.stream.before_heartbeat = self.fencing.check_awake
         self._recovered = asyncio.Event()
+        # Creates under way until their maker is done with them (answered, or rolled back);
+        # those of them answered to another caller meanwhile (a retry under the same key that
+        # waited for it: never rolled back, whoever gave up); and creates being rolled back
+        # (a retry does not get those: it hears to try again).
+        self._making: set[str] = set()
+        self._answered: set[str] = set()
+        self._rolling_back: set[str] = set()
         self.cordoned = bool(state_dir and (state_dir / "cordoned").exists())
 
     # --- start and stop ---------------------------------------------------
@@ -327,13 +334,13 @@ class Worker:
         check_network(config, self.driver.egress_refusal)
         scope.check_held(app, scope.config_refs(config), self._held)
         if (existing := self._existing(machine_id, app, config)) is not None:
-            return existing
+            return self._answer(existing)
         if machine_id in self.reservations.pending:
             # The same create is under way (a retry, or another flaps with the same key): its
             # outcome is ours, whatever room is left once it has reserved its own.
             async with self.runner.lock(machine_id):
                 if (existing := self._existing(machine_id, app, config)) is not None:
-                    return existing
+                    return self._answer(existing)
         if self.cordoned or self.closing:
             raise Unavailable(
                 f"worker {self.identity.worker_id} is "
@@ -353,13 +360,15 @@ class Worker:
             if held != machine_id:
                 async with self.runner.lock(held):
                     existing = self._existing(held, app, config)
+                    if existing is not None:
+                        self._answer(existing)
                 if existing is not None:
                     self.images.release(image.digest)
                     return existing
             async with self.runner.lock(machine_id):
                 if (existing := self._existing(machine_id, app, config)) is not None:
                     self.images.release(image.digest)
-                    return existing
+                    return self._answer(existing)
                 # The check and the reservation are atomic: the machine is reserved (as
                 # pending) before the first await, and its first commit makes that its row's.
                 self.reservations.check_room(config.guest)
@@ -390,6 +399,7 @@ class Worker:
                         placement=placement,
                     )
                     self.reservations.pending[machine_id] = machine
+                    self._making.add(machine_id)
                     if key:
                         self.reservations.keys[(app, key)] = machine_id
                     # The pending start goes on in the same operation: its spawn comes before
@@ -407,6 +417,13 @@ class Worker:
                     await self._publish(machine_id)
         except BaseException as err:
             row = self.rows.get(machine_id)
+            rolls_back = (
+                row is not None
+                and isinstance(err, asyncio.CancelledError)
+                and row.machine.instance_id == mine
+            )
+            if not rolls_back:
+                self._made(machine_id)
             if row is None:
                 self.images.release(image.digest)
                 if self.reservations.keys.get((app, key)) == machine_id:
@@ -416,9 +433,9 @@ class Worker:
                     # netd's namespaces, a held container) goes, as after a crash. (Not as
                     # flyd itself dies: a new flyd sees what its commits left.)
                     self.runner.spawn_task(self.runner.clean_leftover(machine_id))
-            elif isinstance(err, asyncio.CancelledError) and row.machine.instance_id == mine:
+            elif rolls_back:
                 # Committed by this call, but its caller is gone (deadline, cancel): it never
-                # hears of the machine.
+                # hears of the machine (unless a retry did meanwhile: roll_back).
                 self.runner.spawn_task(self.roll_back(machine_id))
             raise
         # Ready within the margin of the deadline, the answer would reach the caller too late.
@@ -427,7 +444,13 @@ class Worker:
             raise DeadlineExceeded(
                 f"machine {machine_id} was ready too late to answer its caller in time; rolled back"
             )
+        self._made(machine_id)
         return self.rows[machine_id].machine
+
+    def _made(self, machine_id: str) -> None:
+        """The maker of a create is done with it, and will not roll it back."""
+        self._making.discard(machine_id)
+        self._answered.discard(machine_id)
 
     async def _publish(self, machine_id: str) -> None:
         """Have the driver hold exactly the host ports the machine's row has (none without a
@@ -440,22 +463,42 @@ class Worker:
         except Exception as e:  # the operation's own outcome is what the caller hears of
             log.error("machine_ports_not_published", machine_id=machine_id, error=str(e))
 
+    def _answer(self, existing: pb.Machine) -> pb.Machine:
+        """`existing`, as the answer to a create that did not make it (under the machine's
+        lock, where it checked): a retry told of the machine owns it as much as its maker."""
+        if existing.id in self._rolling_back:
+            raise Unavailable(f"machine {existing.id} is being rolled back: retry the create")
+        if existing.id in self._making:
+            self._answered.add(existing.id)
+        return existing
+
     async def roll_back(self, machine_id: str, timeout: float = 60.0) -> None:
         """Undo a create whose caller is gone: destroy the machine, then drop its row, so that
-        the id is free again (a retry with it creates the machine anew)."""
-        log.warning("create rolled back", machine_id=machine_id, reason="its caller is gone")
-        await self.runner.drive(machine_id, fsm.DestroyRequested(force=True))
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while (row := self.rows.get(machine_id)) is not None:
-            if row.state == S.MACHINE_STATE_DESTROYED:
-                async with self.runner.lock(machine_id):
-                    await self.runner.drop([machine_id])
+        the id is free again (a retry with it creates the machine anew). Not one that another
+        caller was answered with (a retry under its key): that caller has it."""
+        async with self.runner.lock(machine_id):
+            self._making.discard(machine_id)
+            if machine_id in self._answered:
+                self._answered.discard(machine_id)
+                log.info("create kept", machine_id=machine_id, reason="a retry was told of it")
                 return
-            if loop.time() >= deadline:
-                log.error("roll back unfinished", machine_id=machine_id, state=row.state)
-                return
-            await self.stream.changed(deadline - loop.time())
+            self._rolling_back.add(machine_id)
+            log.warning("create rolled back", machine_id=machine_id, reason="its caller is gone")
+            await self.runner.drive_locked(machine_id, fsm.DestroyRequested(force=True))
+        try:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout
+            while (row := self.rows.get(machine_id)) is not None:
+                if row.state == S.MACHINE_STATE_DESTROYED:
+                    async with self.runner.lock(machine_id):
+                        await self.runner.drop([machine_id])
+                    return
+                if loop.time() >= deadline:
+                    log.error("roll back unfinished", machine_id=machine_id, state=row.state)
+                    return
+                await self.stream.changed(deadline - loop.time())
+        finally:
+            self._rolling_back.discard(machine_id)
 
     def _existing(self, machine_id: str, app: str, config: pb.MachineConfig) -> pb.Machine | None:
         row = self.rows.get(machine_id)

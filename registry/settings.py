@@ -13,6 +13,7 @@ from pydantic_settings import SettingsConfigDict
 
 from registry.replica import Replica
 from runtime import ServiceSettings, aio_channel, parse_host_port
+from runtime.clock import Clock
 
 FOLLOWS_PER_CALLER = 64
 """Default of --follows-per-caller: the Follow streams one caller (a certificate's name, or a
@@ -92,11 +93,13 @@ class ReplicaSettings(ServiceSettings):
             )
         return self
 
-    def replica(self) -> Replica:
+    def replica(self, clock: Clock | None = None) -> Replica:
         """A Replica with these settings; `registry.service.serve_replica` adds the workers.
-        With cluster_ca, it reaches workers and other replicas over the cluster's mutual TLS."""
+        With cluster_ca, it reaches workers and other replicas over the cluster's mutual TLS.
+        `clock`: its heartbeats' time (the system's by default; a simulated node's own)."""
         tls = self.cluster_tls
         return Replica(
+            clock=clock,
             channel=lambda address: aio_channel(address, tls=tls),
             suspect_after=self.suspect_after,
             dead_after=self.dead_after,

@@ -68,6 +68,7 @@ class _Pending:
     fn: Callable[..., Any]
     args: tuple[Any, ...]
     then: Then
+    loop: SimLoop
     handle: Any = field(default=None, repr=False)  # the loop's timer
 
 
@@ -94,6 +95,7 @@ class SimDisk:
         self._memory: MemoryMachineLog | None = None
         self._open: list[SimMachineLog] = []
         self._pending: list[_Pending] = []
+        self._lost: list[_Pending] = []  # pending at a crash: their writers never hear back
 
     @property
     def pending(self) -> int:
@@ -126,10 +128,20 @@ class SimDisk:
             if pending.handle is not None:
                 pending.handle.cancel()
         self.stats.lost += len(self._pending)
-        self._pending.clear()
+        self._lost += self._pending
+        self._pending = []
         for log in self._open:
             log.fence()
         self._open.clear()
+
+    def release(self) -> None:
+        """After the run: the batches lost at a crash fail (EBADF) on their dead writers'
+        loops, so that a dead node unwinding at the world's close is not left waiting on
+        them. Nothing of the run sees this."""
+        lost, self._lost = self._lost, []
+        for pending in lost:
+            error = OSError(errno.EBADF, f"disk {self.name}: the writer died")
+            pending.loop.call_soon(pending.then, None, error)
 
     def synced(self) -> Snapshot:
         """What the log holds, read past any node (for checkers)."""
@@ -163,7 +175,7 @@ class SimWriter:
         self.loop = loop
 
     def call(self, fn: Callable[..., Any], args: tuple[Any, ...], then: Then) -> None:
-        pending = _Pending(fn, args, then)
+        pending = _Pending(fn, args, then, self.loop)
         self.disk._pending.append(pending)
         pending.handle = self.loop.call_later(self.disk._draw_delay(), self._sync, pending)
 

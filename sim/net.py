@@ -10,9 +10,10 @@ loopback (a contract suite, tests/sim/test_net_contract.py, runs the same calls 
 Between two nodes messages travel in order (one HTTP/2 connection: nothing overtakes), each
 after a latency drawn from the seed. The faults:
 
-- a *partition* (`block(a, b)`, one-way or both) swallows messages: a call made across it
-  fails at its deadline, or UNAVAILABLE once keepalive would have noticed (`UNREACHABLE_AFTER`);
-  a stream across it goes silent the same way;
+- a *partition* (`block(a, b)`, one-way or both) holds messages, as TCP does until it gives
+  up: a call made across it fails at its deadline, or UNAVAILABLE once keepalive would have
+  noticed (`UNREACHABLE_AFTER`); a stream across it goes silent the same way; what the
+  partition held arrives when it ends, in order, to whoever still waits for it;
 - a *process death* (`crash(node)`, what a SIGKILL does) resets its connections: the calls in
   flight to it fail UNAVAILABLE one latency later, and the handlers serving its own calls on
   other nodes are cancelled, as gRPC cancels a handler whose client went away;
@@ -23,6 +24,7 @@ after a latency drawn from the seed. The faults:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import random
@@ -49,25 +51,21 @@ C = TypeVar("C", bound="_CallBase")
 
 @dataclass
 class LinkFaults:
-    """How messages travel: a latency drawn per message (uniform), and how often one is
-    lost, which on a TCP connection means the connection is broken (the call never
-    completes: its deadline, or UNREACHABLE_AFTER, decides)."""
+    """How messages travel: a latency drawn per message (uniform). Nothing is lost on a live
+    connection (TCP retransmits): a partition holds messages, it does not drop them."""
 
     latency: tuple[float, float] = (0.0002, 0.002)
-    drop_p: float = 0.0
 
     def __post_init__(self) -> None:
         low, high = self.latency
         if not 0.0 <= low <= high:
             raise ValueError("LinkFaults.latency must be (low, high) with 0 <= low <= high")
-        if not 0.0 <= self.drop_p <= 1.0:
-            raise ValueError("LinkFaults.drop_p must be within 0..1")
 
 
 @dataclass
 class NetStats:
     messages: int = 0
-    dropped: int = 0  # by a partition or drop_p
+    held: int = 0  # by a partition, delivered once it ends (to whoever still listens)
     refused: int = 0  # calls to an address nobody listens on
     resets: int = 0  # calls failed by the death of a process at the other end
 
@@ -82,7 +80,8 @@ class Network:
         self.stats = NetStats()
         self._ips: dict[str, str] = {}
         self._listeners: dict[tuple[str, int], SimServer] = {}
-        self._blocked: set[tuple[str, str]] = set()
+        self._blocked: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._held: dict[tuple[str, str], list[Deliver]] = {}
         self._last: dict[tuple[str, str], float] = {}  # link -> latest delivery time
         self._calls: dict[int, _ServerCall] = {}
         self._ids = itertools.count(1)
@@ -119,39 +118,61 @@ class Network:
     # -- faults --
 
     def block(self, src: str, dst: str, *, both: bool = True) -> None:
-        """Messages from `src` to `dst` (and back, with `both`) are lost until `heal`."""
-        self._blocked.add((src, dst))
+        """Messages from `src` to `dst` (and back, with `both`) are held until the partition
+        ends, as TCP holds them: a call waiting on them fails by its deadline or keepalive
+        (UNREACHABLE_AFTER); what arrives after that finds nobody waiting. Partitions of one
+        link overlap: it is open again once each has ended."""
+        self._blocked[(src, dst)] += 1
         if both:
-            self._blocked.add((dst, src))
+            self._blocked[(dst, src)] += 1
         self.world.record("net", f"block {src}{'<' if both else ''}->{dst}")
+
+    def unblock(self, src: str, dst: str, *, both: bool = True) -> None:
+        """The partition `block(src, dst, both=both)` made ends (others stay)."""
+        for link in [(src, dst), (dst, src)] if both else [(src, dst)]:
+            self._blocked[link] -= 1
+            if self._blocked[link] <= 0:
+                del self._blocked[link]
+                self._release(link)
+        self.world.record("net", f"unblock {src}{'<' if both else ''}->{dst}")
 
     def heal(self) -> None:
         """Every partition ends."""
+        links = list(self._blocked)
         self._blocked.clear()
+        for link in links:
+            self._release(link)
         self.world.record("net", "healed")
 
     def blocked(self, src: str, dst: str) -> bool:
         return (src, dst) in self._blocked
 
+    def _release(self, link: tuple[str, str]) -> None:
+        for deliver in self._held.pop(link, []):
+            self._carry(link, deliver)
+
     # -- carrying --
 
     def send(self, src: str, dst: str, deliver: Deliver) -> bool:
         """Carry a message from node `src` to node `dst`, in order behind the link's earlier
-        ones, after a drawn latency; `deliver` runs on `dst`'s loop then. False when it was
-        lost (partition, drop, or nobody there)."""
+        ones, after a drawn latency (later, across a partition); `deliver` runs on `dst`'s
+        loop then, if `dst` is still up. False when nobody is there to hold it for."""
         self.stats.messages += 1
-        if (src, dst) in self._blocked or (
-            self.faults.drop_p and self.rng.random() < self.faults.drop_p
-        ):
-            self.stats.dropped += 1
-            return False
+        link = (src, dst)
+        if link in self._blocked:
+            self.stats.held += 1
+            self._held.setdefault(link, []).append(deliver)
+            return dst in self.world.nodes
+        return self._carry(link, deliver)
+
+    def _carry(self, link: tuple[str, str], deliver: Deliver) -> bool:
         now = self.world.now
         # Strictly after the link's previous message: timers due at the same instant run in
         # no promised order.
-        after = self._last.get((src, dst), -1.0) + ORDER_GAP
+        after = self._last.get(link, -1.0) + ORDER_GAP
         when = max(now + self.rng.uniform(*self.faults.latency), after)
-        self._last[(src, dst)] = when
-        return self.world.deliver(dst, deliver, when - now)
+        self._last[link] = when
+        return self.world.deliver(link[1], deliver, when - now)
 
     def listener(self, address: str) -> SimServer | None:
         host, _, port = address.rpartition(":")
@@ -654,6 +675,8 @@ class _ClientCall:
     async def next(self) -> tuple[_Status | None, bytes | None]:
         """The next message (None, payload) or the final (status, payload-or-None)."""
         while True:
+            if self.inbox.qsize():  # (what arrived by the deadline is read, late or not)
+                return self.inbox.get_nowait()
             now = self.loop.time()
             limit = self.give_up if self.deadline is None else min(self.deadline, self.give_up)
             try:

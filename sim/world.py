@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import contextvars
 import hashlib
 import heapq
 import threading
+import warnings
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -205,6 +207,21 @@ class Node:
     def clock(self) -> SimClock:
         """The node's `runtime.clock.Clock`: its wall clock, sleeping in virtual time."""
         return SimClock(self.loop)
+
+
+class WorldClock:
+    """The world's own wall clock, without any node's skew: for what outlives nodes (a host's
+    machines). It sleeps on whichever node's loop calls it."""
+
+    def __init__(self, world: World) -> None:
+        self._world = world
+
+    def now(self) -> float:
+        return EPOCH + self._world.now
+
+    async def sleep_until(self, when: float) -> None:
+        if (delay := when - self.now()) > 0:
+            await asyncio.sleep(delay)
 
 
 class SimClock:
@@ -389,6 +406,18 @@ class World:
             for node in self.nodes.values()
         )
 
+    @staticmethod
+    def _close_task(node: Node, task: asyncio.Task[Any]) -> None:
+        coro = task.get_coro()
+        outer = asyncio.events._get_running_loop()
+        asyncio.events._set_running_loop(node.loop)
+        try:
+            coro.close()
+        except RuntimeError:  # a finally that awaited: nothing would resume it
+            pass
+        finally:
+            asyncio.events._set_running_loop(outer)
+
     def errors(self) -> Iterator[tuple[str, dict[str, Any]]]:
         """Unhandled errors that live nodes' loops reported (a task's exception never
         retrieved, a callback that raised)."""
@@ -396,22 +425,32 @@ class World:
             for context in node.loop.errors:
                 yield node.name, context
 
-    def close(self) -> None:
-        """End every node's tasks for good: the run is over. Call once the sinks the dead
-        held are fenced; what their `finally` blocks do now is not part of the run."""
-        for node in [*self.nodes.values(), *self.dead]:
-            node.alive = False
+    def close(self, settle: float = 60.0) -> None:
+        """End every node's tasks for good: the run is over. Every task, the dead nodes' too,
+        is cancelled and given `settle` virtual seconds to unwind (a service's shutdown runs
+        as on SIGTERM); what is left then is closed where it stands. Call once the sinks the
+        dead held are fenced: what they do now is not part of the run."""
+        # The dead unwind too, now: their sinks are fenced, and an async generator closed
+        # where it stands (rather than cancelled) fails in its `aclosing`.
+        everyone = [*self.nodes.values(), *self.dead]
+        self.nodes = {f"{node.name}#{i}": node for i, node in enumerate(everyone)}
+        for node in everyone:
+            node.paused_until = None
             for task in asyncio.all_tasks(node.loop):
-                if not task.done():
-                    coro = task.get_coro()
-                    outer = asyncio.events._get_running_loop()
-                    asyncio.events._set_running_loop(node.loop)
-                    try:
-                        coro.close()
-                    except RuntimeError:  # a finally that awaited: nothing would resume it
-                        pass
-                    finally:
-                        asyncio.events._set_running_loop(outer)
+                task.cancel()
+        deadline = self.now + settle
+        with contextlib.suppress(Livelock):
+            self.run_until(
+                deadline,
+                lambda: all(not asyncio.all_tasks(node.loop) for node in everyone),
+            )
+        for node in everyone:
+            node.alive = False
+            with warnings.catch_warnings():
+                # (a coroutine its close left un-awaited: nothing would ever await it)
+                warnings.simplefilter("ignore", RuntimeWarning)
+                for task in asyncio.all_tasks(node.loop):
+                    self._close_task(node, task)
             node.loop._ready.clear()
             node.loop._scheduled.clear()
             node.loop._thread_id = None  # (a running loop cannot be closed)

@@ -42,6 +42,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("model/images/oci.py", "secrets.token_hex"): "a temporary file's name on this disk",
     ("flyd/secrets.py", "secrets.token_bytes"): "an AEAD nonce: unpredictable in every run",
     ("flyd/main.py", "secrets.token_hex"): "the boot id, in the production wiring",
+    ("flyd/main.py", "time.monotonic"): "the default of `Parts.monotonic`",
     ("flyd/worker.py", "time.monotonic"): "the default of `monotonic=`",
     ("flyd/fencing.py", "time.monotonic"): "the default of `monotonic=`",
     ("flyd/images/base.py", "secrets.token_hex"): "a temporary file's name on this disk",

@@ -11,6 +11,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -44,7 +45,10 @@ def world() -> Iterator[World]:
 def disk(request: pytest.FixtureRequest, world: World) -> Iterator[SimDisk]:
     """The host's disk, over each durable backend (LMDB on tmpfs when there is one)."""
     if request.param == "memory":
-        yield SimDisk("w1", world.entropy.child("disk").rng(), world.entropy.child("epoch"))
+        disk = SimDisk("w1", world.entropy.child("disk").rng(), world.entropy.child("epoch"))
+        yield disk
+        disk.crash()
+        disk.release()  # (the writes a crash lost fail now, so their dead writers unwind)
         return
     root = TMPFS if TMPFS.is_dir() else None
     with tempfile.TemporaryDirectory(prefix="nonomad-sim-", dir=root) as tmp:
@@ -56,6 +60,7 @@ def disk(request: pytest.FixtureRequest, world: World) -> Iterator[SimDisk]:
         )
         yield disk
         disk.crash()  # its LMDB environment is closed before the directory goes
+        disk.release()
 
 
 def record(n: int) -> NewRecord:
@@ -293,3 +298,55 @@ def test_the_same_seed_draws_the_same_ids_sync_times_and_trace(
     first = run_once(5, images_root, tmp_path / "first")
     assert run_once(5, images_root, tmp_path / "again") == first
     assert run_once(6, images_root, tmp_path / "other")[1] != first[1]
+
+
+def create_keyed(worker: Worker) -> Any:
+    """A create of w1-k1 under key k1 (as flaps sends it: the id derived from the key)."""
+    return worker.create(
+        machine_id="w1-k1", name="", app="a", config=CONFIG, skip_launch=True,
+        idempotency_key="k1",
+    )  # fmt: skip
+
+
+def stalled_create(
+    world: World, disk: SimDisk, images_root: Path, cache: Path
+) -> tuple[Node, Worker, asyncio.Task[Any]]:
+    """A worker whose disk stalls every sync for 3 s, and a create of w1-k1 under way on it."""
+    node, worker = boot(world, Host(disk, FakeHost(), images_root), cache)
+    disk.faults = DiskFaults(stall_p=1.0, stall=(3.0, 3.0))
+    return node, worker, node.spawn(create_keyed(worker))
+
+
+def test_a_retry_told_of_a_create_keeps_it_when_the_first_caller_gives_up(
+    world: World, disk: SimDisk, images_root: Path, tmp_path: Path
+) -> None:
+    """Found by the simulator (seed 3 of the first runs): a create under a key stalls on the
+    disk, a retry under the same key waits for it and is answered with the machine, then the
+    first caller gives up, and its roll back destroyed the machine the retry was told of."""
+    node, worker, first = stalled_create(world, disk, images_root, tmp_path / "cache")
+    world.run_for(0.5)
+    retry = node.spawn(create_keyed(worker))
+    world.run_for(0.5)
+    first.cancel()  # its caller is gone: its deadline passed while the commit stalled
+    disk.faults = DiskFaults()
+    world.run_for(30.0)
+    assert first.cancelled()
+    assert retry.result().id == "w1-k1"
+    assert worker.get("w1-k1").machine.state == pb.MACHINE_STATE_CREATED
+    assert "w1-k1" in disk.synced().rows
+
+
+def test_a_create_rolled_back_lets_a_retry_under_its_key_create_it_anew(
+    world: World, disk: SimDisk, images_root: Path, tmp_path: Path
+) -> None:
+    """Nobody else was told of it: the abandoned create is rolled back, its key freed."""
+    node, worker, first = stalled_create(world, disk, images_root, tmp_path / "cache")
+    world.run_for(1.0)
+    first.cancel()
+    disk.faults = DiskFaults()
+    world.run_for(30.0)
+    assert "w1-k1" not in worker.rows
+    assert "w1-k1" not in disk.synced().rows
+    again = world.run(node, create_keyed(worker))
+    assert again.id == "w1-k1"
+    assert again.state == pb.MACHINE_STATE_CREATED

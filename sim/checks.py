@@ -1,0 +1,100 @@
+"""The invariants a run must keep, checked over what it recorded: the history of every call
+the cluster's users made (Jepsen's invoke and ok / fail / unknown) and the rows every disk
+holds at the end. Pure functions of those, so that each can be shown to fail on a history
+that breaks it (tests/sim/test_checks.py)."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from flaps.v1 import platform_pb2
+from flyd.v1 import machine_pb2 as pb
+
+
+@dataclass
+class Call:
+    """One operation in the history."""
+
+    op: str  # create | destroy
+    key: str
+    invoked: float
+    outcome: str = "pending"  # ok | fail (nothing happened) | unknown (it may have)
+    machine_id: str = ""
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Capacity:
+    machines: int
+    memory_mib: int
+
+
+def disks(
+    history: Sequence[Call],
+    held: Mapping[str, Mapping[str, pb.Machine]],
+    capacity: Capacity,
+) -> list[str]:
+    """`held`: each host's machines by id, as its disk has them.
+
+    - a machine is on one host only;
+    - no host holds more than its capacity (machines, memory) in machines not destroyed;
+    - one live machine per idempotency key, and no two live machines answered for one key;
+    - every acknowledged create is on a disk, and not destroyed unless a destroy was asked.
+    """
+    found: list[str] = []
+    where: dict[str, str] = {}
+    live: dict[str, pb.Machine] = {}
+    for host, machines in sorted(held.items()):
+        for machine_id, machine in machines.items():
+            if machine_id in where:
+                found.append(f"placement: machine {machine_id} on {host} and {where[machine_id]}")
+            where[machine_id] = host
+            if machine.state != pb.MACHINE_STATE_DESTROYED:
+                live[machine_id] = machine
+        kept = [m for m in machines.values() if m.state != pb.MACHINE_STATE_DESTROYED]
+        memory = sum(m.config.guest.memory_mib for m in kept)
+        if len(kept) > capacity.machines or memory > capacity.memory_mib:
+            found.append(
+                f"capacity: {host} holds {len(kept)} machines and {memory} MiB "
+                f"(it has room for {capacity.machines}, {capacity.memory_mib} MiB)"
+            )
+    by_key: dict[str, list[str]] = collections.defaultdict(list)
+    for machine_id, machine in sorted(live.items()):
+        if machine.idempotency_key:
+            by_key[f"{machine.app}/{machine.idempotency_key}"].append(machine_id)
+    for key, ids in sorted(by_key.items()):
+        if len(ids) > 1:
+            found.append(f"idempotency: key {key} has {len(ids)} live machines {ids}")
+    asked_to_destroy = {c.machine_id for c in history if c.op == "destroy"}
+    answered: dict[str, set[str]] = collections.defaultdict(set)
+    for call in history:
+        if call.op != "create" or call.outcome != "ok":
+            continue
+        answered[call.key].add(call.machine_id)
+        if call.machine_id not in where:
+            found.append(
+                f"durability: create of {call.machine_id} (key {call.key}, acknowledged at "
+                f"t={call.invoked:.3f}s) is on no disk"
+            )
+        elif call.machine_id not in live and call.machine_id not in asked_to_destroy:
+            found.append(f"durability: {call.machine_id} is destroyed, and nobody asked")
+    for key, told in sorted(answered.items()):
+        alive = sorted(m for m in told if m in live)
+        if len(alive) > 1:
+            found.append(f"idempotency: key {key} was answered with live machines {alive}")
+    return found
+
+
+def liveness(hosts: Sequence[str], seen: Mapping[str, int]) -> list[str]:
+    """Once every fault has healed and the calm has run, flaps sees every worker alive.
+    `seen`: the workers flaps lists, with their `flaps.v1.WorkerStatus`."""
+    found = []
+    for host in hosts:
+        if host not in seen:
+            found.append(f"liveness: flaps does not know worker {host} after healing")
+        elif seen[host] != platform_pb2.WORKER_STATUS_ALIVE:
+            status = platform_pb2.WorkerStatus.Name(seen[host])  # type: ignore[arg-type]
+            found.append(f"liveness: flaps sees worker {host} as {status} after healing")
+    return found

@@ -1,0 +1,336 @@
+"""One simulated run of a seed: a cluster, a workload, a nemesis, then the checkers.
+
+The seed draws everything: which fault kinds this run uses at all (swarm testing: a run with
+few kinds goes deeper into each), when each fault strikes and for how long, what every client
+does, every latency and every sync time. A chaos phase (`chaos` seconds) runs the workload
+beside the nemesis; then every fault is healed and every flyd that is down booted again, and
+a calm phase (`calm` seconds) lets the cluster settle before the checkers read it.
+
+The workload is the cluster's users: clients that create machines under idempotency keys
+drawn from a small pool (so retries and duplicates happen) and retry what failed or timed out
+with the same key, as a careful user does; and destroy machines they were told of. Every call
+goes into the history with its outcome: ok, fail (a status that says nothing happened) or
+unknown (a timeout or an unreachable flaps: it may have happened).
+
+The checkers read the truth from the disks (every flyd is killed at the end, so only what was
+synced counts) and compare it with the history and with what the live replicas said.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import heapq
+import itertools
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import grpc
+import grpc.aio
+
+from flaps.v1 import machines_pb2, machines_pb2_grpc
+from flyd import fsm
+from flyd.v1 import machine_pb2 as pb
+from sim import checks
+from sim.checks import Call
+from sim.cluster import IMAGE, BootFailed, Cluster, Host
+from sim.disk import DiskFaults
+from sim.world import SimulationError, World
+
+FAULT_KINDS = ("kill", "partition", "pause", "disk_stall", "disk_eio")
+
+CAPACITY_FLAGS = (
+    "--capacity.cpu-millicores=2000",
+    "--capacity.memory-mib=1024",
+    "--capacity.machines=8",
+)
+CAPACITY = checks.Capacity(machines=8, memory_mib=1024)
+MEMORY_MIB = 256  # four fit a worker by memory
+CONFIG = pb.MachineConfig(
+    image=IMAGE, guest=pb.GuestConfig(cpu_millicores=100, memory_mib=MEMORY_MIB)
+)
+# What a status says of a create that failed: nothing was made (ok to forget), or maybe.
+NOTHING_MADE = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.NOT_FOUND,
+}
+
+
+@dataclass
+class Report:
+    seed: int
+    simulated: float = 0.0
+    faults: collections.Counter[str] = field(default_factory=collections.Counter)
+    kinds: tuple[str, ...] = ()
+    calls: collections.Counter[str] = field(default_factory=collections.Counter)
+    violations: list[str] = field(default_factory=list)
+    trace: str = ""  # the world's trace hash: the same seed gives the same one
+
+
+@dataclass
+class Schedule:
+    """The parameters of a run; `run(seed)` plays one."""
+
+    workers: int = 3
+    clients: int = 3
+    keys: int = 6
+    chaos: float = 40.0
+    calm: float = 30.0
+
+    def run(self, seed: int, root: Path | None = None) -> Report:
+        with tempfile.TemporaryDirectory(prefix=f"nonomad-sim-{seed}-") as tmp:
+            return _Run(self, seed, Path(root or tmp)).play()
+
+
+class _Run:
+    def __init__(self, schedule: Schedule, seed: int, root: Path) -> None:
+        self.schedule = schedule
+        self.world = World(seed)
+        self.rng = self.world.entropy.child("schedule").rng()
+        self.report = Report(seed)
+        kinds = [k for k in FAULT_KINDS if self.rng.random() < 0.6]
+        self.report.kinds = tuple(kinds)
+        self.cluster = Cluster(self.world, root)
+        self.history: list[Call] = []
+        self.healing = False
+        self._disk_faults: dict[str, set[str]] = collections.defaultdict(set)
+
+    def play(self) -> Report:
+        cluster, world = self.cluster, self.world
+        try:
+            cluster.boot_flaps()
+            for i in range(self.schedule.workers):
+                cluster.boot_flyd(cluster.add_host(f"w{i + 1}"), *CAPACITY_FLAGS)
+            cluster.settle(
+                lambda: len(cluster.workers_seen()) == self.schedule.workers,
+                what="flaps follows every worker",
+            )
+            user = cluster.user()
+            stop = asyncio.Event()
+            clients = [
+                user.spawn(self._client(i, stop), name=f"client-{i}")
+                for i in range(self.schedule.clients)
+            ]
+            end = world.now + self.schedule.chaos
+            self._nemesis(end)
+            world.run_until(end)
+            world.run(user, _set(stop))
+            self._heal()
+            self._calm(self.schedule.calm)
+            world.run_until(world.now + 30.0, lambda: all(c.done() for c in clients))
+            self._check_live()
+            for host in cluster.hosts.values():
+                if host.flyd is not None:
+                    cluster.kill_flyd(host)
+            self._check_durable()
+            self.report.simulated = world.now
+            self.report.trace = world.trace_hash()
+            return self.report
+        finally:
+            cluster.close()
+
+    # -- the nemesis --
+
+    def _nemesis(self, end: float) -> None:
+        """Faults until `end`: each strikes after a drawn wait and lasts a drawn while, and
+        they overlap (a kill during a stall of the same disk, a partition during a pause)."""
+        world, rng = self.world, self.rng
+        agenda: list[tuple[float, int, Callable[[], None]]] = []
+        count = itertools.count()
+        strike = world.now + rng.expovariate(1 / 2.0)
+        while world.now < end:
+            upcoming = min(strike, agenda[0][0] if agenda else end, end, world.now + 1.0)
+            world.run_until(upcoming)
+            for host in self._exited():
+                restart: Callable[[], None] = partial(self._boot, host)
+                heapq.heappush(agenda, (world.now + 1.0, next(count), restart))
+            while agenda and agenda[0][0] <= world.now:
+                heapq.heappop(agenda)[2]()
+            if world.now >= strike and world.now < end:
+                undo, lasts = self._strike()
+                if undo is not None:
+                    heapq.heappush(agenda, (world.now + lasts, next(count), undo))
+                strike = world.now + rng.expovariate(1 / 2.0)
+        for _, _, undo in sorted(agenda):
+            undo()
+
+    def _strike(self) -> tuple[Callable[[], None] | None, float]:
+        """One fault of a kind this run uses, now; what ends it, and when."""
+        world, rng, cluster = self.world, self.rng, self.cluster
+        if not self.report.kinds:
+            return None, 0.0
+        kind = rng.choice(self.report.kinds)
+        host = rng.choice(list(cluster.hosts.values()))
+        lasts = rng.uniform(0.5, 8.0)
+        if kind in ("kill", "partition", "pause") and host.flyd is None:
+            return None, 0.0
+        self.report.faults[kind] += 1
+        world.record("nemesis", f"{kind} {host.name} {lasts:.3f}s")
+        if kind == "kill":
+            cluster.kill_flyd(host)
+            return lambda: self._boot(host), lasts
+        if kind == "partition":
+            assert host.flyd is not None
+            node, both = host.flyd.node.name, rng.random() < 0.7
+            cluster.net.block(node, "flaps-1", both=both)
+            return lambda: cluster.net.unblock(node, "flaps-1", both=both), lasts
+        if kind == "pause":
+            assert host.flyd is not None
+            world.pause(host.flyd.node.name, lasts)
+            return None, lasts
+        # Disk faults: some stalls outlast a caller's deadline (5 s), so its retry finds the
+        # create still there; a stall and EIO may overlap on one disk.
+        flag = "stall" if kind == "disk_stall" else "eio"
+        self._disk_faults[host.name].add(flag)
+        self._apply_disk(host, 2 * lasts)
+        return lambda: self._clear_disk(host, flag), 2 * lasts if flag == "stall" else lasts
+
+    def _exited(self) -> list[Host]:
+        """The hosts whose flyd exited on its own (a disk error it does not survive, say),
+        now cleaned up as its supervisor finds them: to be started again."""
+        gone = []
+        for host in self.cluster.hosts.values():
+            if host.flyd is not None and host.flyd.task.done():
+                self.world.record("nemesis", f"flyd on {host.name} exited")
+                self.report.faults["exited"] += 1
+                self.cluster.kill_flyd(host)
+                gone.append(host)
+        return gone
+
+    def _calm(self, seconds: float) -> None:
+        """Run with no fault, restarting what exits, as a supervisor does."""
+        end = self.world.now + seconds
+        while self.world.now < end:
+            self.world.run_until(min(end, self.world.now + 1.0))
+            for host in self._exited():
+                self.world.run_for(1.0)
+                self._boot(host)
+
+    def _boot(self, host: Host, tries: int = 20) -> None:
+        """Start flyd on `host` again, as its supervisor does: after a second, until it runs."""
+        for _ in range(tries):
+            if host.flyd is not None:
+                return
+            try:
+                self.cluster.boot_flyd(host, *CAPACITY_FLAGS)
+            except BootFailed as err:
+                self.world.record("nemesis", f"boot failed: {err}")
+                self.report.faults["boot_failed"] += 1
+                self.world.run_for(1.0)
+        raise SimulationError(f"flyd on {host.name} never started again")
+
+    def _apply_disk(self, host: Host, stall: float = 8.0) -> None:
+        active = self._disk_faults[host.name]
+        host.disk.faults = DiskFaults(
+            stall_p=0.7 if "stall" in active else 0.0,
+            stall=(0.5, max(0.5, stall)),
+            eio_p=0.3 if "eio" in active else 0.0,
+        )
+
+    def _clear_disk(self, host: Host, flag: str) -> None:
+        self._disk_faults[host.name].discard(flag)
+        self._apply_disk(host)
+
+    def _heal(self) -> None:
+        self.healing = True
+        self.cluster.net.heal()
+        for host in self.cluster.hosts.values():
+            host.disk.faults = DiskFaults()
+            self._boot(host)
+        self.world.record("nemesis", "healed")
+
+    # -- the workload --
+
+    async def _client(self, index: int, stop: asyncio.Event) -> None:
+        rng = self.world.entropy.child(f"client-{index}").rng()
+        flaps = self.cluster.stub(
+            machines_pb2_grpc.MachinesServiceStub, self.cluster.flaps["flaps-1"].address
+        )
+        known: list[str] = []
+        while not stop.is_set():
+            if known and rng.random() < 0.3:
+                await self._destroy(flaps, known.pop(rng.randrange(len(known))))
+            else:
+                key = f"k{rng.randrange(self.schedule.keys)}"
+                made = await self._create(flaps, key)
+                if made and made not in known:
+                    known.append(made)
+            await asyncio.sleep(rng.uniform(0.05, 1.0))
+
+    async def _create(self, flaps: machines_pb2_grpc.MachinesServiceStub, key: str) -> str:
+        """Create under `key`, retrying what may have happened (as a careful user does)."""
+        for _attempt in range(5):
+            call = self._invoke("create", key)
+            request = machines_pb2.CreateMachineRequest(
+                app="web", region="ams", config=CONFIG, idempotency_key=key
+            )
+            try:
+                answer = await flaps.CreateMachine(request, timeout=5.0)
+            except grpc.aio.AioRpcError as err:
+                self._settle(call, err)
+                if call.outcome == "fail":
+                    return ""
+                await asyncio.sleep(0.5)
+                continue
+            call.outcome, call.machine_id = "ok", answer.machine.id
+            return answer.machine.id
+        return ""
+
+    async def _destroy(self, flaps: machines_pb2_grpc.MachinesServiceStub, machine_id: str) -> None:
+        call = self._invoke("destroy", "", machine_id)
+        try:
+            await flaps.DestroyMachine(
+                machines_pb2.DestroyMachineRequest(machine_id=machine_id, force=True), timeout=5.0
+            )
+        except grpc.aio.AioRpcError as err:
+            self._settle(call, err)
+        else:
+            call.outcome = "ok"
+
+    def _invoke(self, op: str, key: str, machine_id: str = "") -> Call:
+        call = Call(op, key, self.world.now, machine_id=machine_id)
+        self.history.append(call)
+        self.report.calls[op] += 1
+        return call
+
+    def _settle(self, call: Call, err: grpc.aio.AioRpcError) -> None:
+        call.outcome = "fail" if err.code() in NOTHING_MADE else "unknown"
+        call.detail = f"{err.code().name}: {err.details()}"
+
+    # -- the checkers --
+
+    def _check_live(self) -> None:
+        """After the calm: every worker is up and followed."""
+        self._found(checks.liveness(list(self.cluster.hosts), self.cluster.workers_seen()))
+
+    def _check_durable(self) -> None:
+        """What every disk holds (every flyd is down: only what was synced), against the
+        history."""
+        disks = {
+            host.name: {
+                machine_id: fsm.decode_row(raw).machine
+                for machine_id, raw in host.disk.synced().rows.items()
+            }
+            for host in self.cluster.hosts.values()
+        }
+        self._found(checks.disks(self.history, disks, CAPACITY))
+
+    def _found(self, violations: list[str]) -> None:
+        self.report.violations += [f"t={self.world.now:.3f}s {v}" for v in violations]
+
+
+async def _set(event: asyncio.Event) -> None:
+    event.set()
+
+
+def describe(report: Report) -> str:
+    faults = ", ".join(f"{k} {n}" for k, n in sorted(report.faults.items())) or "none"
+    return (
+        f"seed {report.seed}: {report.simulated:.0f}s simulated, faults {faults}, "
+        f"calls {dict(report.calls)}, {len(report.violations)} violations"
+    )
