@@ -352,6 +352,7 @@ class Worker:
         self.images.use(image.digest)  # at once, so the pulled image cannot be evicted
         mine = self.entropy.token_hex(8)  # the instance this call creates
         reached_driver = False
+        making = False  # this call is the machine's maker (see _making)
         try:
             if not argv(config, image):
                 raise InvalidArgument("config.cmd", "the image has no entrypoint or cmd; set one")
@@ -400,6 +401,7 @@ class Worker:
                     )
                     self.reservations.pending[machine_id] = machine
                     self._making.add(machine_id)
+                    making = True
                     if key:
                         self.reservations.keys[(app, key)] = machine_id
                     # The pending start goes on in the same operation: its spawn comes before
@@ -422,7 +424,7 @@ class Worker:
                 and isinstance(err, asyncio.CancelledError)
                 and row.machine.instance_id == mine
             )
-            if not rolls_back:
+            if making and not rolls_back:
                 self._made(machine_id)
             if row is None:
                 self.images.release(image.digest)
@@ -444,7 +446,8 @@ class Worker:
             raise DeadlineExceeded(
                 f"machine {machine_id} was ready too late to answer its caller in time; rolled back"
             )
-        self._made(machine_id)
+        if making:
+            self._made(machine_id)
         return self.rows[machine_id].machine
 
     def _made(self, machine_id: str) -> None:
