@@ -87,6 +87,21 @@ class TestMachinesService(MachinesServer):
         assert (again.id, again.instance_id) == (first.id, first.instance_id)
         assert fleet.machine_ids() == {first.id}
 
+    async def test_a_key_whose_machine_its_worker_dropped_creates_anew(
+        self, servicer_stub: Machines, fleet: FakeFleet
+    ) -> None:
+        """The worker rolled the create back and dropped its row (no event tells a replica of
+        that): the replica's last row of it still names the key, and holds nothing."""
+        request = m.CreateMachineRequest(**bid(idempotency_key="deploy-8"))
+        first = (await servicer_stub.CreateMachine(request, timeout=T)).machine
+        await fleet.seen(first.id)
+        await fleet.owner_of(first.id).worker.roll_back(first.id)
+        assert first.id not in fleet.machine_ids()
+        assert fleet.replica.by_key(first.app, "deploy-8") is not None
+        again = (await servicer_stub.CreateMachine(request, timeout=T)).machine
+        assert again.instance_id != first.instance_id
+        assert again.id in fleet.machine_ids()
+
     async def test_create_with_a_lease_returns_its_nonce(self, servicer_stub: Machines) -> None:
         request = m.CreateMachineRequest(**bid(lease_ttl=seconds(60)))
         resp = await servicer_stub.CreateMachine(request, timeout=T)
