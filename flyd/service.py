@@ -198,7 +198,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def GetMachine(
         self, request: w.GetMachineRequest, context: grpc.aio.ServicerContext
     ) -> w.GetMachineResponse:
-        return w.GetMachineResponse(machine=self.worker.get(request.machine_id).machine)
+        return w.GetMachineResponse(machine=self.worker.answer(request.machine_id))
 
     async def RevealSecrets(
         self, request: w.RevealSecretsRequest, context: grpc.aio.ServicerContext

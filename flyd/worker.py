@@ -12,6 +12,7 @@ and what the worker reports of itself (info, capacity, heartbeats). The gRPC ser
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -163,6 +164,7 @@ class Worker:
         # waited for it: never rolled back, whoever gave up); and creates being rolled back
         # (a retry does not get those: it hears to try again).
         self._making: set[str] = set()
+        self._waiters: collections.Counter[str] = collections.Counter()
         self._answered: set[str] = set()
         self._rolling_back: set[str] = set()
         self.cordoned = bool(state_dir and (state_dir / "cordoned").exists())
@@ -210,6 +212,15 @@ class Worker:
             check_name("machine_id", machine_id)
             raise NotFound(f"machine {machine_id} not found on worker {self.identity.worker_id}")
         return row
+
+    def answer(self, machine_id: str) -> pb.Machine:
+        """The machine as a caller is answered with it (GetMachine: flaps answers a create
+        under a key held here with it): not one being rolled back, whose caller gave up and
+        that nobody else was told of: that one is as good as gone (UNAVAILABLE: retry)."""
+        row = self.get(machine_id)
+        if machine_id in self._rolling_back:
+            raise Unavailable(f"machine {machine_id} is being rolled back: its create failed")
+        return row.machine
 
     def _held(self, machine_id: str) -> pb.Machine | None:
         """The row of a machine a call names, when this worker holds it (model.scope)."""
@@ -337,10 +348,17 @@ class Worker:
             return self._answer(existing)
         if machine_id in self.reservations.pending:
             # The same create is under way (a retry, or another flaps with the same key): its
-            # outcome is ours, whatever room is left once it has reserved its own.
-            async with self.runner.lock(machine_id):
-                if (existing := self._existing(machine_id, app, config)) is not None:
-                    return self._answer(existing)
+            # outcome is ours, whatever room is left once it has reserved its own. While we
+            # wait, its maker does not roll it back if its own caller gives up.
+            self._waiters[machine_id] += 1
+            try:
+                async with self.runner.lock(machine_id):
+                    if (existing := self._existing(machine_id, app, config)) is not None:
+                        return self._answer(existing)
+            finally:
+                self._waiters[machine_id] -= 1
+                if not self._waiters[machine_id]:
+                    del self._waiters[machine_id]
         if self.cordoned or self.closing:
             raise Unavailable(
                 f"worker {self.identity.worker_id} is "
@@ -437,18 +455,29 @@ class Worker:
                     self.runner.spawn_task(self.runner.clean_leftover(machine_id))
             elif rolls_back:
                 # Committed by this call, but its caller is gone (deadline, cancel): it never
-                # hears of the machine (unless a retry did meanwhile: roll_back).
-                self.runner.spawn_task(self.roll_back(machine_id))
+                # hears of the machine, unless a retry did meanwhile (`_roll_back_unless_told`).
+                self._roll_back_unless_told(machine_id)
             raise
         # Ready within the margin of the deadline, the answer would reach the caller too late.
         if deadline is not None and asyncio.get_running_loop().time() >= deadline - COMMIT_MARGIN:
-            self.runner.spawn_task(self.roll_back(machine_id))
+            self._roll_back_unless_told(machine_id)
             raise DeadlineExceeded(
                 f"machine {machine_id} was ready too late to answer its caller in time; rolled back"
             )
         if making:
             self._made(machine_id)
         return self.rows[machine_id].machine
+
+    def _roll_back_unless_told(self, machine_id: str) -> None:
+        """The maker's caller is gone: roll the create back, unless another caller was told
+        of the machine or waits for it (then it is theirs). From then on nobody is."""
+        told = machine_id in self._answered or self._waiters[machine_id] > 0
+        self._made(machine_id)
+        if told:
+            log.info("create kept", machine_id=machine_id, reason="a retry was told of it")
+            return
+        self._rolling_back.add(machine_id)
+        self.runner.spawn_task(self.roll_back(machine_id))
 
     def _made(self, machine_id: str) -> None:
         """The maker of a create is done with it, and will not roll it back."""
@@ -477,18 +506,15 @@ class Worker:
 
     async def roll_back(self, machine_id: str, timeout: float = 60.0) -> None:
         """Undo a create whose caller is gone: destroy the machine, then drop its row, so that
-        the id is free again (a retry with it creates the machine anew). Not one that another
-        caller was answered with (a retry under its key): that caller has it."""
-        async with self.runner.lock(machine_id):
-            self._making.discard(machine_id)
-            if machine_id in self._answered:
-                self._answered.discard(machine_id)
-                log.info("create kept", machine_id=machine_id, reason="a retry was told of it")
-                return
-            self._rolling_back.add(machine_id)
-            log.warning("create rolled back", machine_id=machine_id, reason="its caller is gone")
-            await self.runner.drive_locked(machine_id, fsm.DestroyRequested(force=True))
+        the id is free again (a retry with it creates the machine anew). Meanwhile nobody is
+        answered with it (`_answer`, `answer`)."""
+        self._rolling_back.add(machine_id)
         try:
+            async with self.runner.lock(machine_id):
+                log.warning(
+                    "create rolled back", machine_id=machine_id, reason="its caller is gone"
+                )
+                await self.runner.drive_locked(machine_id, fsm.DestroyRequested(force=True))
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout
             while (row := self.rows.get(machine_id)) is not None:

@@ -25,6 +25,7 @@ from flyd.settings import CapacitySettings
 from flyd.store import NewRecord, RecordType
 from flyd.v1 import machine_pb2 as pb
 from flyd.worker import Identity, Worker
+from model.errors import NotFound, Unavailable
 from model.images.owners import PUBLIC
 from model.images.source import ImageSource
 from model.validate import DEFAULT_DISK_MIB
@@ -334,6 +335,28 @@ def test_a_retry_told_of_a_create_keeps_it_when_the_first_caller_gives_up(
     assert retry.result().id == "w1-k1"
     assert worker.get("w1-k1").machine.state == pb.MACHINE_STATE_CREATED
     assert "w1-k1" in disk.synced().rows
+
+
+def test_a_machine_being_rolled_back_is_answered_to_nobody(
+    world: World, disk: SimDisk, images_root: Path, tmp_path: Path
+) -> None:
+    """Found by the simulator: flaps answers a create under a key with GetMachine of the
+    key's machine; one whose maker gave up and that is being rolled back was answered, then
+    destroyed. Now it is UNAVAILABLE (try again) until it is gone, then NOT_FOUND."""
+    node, worker, first = stalled_create(world, disk, images_root, tmp_path / "cache")
+    world.run_for(1.0)
+    first.cancel()
+    disk.faults = DiskFaults(stall_p=1.0, stall=(5.0, 5.0))  # the roll back's commits stall
+    world.run_until(world.now + 2.5, lambda: "w1-k1" in worker._rolling_back)
+    assert "w1-k1" in worker.rows
+    with pytest.raises(Unavailable, match="being rolled back"):
+        worker.answer("w1-k1")
+    with pytest.raises(Unavailable, match="being rolled back"):
+        world.run(node, create_keyed(worker))
+    disk.faults = DiskFaults()
+    world.run_for(30.0)
+    with pytest.raises(NotFound):
+        worker.answer("w1-k1")
 
 
 def test_a_create_rolled_back_lets_a_retry_under_its_key_create_it_anew(
