@@ -97,7 +97,6 @@ class _Run:
         self.report.kinds = tuple(kinds)
         self.cluster = Cluster(self.world, root)
         self.history: list[Call] = []
-        self.healing = False
         self._disk_faults: dict[str, set[str]] = collections.defaultdict(set)
 
     def play(self) -> Report:
@@ -237,7 +236,6 @@ class _Run:
         self._apply_disk(host)
 
     def _heal(self) -> None:
-        self.healing = True
         self.cluster.net.heal()
         for host in self.cluster.hosts.values():
             host.disk.faults = DiskFaults()
