@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import contextlib
 import hashlib
 import logging
 import os
@@ -31,20 +32,18 @@ from sim.cluster import cluster
 from sim.schedule import FAULT_KINDS, Report, Schedule, describe
 
 
-def _quiet() -> None:
-    """The services' logs off (a thousand runs of them say nothing a summary does not)."""
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """The services' logs off, and their NONOMAD_READY lines (a thousand runs of them say
+    nothing a summary does not)."""
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
-    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - the services' NONOMAD_READY lines
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+        yield
 
 
 def _run(seed: int, workers: int = 3) -> Report:
-    out = sys.stdout
-    _quiet()
-    try:
+    with _quiet():
         return Schedule(workers=workers).run(seed)
-    finally:
-        sys.stdout.close()
-        sys.stdout = out
 
 
 def _run_bench(seed: int) -> Report:
@@ -54,22 +53,17 @@ def _run_bench(seed: int) -> Report:
 def idle_ratio(seconds: float = 600.0) -> float:
     """Simulated seconds per real second of an idle cluster: 4 flyd and a flaps, heartbeats
     and follow streams only."""
-    out = sys.stdout
-    _quiet()
-    try:
-        with (
-            tempfile.TemporaryDirectory(prefix="nonomad-sim-idle-") as tmp,
-            cluster(1, Path(tmp)) as made,
-        ):
-            made.boot_flaps()
-            for i in range(4):
-                made.boot_flyd(made.add_host(f"w{i + 1}"))
-            began, start = time.perf_counter(), made.world.now
-            made.world.run_for(seconds)
-            return (made.world.now - start) / (time.perf_counter() - began)
-    finally:
-        sys.stdout.close()
-        sys.stdout = out
+    with (
+        _quiet(),
+        tempfile.TemporaryDirectory(prefix="nonomad-sim-idle-") as tmp,
+        cluster(1, Path(tmp)) as made,
+    ):
+        made.boot_flaps()
+        for i in range(4):
+            made.boot_flyd(made.add_host(f"w{i + 1}"))
+        began, start = time.perf_counter(), made.world.now
+        made.world.run_for(seconds)
+        return (made.world.now - start) / (time.perf_counter() - began)
 
 
 def commit_seed() -> int:

@@ -31,7 +31,7 @@ from model.images.source import ImageSource
 from runtime import Service, load_settings, transport
 from sim.disk import DiskFaults, SimDisk
 from sim.net import Network
-from sim.world import Node, SimulationError, World, WorldClock
+from sim.world import Node, SimulationError, World
 
 T = TypeVar("T")
 
@@ -124,7 +124,7 @@ class Cluster:
             self.world.entropy.child(f"epoch/{name}"),
             faults=self._disk_faults,
         )
-        host = self.hosts[name] = Host(name, region, root, disk, FakeHost(WorldClock(self.world)))
+        host = self.hosts[name] = Host(name, region, root, disk, FakeHost(self.world.clock))
         return host
 
     def boot_flyd(self, host: Host, *flags: str) -> Flyd:

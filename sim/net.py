@@ -79,7 +79,7 @@ class Network:
         self.faults = faults or LinkFaults()
         self.stats = NetStats()
         self._ips: dict[str, str] = {}
-        self._listeners: dict[tuple[str, int], SimServer] = {}
+        self._listeners: dict[tuple[str, int], SimServer] = {}  # bound (serving once started)
         self._blocked: collections.Counter[tuple[str, str]] = collections.Counter()
         self._held: dict[tuple[str, str], list[Deliver]] = {}
         self._last: dict[tuple[str, str], float] = {}  # link -> latest delivery time
@@ -175,16 +175,24 @@ class Network:
         return self.world.deliver(link[1], deliver, when - now)
 
     def listener(self, address: str) -> SimServer | None:
+        """The server serving at `address`, if one is (bound and started)."""
         host, _, port = address.rpartition(":")
         try:
-            return self._listeners.get((host, int(port)))
+            server = self._listeners.get((host, int(port)))
         except ValueError:
             return None
+        return server if server is not None and server._serving else None
 
-    def _listen(self, server: SimServer, host: str, port: int) -> None:
-        if (host, port) in self._listeners:
+    def _bind(self, server: SimServer, host: str, port: int) -> int:
+        """Bind `host:port` for `server` (port 0: the first free from 40000); the port."""
+        if port == 0:
+            port = 40000
+            while (host, port) in self._listeners:
+                port += 1
+        elif (host, port) in self._listeners:
             raise RuntimeError(f"Failed to bind to address {host}:{port}: address in use")
         self._listeners[(host, port)] = server
+        return port
 
     def _unlisten(self, server: SimServer) -> None:
         for key in [k for k, s in self._listeners.items() if s is server]:
@@ -241,7 +249,6 @@ class SimServer:
         self.ip = ip
         self._generic: list[Any] = []
         self._registered: dict[str, Any] = {}
-        self._ports: list[int] = []
         self._serving = False
         self._calls: set[_ServerCall] = set()
 
@@ -265,21 +272,9 @@ class SimServer:
             raise RuntimeError(
                 f"Failed to bind to address {address}: {self.node.name} is {self.ip}"
             )
-        port = int(port_text)
-        if port == 0:
-            port = (
-                40000
-                + len(self._ports)
-                + 100 * len([k for k in self.net._listeners if k[0] == self.ip])
-            )
-            while (self.ip, port) in self.net._listeners:
-                port += 1
-        self._ports.append(port)
-        return port
+        return self.net._bind(self, self.ip, int(port_text))
 
     async def start(self) -> None:
-        for port in self._ports:
-            self.net._listen(self, self.ip, port)
         self._serving = True
 
     async def stop(self, grace: float | None) -> None:
@@ -430,9 +425,8 @@ class _ServerCall:
         self.net.world.deliver(self.server_node, self.cancel_here)
 
     def cancel_handler(self, status: _Status) -> None:
-        self.cancelled = True
-        if self.task is not None and not self.task.done():
-            self.task.cancel()
+        """The server stops: the handler is cancelled and its caller hears `status`."""
+        self.cancel_here()
         self.answer(status, None)
 
     async def run(self, handler: Any, raw: bytes, deadline: float | None) -> None:
@@ -556,7 +550,7 @@ class SimChannel:
             **_: Any,  # wait_for_ready, compression: nothing to do with them here
         ) -> C:
             started = self._start(method, request, serializer, timeout, metadata)
-            return kind(started, deserializer, timeout)
+            return kind(started, deserializer)
 
         return call
 
@@ -617,7 +611,6 @@ class _ClientCall:
         self.port = port
         self.loop = asyncio.get_running_loop()
         self.inbox: asyncio.Queue[tuple[_Status | None, bytes | None]] = asyncio.Queue()
-        self.status: _Status | None = None
         self.server_call: _ServerCall | None = None
         started = self.loop.time()
         self.deadline = None if timeout is None else started + timeout
@@ -652,8 +645,7 @@ class _ClientCall:
 
         def arrive() -> None:
             # On the server's loop, in its node's context: the handler runs there.
-            listening = net.listener(self.address)
-            if listening is not server or not server._serving:
+            if net.listener(self.address) is not server:  # (stopped, or gone, meanwhile)
                 call.answer(_Status(grpc.StatusCode.UNAVAILABLE, "Connection refused"), None)
                 return
             handler = server.handler(self.method, self.metadata)
@@ -709,7 +701,6 @@ class _CallBase:
         self,
         call: _ClientCall,
         deserializer: Callable[[bytes], Any] | None,
-        timeout: float | None,
     ) -> None:
         self._call = call
         self._deserialize = deserializer or (lambda raw: raw)

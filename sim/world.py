@@ -201,38 +201,24 @@ class Node:
 
     def wall(self) -> float:
         """The node's wall clock: seconds since 1970, skew included."""
-        return EPOCH + self.loop.time()
+        return self.clock.now()
 
     @property
     def clock(self) -> SimClock:
         """The node's `runtime.clock.Clock`: its wall clock, sleeping in virtual time."""
-        return SimClock(self.loop)
-
-
-class WorldClock:
-    """The world's own wall clock, without any node's skew: for what outlives nodes (a host's
-    machines). It sleeps on whichever node's loop calls it."""
-
-    def __init__(self, world: World) -> None:
-        self._world = world
-
-    def now(self) -> float:
-        return EPOCH + self._world.now
-
-    async def sleep_until(self, when: float) -> None:
-        if (delay := when - self.now()) > 0:
-            await asyncio.sleep(delay)
+        return SimClock(self.loop.time)
 
 
 class SimClock:
-    """A `runtime.clock.Clock` on a node's loop: `now()` is the node's wall clock (skew
-    included), and `sleep_until` a timer of its loop."""
+    """A `runtime.clock.Clock` on virtual time: `now()` is `EPOCH` plus what `time()` reads (a
+    node's loop time, skew included; or the world's own, for what outlives nodes), and
+    `sleep_until` a timer of the loop that calls it."""
 
-    def __init__(self, loop: SimLoop) -> None:
-        self._loop = loop
+    def __init__(self, time: Callable[[], float]) -> None:
+        self._time = time
 
     def now(self) -> float:
-        return EPOCH + self._loop.time()
+        return EPOCH + self._time()
 
     async def sleep_until(self, when: float) -> None:
         if (delay := when - self.now()) > 0:
@@ -253,6 +239,12 @@ class World:
         self._schedule = hashlib.sha256()  # which node ran each step, and when
         self.max_steps_without_time = max_steps_without_time
         self._generation: dict[str, int] = {}
+
+    @property
+    def clock(self) -> SimClock:
+        """The world's wall clock, no node's skew: for what outlives nodes (a host's
+        machines). It sleeps on whichever node's loop calls it."""
+        return SimClock(lambda: self.now)
 
     # -- nodes --
 
@@ -387,14 +379,10 @@ class World:
         name = getattr(coro, "__qualname__", repr(coro))
         task = node.spawn(coro)
         deadline = self.now + timeout
-        stuck = False
-        try:
-            self.run_until(deadline, lambda: task.done() or self._idle())
-        finally:
-            stuck = not task.done() and self.now < deadline
+        self.run_until(deadline, lambda: task.done() or self._idle())
         if not task.done():
             why = " (the node was killed)" if not node.alive else ""
-            if stuck and not why:
+            if self.now < deadline and not why:  # it stopped short: nothing left to run
                 why = ": nothing left to run can finish it"
             raise SimulationError(f"{name} on {node.name} not done at t={self.now:.3f}s{why}")
         return task.result()

@@ -67,22 +67,33 @@ class Cluster:
     worker: Worker
 
     def call(self, word: str, timeout: float | None = 5.0) -> StringValue | grpc.StatusCode:
-        """One Work call from the client: its answer, or the status it failed with."""
+        """One Work call from the client, run to its end."""
+        return self.world.run(self.client, self.work(word, timeout))
 
-        async def call() -> StringValue | grpc.StatusCode:
-            channel = transport.current().channel(
-                self.address, credentials=None, options=(), interceptors=None
-            )
-            work = channel.unary_unary(
-                f"/{SERVICE}/Work", StringValue.SerializeToString, StringValue.FromString
-            )
-            try:
-                answer: StringValue = await work(StringValue(value=word), timeout=timeout)
-                return answer
-            except grpc.aio.AioRpcError as err:
-                return err.code()
+    def channel(self) -> Any:
+        """A channel to the server (on the node the caller runs on)."""
+        return transport.current().channel(
+            self.address, credentials=None, options=(), interceptors=None
+        )
 
-        return self.world.run(self.client, call())
+    async def work(self, word: str, timeout: float | None) -> StringValue | grpc.StatusCode:
+        """One Work call: its answer, or the status it failed with."""
+        work = self.channel().unary_unary(
+            f"/{SERVICE}/Work", StringValue.SerializeToString, StringValue.FromString
+        )
+        try:
+            answer: StringValue = await work(StringValue(value=word), timeout=timeout)
+            return answer
+        except grpc.aio.AioRpcError as err:
+            return err.code()
+
+    async def count(self, n: int, into: list[str]) -> None:
+        """Stream Count(n), putting each message's value in `into` as it arrives."""
+        stream = self.channel().unary_stream(
+            f"/{SERVICE}/Count", StringValue.SerializeToString, StringValue.FromString
+        )
+        async for message in stream(StringValue(value=str(n)), timeout=60.0):
+            into.append(message.value)
 
 
 async def serve(worker: Worker, ip: str) -> int:
@@ -142,7 +153,7 @@ def test_a_dead_process_resets_its_connections_a_dead_host_answers_nothing(
     world, net = cluster.world, cluster.net
     cluster.worker.hold = asyncio.Event()
     # The server process dies with a call in flight: its caller hears of it at once.
-    task = cluster.client.spawn(_call(cluster, "a", timeout=30.0))
+    task = cluster.client.spawn(cluster.work("a", timeout=30.0))
     world.run_for(0.1)
     world.kill("server")
     net.crash("server")
@@ -157,7 +168,7 @@ def test_a_dead_process_resets_its_connections_a_dead_host_answers_nothing(
     ip = net.join(host)
     cluster.address = f"{ip}:{world.run(host, serve(Worker(hold=asyncio.Event()), ip))}"
     sent = world.now
-    task = cluster.client.spawn(_call(cluster, "c", timeout=3.0))
+    task = cluster.client.spawn(cluster.work("c", timeout=3.0))
     world.run_for(0.1)
     world.kill("host")
     net.crash("host", reset=False)
@@ -168,7 +179,7 @@ def test_a_dead_process_resets_its_connections_a_dead_host_answers_nothing(
 
 def test_a_dead_client_cancels_the_handlers_of_its_calls(cluster: Cluster) -> None:
     cluster.worker.hold = asyncio.Event()
-    cluster.client.spawn(_call(cluster, "a", timeout=30.0))
+    cluster.client.spawn(cluster.work("a", timeout=30.0))
     cluster.world.run_for(0.1)
     cluster.world.kill("client")
     cluster.net.crash("client")
@@ -178,17 +189,9 @@ def test_a_dead_client_cancels_the_handlers_of_its_calls(cluster: Cluster) -> No
 
 def test_a_streams_messages_arrive_in_order_whatever_latency_each_drew(cluster: Cluster) -> None:
     cluster.net.faults = LinkFaults(latency=(0.0, 0.2))
-
-    async def count() -> list[str]:
-        channel = transport.current().channel(
-            cluster.address, credentials=None, options=(), interceptors=None
-        )
-        stream = channel.unary_stream(
-            f"/{SERVICE}/Count", StringValue.SerializeToString, StringValue.FromString
-        )
-        return [m.value async for m in stream(StringValue(value="200"), timeout=60.0)]
-
-    assert cluster.world.run(cluster.client, count()) == [str(i) for i in range(200)]
+    got: list[str] = []
+    cluster.world.run(cluster.client, cluster.count(200, got))
+    assert got == [str(i) for i in range(200)]
 
 
 @pytest.mark.parametrize("latency", [(1.0, 0.5), (-0.1, 0.5)])
@@ -203,19 +206,8 @@ def test_a_partition_that_heals_in_time_delays_a_streams_messages_and_loses_none
     """TCP holds what a short partition cuts off: a stream across it goes silent, then gets
     every message, in order (a replica following a worker must not miss one)."""
     got: list[str] = []
-
-    async def count() -> None:
-        channel = transport.current().channel(
-            cluster.address, credentials=None, options=(), interceptors=None
-        )
-        stream = channel.unary_stream(
-            f"/{SERVICE}/Count", StringValue.SerializeToString, StringValue.FromString
-        )
-        async for message in stream(StringValue(value="50"), timeout=60.0):
-            got.append(message.value)
-
     cluster.net.block("server", "client", both=False)
-    task = cluster.client.spawn(count())
+    task = cluster.client.spawn(cluster.count(50, got))
     cluster.world.run_for(5.0)
     assert got == []
     assert not task.done()
@@ -235,19 +227,6 @@ def test_overlapping_partitions_of_one_link_end_with_the_last(cluster: Cluster) 
     net.unblock("client", "server")
     assert not net.blocked("client", "server")
     assert cluster.call("a") == StringValue(value="did a")
-
-
-async def _call(cluster: Cluster, word: str, timeout: float) -> Any:
-    channel = transport.current().channel(
-        cluster.address, credentials=None, options=(), interceptors=None
-    )
-    work = channel.unary_unary(
-        f"/{SERVICE}/Work", StringValue.SerializeToString, StringValue.FromString
-    )
-    try:
-        return await work(StringValue(value=word), timeout=timeout)
-    except grpc.aio.AioRpcError as err:
-        return err.code()
 
 
 def test_a_real_service_serves_its_health_on_the_simulated_network_and_stops_cleanly() -> None:
