@@ -189,6 +189,15 @@ class ProcessDriver(WrappedDriver):
         self._killpg(w, sig)
 
     def _kill_all(self, w: Watched) -> None:
+        # The main process first: killed after its children, it could reap them and exit 0
+        # before its own SIGKILL landed (a stop that escalated would report a clean exit).
+        child_fd = open_child_pidfd(w.handle.pid)
+        if child_fd is not None:
+            try:
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(child_fd, signal.SIGKILL)
+            finally:
+                os.close(child_fd)
         self._kill_cgroup(w.machine_id)
         self._killpg(w, signal.SIGKILL)
 
