@@ -46,6 +46,20 @@ class Unavailable(FlapsError):
     retryable = True
 
 
+class KeyInDoubt(Unavailable):
+    """A create under an idempotency key cannot go on yet: a worker of its regions may hold
+    the key's machine, or is making it, and the view cannot tell (reason KEY_IN_DOUBT, with
+    the worker and the machine id). Nothing was made: retry."""
+
+    def __init__(self, worker_id: str, machine_id: str, message: str) -> None:
+        super().__init__(message)
+        self.info = ErrorInfo(
+            reason="KEY_IN_DOUBT",
+            domain=DOMAIN,
+            metadata={"worker": worker_id, "machine_id": machine_id},
+        )
+
+
 class NoCapacity(FlapsError):
     """Nothing in the named regions can take the machine: immediate-or-cancel."""
 

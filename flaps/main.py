@@ -75,7 +75,13 @@ def compose(settings: FlapsSettings, parts: Parts) -> Service:
     )
     images = ImageOwners(ImageSource(settings.image_source)) if settings.image_source else None
     exchange = Exchange(
-        replica, workers, pipeline, images, clock=parts.clock, entropy=parts.entropy
+        replica,
+        workers,
+        pipeline,
+        images,
+        clock=parts.clock,
+        entropy=parts.entropy,
+        key_doubt=settings.key_doubt,
     )
     service = Service("flaps", settings)
     guard: Callable[[object, ServiceDescriptor], None] | None = None

@@ -10,6 +10,7 @@ other call goes straight to the worker that owns the machine, found from the mac
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import dataclasses
 import hashlib
@@ -29,6 +30,7 @@ from flaps.auth import REASON_DOMAIN, current_grant
 from flaps.errors import (
     DeadlineExceeded,
     InvalidArgument,
+    KeyInDoubt,
     NoCapacity,
     NotFound,
     Unavailable,
@@ -41,14 +43,16 @@ from flyd.v1 import machine_pb2 as pb
 from flyd.v1 import worker_pb2 as w
 from flyd.v1 import worker_pb2_grpc
 from model import slots
+from model.errors import DOMAIN as FLYD_DOMAIN
+from model.errors import REFUSED_NOW
 from model.pages import checked_page_size
 from model.validate import CONFIG_LIMITS, EGRESS_LABEL, REDACTED, check_config, guest_disk_mib
 from registry.replica import Replica
 from registry.rows import MachineQuery
 from registry.supply import Pool
 from registry.v1 import registry_pb2
-from registry.view import ALIVE
-from runtime import ChannelTLS, abort_with_details, aio_channel, time_left
+from registry.view import ALIVE, Doubt
+from runtime import ChannelTLS, abort_with_details, aio_channel, error_info, time_left
 from runtime.clock import SYSTEM_CLOCK, Clock
 from runtime.entropy import SYSTEM, Entropy
 from runtime.limits import DEFAULT_LIMITS, Limits
@@ -64,6 +68,16 @@ STATUS_NAMES = {
 }
 # How long a claim on a worker may take before flaps gives up on that worker.
 CLAIM_TIMEOUT = 10.0
+# A create under an idempotency key (see `MachinesServicer._settle_doubts`): a worker's
+# heartbeat vouches for the keys it holds and is making as of its own time, and counts when
+# at most VOUCH_MARGIN old (more than flyd's heartbeat interval plus the clocks' skew); a keyed
+# claim's not_after is as much before flaps gives up on the claim. A worker silent for longer
+# than KEY_DOUBT (flaps --key-doubt) is no longer waited for; at most MAX_PROBES silent ones
+# are asked at once, each for at most PROBE_TIMEOUT.
+VOUCH_MARGIN = 1.0
+KEY_DOUBT = 30.0
+PROBE_TIMEOUT = 2.0
+MAX_PROBES = 32
 RPC_TIMEOUT = 10.0
 MAX_WAIT = 60.0
 MAX_LEASE = 3600.0
@@ -97,6 +111,37 @@ REFUSALS: dict[grpc.StatusCode, metrics.Claim] = {
 }
 # A claim that ended so may have created the machine on the worker all the same.
 _GAVE_UP = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+# A worker's answers after which it surely made nothing (any other end of a claim may have
+# made the machine: the call may have been carried out before its connection broke).
+_FINAL = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.UNIMPLEMENTED,
+    }
+)
+
+
+def made_nothing(err: grpc.aio.AioRpcError) -> bool:
+    """Whether a failed call surely did nothing on the worker: a final answer of its own
+    (UNAVAILABLE only when flyd says so, model.errors.REFUSED_NOW), or a connection that was
+    never made (the call was never sent)."""
+    code = err.code()
+    if code in _FINAL:
+        return True
+    if code != grpc.StatusCode.UNAVAILABLE:
+        return False
+    info = error_info(err)
+    if info is not None and info.domain == FLYD_DOMAIN and info.reason == REFUSED_NOW:
+        return True
+    details = (err.details() or "").lower()
+    return "connection refused" in details or "failed to connect" in details
 
 
 def machine_suffix(app: str, idempotency_key: str, entropy: Entropy = SYSTEM) -> str:
@@ -189,16 +234,37 @@ class Exchange:
         *,
         clock: Clock = SYSTEM_CLOCK,
         entropy: Entropy = SYSTEM,
+        key_doubt: float = KEY_DOUBT,
     ) -> None:
         """`clock` stamps placement decisions; `entropy` names the machines created without an
-        idempotency key (a simulated flaps' are seeded: runtime.entropy)."""
+        idempotency key (a simulated flaps' are seeded: runtime.entropy); `key_doubt`: how
+        long a create under a key waits for a silent worker that may hold it."""
         self.replica = replica
         self.workers = workers
         self.pipeline = pipeline
         self.images = images
         self.clock = clock
         self.entropy = entropy
+        self.key_doubt = key_doubt
         self.watchers = explain.Watchers(clock=clock)
+        # Creates under one key through this flaps go one at a time.
+        self._keys: dict[tuple[str, str], tuple[asyncio.Lock, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def one_at_a_time(self, app: str, key: str) -> AsyncIterator[None]:
+        """Hold the app's idempotency key: another create under it through this flaps waits
+        (and then finds what this one made). The locks go with their last holder."""
+        lock, users = self._keys.get((app, key), (asyncio.Lock(), 0))
+        self._keys[(app, key)] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._keys[(app, key)]
+            if users == 1:
+                del self._keys[(app, key)]
+            else:
+                self._keys[(app, key)] = (lock, users - 1)
 
     async def check_image(
         self, config: pb.MachineConfig, *, app: str = "", machine_id: str = ""
@@ -313,6 +379,15 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
     async def CreateMachine(
         self, request: m.CreateMachineRequest, context: grpc.aio.ServicerContext
     ) -> m.CreateMachineResponse:
+        if not request.idempotency_key:
+            return await self._create(request, context)
+        check_name("app", request.app)
+        async with self.x.one_at_a_time(request.app, request.idempotency_key):
+            return await self._create(request, context)
+
+    async def _create(
+        self, request: m.CreateMachineRequest, context: grpc.aio.ServicerContext
+    ) -> m.CreateMachineResponse:
         check_name("app", request.app)
         if len(request.name) > 63:
             raise InvalidArgument("name", "must be at most 63 characters")
@@ -329,6 +404,10 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
         suffix = machine_suffix(request.app, request.idempotency_key, self.x.entropy)
         if request.idempotency_key:
             existing = await self._existing(request.app, request.idempotency_key)
+            if existing is None:
+                existing = await self._settle_doubts(
+                    request.app, request.idempotency_key, suffix, regions
+                )
             if existing is not None:
                 return m.CreateMachineResponse(machine=existing)
         config = pb.MachineConfig()
@@ -509,22 +588,31 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
         """Claim on one worker: its machine, or None when it refused (recorded). `why` goes
         with the claim: the worker keeps it with the machine."""
         machine_id = f"{candidate.worker_id}-{suffix}"
+        # No more than our caller has left: the worker does not commit a machine it could
+        # not answer for in time.
+        timeout = time_left(CLAIM_TIMEOUT)
+        claim = w.CreateMachineRequest(
+            machine_id=machine_id,
+            name=request.name,
+            app=request.app,
+            config=config,
+            skip_launch=skip_launch,
+            idempotency_key=request.idempotency_key,
+            placement=why,
+        )
+        not_after = 0.0
+        if request.idempotency_key:
+            # Arriving later, the claim makes nothing: held up in the network, it cannot make
+            # the key's machine after a retry found no worker holding it.
+            if timeout <= VOUCH_MARGIN:
+                raise DeadlineExceeded(
+                    f"too little time left ({timeout:.2f}s) to claim a machine under a key"
+                )
+            not_after = self.x.clock.now() + timeout - VOUCH_MARGIN
+            claim.not_after.FromNanoseconds(int(not_after * 1e9))
         try:
             stub = self.x.workers.stub(candidate.worker_id)
-            resp = await stub.CreateMachine(
-                w.CreateMachineRequest(
-                    machine_id=machine_id,
-                    name=request.name,
-                    app=request.app,
-                    config=config,
-                    skip_launch=skip_launch,
-                    idempotency_key=request.idempotency_key,
-                    placement=why,
-                ),
-                # No more than our caller has left: the worker does not commit a machine
-                # it could not answer for in time.
-                timeout=time_left(CLAIM_TIMEOUT),
-            )
+            resp = await stub.CreateMachine(claim, timeout=timeout)
         except asyncio.CancelledError:
             # Our caller is gone (its deadline, a cancel) while the worker may be committing
             # the machine: without a key no retry could find it, so it must not stay.
@@ -533,6 +621,13 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
             raise
         except grpc.aio.AioRpcError as err:
             reason = REFUSALS.get(err.code())
+            if request.idempotency_key and not made_nothing(err):
+                # It may have made the key's machine. Trying elsewhere could make a second:
+                # the caller hears of the failure once the claim can no longer arrive (its
+                # not_after), so that its retry finds the machine, or the worker in doubt.
+                await self.x.clock.sleep_until(not_after + VOUCH_MARGIN)
+                metrics.claimed("failed")
+                raise Upstream(err) from None
             if reason is None:
                 # Anything else is final: a timeout may have created the machine, and trying
                 # elsewhere could create it twice. A retry with the same key is safe; without
@@ -554,6 +649,82 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
             return None
         metrics.claimed("accepted")
         return resp.machine
+
+    async def _settle_doubts(
+        self, app: str, key: str, suffix: str, regions: list[str]
+    ) -> pb.Machine | None:
+        """Before a key is placed: the key's machine, if a worker of its regions holds it
+        although the view has no row of it; None when none does (it may be placed).
+
+        A worker whose last heartbeat is recent vouches for itself: its rows came before it,
+        and it lists the keyed creates it is making (then: KeyInDoubt, retry). One silent
+        since is asked (GetMachine of the id the key has there): the machine, NOT_FOUND, or
+        KeyInDoubt when it cannot say. One silent for longer than `key_doubt` is no longer
+        waited for: it may hold the key's machine unseen (a partition that outlasts it), and
+        is logged. A claim that reaches a worker after its not_after makes nothing, so what
+        a worker holds is settled by then.
+        """
+        doubts, expired = self.x.replica.key_doubts(
+            regions,
+            lambda worker_id: f"{worker_id}-{suffix}",
+            margin=VOUCH_MARGIN,
+            give_up_after=self.x.key_doubt,
+        )
+        for d in expired:
+            log.warning(
+                "key_doubt_given_up",
+                app=app,
+                key=key,
+                worker=d.worker_id,
+                silent_for=round(d.silent_for, 1),
+            )
+        for d in doubts:
+            if d.creating:
+                machine_id = f"{d.worker_id}-{suffix}"
+                raise KeyInDoubt(
+                    d.worker_id,
+                    machine_id,
+                    f"a create under key {quote(key)} is under way on worker {d.worker_id} "
+                    f"(machine {machine_id}): retry",
+                )
+        if len(doubts) > MAX_PROBES:
+            d = doubts[0]
+            raise KeyInDoubt(
+                d.worker_id,
+                f"{d.worker_id}-{suffix}",
+                f"{len(doubts)} workers of {', '.join(regions)} were not heard from lately "
+                f"(more than {MAX_PROBES} to ask), and any may hold the machine of key "
+                f"{quote(key)}: retry",
+            )
+        found = await asyncio.gather(*(self._probe(d, app, key, suffix) for d in doubts))
+        return next((machine for machine in found if machine is not None), None)
+
+    async def _probe(self, doubt: Doubt, app: str, key: str, suffix: str) -> pb.Machine | None:
+        """Ask a silent worker for the machine a key has there (see `_settle_doubts`)."""
+        machine_id = f"{doubt.worker_id}-{suffix}"
+        why = ""
+        try:
+            stub = self.x.workers.stub(doubt.worker_id)
+            got = await stub.GetMachine(
+                w.GetMachineRequest(machine_id=machine_id), timeout=time_left(PROBE_TIMEOUT)
+            )
+        except Unavailable as err:
+            why = str(err)
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.NOT_FOUND:
+                return None
+            why = f"{err.code().name}: {err.details()}"
+        else:
+            machine = got.machine
+            held = machine.app == app and machine.idempotency_key == key
+            return machine if held else None
+        raise KeyInDoubt(
+            doubt.worker_id,
+            machine_id,
+            f"worker {doubt.worker_id} was not heard from for {doubt.silent_for:.1f}s and may "
+            f"hold the machine of key {quote(key)} ({machine_id}), but cannot say ({why}): "
+            f"retry (a worker silent for {self.x.key_doubt:g}s is no longer waited for)",
+        )
 
     async def _existing(self, app: str, key: str) -> pb.Machine | None:
         """The machine a key of the app created, as its worker has it now; None if none."""

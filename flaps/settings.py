@@ -9,7 +9,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from flaps.placement import DEFAULT_CURVE, Curve
-from flaps.service import STREAMS_PER_CALLER
+from flaps.service import KEY_DOUBT, STREAMS_PER_CALLER
 from model.tokens import REVOKED_FILE, Keyring, parse_revoked
 from registry.settings import ReplicaSettings
 
@@ -50,6 +50,15 @@ class FlapsSettings(ReplicaSettings):
         default=None,
         description="file of revoked token ids, one a line (`nonomad tokens revoke`); default: "
         "revoked-tokens beside token_keys; re-read when it changes, a missing file revokes none",
+    )
+
+    key_doubt: float = Field(
+        default=KEY_DOUBT,
+        ge=0,
+        description="seconds a create under an idempotency key waits for a silent worker of "
+        "its region, which may hold the key's machine unseen (UNAVAILABLE, KEY_IN_DOUBT: "
+        "retry), before it places the key without it: past this, a worker cut off that long "
+        "with the key's machine leaves the key two",
     )
 
     image_source: Path | None = Field(

@@ -121,6 +121,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             idempotency_key=request.idempotency_key,
             deadline=None if remaining is None else asyncio.get_running_loop().time() + remaining,
             placement=request.placement if request.HasField("placement") else None,
+            not_after=(
+                request.not_after.ToNanoseconds() / 1e9 if request.HasField("not_after") else None
+            ),
         )
         return w.CreateMachineResponse(machine=machine)
 

@@ -167,6 +167,10 @@ class Worker:
         self._waiters: collections.Counter[str] = collections.Counter()
         self._answered: set[str] = set()
         self._rolling_back: set[str] = set()
+        # Creates under a key, by the id they name, from their arrival until they return:
+        # heartbeats list them (flaps places no such key elsewhere meanwhile) and GetMachine
+        # of one without a row yet answers UNAVAILABLE, not NOT_FOUND.
+        self._creating: collections.Counter[str] = collections.Counter()
         self.cordoned = bool(state_dir and (state_dir / "cordoned").exists())
 
     # --- start and stop ---------------------------------------------------
@@ -216,10 +220,16 @@ class Worker:
     def answer(self, machine_id: str) -> pb.Machine:
         """The machine as a caller is answered with it (GetMachine: flaps answers a create
         under a key held here with it): not one being rolled back, whose caller gave up and
-        that nobody else was told of: that one is as good as gone (UNAVAILABLE: retry)."""
+        that nobody else was told of: that one is as good as gone (UNAVAILABLE: retry). One
+        still being made is kept from then on, whoever gives up (it was told of); one whose
+        create came but has no row yet may still be made (UNAVAILABLE, not NOT_FOUND)."""
+        if machine_id and machine_id not in self.rows and self._creating[machine_id]:
+            raise Unavailable(f"machine {machine_id} is being created: ask again")
         row = self.get(machine_id)
         if machine_id in self._rolling_back:
             raise Unavailable(f"machine {machine_id} is being rolled back: its create failed")
+        if machine_id in self._making:
+            self._answered.add(machine_id)
         return row.machine
 
     def _held(self, machine_id: str) -> pb.Machine | None:
@@ -261,6 +271,7 @@ class Worker:
         idempotency_key: str = "",
         deadline: float | None = None,
         placement: pb.PlacementDecision | None = None,
+        not_after: float | None = None,
     ) -> pb.Machine:
         """Create a machine and, unless skip_launch, start it; returns it at rest (STARTED).
 
@@ -272,33 +283,46 @@ class Worker:
         `deadline` (loop time): the caller's. Nothing is committed later than `COMMIT_MARGIN`
         before it (DeadlineExceeded: no machine), and a create committed for a caller who
         went away or whose deadline passed before the answer is rolled back (`roll_back`):
-        DEADLINE_EXCEEDED means no machine.
+        DEADLINE_EXCEEDED means no machine. `not_after` (the clock's time): a create that
+        arrives later is refused the same way, however long the caller's deadline is.
         """
         t0 = time.perf_counter()
         check_name("machine_id", machine_id, required=False)
         if len(idempotency_key) > MAX_KEY:
             raise InvalidArgument("idempotency_key", f"must be at most {MAX_KEY} characters")
+        if not_after is not None and (late := self.clock.now() - not_after) > 0:
+            raise DeadlineExceeded(
+                f"the create arrived {late:.3f}s after its not_after: nothing was made"
+            )
         # Named for its worker, as flaps names the machines it places: a call on it can be
         # routed by its id alone, wherever it was created.
         mid = machine_id or f"{self.identity.worker_id}-{self.entropy.token_hex(6)}"
+        named = mid
         if idempotency_key:
             mid = self.reservations.keys.get((app, idempotency_key), mid)
-        machine = await self._traced(
-            "create",
-            mid,
-            app,
-            lambda op_span: self._create(
+            self._creating[named] += 1
+        try:
+            machine = await self._traced(
+                "create",
                 mid,
-                name,
                 app,
-                config,
-                skip_launch,
-                idempotency_key,
-                op_span,
-                deadline,
-                b"" if placement is None else placement.SerializeToString(),
-            ),
-        )
+                lambda op_span: self._create(
+                    mid,
+                    name,
+                    app,
+                    config,
+                    skip_launch,
+                    idempotency_key,
+                    op_span,
+                    deadline,
+                    b"" if placement is None else placement.SerializeToString(),
+                ),
+            )
+        finally:
+            if idempotency_key:
+                self._creating[named] -= 1
+                if not self._creating[named]:
+                    del self._creating[named]
         CREATE_SECONDS.observe(time.perf_counter() - t0)
         return machine
 
@@ -820,6 +844,7 @@ class Worker:
             worker=self.info(),
             capacity=self.capacity(),
             log_epoch=self.store.epoch(),
+            creating=sorted(self._creating),
         )
         hb.time.FromNanoseconds(int(self.clock.now() * 1e9))
         return hb

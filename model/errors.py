@@ -18,6 +18,9 @@ REPLACED = "INSTANCE_REPLACED"
 WRONG_STATE = "WRONG_STATE"
 STANDBY = "STANDBY"
 SUPERSEDED = "SUPERSEDED"
+# Unavailable's reason: the worker itself refused, so nothing was done (a caller tells it
+# apart from a broken connection, after which the call may have been carried out).
+REFUSED_NOW = "WORKER_UNAVAILABLE"
 
 
 class FlydError(Exception):
@@ -89,9 +92,11 @@ class ResourceExhausted(FlydError):
 
 
 class Unavailable(FlydError):
-    """The worker cannot serve the request right now (shutting down, cordoned)."""
+    """The worker cannot serve the request right now (shutting down, cordoned); it did
+    nothing (reason WORKER_UNAVAILABLE)."""
 
     retryable = True
+    reason = REFUSED_NOW
 
 
 class DeadlineExceeded(FlydError):

@@ -35,6 +35,7 @@ from registry.view import (
     ALIVE,
     DEAD,
     RESYNC,
+    Doubt,
     ReplicaEvent,
     Row,
     View,
@@ -431,6 +432,21 @@ class Replica:
     def by_key(self, app: str, key: str) -> pb.Machine | None:
         """The machine an idempotency key of the app created, if a row has it."""
         return self._view.by_key(app, key)
+
+    def key_doubts(
+        self,
+        regions: Sequence[str],
+        machine_id: Callable[[str], str],
+        *,
+        margin: float,
+        give_up_after: float,
+    ) -> tuple[list[Doubt], list[Doubt]]:
+        """`View.key_doubts` as of now: a worker's heartbeat vouches for it if it is at most
+        `margin` seconds older than now (the two clocks' time)."""
+        now = self.clock.now()
+        return self._view.key_doubts(
+            regions, machine_id, vouched_since=now - margin, now=now, give_up_after=give_up_after
+        )
 
     @property
     def supply(self) -> Supply:

@@ -29,7 +29,7 @@ import bisect
 import itertools
 import sys
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
@@ -95,6 +95,19 @@ class WorkerView:
     snapshots: int = 0
     """How many snapshots were applied: 1 for a worker followed without a gap since it was
     learned of; more after compaction, a reset or upstream resyncs."""
+
+
+@dataclass(frozen=True)
+class Doubt:
+    """A worker that may hold (or be making) an idempotency key's machine the view has no
+    row of (`View.key_doubts`)."""
+
+    worker_id: str
+    address: str
+    creating: bool
+    """Its last heartbeat says it is making the machine right now."""
+    silent_for: float
+    """Seconds since the view last heard from it (clock time); 0.0 when `creating`."""
 
 
 @dataclass(frozen=True)
@@ -179,6 +192,10 @@ class _Member:
     partial: worker_pb2.Snapshot | None = None
     # The log our seq counts in, as its snapshots and heartbeats name it ("": not said yet).
     log_epoch: str = ""
+    # As of its last heartbeat, on the worker's clock (0.0: none yet): every row it held then
+    # came before it; and the machines it was making then under an idempotency key.
+    vouched: float = 0.0
+    creating: tuple[str, ...] = ()
 
     def view(self) -> WorkerView:
         return WorkerView(
@@ -473,6 +490,8 @@ class View:
             m.capacity = pb.Capacity()
             m.capacity.CopyFrom(hb.capacity)
         m.last_heartbeat = now
+        m.vouched = hb.time.seconds + hb.time.nanos / 1e9
+        m.creating = tuple(hb.creating) if hb.creating else ()
         self._heard(m, now)
         if hb.HasField("worker") and hb.worker != m.info:  # (mostly it is as we know it)
             # The worker is the truth about itself, except for the address we reach it at.
@@ -635,6 +654,35 @@ class View:
     def regions(self) -> set[str]:
         return set(self.supply.regions())
 
+    def key_doubts(
+        self,
+        regions: Sequence[str],
+        machine_id: Callable[[str], str],
+        *,
+        vouched_since: float,
+        now: float,
+        give_up_after: float,
+    ) -> tuple[list[Doubt], list[Doubt]]:
+        """The workers of `regions` that may hold an idempotency key's machine without the
+        view having its row: those whose last heartbeat lists `machine_id(worker_id)` as being
+        made, and those not heard from since `vouched_since` (their clock). Those silent for
+        longer than `give_up_after` come second: no longer waited for. Costs the regions'
+        workers (a comparison each).
+        """
+        doubts: list[Doubt] = []
+        expired: list[Doubt] = []
+        for region in regions:
+            for worker_id in self._ids.get(region, ()):
+                m = self._members[worker_id]
+                if m.vouched >= vouched_since:
+                    if m.creating and machine_id(worker_id) in m.creating:
+                        doubts.append(Doubt(worker_id, m.info.address, True, 0.0))
+                    continue
+                silent = now - m.heard
+                doubt = Doubt(worker_id, m.info.address, False, silent)
+                (expired if silent > give_up_after else doubts).append(doubt)
+        return doubts, expired
+
     def oldest_news(self, limit: int) -> list[tuple[str, float]]:
         """(worker id, clock time it was last heard from) of the `limit` workers not judged
         dead that were heard from longest ago, oldest first: the heads of the liveness queues,
@@ -749,9 +797,14 @@ class View:
                 )
             if m.last_heartbeat:
                 hb = worker_pb2.Heartbeat(
-                    seq=m.seq, worker=m.info, capacity=m.capacity, log_epoch=m.log_epoch
+                    seq=m.seq,
+                    worker=m.info,
+                    capacity=m.capacity,
+                    log_epoch=m.log_epoch,
+                    creating=m.creating,
                 )
-                hb.time.FromNanoseconds(int(m.last_heartbeat * 1e9))
+                # The worker's own time (what its heartbeat vouches for), not our arrival's.
+                hb.time.FromNanoseconds(int((m.vouched or m.last_heartbeat) * 1e9))
                 yield registry_pb2.FollowResponse(
                     worker_id=m.info.id,
                     status=m.status,

@@ -100,7 +100,16 @@ class Cluster:
         workers = [f"--workers={h.flyd.address}" for h in self.hosts.values() if h.flyd]
         settings = load_settings(
             FlapsSettings,
-            [f"--listen={ip}:0", "--dead-after=5", "--suspect-after=2", *workers, *flags],
+            # A key waits for a silent worker longer than any run: the checkers hold flaps to
+            # one machine per key, not to the bound --key-doubt sets.
+            [
+                f"--listen={ip}:0",
+                "--dead-after=5",
+                "--suspect-after=2",
+                "--key-doubt=600",
+                *workers,
+                *flags,
+            ],
             prog="flaps",
         )
         service = self.world.run(

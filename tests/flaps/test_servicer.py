@@ -8,6 +8,7 @@ codes seen here, and the worker's ErrorInfo passed on, are what a caller of flap
 
 from __future__ import annotations
 
+import asyncio
 import re
 import signal
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from google.protobuf.duration_pb2 import Duration
 from pytest_grpc_aio.plugin import GrpcContext
 
 from flaps.errors import map_error
-from flaps.service import LIMITS, Exchange, MachinesServicer, PlatformServicer
+from flaps.service import LIMITS, Exchange, MachinesServicer, PlatformServicer, machine_suffix
 from flaps.v1 import machines_pb2 as m
 from flaps.v1 import machines_pb2_grpc, platform_pb2, platform_pb2_grpc
 from flyd.v1 import machine_pb2 as pb
@@ -43,6 +44,19 @@ from tests.servicers import (
 )
 
 __all__ = ["exchange", "fleet"]
+
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+
+
+async def heard_since(fleet: FakeFleet, worker_id: str, when: float) -> None:
+    """Wait until the replica has a heartbeat the worker sent at `when` or later."""
+
+    def heard() -> bool:
+        view = fleet.replica.worker(worker_id)
+        return view is not None and view.last_heartbeat >= when
+
+    await fleet.until(heard, f"a heartbeat of {worker_id} sent at {when}")
+
 
 Platform = platform_pb2_grpc.PlatformServiceStub
 
@@ -101,6 +115,115 @@ class TestMachinesService(MachinesServer):
         again = (await servicer_stub.CreateMachine(request, timeout=T)).machine
         assert again.instance_id != first.instance_id
         assert again.id in fleet.machine_ids()
+
+    # -- a key is placed only where no worker may hold it already --------------------------
+
+    async def test_a_key_waits_for_a_silent_worker_that_cannot_say_until_it_is_given_up_on(
+        self, servicer_stub: Machines, fleet: FakeFleet, exchange: Exchange
+    ) -> None:
+        """w1 stops answering: it may have made the key's machine (a claim that timed out)
+        without the replica hearing of it, so the key is not placed on w2 meanwhile."""
+        await fleet.cut("w1")
+        fleet.clock.advance(2.0)  # w1's last heartbeat no longer vouches for it
+        await heard_since(fleet, "w2", fleet.clock.now())
+        request = m.CreateMachineRequest(**bid(idempotency_key="deploy-1"))
+        err = await refused(servicer_stub.CreateMachine(request, timeout=T), UNAVAILABLE)
+        info = info_of(err)
+        assert (info.domain, info.reason) == ("flaps.nonomad", "KEY_IN_DOUBT")
+        assert dict(info.metadata) == {
+            "worker": "w1",
+            "machine_id": f"w1-{machine_suffix('web', 'deploy-1')}",
+        }
+        assert "w1 was not heard from for 2.0s" in str(err.details())
+        assert fleet.machine_ids() == set()
+        # Silent for longer than --key-doubt: no longer waited for.
+        fleet.clock.advance(exchange.key_doubt)
+        await heard_since(fleet, "w2", fleet.clock.now())
+        made = (await servicer_stub.CreateMachine(request, timeout=T)).machine
+        assert made.worker_id == "w2"
+
+    async def test_a_silent_worker_that_holds_the_key_unseen_is_asked_and_answers_it(
+        self, servicer_stub: Machines, fleet: FakeFleet
+    ) -> None:
+        w1 = fleet.workers["w1"].worker
+        stalled = asyncio.Event()
+
+        async def stall() -> bool:  # w1's streams send nothing more: no change, no heartbeat
+            await stalled.wait()
+            return False
+
+        w1.stream.before_heartbeat = stall
+        fleet.clock.advance(2.0)
+        await heard_since(fleet, "w2", fleet.clock.now())
+        # What a claim that timed out left on w1: the key's machine, which the replica lacks.
+        held = await w1.create(
+            machine_id=f"w1-{machine_suffix('web', 'deploy-2')}",
+            name="",
+            app="web",
+            config=config(),
+            skip_launch=False,
+            idempotency_key="deploy-2",
+        )
+        assert fleet.replica.machine(held.id) is None
+        request = m.CreateMachineRequest(**bid(idempotency_key="deploy-2"))
+        again = (await servicer_stub.CreateMachine(request, timeout=T)).machine
+        assert (again.id, again.instance_id) == (held.id, held.instance_id)
+        assert fleet.machine_ids() == {held.id}
+        # A key w1 does not hold is placed: w1 says so (NOT_FOUND), silent or not.
+        other = m.CreateMachineRequest(**bid(idempotency_key="deploy-3"))
+        assert (await servicer_stub.CreateMachine(other, timeout=T)).machine.id
+        stalled.set()
+
+    async def test_a_key_a_worker_is_making_is_not_placed_again_meanwhile(
+        self, servicer_stub: Machines, fleet: FakeFleet, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        w1 = fleet.workers["w1"].worker
+        gate, pull = asyncio.Event(), w1.images.pull
+
+        async def held(*args: Any, **kwargs: Any) -> Any:
+            await gate.wait()
+            return await pull(*args, **kwargs)
+
+        monkeypatch.setattr(w1.images, "pull", held)
+        suffix = machine_suffix("web", "deploy-4")
+        making = asyncio.create_task(
+            w1.create(
+                machine_id=f"w1-{suffix}",
+                name="",
+                app="web",
+                config=config(),
+                skip_launch=False,
+                idempotency_key="deploy-4",
+            )
+        )
+
+        def heard_making() -> bool:
+            doubts, _ = fleet.replica.key_doubts(
+                ["ams"], lambda w: f"{w}-{suffix}", margin=1.0, give_up_after=30.0
+            )
+            return any(d.creating for d in doubts)
+
+        await fleet.until(heard_making, "w1's heartbeat saying it makes the key's machine")
+        request = m.CreateMachineRequest(**bid(idempotency_key="deploy-4"))
+        err = await refused(servicer_stub.CreateMachine(request, timeout=T), UNAVAILABLE)
+        assert info_of(err).reason == "KEY_IN_DOUBT"
+        assert "under way on worker w1" in str(err.details())
+        gate.set()
+        made = await making
+        await fleet.seen(made.id)
+        again = (await servicer_stub.CreateMachine(request, timeout=T)).machine
+        assert (again.id, again.instance_id) == (made.id, made.instance_id)
+        assert fleet.machine_ids() == {made.id}
+
+    async def test_creates_under_one_key_through_one_flaps_make_one_machine(
+        self, servicer_stub: Machines, fleet: FakeFleet
+    ) -> None:
+        request = m.CreateMachineRequest(**bid(idempotency_key="deploy-5"))
+        made = await asyncio.gather(
+            *(servicer_stub.CreateMachine(request, timeout=T) for _ in range(4))
+        )
+        assert len({r.machine.instance_id for r in made}) == 1
+        assert len(fleet.machine_ids()) == 1
 
     async def test_create_with_a_lease_returns_its_nonce(self, servicer_stub: Machines) -> None:
         request = m.CreateMachineRequest(**bid(lease_ttl=seconds(60)))

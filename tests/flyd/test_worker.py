@@ -41,6 +41,7 @@ from tests.flyd.support import (
     history,
     image_refs,
     log_changes,
+    until,
 )
 
 S = pb.MachineState
@@ -160,6 +161,85 @@ async def test_a_second_create_under_way_waits_for_the_first(start_flyd: Boot, k
     assert a.id in {"m1", "m2"}
     assert a.instance_id == b.instance_id
     assert len(flyd.driver.starts) == 1
+
+
+async def test_a_keyed_create_arriving_after_its_not_after_makes_nothing(flyd: Flyd) -> None:
+    # flaps gave up on it then, and may be placing the key elsewhere.
+    seq, now = flyd.store.last_seq(), flyd.worker.clock.now()
+    late = dict(name="", app="web", config=config(), skip_launch=False, idempotency_key="k1")
+    with pytest.raises(DeadlineExceeded, match="after its not_after: nothing was made"):
+        await flyd.worker.create(machine_id="m1", not_after=now - 0.5, **late)  # type: ignore[arg-type]
+    assert (flyd.store.last_seq(), "m1" in flyd.worker.rows) == (seq, False)
+    assert list(flyd.worker.heartbeat().creating) == []
+    made = await flyd.worker.create(machine_id="m1", not_after=now + 5, **late)  # type: ignore[arg-type]
+    assert made.state == STARTED
+
+
+async def held_pulls(flyd: Flyd, monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
+    """Image pulls wait for the returned event."""
+    gate, pull = asyncio.Event(), flyd.worker.images.pull
+
+    async def held(*args: Any, **kwargs: Any) -> Any:
+        await gate.wait()
+        return await pull(*args, **kwargs)
+
+    monkeypatch.setattr(flyd.worker.images, "pull", held)
+    return gate
+
+
+async def test_a_keyed_create_under_way_is_in_every_heartbeat_and_not_yet_not_found(
+    flyd: Flyd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = await held_pulls(flyd, monkeypatch)
+    making = asyncio.create_task(create(flyd.worker, "w1-k", key="k1"))
+    unkeyed = asyncio.create_task(create(flyd.worker, "w1-plain"))
+    await until(flyd.worker, lambda: list(flyd.worker.heartbeat().creating) == ["w1-k"])
+    # It has no row yet, but it may soon: asked for it, the worker cannot say no.
+    with pytest.raises(Unavailable, match="being created"):
+        flyd.worker.answer("w1-k")
+    with pytest.raises(NotFound):
+        flyd.worker.answer("w1-plain")  # (only creates under a key are vouched for)
+    gate.set()
+    made, _ = await asyncio.gather(making, unkeyed)
+    assert list(flyd.worker.heartbeat().creating) == []
+    assert flyd.worker.answer("w1-k").instance_id == made.instance_id
+
+
+async def test_a_machine_answered_while_it_is_made_is_kept_when_its_maker_gives_up(
+    flyd: Flyd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The create commits, then finishes past its caller's deadline: rolled back, unless
+    # somebody was answered with the machine meanwhile (flaps answers a retry with it).
+    loop = asyncio.get_running_loop()
+    gate, publish = asyncio.Event(), flyd.driver.publish
+    answered: list[pb.Machine] = []
+
+    async def held(machine_id: str, ports: Any) -> None:
+        if machine_id in flyd.worker.rows and not answered:
+            answered.append(flyd.worker.answer(machine_id))
+            await gate.wait()
+        await publish(machine_id, ports)
+
+    monkeypatch.setattr(flyd.driver, "publish", held)
+    deadline = loop.time() + 0.5
+    making = asyncio.create_task(
+        flyd.worker.create(
+            machine_id="w1-k",
+            name="",
+            app="web",
+            config=config(),
+            skip_launch=False,
+            idempotency_key="k1",
+            deadline=deadline,
+        )
+    )
+    await until(flyd.worker, lambda: bool(answered) and loop.time() >= deadline)
+    gate.set()
+    with pytest.raises(DeadlineExceeded, match="too late"):
+        await making
+    row = flyd.worker.rows["w1-k"]
+    assert (row.state, row.machine.instance_id) == (STARTED, answered[0].instance_id)
+    assert "w1-k" not in flyd.worker._rolling_back
 
 
 async def test_a_key_longer_than_allowed_changes_nothing(flyd: Flyd) -> None:

@@ -519,3 +519,76 @@ def test_a_broken_snapshot_in_parts_is_refused_and_applies_nothing(
     assert {m.id for m in view.machines()} == {"old"}
     view.apply("w1", part(9, 0, False, machine("a")), T0)  # a part 0 starts over
     assert {m.id for m in view.machines()} == {"a"}
+
+
+# -- keys in doubt -------------------------------------------------------------------------------
+
+
+def vouching(
+    sent: float, creating: tuple[str, ...] = (), worker: pb.WorkerInfo | None = None
+) -> w.WatchEventsResponse:
+    """A heartbeat the worker sent at `sent` (its clock), making `creating` under keys."""
+    hb = heartbeat(worker=worker)
+    hb.heartbeat.time.FromNanoseconds(int(sent * 1e9))
+    hb.heartbeat.creating.extend(creating)
+    return hb
+
+
+def doubts_at(view: View, now: float, *, give_up_after: float = 30.0) -> tuple[list, list]:
+    found, expired = view.key_doubts(
+        ["ams"],
+        lambda worker_id: f"{worker_id}-k",
+        vouched_since=now - 1.0,
+        now=now,
+        give_up_after=give_up_after,
+    )
+    return (
+        [(d.worker_id, d.creating, d.silent_for) for d in found],
+        [(d.worker_id, d.silent_for) for d in expired],
+    )
+
+
+def test_a_worker_heard_lately_vouches_for_the_keys_it_holds_unless_it_is_making_this_one() -> None:
+    view = view_with(info("w1"), info("w2", address="127.0.0.1:5002"), info("w3", region="fra"))
+    view.apply("w1", vouching(T0), T0)
+    view.apply("w2", vouching(T0, creating=("w2-other",), worker=info("w2")), T0)
+    assert doubts_at(view, T0 + 0.5) == ([], [])  # (w3 is of another region)
+
+    view.apply("w2", vouching(T0 + 0.6, creating=("w2-k",), worker=info("w2")), T0 + 0.6)
+    assert doubts_at(view, T0 + 0.7) == ([("w2", True, 0.0)], [])
+    # Done with it: the next heartbeat lists it no more (its row came before that one).
+    view.apply("w2", vouching(T0 + 0.8, worker=info("w2")), T0 + 0.8)
+    assert doubts_at(view, T0 + 0.9) == ([], [])
+
+
+def test_a_silent_worker_is_in_doubt_until_it_is_given_up_on() -> None:
+    view = view_with(info("w1"), info("w2", address="127.0.0.1:5002"))
+    view.apply("w1", vouching(T0), T0)
+    view.apply("w2", vouching(T0, worker=info("w2")), T0)
+    view.apply("w2", vouching(T0 + 5, worker=info("w2")), T0 + 5)
+    # w1 went quiet at T0: its rows may lack a machine it made since.
+    assert doubts_at(view, T0 + 5.5) == ([("w1", False, 5.5)], [])
+    assert doubts_at(view, T0 + 31, give_up_after=30.0)[1] == [("w1", 31.0)]
+
+
+def test_a_heartbeat_vouches_by_the_time_it_was_sent_not_when_it_arrived() -> None:
+    view = view_with(info("w1"))
+    # Held up in a partition for 10 s, then delivered: it says nothing of the 10 s since.
+    view.apply("w1", vouching(T0), T0 + 10)
+    assert doubts_at(view, T0 + 10.1) == ([("w1", False, pytest.approx(0.1))], [])
+
+
+def test_a_worker_never_heard_from_is_in_doubt_from_when_it_was_learned_of() -> None:
+    view = view_with(info("w1"))
+    assert doubts_at(view, T0 + 2) == ([("w1", False, 2.0)], [])
+
+
+def test_a_downstream_learns_what_the_worker_vouched_for_in_its_own_time() -> None:
+    upstream = view_with(info("w1"))
+    upstream.apply("w1", vouching(T0, creating=("w1-k",)), T0 + 3)
+    downstream = view_with(upstream=True)
+    for item in upstream.follow_items():
+        downstream.apply_upstream(item, T0 + 3)
+    # The worker's time and what it was making, not the upstream's time of arrival.
+    assert doubts_at(downstream, T0 + 0.5) == ([("w1", True, 0.0)], [])
+    assert doubts_at(downstream, T0 + 3.1) == ([("w1", False, pytest.approx(0.1))], [])
