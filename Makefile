@@ -79,14 +79,13 @@ unit: env
 	$(VENV)/bin/pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup) --durations=20
 
 # The simulator (sim/): SIM_SEEDS whole-cluster schedules under drawn faults, from a first
-# seed derived from the commit; exits 1 when one broke an invariant, naming its replay. Not
-# part of `make test` yet: it finds an open bug (docs/simulator.md, "Open findings") in about
-# one seed in 250, and a gate that fails on it would keep every change from landing.
+# seed derived from the commit (each commit runs others; a rerun of one, the same); exits 1
+# when one broke an invariant, naming its replay (`python -m sim --seed N`). Part of `make test`.
 SIM_SEEDS ?= 500
 sim: env
 	$(PY) -m sim --seeds $(SIM_SEEDS) --jobs 2
 
-test: lint check-gen typecheck unit
+test: lint check-gen typecheck unit sim
 
 # The tests that wait on real processes (end-to-end, *_process.py, the CLI's, the README's),
 # RUNS times in a row beside a busy process on every core (tests/under_load.py).

@@ -94,3 +94,52 @@ def test_the_same_seed_makes_the_same_cluster_and_machine_ids(tmp_path: Path) ->
 
     first = run(tmp_path / "a")
     assert run(tmp_path / "b") == first
+
+
+def test_a_keyed_create_retried_while_its_worker_is_cut_off_is_not_made_elsewhere(
+    three: Cluster,
+) -> None:
+    """The worker that took the first claim makes the machine, but its answer (and its event
+    stream) is held in a partition: flaps gives up on the claim. A retry must not place the key
+    on the other worker meanwhile; once the partition heals it finds the first machine."""
+    made = three
+    made.settle(lambda: len(made.workers_seen()) == 2, what="flaps follows both workers")
+    user, hosts = made.user(), list(made.hosts.values())
+    request = machines_pb2.CreateMachineRequest(
+        app="web", region="ams", config=CONFIG, idempotency_key="k1"
+    )
+
+    async def attempt() -> machines_pb2.CreateMachineResponse | grpc.StatusCode:
+        try:
+            answer: machines_pb2.CreateMachineResponse = await machines(made).CreateMachine(
+                request, timeout=4.0
+            )
+            return answer
+        except grpc.aio.AioRpcError as err:
+            return err.code()
+
+    first = user.spawn(attempt())
+
+    def took_it() -> bool:
+        return any(h.flyd is not None and h.flyd.worker.heartbeat().creating for h in hosts)
+
+    made.world.run_until(made.world.now + 4.0, took_it)
+    [taker] = [h for h in hosts if h.flyd is not None and h.flyd.worker.heartbeat().creating]
+    assert taker.flyd is not None
+    node = taker.flyd.node.name
+    made.net.block(node, "flaps-1", both=False)  # its answer, and its stream, are held
+    made.world.run_until(made.world.now + 10.0, first.done)
+    assert first.result() == grpc.StatusCode.DEADLINE_EXCEEDED
+    [held] = taker.flyd.worker.rows  # it made the machine all the same
+    # Retries while it is cut off: none lands on the other worker.
+    for _ in range(3):
+        assert made.world.run(user, attempt()) == grpc.StatusCode.UNAVAILABLE
+        made.world.run_for(1.0)
+    others = [h for h in hosts if h is not taker]
+    assert all(h.flyd is not None and not h.flyd.worker.rows for h in others)
+
+    made.net.unblock(node, "flaps-1", both=False)
+    answer = made.world.run(user, attempt())
+    assert not isinstance(answer, grpc.StatusCode), answer
+    assert answer.machine.id == held
+    assert all(h.flyd is not None and not h.flyd.worker.rows for h in others)
