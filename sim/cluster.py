@@ -93,9 +93,10 @@ class Cluster:
 
     # -- flaps --
 
-    def boot_flaps(self, name: str = "flaps-1", *flags: str) -> Flaps:
-        """A flaps node, following the workers booted so far (later ones announce to it)."""
-        node = self.world.add(name)
+    def boot_flaps(self, name: str = "flaps-1", *flags: str, skew: float = 0.0) -> Flaps:
+        """A flaps node, following the workers booted so far (later ones announce to it);
+        its clocks run `skew` seconds ahead of the world's."""
+        node = self.world.add(name, skew=skew)
         ip = self.net.join(node)
         workers = [f"--workers={h.flyd.address}" for h in self.hosts.values() if h.flyd]
         settings = load_settings(
@@ -136,13 +137,14 @@ class Cluster:
         host = self.hosts[name] = Host(name, region, root, disk, FakeHost(self.world.clock))
         return host
 
-    def boot_flyd(self, host: Host, *flags: str) -> Flyd:
+    def boot_flyd(self, host: Host, *flags: str, skew: float = 0.0) -> Flyd:
         """A new flyd process on `host`: it recovers from the disk and announces itself to
-        every flaps."""
+        every flaps. Its clocks run `skew` seconds ahead of the world's (behind, if negative),
+        as a host's clock that NTP keeps near, not at, the others'."""
         if host.flyd is not None:
             raise SimulationError(f"flyd on {host.name} is running")
         host.boots += 1
-        node = self.world.add(f"flyd-{host.name}")
+        node = self.world.add(f"flyd-{host.name}", skew=skew)
         ip = self.net.join(node)
         announce = [f"--announce={f.address}" for f in self.flaps.values()]
         settings = load_settings(

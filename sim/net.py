@@ -10,6 +10,8 @@ loopback (a contract suite, tests/sim/test_net_contract.py, runs the same calls 
 Between two nodes messages travel in order (one HTTP/2 connection: nothing overtakes), each
 after a latency drawn from the seed. The faults:
 
+- a *slow link* (`slow(a, b, latency)`, one-way or both) draws its messages' latency from
+  `latency` instead, still in order;
 - a *partition* (`block(a, b)`, one-way or both) holds messages, as TCP does until it gives
   up: a call made across it fails at its deadline, or UNAVAILABLE once keepalive would have
   noticed (`UNREACHABLE_AFTER`); a stream across it goes silent the same way; what the
@@ -82,6 +84,7 @@ class Network:
         self._listeners: dict[tuple[str, int], SimServer] = {}  # bound (serving once started)
         self._blocked: collections.Counter[tuple[str, str]] = collections.Counter()
         self._held: dict[tuple[str, str], list[Deliver]] = {}
+        self._slow: dict[tuple[str, str], list[tuple[float, float]]] = {}
         self._last: dict[tuple[str, str], float] = {}  # link -> latest delivery time
         self._calls: dict[int, _ServerCall] = {}
         self._ids = itertools.count(1)
@@ -127,6 +130,27 @@ class Network:
             self._blocked[(dst, src)] += 1
         self.world.record("net", f"block {src}{'<' if both else ''}->{dst}")
 
+    def slow(self, src: str, dst: str, latency: tuple[float, float], *, both: bool = True) -> None:
+        """Messages from `src` to `dst` (and back, with `both`) take a latency drawn from
+        `latency` (low, high), still in order, until `unslow` with the same arguments; of
+        slowdowns that overlap on a link, the slowest holds."""
+        LinkFaults(latency)  # checked as any latency is
+        for link in [(src, dst), (dst, src)] if both else [(src, dst)]:
+            self._slow.setdefault(link, []).append(latency)
+        self.world.record("net", f"slow {src}{'<' if both else ''}->{dst} {latency[1]:.3f}s")
+
+    def unslow(
+        self, src: str, dst: str, latency: tuple[float, float], *, both: bool = True
+    ) -> None:
+        """The slowdown `slow(src, dst, latency, both=both)` made ends (others stay)."""
+        for link in [(src, dst), (dst, src)] if both else [(src, dst)]:
+            active = self._slow.get(link, [])
+            if latency in active:  # (not if a heal ended it already)
+                active.remove(latency)
+            if not active:
+                self._slow.pop(link, None)
+        self.world.record("net", f"unslow {src}{'<' if both else ''}->{dst}")
+
     def unblock(self, src: str, dst: str, *, both: bool = True) -> None:
         """The partition `block(src, dst, both=both)` made ends (others stay)."""
         for link in [(src, dst), (dst, src)] if both else [(src, dst)]:
@@ -137,9 +161,10 @@ class Network:
         self.world.record("net", f"unblock {src}{'<' if both else ''}->{dst}")
 
     def heal(self) -> None:
-        """Every partition ends."""
+        """Every partition and slowdown ends."""
         links = list(self._blocked)
         self._blocked.clear()
+        self._slow.clear()
         for link in links:
             self._release(link)
         self.world.record("net", "healed")
@@ -170,7 +195,9 @@ class Network:
         # Strictly after the link's previous message: timers due at the same instant run in
         # no promised order.
         after = self._last.get(link, -1.0) + ORDER_GAP
-        when = max(now + self.rng.uniform(*self.faults.latency), after)
+        slow = self._slow.get(link)
+        latency = max(slow, key=lambda bounds: bounds[1]) if slow else self.faults.latency
+        when = max(now + self.rng.uniform(*latency), after)
         self._last[link] = when
         return self.world.deliver(link[1], deliver, when - now)
 

@@ -40,7 +40,10 @@ from sim.cluster import IMAGE, BootFailed, Cluster, Host
 from sim.disk import DiskFaults
 from sim.world import SimulationError, World
 
-FAULT_KINDS = ("kill", "partition", "pause", "disk_stall", "disk_eio")
+FAULT_KINDS = ("kill", "partition", "pause", "disk_stall", "disk_eio", "delay", "skew")
+# How far a node's clocks may stand from the world's in a run with skew: as NTP keeps hosts,
+# near, never at, one another (the design takes them to agree within a fraction of a second).
+MAX_SKEW = 0.4
 
 CAPACITY_FLAGS = (
     "--capacity.cpu-millicores=2000",
@@ -102,9 +105,9 @@ class _Run:
     def play(self) -> Report:
         cluster, world = self.cluster, self.world
         try:
-            cluster.boot_flaps()
+            cluster.boot_flaps(skew=self._skew())
             for i in range(self.schedule.workers):
-                cluster.boot_flyd(cluster.add_host(f"w{i + 1}"), *CAPACITY_FLAGS)
+                cluster.boot_flyd(cluster.add_host(f"w{i + 1}"), *CAPACITY_FLAGS, skew=self._skew())
             cluster.settle(
                 lambda: len(cluster.workers_seen()) == self.schedule.workers,
                 what="flaps follows every worker",
@@ -166,7 +169,7 @@ class _Run:
         kind = rng.choice(self.report.kinds)
         host = rng.choice(list(cluster.hosts.values()))
         lasts = rng.uniform(0.5, 8.0)
-        if kind in ("kill", "partition", "pause") and host.flyd is None:
+        if kind in ("kill", "partition", "pause", "delay", "skew") and host.flyd is None:
             return None, 0.0
         self.report.faults[kind] += 1
         world.record("nemesis", f"{kind} {host.name} {lasts:.3f}s")
@@ -182,6 +185,15 @@ class _Run:
             assert host.flyd is not None
             world.pause(host.flyd.node.name, lasts)
             return None, lasts
+        if kind == "delay":  # a slow link, in order: late answers, late heartbeats
+            assert host.flyd is not None
+            node, both = host.flyd.node.name, rng.random() < 0.7
+            latency = (0.01, rng.uniform(0.1, 2.0))
+            cluster.net.slow(node, "flaps-1", latency, both=both)
+            return lambda: cluster.net.unslow(node, "flaps-1", latency, both=both), lasts
+        if kind == "skew":  # the host's clock steps: its flyd starts again on the new time
+            cluster.kill_flyd(host)
+            return lambda: self._boot(host), 1.0
         # Disk faults: some stalls outlast a caller's deadline (5 s), so its retry finds the
         # create still there; a stall and EIO may overlap on one disk.
         flag = "stall" if kind == "disk_stall" else "eio"
@@ -216,12 +228,18 @@ class _Run:
             if host.flyd is not None:
                 return
             try:
-                self.cluster.boot_flyd(host, *CAPACITY_FLAGS)
+                self.cluster.boot_flyd(host, *CAPACITY_FLAGS, skew=self._skew())
             except BootFailed as err:
                 self.world.record("nemesis", f"boot failed: {err}")
                 self.report.faults["boot_failed"] += 1
                 self.world.run_for(1.0)
         raise SimulationError(f"flyd on {host.name} never started again")
+
+    def _skew(self) -> float:
+        """How far a node booted now stands from the world's time: drawn in a run with skew."""
+        if "skew" not in self.report.kinds:
+            return 0.0
+        return self.rng.uniform(-MAX_SKEW, MAX_SKEW)
 
     def _apply_disk(self, host: Host, stall: float = 8.0) -> None:
         active = self._disk_faults[host.name]

@@ -32,6 +32,7 @@ import contextlib
 import contextvars
 import hashlib
 import heapq
+import math
 import threading
 import warnings
 from collections.abc import Callable, Coroutine, Iterator
@@ -145,7 +146,13 @@ class SimLoop(asyncio.BaseEventLoop):
         while scheduled and scheduled[0].cancelled():
             self._timer_cancelled_count -= 1
             _unschedule(heapq.heappop(scheduled))
-        return scheduled[0].when() - self.skew if scheduled else None
+        if not scheduled:
+            return None
+        when = scheduled[0].when()
+        at = when - self.skew
+        while at + self.skew < when:  # (the float sum may fall short: the timer stays not due)
+            at = math.nextafter(at, math.inf)
+        return at
 
     def wake_due(self) -> None:
         """Move the timers due now to the ready queue, in their order."""

@@ -217,6 +217,25 @@ def test_a_partition_that_heals_in_time_delays_a_streams_messages_and_loses_none
     assert got == [str(i) for i in range(50)]
 
 
+def test_a_slow_link_draws_its_own_latency_in_order_until_it_ends(cluster: Cluster) -> None:
+    net, world = cluster.net, cluster.world
+    net.slow("client", "server", (1.0, 1.5), both=False)  # the request only
+    before = world.now
+    assert cluster.call("a") == StringValue(value="did a")
+    assert 1.0 <= world.now - before <= 1.5 + 2 * net.faults.latency[1]
+    got: list[str] = []
+    net.slow("server", "client", (0.0, 0.5))  # overlapping: the slowest of a link holds
+    world.run(cluster.client, cluster.count(100, got))
+    assert got == [str(i) for i in range(100)]
+    net.unslow("server", "client", (0.0, 0.5))
+    net.unslow("client", "server", (1.0, 1.5), both=False)
+    before = world.now
+    assert cluster.call("b") == StringValue(value="did b")
+    assert world.now - before <= 2 * net.faults.latency[1]
+    with pytest.raises(ValueError, match="latency must be"):
+        net.slow("client", "server", (2.0, 1.0))
+
+
 def test_overlapping_partitions_of_one_link_end_with_the_last(cluster: Cluster) -> None:
     net = cluster.net
     net.block("client", "server")

@@ -51,6 +51,23 @@ def test_a_skewed_node_reads_its_own_clock_and_its_timers_fire_in_world_time(
     assert fast.clock.now() - slow.clock.now() == 3.5
 
 
+@pytest.mark.parametrize("skew", [0.1, -0.3, 0.123456789, 1e-9])
+def test_a_node_whose_skew_the_floats_cannot_add_exactly_still_wakes(
+    world: World, skew: float
+) -> None:
+    # World time plus skew may fall a hair short of the timer's own time: the world must
+    # still move to a time at which the node sees its timer due, not spin on the one before.
+    node = world.add("skewed", skew=skew)
+
+    async def naps() -> int:
+        for _ in range(50):
+            await asyncio.sleep(0.1)
+        return 50
+
+    assert world.run(node, naps()) == 50
+    assert world.now == pytest.approx(5.0)
+
+
 async def chatter(node: Node, rounds: int) -> None:
     for i in range(rounds):
         node.world.record(node.name, f"step {i}")
