@@ -98,3 +98,45 @@ def liveness(hosts: Sequence[str], seen: Mapping[str, int]) -> list[str]:
             status = platform_pb2.WorkerStatus.Name(seen[host])  # type: ignore[arg-type]
             found.append(f"liveness: flaps sees worker {host} as {status} after healing")
     return found
+
+
+def replica(
+    held: Mapping[str, Mapping[str, pb.Machine]], listed: Sequence[pb.Machine]
+) -> list[str]:
+    """Once every fault has healed and the calm has run, flaps' replica has every worker's
+    machines as the worker has them (state, instance, worker), and no machine alive that no
+    worker has alive. `held`: each worker's rows, from the worker itself; `listed`: what flaps
+    lists. Destroyed rows are left out: a worker drops them when it pleases, and no event says
+    so (the replica keeps the last row it was sent)."""
+    found: list[str] = []
+    truth = {
+        machine_id: (worker, m.state, m.instance_id)
+        for worker, machines in held.items()
+        for machine_id, m in machines.items()
+        if m.state != pb.MACHINE_STATE_DESTROYED
+    }
+    seen = {
+        m.id: (m.worker_id, m.state, m.instance_id)
+        for m in listed
+        if m.state != pb.MACHINE_STATE_DESTROYED
+    }
+    for machine_id in sorted(truth.keys() | seen.keys()):
+        want, got = truth.get(machine_id), seen.get(machine_id)
+        if want == got:
+            continue
+        if got is None:
+            assert want is not None
+            found.append(f"replica: flaps does not list {machine_id}, which {want[0]} has")
+        elif want is None:
+            found.append(f"replica: flaps lists {machine_id} on {got[0]}, which has it not")
+        else:
+            found.append(
+                f"replica: flaps lists {machine_id} as {_row(got)}, its worker has {_row(want)}"
+            )
+    return found
+
+
+def _row(row: tuple[str, int, str]) -> str:
+    worker, state, instance = row
+    name = pb.MachineState.Name(state).removeprefix("MACHINE_STATE_").lower()  # type: ignore[arg-type]
+    return f"{name} (instance {instance}) on {worker}"

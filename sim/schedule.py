@@ -321,8 +321,45 @@ class _Run:
     # -- the checkers --
 
     def _check_live(self) -> None:
-        """After the calm: every worker is up and followed."""
+        """After the calm: every worker is up and followed, and flaps' replica has their rows
+        as they have them (given a few seconds to catch up)."""
         self._found(checks.liveness(list(self.cluster.hosts), self.cluster.workers_seen()))
+        deadline = self.world.now + 10.0
+        while found := checks.replica(self._rows(), self._listed()):
+            if self.world.now >= deadline:
+                self._found(found)
+                return
+            self.world.run_for(0.5)
+
+    def _rows(self) -> dict[str, dict[str, pb.Machine]]:
+        """Each running worker's rows, from the worker itself."""
+        return {
+            host.name: {mid: row.machine for mid, row in host.flyd.worker.rows.items()}
+            for host in self.cluster.hosts.values()
+            if host.flyd is not None
+        }
+
+    def _listed(self) -> list[pb.Machine]:
+        """Every machine flaps lists, destroyed ones too, page by page."""
+
+        async def call() -> list[pb.Machine]:
+            flaps = self.cluster.stub(
+                machines_pb2_grpc.MachinesServiceStub, self.cluster.flaps["flaps-1"].address
+            )
+            out: list[pb.Machine] = []
+            token = ""
+            while True:
+                page = await flaps.ListMachines(
+                    machines_pb2.ListMachinesRequest(
+                        include_destroyed=True, page_size=1000, page_token=token
+                    ),
+                    timeout=10.0,
+                )
+                out += page.machines
+                if not (token := page.next_page_token):
+                    return out
+
+        return self.world.run(self.cluster.user(), call())
 
     def _check_durable(self) -> None:
         """What every disk holds (every flyd is down: only what was synced), against the

@@ -95,3 +95,23 @@ def test_liveness_wants_every_worker_seen_alive() -> None:
     assert checks.liveness(["w1", "w2"], {"w1": alive}) == [
         "liveness: flaps does not know worker w2 after healing"
     ]
+
+
+def on(worker: str, mid: str, state: int = LIVE, instance: str = "i1") -> pb.Machine:
+    row = machine(mid, state=state)
+    row.worker_id, row.instance_id = worker, instance
+    return row
+
+
+def test_the_replica_must_list_each_workers_live_rows_as_the_worker_has_them() -> None:
+    held = {"w1": {"a": on("w1", "a"), "gone": on("w1", "gone", GONE)}, "w2": {}}
+    # A destroyed row the worker dropped, or keeps, is nobody's business.
+    assert checks.replica(held, [on("w1", "a"), on("w2", "dropped", GONE)]) == []
+    assert checks.replica(held, []) == ["replica: flaps does not list a, which w1 has"]
+    assert checks.replica(held, [on("w1", "a"), on("w2", "b")]) == [
+        "replica: flaps lists b on w2, which has it not"
+    ]
+    assert checks.replica(held, [on("w1", "a", instance="i0")]) == [
+        "replica: flaps lists a as started (instance i0) on w1, its worker has started "
+        "(instance i1) on w1"
+    ]
