@@ -10,6 +10,7 @@ other call goes straight to the worker that owns the machine, found from the mac
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import contextvars
 import dataclasses
@@ -76,6 +77,7 @@ CLAIM_TIMEOUT = 10.0
 # are asked at once, each for at most PROBE_TIMEOUT.
 VOUCH_MARGIN = 1.0
 KEY_DOUBT = 30.0
+PLACED_KEPT = 10_000
 PROBE_TIMEOUT = 2.0
 MAX_PROBES = 32
 RPC_TIMEOUT = 10.0
@@ -249,6 +251,27 @@ class Exchange:
         self.watchers = explain.Watchers(clock=clock)
         # Creates under one key through this flaps go one at a time.
         self._keys: dict[tuple[str, str], tuple[asyncio.Lock, int]] = {}
+        # The keys this flaps placed whose rows its replica may not have yet: key -> id.
+        self._placed: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
+
+    def remember_placed(self, app: str, key: str, machine_id: str) -> None:
+        """A machine was placed under the app's key: until the replica has its row, `placed`
+        names it (at most PLACED_KEPT keys, the oldest forgotten first)."""
+        self._placed[(app, key)] = machine_id
+        self._placed.move_to_end((app, key))
+        while len(self._placed) > PLACED_KEPT:
+            self._placed.popitem(last=False)
+
+    def placed(self, app: str, key: str) -> str | None:
+        """The machine this flaps placed under the key, while its replica has no row of it."""
+        machine_id = self._placed.get((app, key))
+        if machine_id is not None and self.replica.row(machine_id) is not None:
+            del self._placed[(app, key)]  # the replica has it: by_key finds it from now on
+            return None
+        return machine_id
+
+    def forget_placed(self, app: str, key: str) -> None:
+        self._placed.pop((app, key), None)
 
     @contextlib.asynccontextmanager
     async def one_at_a_time(self, app: str, key: str) -> AsyncIterator[None]:
@@ -452,6 +475,8 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
                 state="created",
             )
             response = m.CreateMachineResponse(machine=machine)
+            if request.idempotency_key:
+                self.x.remember_placed(request.app, request.idempotency_key, machine.id)
             try:
                 if lease_ttl:
                     lease = await self._call(
@@ -727,18 +752,24 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
         )
 
     async def _existing(self, app: str, key: str) -> pb.Machine | None:
-        """The machine a key of the app created, as its worker has it now; None if none."""
+        """The machine a key of the app created, as its worker has it now; None if none.
+
+        Found in the replica, or, until the replica has its row, among the keys this flaps
+        placed lately (`Exchange.placed`): a worker that froze right after it answered streams
+        the row late, and a create under the key meanwhile must not place it again."""
         machine = self.x.replica.by_key(app, key)
-        if machine is None:
+        machine_id = machine.id if machine is not None else self.x.placed(app, key)
+        if machine_id is None:
             return None
         try:
             got = await self._call(
-                machine.id, "GetMachine", w.GetMachineRequest(machine_id=machine.id)
+                machine_id, "GetMachine", w.GetMachineRequest(machine_id=machine_id)
             )
         except Upstream as err:
             if err.code == grpc.StatusCode.NOT_FOUND:
                 # Its worker dropped it (a create rolled back once its caller was gone): the
                 # replica's row is the last one it streamed, but the key holds nothing now.
+                self.x.forget_placed(app, key)
                 return None
             raise
         assert isinstance(got, w.GetMachineResponse)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -46,6 +46,29 @@ from tests.servicers import (
 __all__ = ["exchange", "fleet"]
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+
+
+async def stall_streams(fleet: FakeFleet, *worker_ids: str) -> asyncio.Event:
+    """The workers' streams send nothing more (no change, no heartbeat) until the returned
+    event is set; returns once each is stuck."""
+    release, all_stuck = asyncio.Event(), asyncio.Event()
+    stuck: set[str] = set()
+
+    def stall(worker_id: str) -> Callable[[], Awaitable[bool]]:
+        async def held() -> bool:
+            stuck.add(worker_id)
+            if stuck == set(worker_ids):
+                all_stuck.set()
+            await release.wait()
+            return False
+
+        return held
+
+    for worker_id in worker_ids:
+        fleet.workers[worker_id].worker.stream.before_heartbeat = stall(worker_id)
+    async with asyncio.timeout(T):
+        await all_stuck.wait()
+    return release
 
 
 async def heard_since(fleet: FakeFleet, worker_id: str, when: float) -> None:
@@ -146,13 +169,7 @@ class TestMachinesService(MachinesServer):
         self, servicer_stub: Machines, fleet: FakeFleet
     ) -> None:
         w1 = fleet.workers["w1"].worker
-        stalled = asyncio.Event()
-
-        async def stall() -> bool:  # w1's streams send nothing more: no change, no heartbeat
-            await stalled.wait()
-            return False
-
-        w1.stream.before_heartbeat = stall
+        stalled = await stall_streams(fleet, "w1")
         fleet.clock.advance(2.0)
         await heard_since(fleet, "w2", fleet.clock.now())
         # What a claim that timed out left on w1: the key's machine, which the replica lacks.
@@ -214,6 +231,24 @@ class TestMachinesService(MachinesServer):
         again = (await servicer_stub.CreateMachine(request, timeout=T)).machine
         assert (again.id, again.instance_id) == (made.id, made.instance_id)
         assert fleet.machine_ids() == {made.id}
+
+    async def test_a_key_this_flaps_placed_is_found_before_the_replica_has_its_row(
+        self, servicer_stub: Machines, fleet: FakeFleet
+    ) -> None:
+        """A worker that answers a create and freezes before it streams the row: a create
+        under the key meanwhile asks that worker, and does not place the key again."""
+        # Their streams stuck; their heartbeats, sent just now, still vouch for them.
+        stalled = await stall_streams(fleet, "w1", "w2")
+        request = m.CreateMachineRequest(**bid(idempotency_key="deploy-6"))
+        first = (await servicer_stub.CreateMachine(request, timeout=T)).machine
+        assert fleet.replica.machine(first.id) is None
+        again = (await servicer_stub.CreateMachine(request, timeout=T)).machine
+        assert (again.id, again.instance_id) == (first.id, first.instance_id)
+        # Its worker gone too: the key is in doubt, not placed on the other worker.
+        await fleet.cut(first.worker_id)
+        await refused(servicer_stub.CreateMachine(request, timeout=T), UNAVAILABLE)
+        assert fleet.machine_ids() == {first.id}
+        stalled.set()
 
     async def test_creates_under_one_key_through_one_flaps_make_one_machine(
         self, servicer_stub: Machines, fleet: FakeFleet
