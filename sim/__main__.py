@@ -2,12 +2,15 @@
 
     python -m sim --seeds 500          the CI run: 500 seeds from one derived from the commit
     python -m sim --seed 1234          replay one seed, with every node's log in virtual time
+    python -m sim --seed 1234 --faults 3,8
+                                       replay it with only those of its faults (a shrunk run)
     python -m sim --hours 2            run seeds until 2 simulated hours have passed
     python -m sim --bench              schedules per minute (4 flyd, 1 flaps) and
                                        simulated-to-real time of an idle cluster
 
 Exit 0 when no seed broke an invariant, 1 when one did (each printed with the command that
-replays it), 2 on bad flags.
+replays it, and the first few shrunk: the fewest of their faults found to break it still),
+2 on bad flags.
 """
 
 from __future__ import annotations
@@ -29,7 +32,10 @@ from pathlib import Path
 import structlog
 
 from sim.cluster import cluster
-from sim.schedule import FAULT_KINDS, Report, Schedule, describe
+from sim.schedule import FAULT_KINDS, Report, Schedule, describe, shrink
+
+SHRUNK = 3  # failing seeds shrunk after a run (each takes up to SHRINK_RUNS runs)
+SHRINK_RUNS = 60
 
 
 @contextlib.contextmanager
@@ -122,7 +128,21 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--bench", action="store_true", help="measure schedules per minute")
     parser.add_argument("--start", type=int, help="the first seed (default: from the commit)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes")
+    parser.add_argument(
+        "--faults", help="with --seed: only these of its faults strike (comma-separated places)"
+    )
+    parser.add_argument(
+        "--no-shrink", action="store_true", help="do not shrink the seeds that fail"
+    )
     args = parser.parse_args(argv)
+    only: list[int] | None = None
+    if args.faults is not None:
+        if args.seed is None:
+            parser.error("--faults goes with --seed")
+        try:
+            only = [int(place) for place in args.faults.split(",") if place.strip()]
+        except ValueError:
+            parser.error(f"--faults must be comma-separated numbers, not {args.faults!r}")
     if args.seeds is not None and args.seeds < 1:
         parser.error("--seeds must be at least 1")
     if args.hours is not None and args.hours <= 0:
@@ -131,8 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--jobs must be at least 1")
 
     if args.seed is not None:
-        report = Schedule().run(args.seed)  # the logs on: this is the replay
+        report = Schedule().run(args.seed, only=only)  # the logs on: this is the replay
         print(describe(report))
+        for place, fault in sorted(report.struck.items()):
+            print(f"  fault {place}: {fault}")
         print(f"trace {report.trace}")
         for violation in report.violations:
             print(f"  violation: {violation}")
@@ -158,11 +180,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'schedules per minute':<21}  {per_minute:>10.0f}")
         print(f"{'idle cluster, sim/real':<21}  {idle_ratio():>9.0f}x")
     failed = [r for r in reports if r.violations]
-    for report in failed:
+    for i, report in enumerate(failed):
         print(f"\n{describe(report)}")
         for violation in report.violations:
             print(f"  violation: {violation}")
         print(f"  replay: python -m sim --seed {report.seed}")
+        if i < SHRUNK and not args.no_shrink and report.struck:
+            with _quiet():
+                small, kept = shrink(Schedule(), report, budget=SHRINK_RUNS)
+            print(f"  shrunk to {len(kept)} of its {len(report.struck)} faults:")
+            for place in kept:
+                print(f"    fault {place}: {small.struck.get(place, report.struck[place])}")
+            for violation in small.violations:
+                print(f"    violation: {violation}")
+            places = ",".join(map(str, kept))
+            print(f"  replay: python -m sim --seed {report.seed} --faults {places}")
     return 1 if failed else 0
 
 

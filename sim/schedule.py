@@ -23,7 +23,7 @@ import collections
 import heapq
 import itertools
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -73,6 +73,9 @@ class Report:
     calls: collections.Counter[str] = field(default_factory=collections.Counter)
     violations: list[str] = field(default_factory=list)
     trace: str = ""  # the world's trace hash: the same seed gives the same one
+    # The faults that struck, by their place in the seed's draw (what `only` names), each
+    # as "t=12.345s partition w2 3.210s".
+    struck: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -85,16 +88,53 @@ class Schedule:
     chaos: float = 40.0
     calm: float = 30.0
 
-    def run(self, seed: int, root: Path | None = None) -> Report:
+    def run(
+        self, seed: int, root: Path | None = None, *, only: Collection[int] | None = None
+    ) -> Report:
+        """Play `seed`; with `only`, of the faults it draws just those (their places in the
+        draw, `Report.struck`'s keys) strike: the rest of the run is drawn as before."""
         with tempfile.TemporaryDirectory(prefix=f"nonomad-sim-{seed}-") as tmp:
-            return _Run(self, seed, Path(root or tmp)).play()
+            return _Run(self, seed, Path(root or tmp), only).play()
+
+
+def shrink(schedule: Schedule, report: Report, *, budget: int = 100) -> tuple[Report, list[int]]:
+    """Fewer of a failing run's faults that still break an invariant: drop halves of those
+    left, then quarters, and so on (a ddmin), keeping each drop after which the seed still
+    fails; at most `budget` runs. The last failing report, and the faults it kept."""
+    kept, last, runs = sorted(report.struck), report, 0
+    chunk = max(1, len(kept) // 2)
+    while kept and runs < budget:
+        dropped = False
+        for start in range(0, len(kept), chunk):
+            if runs >= budget:
+                break
+            trial = kept[:start] + kept[start + chunk :]
+            runs += 1
+            tried = schedule.run(report.seed, only=trial)
+            if tried.violations:
+                kept, last, dropped = trial, tried, True
+                break
+        if dropped:
+            chunk = min(chunk, max(1, len(kept) // 2))
+        elif chunk == 1:
+            break
+        else:
+            chunk //= 2
+    return last, kept
 
 
 class _Run:
-    def __init__(self, schedule: Schedule, seed: int, root: Path) -> None:
+    def __init__(
+        self, schedule: Schedule, seed: int, root: Path, only: Collection[int] | None = None
+    ) -> None:
         self.schedule = schedule
         self.world = World(seed)
         self.rng = self.world.entropy.child("schedule").rng()
+        # Drawn apart from the faults, whose draws must not depend on what happened (how many
+        # flyd boots a run has does): a run of fewer of them draws the same ones.
+        self.skews = self.world.entropy.child("skew").rng()
+        self.only = None if only is None else frozenset(only)
+        self.strikes = 0
         self.report = Report(seed)
         kinds = [k for k in FAULT_KINDS if self.rng.random() < 0.6]
         self.report.kinds = tuple(kinds)
@@ -162,23 +202,29 @@ class _Run:
             undo()
 
     def _strike(self) -> tuple[Callable[[], None] | None, float]:
-        """One fault of a kind this run uses, now; what ends it, and when."""
+        """One fault of a kind this run uses, now; what ends it, and when. Every draw for it
+        is made first, whatever happens next, so that the draws never depend on the run."""
         world, rng, cluster = self.world, self.rng, self.cluster
         if not self.report.kinds:
             return None, 0.0
         kind = rng.choice(self.report.kinds)
         host = rng.choice(list(cluster.hosts.values()))
         lasts = rng.uniform(0.5, 8.0)
+        both, slowest = rng.random() < 0.7, rng.uniform(0.1, 2.0)
+        place, self.strikes = self.strikes, self.strikes + 1
+        if self.only is not None and place not in self.only:
+            return None, 0.0
         if kind in ("kill", "partition", "pause", "delay", "skew") and host.flyd is None:
             return None, 0.0
         self.report.faults[kind] += 1
+        self.report.struck[place] = f"t={world.now:.3f}s {kind} {host.name} {lasts:.3f}s"
         world.record("nemesis", f"{kind} {host.name} {lasts:.3f}s")
         if kind == "kill":
             cluster.kill_flyd(host)
             return lambda: self._boot(host), lasts
         if kind == "partition":
             assert host.flyd is not None
-            node, both = host.flyd.node.name, rng.random() < 0.7
+            node = host.flyd.node.name
             cluster.net.block(node, "flaps-1", both=both)
             return lambda: cluster.net.unblock(node, "flaps-1", both=both), lasts
         if kind == "pause":
@@ -187,8 +233,8 @@ class _Run:
             return None, lasts
         if kind == "delay":  # a slow link, in order: late answers, late heartbeats
             assert host.flyd is not None
-            node, both = host.flyd.node.name, rng.random() < 0.7
-            latency = (0.01, rng.uniform(0.1, 2.0))
+            node = host.flyd.node.name
+            latency = (0.01, slowest)
             cluster.net.slow(node, "flaps-1", latency, both=both)
             return lambda: cluster.net.unslow(node, "flaps-1", latency, both=both), lasts
         if kind == "skew":  # the host's clock steps: its flyd starts again on the new time
@@ -239,7 +285,7 @@ class _Run:
         """How far a node booted now stands from the world's time: drawn in a run with skew."""
         if "skew" not in self.report.kinds:
             return 0.0
-        return self.rng.uniform(-MAX_SKEW, MAX_SKEW)
+        return self.skews.uniform(-MAX_SKEW, MAX_SKEW)
 
     def _apply_disk(self, host: Host, stall: float = 8.0) -> None:
         active = self._disk_faults[host.name]

@@ -17,7 +17,7 @@ import structlog
 
 from flyd.commits import GroupCommit
 from sim import __main__ as cli
-from sim.schedule import FAULT_KINDS, Schedule
+from sim.schedule import FAULT_KINDS, Schedule, shrink
 
 SHORT = Schedule(chaos=15.0, calm=15.0)
 
@@ -49,6 +49,18 @@ def test_every_fault_kind_happens_within_a_few_seeds() -> None:
     assert {kind: seen[kind] for kind in FAULT_KINDS} == {
         kind: seen[kind] for kind in FAULT_KINDS if seen[kind]
     }, f"never happened: {[k for k in FAULT_KINDS if not seen[k]]}"
+
+
+def test_a_run_of_fewer_faults_draws_the_same_ones_at_the_same_times() -> None:
+    """What shrinking stands on: the faults a seed draws never depend on what they did."""
+    full = SHORT.run(21)
+    assert len(full.struck) > 4, full.struck
+    some = sorted(full.struck)[::2]
+    fewer = SHORT.run(21, only=some)
+    assert set(fewer.struck) <= set(some)
+    assert all(fewer.struck[place] == full.struck[place] for place in fewer.struck)
+    assert fewer.trace != full.trace
+    assert SHORT.run(21, only=[]).struck == {}
 
 
 _write_next = GroupCommit._write_next
@@ -88,6 +100,26 @@ def test_a_flyd_that_acknowledges_before_its_disk_syncs_is_caught(
     assert schedule.run(seed).violations == []
 
 
+def test_a_failing_run_shrinks_to_a_few_of_its_faults_that_still_break_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(GroupCommit, "_write_next", _lying_write_next)
+    report = SHORT.run(0)
+    assert report.violations, "the planted bug did not show in seed 0"
+    small, kept = shrink(SHORT, report, budget=10)
+    assert small.violations
+    assert 0 < len(kept) < len(report.struck)
+    assert SHORT.run(0, only=kept).violations == small.violations  # a replay of just those
+    # python -m sim shrinks the seeds that fail, and prints how to replay the shrunk run.
+    monkeypatch.setattr(cli, "Schedule", lambda **kw: Schedule(chaos=15.0, calm=15.0, **kw))
+    monkeypatch.setattr(cli, "SHRINK_RUNS", 3)
+    assert cli.main(["--seeds", "1", "--start", "0", "--jobs", "1"]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"shrunk to \d+ of its \d+ faults:", out), out
+    [replay] = re.findall(r"python -m sim --seed 0 --faults ([0-9,]+)", out)
+    assert cli.main(["--seed", "0", "--faults", replay]) == 1
+
+
 def test_python_m_sim_reports_its_runs_and_exits_0_when_none_broke_anything(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -109,6 +141,8 @@ def test_python_m_sim_replays_one_seed() -> None:
         (["--hours", "-1"], "--hours must be > 0"),
         (["--jobs", "0"], "--jobs must be at least 1"),
         (["--seed", "1", "--seeds", "2"], "not allowed with argument"),
+        (["--seeds", "2", "--faults", "1"], "--faults goes with --seed"),
+        (["--seed", "1", "--faults", "1,x"], "--faults must be comma-separated numbers"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(
