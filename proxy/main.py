@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from dataclasses import dataclass
 
 import structlog
 from opentelemetry import trace
@@ -34,6 +35,8 @@ from runtime import (
     tracing_enabled,
     use_event_loop,
 )
+from runtime.clock import SYSTEM_CLOCK, Clock
+from runtime.entropy import SYSTEM, Entropy
 from runtime.heap import no_full_collections
 from runtime.validate import parse_host_port
 
@@ -47,13 +50,31 @@ def _format(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+@dataclass
+class Parts:
+    """What a proxy takes besides its settings: the system's clock and randomness and an HTTP
+    edge in production (`build`); a simulated node's clock and seeded draws, and no HTTP
+    listener (its control plane only: following the registry, failover, supersedes), in the
+    simulator."""
+
+    clock: Clock = SYSTEM_CLOCK
+    entropy: Entropy = SYSTEM
+    http: bool = True
+
+
 async def build(argv: list[str]) -> Service:
     settings = settings_or_exit(ProxySettings, argv, "proxy")
     configure_logging("proxy", settings.log_level)
     setup_tracing("proxy", **{"cloud.region": settings.region})
+    return await compose(settings, Parts())
+
+
+async def compose(settings: ProxySettings, parts: Parts) -> Service:
+    """The edge and its gRPC services: the one wiring the production proxy and a simulated
+    one share."""
     # Spans for every request and failover when tracing is on; none at all when it is off.
     tracer = trace.get_tracer("nonomad.proxy") if tracing_enabled() else None
-    replica = settings.replica()
+    replica = settings.replica(parts.clock)
     stats = Stats()
     flaps = (
         FlapsClient(settings.flaps, timeout=settings.flaps_timeout, tls=settings.cluster_tls)
@@ -69,6 +90,8 @@ async def build(argv: list[str]) -> Service:
         config=settings.router_config(),
         tracer=tracer,
         probes=NetProbes(settings.cluster_tls),
+        clock=parts.clock,
+        rng=parts.entropy.rng(),
     )
     service = Service("proxy", settings)
     # Over TLS, for the cluster's parts whose role may call each RPC (proxy.access).
@@ -82,6 +105,15 @@ async def build(argv: list[str]) -> Service:
     )
     # Workers can announce themselves to the proxy, and replicas share members with it.
     serve_replica(service, replica, settings.workers)
+
+    async def close_flaps() -> None:
+        if flaps is not None:
+            await flaps.close()
+
+    service.spawn("router", router.run)
+    service.on_shutdown(close_flaps)
+    if not parts.http:
+        return service
 
     # Pins are checked with tokens flaps verifies: the edge holds no root keys (proxy.pins).
     grants = Grants(flaps.verify_token, ttl=settings.token_cache_ttl) if flaps else None
@@ -118,13 +150,7 @@ async def build(argv: list[str]) -> Service:
         await service.draining.wait()
         await http.close(settings.grace_period)
 
-    async def close_flaps() -> None:
-        if flaps is not None:
-            await flaps.close()
-
-    service.spawn("router", router.run)
     service.spawn("http", serve_http)
-    service.on_shutdown(close_flaps)
     return service
 
 

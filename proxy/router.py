@@ -31,6 +31,7 @@ import structlog
 from opentelemetry.trace import Tracer
 
 from flyd.v1 import machine_pb2 as pb
+from model import slots as slot_rules
 from model.slots import SlotKey
 from proxy.control import (
     Counters,
@@ -121,6 +122,9 @@ class Router:
         self._shutdown = asyncio.Event()
         self._running = False
         self._closed = False
+        # Slot members routed nothing (no services) told they are outranked: id -> when the
+        # next telling may be (`_judge_unrouted`).
+        self._unrouted_told: dict[str, float] = {}
         self.checks = HealthChecks(
             self.probes,
             self.clock,
@@ -480,6 +484,10 @@ class Router:
         ):
             if r is not None:
                 self._remove(r)
+            if machine is not None and machine.state != S.MACHINE_STATE_DESTROYED:
+                self._judge_unrouted(machine)
+            else:
+                self._unrouted_told.pop(machine_id, None)
             return
         now = self.clock.now()
         if r is None:
@@ -599,15 +607,48 @@ class Router:
             if now < r.supersede_after:
                 continue
             r.supersede_after = now + self.config.supersede_retry
-            self._spawn(self._supersede(r, generation, primary), f"supersede {r.id}")
+            self._spawn(self._supersede(r.id, generation, primary), f"supersede {r.id}")
 
-    async def _supersede(self, r: Route, generation: int, primary: str) -> None:
+    async def _supersede(self, machine_id: str, generation: int, primary: str) -> None:
         assert self.flaps is not None
-        log.info("superseding", machine_id=r.id, generation=generation, primary=primary)
+        log.info("superseding", machine_id=machine_id, generation=generation, primary=primary)
         try:
-            await self.flaps.supersede(r.id, generation, primary)
+            await self.flaps.supersede(machine_id, generation, primary)
         except FlapsFailed as err:
-            log.warning("supersede_failed", machine_id=r.id, error=str(err))
+            log.warning("supersede_failed", machine_id=machine_id, error=str(err))
+
+    def _judge_unrouted(self, machine: pb.Machine) -> None:
+        """`_tell_outranked` for the slot of a machine routed nothing (it has no services):
+        such a slot fails over all the same (`WorkerWatch.plan` reads the registry), so a copy
+        of it that runs outranked (back on a worker this proxy had declared dead, after its
+        fence was lifted) is told to stand down as a routed one is. Read from the registry:
+        the cost is the app's machines."""
+        if self.flaps is None or self._closed or not self._running:
+            return
+        key = slot_rules.key(machine)
+        members = [
+            m
+            for m in self.registry.machines(app=machine.app)
+            if m.state != S.MACHINE_STATE_DESTROYED and slot_rules.key(m) == key
+        ]
+        top = slot_rules.top(members) if len(members) > 1 else None
+        if top is None:
+            return
+        now = self.clock.now()
+        for m in members:
+            if (
+                m.config.services
+                or m.state not in RUNNING_STATES
+                or not slot_rules.outranks(top, slot_rules.claim(m))
+            ):
+                continue
+            view = self.registry.worker(m.worker_id)
+            if view is None or view.status != ALIVE or self.is_dead(m.worker_id):
+                continue  # it hears nothing now; it fences itself when it comes back
+            if now < self._unrouted_told.get(m.id, 0.0):
+                continue
+            self._unrouted_told[m.id] = now + self.config.supersede_retry
+            self._spawn(self._supersede(m.id, *top), f"supersede {m.id}")
 
     def _remove(self, r: Route) -> None:
         self._stop_watching(r)
@@ -671,6 +712,9 @@ class Router:
                         self._watch(r, now)
             for slot in self.slots.slots_of(mine):
                 self._judge(slot)  # a copy outranked while it was away: tell it now
+            for machine in self.registry.machines(worker_id=worker_id):
+                if not machine.config.services and machine.state in RUNNING_STATES:
+                    self._judge_unrouted(machine)  # the same, for one routed nothing
             self._pulse_worker(worker_id)
 
     def _pulse_worker(self, worker_id: str) -> None:
@@ -688,3 +732,6 @@ class Router:
 def _log_crash(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("task_crashed", task=task.get_name(), exc_info=task.exception())
+
+
+RUNNING_STATES = (S.MACHINE_STATE_STARTING, S.MACHINE_STATE_STARTED)

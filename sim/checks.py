@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from flaps.v1 import platform_pb2
 from flyd.v1 import machine_pb2 as pb
+from model import slots as slot_rules
 
 
 @dataclass
@@ -140,3 +141,61 @@ def _row(row: tuple[str, int, str]) -> str:
     worker, state, instance = row
     name = pb.MachineState.Name(state).removeprefix("MACHINE_STATE_").lower()  # type: ignore[arg-type]
     return f"{name} (instance {instance}) on {worker}"
+
+
+def promotions(
+    seen: dict[tuple[str, str, int], set[str]], held: Mapping[str, Mapping[str, pb.Machine]]
+) -> list[str]:
+    """At most one promotion per generation of a slot, ever. `seen` (kept from call to call):
+    for each (app, slot, generation), the members whose own row claimed it for themselves;
+    `held`: every worker's rows now. Each member that makes a generation's second is reported
+    once."""
+    found = []
+    for machines in held.values():
+        for m in machines.values():
+            slot = slot_rules.slot_of(m)
+            if slot.generation == 0 or slot.primary != m.id:
+                continue
+            members = seen.setdefault((m.app, slot.id, slot.generation), set())
+            if m.id in members:
+                continue
+            members.add(m.id)
+            if len(members) > 1:
+                found.append(
+                    f"promotion: generation {slot.generation} of slot {slot.id} was recorded "
+                    f"by {', '.join(sorted(members))}"
+                )
+    return found
+
+
+def slots(held: Mapping[str, Mapping[str, pb.Machine]]) -> list[str]:
+    """Once every fault has healed and the calm has run, each slot with more than one member
+    has one serving (its own row holds the top claim), started and unfenced, and every other
+    member is not running; and no member of any slot is fenced."""
+    found: list[str] = []
+    members: dict[tuple[str, str], list[pb.Machine]] = collections.defaultdict(list)
+    for machines in held.values():
+        for m in machines.values():
+            if m.state != pb.MACHINE_STATE_DESTROYED:
+                members[slot_rules.key(m)].append(m)
+    for (_, slot), rows in sorted(members.items()):
+        for m in rows:
+            if m.slot.fenced:
+                found.append(f"slot {slot}: {m.id} is still fenced")
+        if len(rows) < 2:
+            continue
+        serving = slot_rules.serving(rows)
+        if serving is None:
+            claims = ", ".join(f"{m.id} {tuple(slot_rules.claim(m))}" for m in rows)
+            found.append(f"slot {slot}: no member serves (claims: {claims})")
+            continue
+        if serving.state != pb.MACHINE_STATE_STARTED:
+            state = pb.MachineState.Name(serving.state)
+            found.append(f"slot {slot}: its serving member {serving.id} is {state}")
+        for m in rows:
+            if m.id != serving.id and m.state in RUNNING:
+                found.append(f"slot {slot}: {m.id} runs beside its serving member {serving.id}")
+    return found
+
+
+RUNNING = (pb.MACHINE_STATE_STARTING, pb.MACHINE_STATE_STARTED)

@@ -1,6 +1,7 @@
-"""A whole cluster in one World: flyd workers and flaps, composed by the services' own wiring
-(`flyd.main.compose`, `flaps.main.compose`) from the flags a user would pass, on simulated
-disks, hosts and network.
+"""A whole cluster in one World: flyd workers, flaps and proxies, composed by the services' own
+wiring (`flyd.main.compose`, `flaps.main.compose`, `proxy.main.compose`) from the flags a user
+would pass, on simulated disks, hosts and network. A proxy runs its control plane (its
+replica, the router's failover and supersedes through flaps), not its HTTP edge.
 
 What a host is outlives its flyd, as on a real worker: its disk (the machine log), its machines
 (a `FakeHost` on the world's clock) and its secrets key. Killing a flyd drops its node (no
@@ -28,6 +29,8 @@ from flyd.settings import FlydSettings
 from flyd.worker import Worker
 from model.images.owners import PUBLIC
 from model.images.source import ImageSource
+from proxy import main as proxy_main
+from proxy.settings import ProxySettings
 from runtime import Service, load_settings, transport
 from sim.disk import DiskFaults, SimDisk
 from sim.net import Network
@@ -78,6 +81,14 @@ class Flaps:
     task: Any = field(repr=False)
 
 
+@dataclass
+class Proxy:
+    node: Node
+    service: Service
+    address: str
+    task: Any = field(repr=False)
+
+
 class Cluster:
     """Workers and flaps of one seed. `root`: a directory of the run's own (image source,
     image caches, secrets keys), gone with the run."""
@@ -88,6 +99,7 @@ class Cluster:
         self.net = Network(world)
         self.hosts: dict[str, Host] = {}
         self.flaps: dict[str, Flaps] = {}
+        self.proxies: dict[str, Proxy] = {}
         self._disk_faults = disk_faults
         self.images = _image_source(root / "images")
 
@@ -121,6 +133,32 @@ class Cluster:
         flaps = self.flaps[name] = Flaps(node, service, address, task)
         return flaps
 
+    def boot_proxy(self, name: str = "proxy-1", *flags: str, skew: float = 0.0) -> Proxy:
+        """A proxy's control plane, following the workers booted so far (later ones announce
+        to it) and acting through the first flaps."""
+        node = self.world.add(name, skew=skew)
+        ip = self.net.join(node)
+        workers = [f"--workers={h.flyd.address}" for h in self.hosts.values() if h.flyd]
+        settings = load_settings(
+            ProxySettings,
+            [
+                f"--listen={ip}:0",
+                f"--flaps={self.flaps['flaps-1'].address}",
+                "--region=ams",
+                "--dead-after=5",
+                "--suspect-after=2",
+                *workers,
+                *flags,
+            ],
+            prog="proxy",
+        )
+        parts = proxy_main.Parts(clock=node.clock, entropy=node.entropy, http=False)
+        service = self.world.run(node, proxy_main.compose(settings, parts))
+        task = node.spawn(service.run(handle_signals=False), name=f"{name}/run")
+        address = self.world.run(node, service.wait_ready(), timeout=READY_TIMEOUT)
+        proxy = self.proxies[name] = Proxy(node, service, address, task)
+        return proxy
+
     # -- workers --
 
     def add_host(self, name: str, region: str = "ams") -> Host:
@@ -146,7 +184,9 @@ class Cluster:
         host.boots += 1
         node = self.world.add(f"flyd-{host.name}", skew=skew)
         ip = self.net.join(node)
-        announce = [f"--announce={f.address}" for f in self.flaps.values()]
+        replicas = [f.address for f in self.flaps.values()]
+        replicas += [p.address for p in self.proxies.values()]
+        announce = [f"--announce={address}" for address in replicas]
         settings = load_settings(
             FlydSettings,
             [

@@ -85,6 +85,8 @@ class Schedule:
     workers: int = 3
     clients: int = 3
     keys: int = 6
+    proxies: int = 2
+    slots: int = 2  # primaries with a standby each, made once and left to the failovers
     chaos: float = 40.0
     calm: float = 30.0
 
@@ -140,6 +142,8 @@ class _Run:
         self.report.kinds = tuple(kinds)
         self.cluster = Cluster(self.world, root)
         self.history: list[Call] = []
+        # (app, slot, generation): the members that recorded it (sim.checks.promotions)
+        self._promoted: dict[tuple[str, str, int], set[str]] = {}
         self._disk_faults: dict[str, set[str]] = collections.defaultdict(set)
 
     def play(self) -> Report:
@@ -148,6 +152,8 @@ class _Run:
             cluster.boot_flaps(skew=self._skew())
             for i in range(self.schedule.workers):
                 cluster.boot_flyd(cluster.add_host(f"w{i + 1}"), *CAPACITY_FLAGS, skew=self._skew())
+            for i in range(self.schedule.proxies):
+                cluster.boot_proxy(f"proxy-{i + 1}", skew=self._skew())
             cluster.settle(
                 lambda: len(cluster.workers_seen()) == self.schedule.workers,
                 what="flaps follows every worker",
@@ -158,6 +164,7 @@ class _Run:
                 user.spawn(self._client(i, stop), name=f"client-{i}")
                 for i in range(self.schedule.clients)
             ]
+            clients.append(user.spawn(self._slots(), name="slots"))
             end = world.now + self.schedule.chaos
             self._nemesis(end)
             world.run_until(end)
@@ -188,6 +195,7 @@ class _Run:
         while world.now < end:
             upcoming = min(strike, agenda[0][0] if agenda else end, end, world.now + 1.0)
             world.run_until(upcoming)
+            self._watch_promotions()
             for host in self._exited():
                 restart: Callable[[], None] = partial(self._boot, host)
                 heapq.heappush(agenda, (world.now + 1.0, next(count), restart))
@@ -264,6 +272,7 @@ class _Run:
         end = self.world.now + seconds
         while self.world.now < end:
             self.world.run_until(min(end, self.world.now + 1.0))
+            self._watch_promotions()
             for host in self._exited():
                 self.world.run_for(1.0)
                 self._boot(host)
@@ -324,12 +333,35 @@ class _Run:
                     known.append(made)
             await asyncio.sleep(rng.uniform(0.05, 1.0))
 
-    async def _create(self, flaps: machines_pb2_grpc.MachinesServiceStub, key: str) -> str:
+    async def _slots(self) -> None:
+        """The stateful users: a primary and a standby for it, for each slot, made once (as
+        carefully as any create) and then left to the proxies' failovers."""
+        flaps = self.cluster.stub(
+            machines_pb2_grpc.MachinesServiceStub, self.cluster.flaps["flaps-1"].address
+        )
+        for i in range(self.schedule.slots):
+            primary = ""
+            for _ in range(20):
+                if primary := await self._create(flaps, f"slot-{i}"):
+                    break
+                await asyncio.sleep(1.0)
+            for _ in range(20 if primary else 0):
+                if await self._create(flaps, f"slot-{i}/standby", standby_for=primary):
+                    break
+                await asyncio.sleep(1.0)
+
+    async def _create(
+        self, flaps: machines_pb2_grpc.MachinesServiceStub, key: str, standby_for: str = ""
+    ) -> str:
         """Create under `key`, retrying what may have happened (as a careful user does)."""
         for _attempt in range(5):
             call = self._invoke("create", key)
             request = machines_pb2.CreateMachineRequest(
-                app="web", region="ams", config=CONFIG, idempotency_key=key
+                app="web",
+                region="ams",
+                config=CONFIG,
+                idempotency_key=key,
+                standby_for=[standby_for] if standby_for else [],
             )
             try:
                 answer = await flaps.CreateMachine(request, timeout=5.0)
@@ -367,15 +399,33 @@ class _Run:
     # -- the checkers --
 
     def _check_live(self) -> None:
-        """After the calm: every worker is up and followed, and flaps' replica has their rows
-        as they have them (given a few seconds to catch up)."""
+        """After the calm: every worker is up and followed, flaps' replica has their rows as
+        they have them, and each slot has one serving member (given a few seconds each)."""
         self._found(checks.liveness(list(self.cluster.hosts), self.cluster.workers_seen()))
-        deadline = self.world.now + 10.0
-        while found := checks.replica(self._rows(), self._listed()):
-            if self.world.now >= deadline:
-                self._found(found)
-                return
-            self.world.run_for(0.5)
+        for check in (
+            lambda: checks.replica(self._rows(), self._listed()),
+            lambda: checks.slots(self._rows()),
+        ):
+            deadline = self.world.now + 10.0
+            while found := check():
+                if self.world.now >= deadline:
+                    self._found(found)
+                    break
+                self.world.run_for(0.5)
+                self._watch_promotions()
+
+    def _watch_promotions(self) -> None:
+        """Every promotion any worker has recorded so far (a member's row claiming the slot
+        for itself above generation 0), from the rows of the running workers and the disks of
+        the others: at most one member per generation of a slot, ever."""
+        rows = self._rows()
+        for host in self.cluster.hosts.values():
+            if host.name not in rows:
+                rows[host.name] = {
+                    machine_id: fsm.decode_row(raw).machine
+                    for machine_id, raw in host.disk.synced().rows.items()
+                }
+        self._found(checks.promotions(self._promoted, rows))
 
     def _rows(self) -> dict[str, dict[str, pb.Machine]]:
         """Each running worker's rows, from the worker itself."""

@@ -15,7 +15,7 @@ from flyd.v1 import machine_pb2 as pb
 from model import slots
 from proxy.control import FlapsFailed
 from proxy.errors import NoBackend
-from registry.view import DEAD, SUSPECT
+from registry.view import ALIVE, DEAD, SUSPECT
 from tests.proxy.support import STARTED, STOPPED, fleet, machine, settle, world
 
 
@@ -201,3 +201,32 @@ def test_a_promotion_is_to_the_members_own_generation_above_any_claim() -> None:
     # Two members, in their order p (the slot's first primary), s: s owns the odd generations.
     assert slots.promotion_generation(s, rows) == 5
     assert slots.promotion_generation(p, rows) == 4
+
+
+async def test_a_slot_routed_nothing_fails_over_and_its_outranked_copy_is_told_when_back() -> None:
+    """Machines without services get no requests, but a slot of them fails over all the same
+    (WorkerWatch reads the registry): so a copy of it that runs outranked, on a worker this
+    proxy had declared dead and that is back, is told to stand down as a routed copy is."""
+    p = claimed(machine("p", worker="w1", services=False), 0, "p")
+    s = machine("s", worker="w2", state=STOPPED, standbys=["p"], services=False)
+    registry = fleet(p, s)
+    async with world(registry) as w:
+        registry.set_status("w1", SUSPECT)
+        w.probes.dead_workers.add("w1.test:7000")
+        await settle()
+        assert (w.flaps.starts, w.flaps.generations) == (["s"], [1])
+        assert w.flaps.supersedes == []  # p's worker hears nothing now
+        # w1 is back, p running on it (its fence lifted before s was promoted): told.
+        w.probes.dead_workers.clear()
+        registry.set_status("w1", ALIVE)
+        await settle()
+        assert w.flaps.supersedes == [("p", 1, "s")]
+        assert w.registry.machine("p").state == STOPPED  # type: ignore[union-attr]
+        # Told once per supersede_retry, however many events its slot has meanwhile.
+        registry.put(claimed(machine("p", worker="w1", services=False), 0, "p"))
+        await settle()
+        assert w.flaps.supersedes == [("p", 1, "s")]
+        w.clock.advance(2.0)
+        registry.put(claimed(machine("p", worker="w1", services=False), 0, "p"))
+        await settle()
+        assert w.flaps.supersedes == [("p", 1, "s"), ("p", 1, "s")]

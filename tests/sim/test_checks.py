@@ -115,3 +115,47 @@ def test_the_replica_must_list_each_workers_live_rows_as_the_worker_has_them() -
         "replica: flaps lists a as started (instance i0) on w1, its worker has started "
         "(instance i1) on w1"
     ]
+
+
+def member(mid: str, slot: str, generation: int, primary: str, **fields: object) -> pb.Machine:
+    row = machine(mid)
+    row.slot.CopyFrom(pb.SlotState(id=slot, generation=generation, primary=primary))
+    for name, value in fields.items():
+        setattr(row, name, value)
+    return row
+
+
+def test_a_generation_of_a_slot_is_recorded_by_one_member_ever() -> None:
+    seen: dict[tuple[str, str, int], set[str]] = {}
+    first = {"w2": {"s": member("s", "p", 1, "s")}, "w1": {"p": member("p", "p", 0, "p")}}
+    assert checks.promotions(seen, first) == []
+    # s is superseded later (its row moves on): what was seen stays seen.
+    assert checks.promotions(seen, {"w2": {"s": member("s", "p", 2, "p")}}) == []
+    twice = {"w3": {"t": member("t", "p", 1, "t")}}
+    assert checks.promotions(seen, twice) == [
+        "promotion: generation 1 of slot p was recorded by s, t"
+    ]
+    assert checks.promotions(seen, twice) == []  # reported once
+
+
+def test_after_the_calm_each_slot_has_one_serving_member_started_and_unfenced() -> None:
+    p, s = member("p", "p", 0, "p"), member("s", "p", 0, "p", state=pb.MACHINE_STATE_STOPPED)
+    assert checks.slots({"w1": {"p": p}, "w2": {"s": s}}) == []
+    promoted = member("s", "p", 1, "s")
+    assert checks.slots({"w1": {"p": p}, "w2": {"s": promoted}}) == [
+        "slot p: p runs beside its serving member s"
+    ]
+    stopped = member("s", "p", 1, "s", state=pb.MACHINE_STATE_STOPPED)
+    assert checks.slots(
+        {
+            "w1": {"p": member("p", "p", 1, "s", state=pb.MACHINE_STATE_STOPPED)},
+            "w2": {"s": stopped},
+        }
+    ) == ["slot p: its serving member s is MACHINE_STATE_STOPPED"]
+    lagging = member("p", "p", 1, "s")  # p's row says s serves; s's own row says nobody
+    assert checks.slots({"w1": {"p": lagging}, "w2": {"s": s}})[0].startswith(
+        "slot p: no member serves"
+    )
+    fenced = member("p", "p", 0, "p")
+    fenced.slot.fenced = True
+    assert "slot p: p is still fenced" in checks.slots({"w1": {"p": fenced}, "w2": {"s": s}})

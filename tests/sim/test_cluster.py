@@ -143,3 +143,54 @@ def test_a_keyed_create_retried_while_its_worker_is_cut_off_is_not_made_elsewher
     assert not isinstance(answer, grpc.StatusCode), answer
     assert answer.machine.id == held
     assert all(h.flyd is not None and not h.flyd.worker.rows for h in others)
+
+
+def test_a_proxy_promotes_the_standby_of_a_dead_workers_primary_which_stands_down_on_return(
+    tmp_path: Path,
+) -> None:
+    with cluster(seed=8, root=tmp_path) as made:
+        made.boot_flaps()
+        for name in ("w1", "w2"):
+            made.boot_flyd(made.add_host(name))
+        made.boot_proxy()
+        made.settle(lambda: len(made.workers_seen()) == 2, what="flaps follows both workers")
+        primary = create(made, key="db")
+        assert not isinstance(primary, grpc.StatusCode), primary
+
+        async def standby() -> machines_pb2.CreateMachineResponse:
+            request = machines_pb2.CreateMachineRequest(
+                app="web",
+                region="ams",
+                config=CONFIG,
+                idempotency_key="db/standby",
+                standby_for=[primary.machine.id],
+            )
+            answer: machines_pb2.CreateMachineResponse = await machines(made).CreateMachine(
+                request, timeout=10.0
+            )
+            return answer
+
+        stand = made.world.run(made.user(), standby()).machine
+        assert stand.state == pb.MACHINE_STATE_CREATED
+        lost, other = made.hosts[primary.machine.worker_id], made.hosts[stand.worker_id]
+
+        def row(host_name: str, machine_id: str) -> pb.Machine:
+            flyd = made.hosts[host_name].flyd
+            assert flyd is not None
+            return flyd.worker.get(machine_id).machine
+
+        made.kill_flyd(lost)  # its machine runs on, unreachable
+        made.settle(
+            lambda: row(other.name, stand.id).state == pb.MACHINE_STATE_STARTED,
+            what="the proxy promotes the standby",
+        )
+        promoted = row(other.name, stand.id).slot
+        assert (promoted.generation, promoted.primary) == (1, stand.id)
+
+        made.boot_flyd(lost)  # back: its copy is fenced, then superseded
+        made.settle(
+            lambda: row(lost.name, primary.machine.id).state == pb.MACHINE_STATE_STOPPED,
+            what="the returning copy stands down",
+        )
+        old = row(lost.name, primary.machine.id).slot
+        assert (old.generation, old.primary, old.fenced) == (1, stand.id, False)
