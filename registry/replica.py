@@ -327,8 +327,10 @@ class Replica:
         self._streams: collections.OrderedDict[str, tuple[asyncio.Task[Any] | None, float]] = (
             collections.OrderedDict()
         )
-        self._subscribers: set[Subscription[ReplicaEvent]] = set()
-        self._feeds: set[Subscription[registry_pb2.FollowResponse]] = set()
+        # In the order they subscribed (dicts, not sets): each event reaches them in that
+        # order, so which subscriber's task wakes first does not hang on memory addresses.
+        self._subscribers: dict[Subscription[ReplicaEvent], None] = {}
+        self._feeds: dict[Subscription[registry_pb2.FollowResponse], None] = {}
         # Set (and dropped) on the next change; made only when someone waits for one, not
         # for each of thousands of heartbeats a second.
         self._changed: asyncio.Event | None = None
@@ -467,12 +469,15 @@ class Replica:
         once).
         """
         sub: Subscription[ReplicaEvent] = Subscription(
-            maxsize, RESYNC, self._subscribers.discard, event_key if coalesce else None
+            maxsize,
+            RESYNC,
+            lambda gone: self._subscribers.pop(gone, None),
+            event_key if coalesce else None,
         )
         if self._stopped:
             sub.close()
         else:
-            self._subscribers.add(sub)
+            self._subscribers[sub] = None
         return sub
 
     async def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
@@ -502,12 +507,12 @@ class Replica:
         `follow_items()`.
         """
         feed: Subscription[registry_pb2.FollowResponse] = Subscription(
-            maxsize, FOLLOW_RESYNC, self._feeds.discard
+            maxsize, FOLLOW_RESYNC, lambda gone: self._feeds.pop(gone, None)
         )
         if self._stopped:
             feed.close()
         else:
-            self._feeds.add(feed)
+            self._feeds[feed] = None
         return feed
 
     def follow_items(self) -> Iterator[registry_pb2.FollowResponse]:

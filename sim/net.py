@@ -77,7 +77,9 @@ class Network:
 
     def __init__(self, world: World, faults: LinkFaults | None = None) -> None:
         self.world = world
-        self.rng: random.Random = world.entropy.child("net").rng()
+        # One stream of draws per link (src, dst): a message's latency depends on its link's
+        # traffic only, not on the order in which one step sends to several nodes.
+        self._rngs: dict[tuple[str, str], random.Random] = {}
         self.faults = faults or LinkFaults()
         self.stats = NetStats()
         self._ips: dict[str, str] = {}
@@ -197,7 +199,10 @@ class Network:
         after = self._last.get(link, -1.0) + ORDER_GAP
         slow = self._slow.get(link)
         latency = max(slow, key=lambda bounds: bounds[1]) if slow else self.faults.latency
-        when = max(now + self.rng.uniform(*latency), after)
+        rng = self._rngs.get(link)
+        if rng is None:
+            rng = self._rngs[link] = self.world.entropy.child(f"net/{link[0]}->{link[1]}").rng()
+        when = max(now + rng.uniform(*latency), after)
         self._last[link] = when
         return self.world.deliver(link[1], deliver, when - now)
 
