@@ -375,6 +375,10 @@ async def simulated(size: int, cfg: Config, logs: Path) -> SizeResult:
                 str(max(5.0, 10 * heartbeat)),
                 "--dead-after",
                 str(max(10.0, 20 * heartbeat)),
+                # A worker's heartbeat vouches for the keys it holds for longer than it takes
+                # the next to come (the creates here are under keys: docs/simulator.md).
+                "--key-vouch-margin",
+                str(max(1.0, 1.5 * heartbeat + 0.5)),
             ],
             logs,
             f"flaps-{size}",

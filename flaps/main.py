@@ -82,6 +82,7 @@ def compose(settings: FlapsSettings, parts: Parts) -> Service:
         clock=parts.clock,
         entropy=parts.entropy,
         key_doubt=settings.key_doubt,
+        vouch_margin=settings.key_vouch_margin,
     )
     service = Service("flaps", settings)
     guard: Callable[[object, ServiceDescriptor], None] | None = None

@@ -71,8 +71,9 @@ STATUS_NAMES = {
 CLAIM_TIMEOUT = 10.0
 # A create under an idempotency key (see `MachinesServicer._settle_doubts`): a worker's
 # heartbeat vouches for the keys it holds and is making as of its own time, and counts when
-# at most VOUCH_MARGIN old (more than flyd's heartbeat interval plus the clocks' skew); a keyed
-# claim's not_after is as much before flaps gives up on the claim. A worker silent for longer
+# sent at most VOUCH_MARGIN before (flaps --key-vouch-margin: more than the workers' heartbeat
+# interval plus the clocks' skew and the transit); a keyed claim's not_after is as much before
+# flaps gives up on the claim. A worker silent for longer
 # than KEY_DOUBT (flaps --key-doubt) is no longer waited for; at most MAX_PROBES silent ones
 # are asked at once, each for at most PROBE_TIMEOUT.
 VOUCH_MARGIN = 1.0
@@ -237,10 +238,13 @@ class Exchange:
         clock: Clock = SYSTEM_CLOCK,
         entropy: Entropy = SYSTEM,
         key_doubt: float = KEY_DOUBT,
+        vouch_margin: float = VOUCH_MARGIN,
     ) -> None:
         """`clock` stamps placement decisions; `entropy` names the machines created without an
         idempotency key (a simulated flaps' are seeded: runtime.entropy); `key_doubt`: how
-        long a create under a key waits for a silent worker that may hold it."""
+        long a create under a key waits for a silent worker that may hold it; `vouch_margin`:
+        how old a worker's last heartbeat may be and still vouch for the keys it holds (see
+        `MachinesServicer._settle_doubts`)."""
         self.replica = replica
         self.workers = workers
         self.pipeline = pipeline
@@ -248,6 +252,7 @@ class Exchange:
         self.clock = clock
         self.entropy = entropy
         self.key_doubt = key_doubt
+        self.vouch_margin = vouch_margin
         self.watchers = explain.Watchers(clock=clock)
         # Creates under one key through this flaps go one at a time.
         self._keys: dict[tuple[str, str], tuple[asyncio.Lock, int]] = {}
@@ -629,11 +634,12 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
         if request.idempotency_key:
             # Arriving later, the claim makes nothing: held up in the network, it cannot make
             # the key's machine after a retry found no worker holding it.
-            if timeout <= VOUCH_MARGIN:
+            margin = self.x.vouch_margin
+            if timeout <= margin:
                 raise DeadlineExceeded(
                     f"too little time left ({timeout:.2f}s) to claim a machine under a key"
                 )
-            not_after = self.x.clock.now() + timeout - VOUCH_MARGIN
+            not_after = self.x.clock.now() + timeout - margin
             claim.not_after.FromNanoseconds(int(not_after * 1e9))
         try:
             stub = self.x.workers.stub(candidate.worker_id)
@@ -650,7 +656,7 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
                 # It may have made the key's machine. Trying elsewhere could make a second:
                 # the caller hears of the failure once the claim can no longer arrive (its
                 # not_after), so that its retry finds the machine, or the worker in doubt.
-                await self.x.clock.sleep_until(not_after + VOUCH_MARGIN)
+                await self.x.clock.sleep_until(not_after + self.x.vouch_margin)
                 metrics.claimed("failed")
                 raise Upstream(err) from None
             if reason is None:
@@ -690,13 +696,10 @@ class MachinesServicer(machines_pb2_grpc.MachinesServiceServicer):
         a worker holds is settled by then.
         """
         doubts, expired = self.x.replica.key_doubts(
-            regions,
-            lambda worker_id: f"{worker_id}-{suffix}",
-            margin=VOUCH_MARGIN,
-            give_up_after=self.x.key_doubt,
+            regions, suffix, margin=self.x.vouch_margin, give_up_after=self.x.key_doubt
         )
         for d in expired:
-            log.warning(
+            log.debug(
                 "key_doubt_given_up",
                 app=app,
                 key=key,

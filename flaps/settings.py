@@ -9,7 +9,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from flaps.placement import DEFAULT_CURVE, Curve
-from flaps.service import KEY_DOUBT, STREAMS_PER_CALLER
+from flaps.service import KEY_DOUBT, STREAMS_PER_CALLER, VOUCH_MARGIN
 from model.tokens import REVOKED_FILE, Keyring, parse_revoked
 from registry.settings import ReplicaSettings
 
@@ -59,6 +59,15 @@ class FlapsSettings(ReplicaSettings):
         "its region, which may hold the key's machine unseen (UNAVAILABLE, KEY_IN_DOUBT: "
         "retry), before it places the key without it: past this, a worker cut off that long "
         "with the key's machine leaves the key two",
+    )
+
+    key_vouch_margin: float = Field(
+        default=VOUCH_MARGIN,
+        gt=0,
+        description="seconds a worker's last heartbeat vouches for the keys it holds: more than "
+        "the workers' heartbeat interval plus the clocks' skew and the transit (a worker heard "
+        "from less lately is asked before a key is placed); a claim under a key may take this "
+        "much less than its caller has left",
     )
 
     image_source: Path | None = Field(

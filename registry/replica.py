@@ -436,18 +436,13 @@ class Replica:
         return self._view.by_key(app, key)
 
     def key_doubts(
-        self,
-        regions: Sequence[str],
-        machine_id: Callable[[str], str],
-        *,
-        margin: float,
-        give_up_after: float,
+        self, regions: Sequence[str], suffix: str, *, margin: float, give_up_after: float
     ) -> tuple[list[Doubt], list[Doubt]]:
-        """`View.key_doubts` as of now: a worker's heartbeat vouches for it if it is at most
-        `margin` seconds older than now (the two clocks' time)."""
+        """`View.key_doubts` as of now: a worker's heartbeat vouches for it if it was sent at
+        most `margin` seconds before now (the two clocks' time)."""
         now = self.clock.now()
         return self._view.key_doubts(
-            regions, machine_id, vouched_since=now - margin, now=now, give_up_after=give_up_after
+            regions, suffix, vouched_since=now - margin, now=now, give_up_after=give_up_after
         )
 
     @property

@@ -29,7 +29,7 @@ import bisect
 import itertools
 import sys
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
@@ -62,6 +62,10 @@ DEAD: Status = registry_pb2.MEMBER_STATUS_DEAD
 
 DESTROYED = pb.MACHINE_STATE_DESTROYED
 
+
+# Seconds after it was sent (on the worker's clock) past which a heartbeat counts as held up on
+# the way (View.key_doubts): more than the transit and the clocks' skew.
+LATE = 0.5
 
 # Workers `View.tick` judges at once: each one that turns suspect or dead leaves the supply's
 # index and is logged (30 to 100 microseconds), so a batch holds the loop under a millisecond.
@@ -262,6 +266,11 @@ class View:
         self._dead: OrderedDict[str, _Member] = OrderedDict()
         # Worker ids, sorted, of the fleet (key None) and of each region: pages of workers.
         self._ids: dict[str | None, list[str]] = {None: []}
+        # For `key_doubts`, kept as heartbeats come: the machines each worker is making under
+        # a key, by the id's tail after "<worker>-" (flaps names them so); and the workers
+        # whose last heartbeat came later than LATE after it was sent (held up on the way).
+        self._creating: dict[str, set[str]] = {}
+        self._late: dict[str, _Member] = {}
         self.supply = Supply()
         """Free resources, liveness and machines per app of every worker, for placement."""
 
@@ -331,6 +340,8 @@ class View:
             del self._members[m.info.id]
             self._fresh.pop(m.info.id, None)
             self._suspect.pop(m.info.id, None)
+            self._late.pop(m.info.id, None)
+            self._set_creating(m, ())
             for key in (None, m.info.region):
                 ids = self._ids.get(key)
                 if ids is not None and m.info.id in ids:
@@ -491,7 +502,12 @@ class View:
             m.capacity.CopyFrom(hb.capacity)
         m.last_heartbeat = now
         m.vouched = hb.time.seconds + hb.time.nanos / 1e9
-        m.creating = tuple(hb.creating) if hb.creating else ()
+        if hb.creating or m.creating:
+            self._set_creating(m, tuple(hb.creating))
+        if now - m.vouched > LATE:
+            self._late[m.info.id] = m
+        elif self._late:
+            self._late.pop(m.info.id, None)
         self._heard(m, now)
         if hb.HasField("worker") and hb.worker != m.info:  # (mostly it is as we know it)
             # The worker is the truth about itself, except for the address we reach it at.
@@ -657,31 +673,60 @@ class View:
     def key_doubts(
         self,
         regions: Sequence[str],
-        machine_id: Callable[[str], str],
+        suffix: str,
         *,
         vouched_since: float,
         now: float,
         give_up_after: float,
     ) -> tuple[list[Doubt], list[Doubt]]:
-        """The workers of `regions` that may hold an idempotency key's machine without the
-        view having its row: those whose last heartbeat lists `machine_id(worker_id)` as being
-        made, and those not heard from since `vouched_since` (their clock). Those silent for
-        longer than `give_up_after` come second: no longer waited for. Costs the regions'
-        workers (a comparison each).
+        """The workers of `regions` that may hold an idempotency key's machine (named
+        "<worker>-<suffix>") without the view having its row: those whose last heartbeat says
+        they are making it, and those whose last heartbeat was sent (their clock) before
+        `vouched_since`, or who never sent one. Those silent for longer than `give_up_after`
+        come second: no longer waited for.
+
+        Costs the doubtful, not the fleet: a worker whose heartbeat was sent that early either
+        arrived before `vouched_since + LATE` (the head of the liveness queues, oldest first)
+        or arrived later than LATE after it was sent (`_late`).
         """
-        doubts: list[Doubt] = []
-        expired: list[Doubt] = []
-        for region in regions:
-            for worker_id in self._ids.get(region, ()):
-                m = self._members[worker_id]
-                if m.vouched >= vouched_since:
-                    if m.creating and machine_id(worker_id) in m.creating:
-                        doubts.append(Doubt(worker_id, m.info.address, True, 0.0))
-                    continue
-                silent = now - m.heard
-                doubt = Doubt(worker_id, m.info.address, False, silent)
-                (expired if silent > give_up_after else doubts).append(doubt)
-        return doubts, expired
+        wanted = set(regions)
+        found: dict[str, Doubt] = {}
+        for worker_id in self._creating.get(suffix, ()):
+            m = self._members.get(worker_id)
+            if m is not None and m.info.region in wanted:
+                found[worker_id] = Doubt(worker_id, m.info.address, True, 0.0)
+        arrived_by = vouched_since + LATE
+        candidates = itertools.chain(
+            itertools.takewhile(lambda m: m.heard < arrived_by, self._fresh.values()),
+            self._suspect.values(),
+            reversed(self._dead.values()),  # (the most lately heard first)
+            self._late.values(),
+        )
+        expired: dict[str, Doubt] = {}
+        for m in candidates:
+            worker_id = m.info.id
+            if m.vouched >= vouched_since or m.info.region not in wanted or worker_id in found:
+                continue
+            silent = now - m.heard
+            if silent > give_up_after:
+                expired[worker_id] = Doubt(worker_id, m.info.address, False, silent)
+            else:
+                found[worker_id] = Doubt(worker_id, m.info.address, False, silent)
+        return list(found.values()), list(expired.values())
+
+    def _set_creating(self, m: _Member, creating: tuple[str, ...]) -> None:
+        prefix = f"{m.info.id}-"
+        for machine_id in m.creating:
+            if machine_id.startswith(prefix):
+                makers = self._creating.get(machine_id[len(prefix) :])
+                if makers is not None:
+                    makers.discard(m.info.id)
+                    if not makers:
+                        del self._creating[machine_id[len(prefix) :]]
+        m.creating = creating
+        for machine_id in creating:
+            if machine_id.startswith(prefix):
+                self._creating.setdefault(machine_id[len(prefix) :], set()).add(m.info.id)
 
     def oldest_news(self, limit: int) -> list[tuple[str, float]]:
         """(worker id, clock time it was last heard from) of the `limit` workers not judged

@@ -215,9 +215,7 @@ class TestMachinesService(MachinesServer):
         )
 
         def heard_making() -> bool:
-            doubts, _ = fleet.replica.key_doubts(
-                ["ams"], lambda w: f"{w}-{suffix}", margin=1.0, give_up_after=30.0
-            )
+            doubts, _ = fleet.replica.key_doubts(["ams"], suffix, margin=1.0, give_up_after=30.0)
             return any(d.creating for d in doubts)
 
         await fleet.until(heard_making, "w1's heartbeat saying it makes the key's machine")

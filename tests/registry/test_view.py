@@ -536,11 +536,7 @@ def vouching(
 
 def doubts_at(view: View, now: float, *, give_up_after: float = 30.0) -> tuple[list, list]:
     found, expired = view.key_doubts(
-        ["ams"],
-        lambda worker_id: f"{worker_id}-k",
-        vouched_since=now - 1.0,
-        now=now,
-        give_up_after=give_up_after,
+        ["ams"], "k", vouched_since=now - 1.0, now=now, give_up_after=give_up_after
     )
     return (
         [(d.worker_id, d.creating, d.silent_for) for d in found],
@@ -584,11 +580,38 @@ def test_a_worker_never_heard_from_is_in_doubt_from_when_it_was_learned_of() -> 
 
 
 def test_a_downstream_learns_what_the_worker_vouched_for_in_its_own_time() -> None:
-    upstream = view_with(info("w1"))
+    w2 = info("w2", address="127.0.0.1:5002")
+    upstream = view_with(info("w1"), w2)
     upstream.apply("w1", vouching(T0, creating=("w1-k",)), T0 + 3)
+    upstream.apply("w2", vouching(T0, worker=w2), T0 + 3)
     downstream = view_with(upstream=True)
     for item in upstream.follow_items():
         downstream.apply_upstream(item, T0 + 3)
-    # The worker's time and what it was making, not the upstream's time of arrival.
+    # What w1 was making; and w2's time, not the upstream's time of arrival.
     assert doubts_at(downstream, T0 + 0.5) == ([("w1", True, 0.0)], [])
-    assert doubts_at(downstream, T0 + 3.1) == ([("w1", False, pytest.approx(0.1))], [])
+    assert doubts_at(downstream, T0 + 3.1) == (
+        [("w1", True, 0.0), ("w2", False, pytest.approx(0.1))],
+        [],
+    )
+
+
+def test_a_worker_done_making_the_key_is_no_longer_in_doubt_for_it() -> None:
+    view = view_with(info("w1"))
+    view.apply("w1", vouching(T0, creating=("w1-k", "w1-other")), T0)
+    assert doubts_at(view, T0 + 0.1) == ([("w1", True, 0.0)], [])
+    view.apply("w1", vouching(T0 + 0.2, creating=("w1-other",)), T0 + 0.2)
+    assert doubts_at(view, T0 + 0.3) == ([], [])
+
+
+def test_among_ten_thousand_workers_heard_just_now_one_whose_heartbeat_was_held_is_found() -> None:
+    """It arrived now, but was sent 5 s ago: it vouches for nothing since (`View._late`)."""
+    view = View(suspect_after=0.6, dead_after=1.0)
+    for i in range(10_000):
+        worker = info(f"w{i}", address=f"127.0.0.1:{10_000 + i}")
+        view.add(worker, T0)
+        view.apply(worker.id, vouching(T0, worker=worker), T0)
+    held = info("w5", address="127.0.0.1:10005")
+    view.apply("w5", vouching(T0 - 5, worker=held), T0)
+    assert doubts_at(view, T0 + 0.5) == ([("w5", False, 0.5)], [])
+    view.apply("w5", vouching(T0 + 0.4, worker=held), T0 + 0.4)  # on time again
+    assert doubts_at(view, T0 + 0.5) == ([], [])
