@@ -610,12 +610,25 @@ class Router:
             self._spawn(self._supersede(r.id, generation, primary), f"supersede {r.id}")
 
     async def _supersede(self, machine_id: str, generation: int, primary: str) -> None:
+        """Tell the machine's worker (through flaps) that the slot moved on; if that fails
+        (its disk, say), look at the slot again once `supersede_retry` has passed: nothing
+        else may change in it to make the router look."""
         assert self.flaps is not None
         log.info("superseding", machine_id=machine_id, generation=generation, primary=primary)
         try:
             await self.flaps.supersede(machine_id, generation, primary)
         except FlapsFailed as err:
             log.warning("supersede_failed", machine_id=machine_id, error=str(err))
+        else:
+            return
+        retry = self.clock.now() + self.config.supersede_retry
+        if not await sleep_until(self.clock, retry, self._shutdown):
+            return
+        r = self._routes.get(machine_id)
+        if r is not None and r.slot is not None:
+            self._judge(r.slot)
+        elif (machine := self.registry.machine(machine_id)) is not None:
+            self._judge_unrouted(machine)
 
     def _judge_unrouted(self, machine: pb.Machine) -> None:
         """`_tell_outranked` for the slot of a machine routed nothing (it has no services):

@@ -16,7 +16,7 @@ from model import slots
 from proxy.control import FlapsFailed
 from proxy.errors import NoBackend
 from registry.view import ALIVE, DEAD, SUSPECT
-from tests.proxy.support import STARTED, STOPPED, fleet, machine, settle, world
+from tests.proxy.support import STARTED, STOPPED, FakeFlaps, fleet, machine, settle, world
 
 
 def claimed(row: pb.Machine, generation: int, primary: str, *, fenced: bool = False) -> pb.Machine:
@@ -230,3 +230,30 @@ async def test_a_slot_routed_nothing_fails_over_and_its_outranked_copy_is_told_w
         registry.put(claimed(machine("p", worker="w1", services=False), 0, "p"))
         await settle()
         assert w.flaps.supersedes == [("p", 1, "s"), ("p", 1, "s")]
+
+
+@pytest.mark.parametrize("services", [True, False], ids=["routed", "routed-nothing"])
+async def test_a_supersede_that_fails_is_tried_again_though_nothing_in_its_slot_changes(
+    services: bool,
+) -> None:
+    """Its worker's disk failed the supersede: no later row of the slot would make the router
+    look again, so it looks again itself once supersede_retry has passed."""
+    p = claimed(machine("p", worker="w1", services=services), 0, "p")
+    s = machine("s", worker="w2", standbys=["p"], services=services)
+    registry = fleet(p, claimed(s, 1, "s"))
+
+    class FailingOnce(FakeFlaps):
+        async def supersede(self, machine_id: str, generation: int, primary: str) -> pb.Machine:
+            if not self.supersedes:
+                self.supersedes.append((machine_id, generation, primary))
+                raise FlapsFailed("INTERNAL: disk w1: input/output error")
+            return await super().supersede(machine_id, generation, primary)
+
+    async with world(registry, FailingOnce(registry)) as w:
+        await settle()
+        assert w.flaps.supersedes == [("p", 1, "s")]
+        assert w.registry.machine("p").state == STARTED  # type: ignore[union-attr]
+        w.clock.advance(2.0)
+        await settle()
+        assert w.flaps.supersedes == [("p", 1, "s"), ("p", 1, "s")]
+        assert w.registry.machine("p").state == STOPPED  # type: ignore[union-attr]
