@@ -378,7 +378,7 @@ async def simulated(size: int, cfg: Config, logs: Path) -> SizeResult:
                 # A worker's heartbeat vouches for the keys it holds for longer than it takes
                 # the next to come (the creates here are under keys: docs/simulator.md).
                 "--key-vouch-margin",
-                str(max(1.0, 1.5 * heartbeat + 0.5)),
+                str(max(1.0, 3 * heartbeat + 1.0)),
             ],
             logs,
             f"flaps-{size}",
