@@ -638,6 +638,8 @@ class Router:
         the cost is the app's machines."""
         if self.flaps is None or self._closed or not self._running:
             return
+        if machine.state not in RUNNING_STATES and slot_rules.slot_of(machine).generation == 0:
+            return  # neither a copy that could be outranked nor a claim above the others'
         key = slot_rules.key(machine)
         members = [
             m

@@ -74,15 +74,9 @@ class Flyd:
 
 
 @dataclass
-class Flaps:
-    node: Node
-    service: Service
-    address: str
-    task: Any = field(repr=False)
+class Part:
+    """A flaps or a proxy: its node, its service, where it serves, the task running it."""
 
-
-@dataclass
-class Proxy:
     node: Node
     service: Service
     address: str
@@ -98,19 +92,17 @@ class Cluster:
         self.root = root
         self.net = Network(world)
         self.hosts: dict[str, Host] = {}
-        self.flaps: dict[str, Flaps] = {}
-        self.proxies: dict[str, Proxy] = {}
+        self.flaps: dict[str, Part] = {}
+        self.proxies: dict[str, Part] = {}
         self._disk_faults = disk_faults
         self.images = _image_source(root / "images")
 
     # -- flaps --
 
-    def boot_flaps(self, name: str = "flaps-1", *flags: str, skew: float = 0.0) -> Flaps:
+    def boot_flaps(self, name: str = "flaps-1", *flags: str, skew: float = 0.0) -> Part:
         """A flaps node, following the workers booted so far (later ones announce to it);
         its clocks run `skew` seconds ahead of the world's."""
-        node = self.world.add(name, skew=skew)
-        ip = self.net.join(node)
-        workers = [f"--workers={h.flyd.address}" for h in self.hosts.values() if h.flyd]
+        node, ip, workers = self._join(name, skew)
         settings = load_settings(
             FlapsSettings,
             # A key waits for a silent worker longer than any run: the checkers hold flaps to
@@ -128,17 +120,20 @@ class Cluster:
         service = self.world.run(
             node, _compose(lambda: flaps_main.compose(settings, _flaps_parts(node)))
         )
-        task = node.spawn(service.run(handle_signals=False), name=f"{name}/run")
-        address = self.world.run(node, service.wait_ready(), timeout=READY_TIMEOUT)
-        flaps = self.flaps[name] = Flaps(node, service, address, task)
+        flaps = self.flaps[name] = Part(node, service, *self._serve(node, service))
         return flaps
 
-    def boot_proxy(self, name: str = "proxy-1", *flags: str, skew: float = 0.0) -> Proxy:
-        """A proxy's control plane, following the workers booted so far (later ones announce
-        to it) and acting through the first flaps."""
+    def _join(self, name: str, skew: float) -> tuple[Node, str, list[str]]:
+        """A new node on the network: it, its address, and --workers flags for the workers
+        running now (those booted later announce to it)."""
         node = self.world.add(name, skew=skew)
         ip = self.net.join(node)
-        workers = [f"--workers={h.flyd.address}" for h in self.hosts.values() if h.flyd]
+        return node, ip, [f"--workers={h.flyd.address}" for h in self.hosts.values() if h.flyd]
+
+    def boot_proxy(self, name: str = "proxy-1", *flags: str, skew: float = 0.0) -> Part:
+        """A proxy's control plane, following the workers booted so far (later ones announce
+        to it) and acting through the first flaps."""
+        node, ip, workers = self._join(name, skew)
         settings = load_settings(
             ProxySettings,
             [
@@ -154,10 +149,13 @@ class Cluster:
         )
         parts = proxy_main.Parts(clock=node.clock, entropy=node.entropy, http=False)
         service = self.world.run(node, proxy_main.compose(settings, parts))
-        task = node.spawn(service.run(handle_signals=False), name=f"{name}/run")
-        address = self.world.run(node, service.wait_ready(), timeout=READY_TIMEOUT)
-        proxy = self.proxies[name] = Proxy(node, service, address, task)
+        proxy = self.proxies[name] = Part(node, service, *self._serve(node, service))
         return proxy
+
+    def _serve(self, node: Node, service: Service) -> tuple[str, Any]:
+        """Run a composed service on its node until it serves: its address, and its task."""
+        task = node.spawn(service.run(handle_signals=False), name=f"{node.name}/run")
+        return self.world.run(node, service.wait_ready(), timeout=READY_TIMEOUT), task
 
     # -- workers --
 
@@ -217,8 +215,7 @@ class Cluster:
             service, worker = self.world.run(
                 node, _compose(lambda: flyd_main.compose(settings, parts))
             )
-            task = node.spawn(service.run(handle_signals=False), name=f"{node.name}/run")
-            address = self.world.run(node, service.wait_ready(), timeout=READY_TIMEOUT)
+            address, task = self._serve(node, service)
         except Exception as err:  # (its disk failed it at start, say): the process exits
             self.world.kill(node.name)
             self.net.crash(node.name)

@@ -421,10 +421,7 @@ class _Run:
         rows = self._rows()
         for host in self.cluster.hosts.values():
             if host.name not in rows:
-                rows[host.name] = {
-                    machine_id: fsm.decode_row(raw).machine
-                    for machine_id, raw in host.disk.synced().rows.items()
-                }
+                rows[host.name] = _synced(host)
         self._found(checks.promotions(self._promoted, rows))
 
     def _rows(self) -> dict[str, dict[str, pb.Machine]]:
@@ -460,17 +457,16 @@ class _Run:
     def _check_durable(self) -> None:
         """What every disk holds (every flyd is down: only what was synced), against the
         history."""
-        disks = {
-            host.name: {
-                machine_id: fsm.decode_row(raw).machine
-                for machine_id, raw in host.disk.synced().rows.items()
-            }
-            for host in self.cluster.hosts.values()
-        }
+        disks = {host.name: _synced(host) for host in self.cluster.hosts.values()}
         self._found(checks.disks(self.history, disks, CAPACITY))
 
     def _found(self, violations: list[str]) -> None:
         self.report.violations += [f"t={self.world.now:.3f}s {v}" for v in violations]
+
+
+def _synced(host: Host) -> dict[str, pb.Machine]:
+    """The rows the host's disk holds synced (what a crash now would leave), by id."""
+    return {mid: fsm.decode_row(raw).machine for mid, raw in host.disk.synced().rows.items()}
 
 
 async def _set(event: asyncio.Event) -> None:

@@ -15,7 +15,6 @@ that init (tini) to be ready for the signals it passes on.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import shutil
@@ -24,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from flyd.drivers.procfs import read_proc_stat
+from flyd.drivers.procfs import read_proc_stat, signal_and_close
 
 __all__ = [
     "CRUN_ROOT",
@@ -150,11 +149,7 @@ def delete_container(crun_root: Path, container_id: str) -> None:
         return
     pidfd = container_pidfd(crun_root, container_id)
     if pidfd is not None:
-        try:
-            with contextlib.suppress(ProcessLookupError):
-                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-        finally:
-            os.close(pidfd)
+        signal_and_close(pidfd, signal.SIGKILL)
     shutil.rmtree(state, ignore_errors=True)
 
 

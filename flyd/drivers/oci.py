@@ -82,7 +82,7 @@ from flyd.drivers.logs import LOG_NAME, Copier
 from flyd.drivers.namespaces import idmapped_tree
 from flyd.drivers.netclient import Netd, NetdMachines
 from flyd.drivers.ports import bind_port, local_address
-from flyd.drivers.procfs import read_proc_stat
+from flyd.drivers.procfs import read_proc_stat, signal_and_close
 from flyd.drivers.wrapped import Watched, WrappedDriver
 from flyd.drivers.wrapper import oci_wrapper_script
 from flyd.drivers.writable import WritableLayers, overlay_options
@@ -464,11 +464,7 @@ class OciDriver(WrappedDriver):
             if stopping:
                 self._killpg(w, signal.SIGKILL)
             return
-        try:
-            with contextlib.suppress(ProcessLookupError):
-                signal.pidfd_send_signal(pidfd, sig)
-        finally:
-            os.close(pidfd)
+        signal_and_close(pidfd, sig)
 
     def _kill_all(self, w: Watched) -> None:
         """SIGKILL the container's init: every process of its pid namespace dies with it."""
@@ -477,11 +473,7 @@ class OciDriver(WrappedDriver):
             self._kill_cgroup(w.machine_id)
             self._killpg(w, signal.SIGKILL)
             return
-        try:
-            with contextlib.suppress(ProcessLookupError):
-                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-        finally:
-            os.close(pidfd)
+        signal_and_close(pidfd, signal.SIGKILL)
 
     def _ended(self, machine_id: str) -> None:
         super()._ended(machine_id)

@@ -35,7 +35,7 @@ from pathlib import Path
 import structlog
 
 from flyd.drivers.base import Driver, ExitStatus, Handle, ProcessSpec, port_env
-from flyd.drivers.procfs import open_child_pidfd, read_proc_stat, readable
+from flyd.drivers.procfs import open_child_pidfd, read_proc_stat, readable, signal_and_close
 from flyd.drivers.wrapped import Watched, WrappedDriver, resolve_user
 from flyd.drivers.wrapper import FORWARDED_SIGNALS, wrapper_script
 from flyd.images import confine
@@ -193,11 +193,7 @@ class ProcessDriver(WrappedDriver):
         # before its own SIGKILL landed (a stop that escalated would report a clean exit).
         child_fd = open_child_pidfd(w.handle.pid)
         if child_fd is not None:
-            try:
-                with contextlib.suppress(ProcessLookupError):
-                    signal.pidfd_send_signal(child_fd, signal.SIGKILL)
-            finally:
-                os.close(child_fd)
+            signal_and_close(child_fd, signal.SIGKILL)
         self._kill_cgroup(w.machine_id)
         self._killpg(w, signal.SIGKILL)
 

@@ -7,8 +7,10 @@ passes for a machine's process.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,3 +109,12 @@ def readable(fd: int) -> bool:
     poller = select.poll()
     poller.register(fd, select.POLLIN)
     return bool(poller.poll(0))
+
+
+def signal_and_close(pidfd: int, sig: int) -> None:
+    """Send `sig` to the pidfd's process (one gone already is no error), then close the fd."""
+    try:
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(pidfd, sig)
+    finally:
+        os.close(pidfd)

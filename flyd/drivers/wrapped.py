@@ -48,7 +48,7 @@ from flyd.drivers.base import ExitStatus, Handle, Limits, PortMapping, ProcessSp
 from flyd.drivers.cgroups import Cgroups, probe
 from flyd.drivers.logs import Copier, LogTail, MachineLogs, find_copier, start_copier
 from flyd.drivers.ports import HeldPorts, bind_address
-from flyd.drivers.procfs import open_pidfd, read_boot_id, readable, unreaped_child
+from flyd.drivers.procfs import open_pidfd, read_boot_id, readable, signal_and_close, unreaped_child
 from flyd.drivers.rundir import RunDirs, validate_machine_id
 from flyd.drivers.spares import Spares
 from flyd.drivers.wrapper import WRAPPER_PREFIX, from_wait_status, from_waitid
@@ -485,12 +485,7 @@ class WrappedDriver:
         if previous is not None:
             pidfd = open_pidfd(previous, self._boot_id)
             if pidfd is not None:
-                try:
-                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                finally:
-                    os.close(pidfd)
+                signal_and_close(pidfd, signal.SIGKILL)
         _detached_children[:] = [p for p in _detached_children if p.poll() is None]
         return None
 

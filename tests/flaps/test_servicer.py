@@ -28,7 +28,7 @@ from model.errors import DOMAIN as FLYD
 from model.validate import DEFAULT_DISK_MIB
 from tests.flaps.servicer_support import Machines, MachinesServer, bid, exchange, fleet
 from tests.flaps.support import FakeFleet
-from tests.flyd.support import CREATED, DESTROYED, STARTED, STOPPED, config
+from tests.flyd.support import CREATED, DESTROYED, STARTED, STOPPED, config, create, held_pulls
 from tests.servicers import (
     INVALID,
     NOT_FOUND,
@@ -173,14 +173,7 @@ class TestMachinesService(MachinesServer):
         fleet.clock.advance(2.0)
         await heard_since(fleet, "w2", fleet.clock.now())
         # What a claim that timed out left on w1: the key's machine, which the replica lacks.
-        held = await w1.create(
-            machine_id=f"w1-{machine_suffix('web', 'deploy-2')}",
-            name="",
-            app="web",
-            config=config(),
-            skip_launch=False,
-            idempotency_key="deploy-2",
-        )
+        held = await create(w1, f"w1-{machine_suffix('web', 'deploy-2')}", key="deploy-2")
         assert fleet.replica.machine(held.id) is None
         request = m.CreateMachineRequest(**bid(idempotency_key="deploy-2"))
         again = (await servicer_stub.CreateMachine(request, timeout=T)).machine
@@ -195,24 +188,9 @@ class TestMachinesService(MachinesServer):
         self, servicer_stub: Machines, fleet: FakeFleet, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         w1 = fleet.workers["w1"].worker
-        gate, pull = asyncio.Event(), w1.images.pull
-
-        async def held(*args: Any, **kwargs: Any) -> Any:
-            await gate.wait()
-            return await pull(*args, **kwargs)
-
-        monkeypatch.setattr(w1.images, "pull", held)
+        gate = held_pulls(w1, monkeypatch)
         suffix = machine_suffix("web", "deploy-4")
-        making = asyncio.create_task(
-            w1.create(
-                machine_id=f"w1-{suffix}",
-                name="",
-                app="web",
-                config=config(),
-                skip_launch=False,
-                idempotency_key="deploy-4",
-            )
-        )
+        making = asyncio.create_task(create(w1, f"w1-{suffix}", key="deploy-4"))
 
         def heard_making() -> bool:
             doubts, _ = fleet.replica.key_doubts(["ams"], suffix, margin=1.0, give_up_after=30.0)

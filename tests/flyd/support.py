@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
+import pytest
+
 from flyd import fsm
 from flyd.drivers.base import ExitStatus, Handle
 from flyd.fakes import FakeDriver, FakeHost, FakeScript, _FakeProcess
@@ -413,6 +415,19 @@ async def create(
         skip_launch=skip_launch,
         idempotency_key=key,
     )
+
+
+def held_pulls(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
+    """The worker's image pulls wait for the returned event (a create held before it
+    reserves anything)."""
+    gate, pull = asyncio.Event(), worker.images.pull
+
+    async def held(*args: Any, **kwargs: Any) -> Any:
+        await gate.wait()
+        return await pull(*args, **kwargs)
+
+    monkeypatch.setattr(worker.images, "pull", held)
+    return gate
 
 
 def history(events: Any) -> list[tuple[str, str, str]]:

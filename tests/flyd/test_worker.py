@@ -38,6 +38,7 @@ from tests.flyd.support import (
     Stream,
     config,
     create,
+    held_pulls,
     history,
     image_refs,
     log_changes,
@@ -175,22 +176,10 @@ async def test_a_keyed_create_arriving_after_its_not_after_makes_nothing(flyd: F
     assert made.state == STARTED
 
 
-async def held_pulls(flyd: Flyd, monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
-    """Image pulls wait for the returned event."""
-    gate, pull = asyncio.Event(), flyd.worker.images.pull
-
-    async def held(*args: Any, **kwargs: Any) -> Any:
-        await gate.wait()
-        return await pull(*args, **kwargs)
-
-    monkeypatch.setattr(flyd.worker.images, "pull", held)
-    return gate
-
-
 async def test_a_keyed_create_under_way_is_in_every_heartbeat_and_not_yet_not_found(
     flyd: Flyd, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    gate = await held_pulls(flyd, monkeypatch)
+    gate = held_pulls(flyd.worker, monkeypatch)
     making = asyncio.create_task(create(flyd.worker, "w1-k", key="k1"))
     unkeyed = asyncio.create_task(create(flyd.worker, "w1-plain"))
     await until(flyd.worker, lambda: list(flyd.worker.heartbeat().creating) == ["w1-k"])

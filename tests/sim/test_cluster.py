@@ -4,8 +4,9 @@ and flaps sees it again; the same seed makes the same cluster."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -31,20 +32,30 @@ def machines(made: Cluster) -> machines_pb2_grpc.MachinesServiceStub:
     return made.stub(machines_pb2_grpc.MachinesServiceStub, made.flaps["flaps-1"].address)
 
 
-def create(made: Cluster, key: str = "") -> machines_pb2.CreateMachineResponse | grpc.StatusCode:
-    async def call() -> machines_pb2.CreateMachineResponse | grpc.StatusCode:
-        request = machines_pb2.CreateMachineRequest(
-            app="web", region="ams", config=CONFIG, idempotency_key=key
+async def calling(
+    made: Cluster, key: str = "", *, standby_for: str = "", timeout: float = 10.0
+) -> machines_pb2.CreateMachineResponse | grpc.StatusCode:
+    """A CreateMachine through flaps (on the node it runs on): its answer, or its status."""
+    request = machines_pb2.CreateMachineRequest(
+        app="web",
+        region="ams",
+        config=CONFIG,
+        idempotency_key=key,
+        standby_for=[standby_for] if standby_for else [],
+    )
+    try:
+        answer: machines_pb2.CreateMachineResponse = await machines(made).CreateMachine(
+            request, timeout=timeout
         )
-        try:
-            answer: machines_pb2.CreateMachineResponse = await machines(made).CreateMachine(
-                request, timeout=10.0
-            )
-            return answer
-        except grpc.aio.AioRpcError as err:
-            return err.code()
+        return answer
+    except grpc.aio.AioRpcError as err:
+        return err.code()
 
-    return made.world.run(made.user(), call())
+
+def create(
+    made: Cluster, key: str = "", *, standby_for: str = ""
+) -> machines_pb2.CreateMachineResponse | grpc.StatusCode:
+    return made.world.run(made.user(), calling(made, key, standby_for=standby_for))
 
 
 def listed(made: Cluster) -> dict[str, int]:
@@ -105,18 +116,9 @@ def test_a_keyed_create_retried_while_its_worker_is_cut_off_is_not_made_elsewher
     made = three
     made.settle(lambda: len(made.workers_seen()) == 2, what="flaps follows both workers")
     user, hosts = made.user(), list(made.hosts.values())
-    request = machines_pb2.CreateMachineRequest(
-        app="web", region="ams", config=CONFIG, idempotency_key="k1"
-    )
 
-    async def attempt() -> machines_pb2.CreateMachineResponse | grpc.StatusCode:
-        try:
-            answer: machines_pb2.CreateMachineResponse = await machines(made).CreateMachine(
-                request, timeout=4.0
-            )
-            return answer
-        except grpc.aio.AioRpcError as err:
-            return err.code()
+    def attempt() -> Coroutine[Any, Any, machines_pb2.CreateMachineResponse | grpc.StatusCode]:
+        return calling(made, "k1", timeout=4.0)
 
     first = user.spawn(attempt())
 
@@ -157,20 +159,9 @@ def test_a_proxy_promotes_the_standby_of_a_dead_workers_primary_which_stands_dow
         primary = create(made, key="db")
         assert not isinstance(primary, grpc.StatusCode), primary
 
-        async def standby() -> machines_pb2.CreateMachineResponse:
-            request = machines_pb2.CreateMachineRequest(
-                app="web",
-                region="ams",
-                config=CONFIG,
-                idempotency_key="db/standby",
-                standby_for=[primary.machine.id],
-            )
-            answer: machines_pb2.CreateMachineResponse = await machines(made).CreateMachine(
-                request, timeout=10.0
-            )
-            return answer
-
-        stand = made.world.run(made.user(), standby()).machine
+        standby = create(made, key="db/standby", standby_for=primary.machine.id)
+        assert not isinstance(standby, grpc.StatusCode), standby
+        stand = standby.machine
         assert stand.state == pb.MACHINE_STATE_CREATED
         lost, other = made.hosts[primary.machine.worker_id], made.hosts[stand.worker_id]
 
